@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Installs everything Springback needs on Debian 12 / Python 3.11, idempotently:
+# the etcd server (apt), a virtual environment in .venv with CPU torch and the
+# package itself (editable) with its test extras. Safe to run again.
+set -euo pipefail
+root="$(cd "$(dirname "$0")/../.." && pwd)"
+cd "$root"
+
+if ! command -v etcd >/dev/null 2>&1; then
+  echo "setup: installing etcd-server (apt)"
+  if [ "$(id -u)" = 0 ]; then sudo=""; else sudo="sudo"; fi
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq etcd-server >/dev/null
+fi
+
+python="${PYTHON:-python3}"
+if [ ! -x .venv/bin/python ]; then
+  echo "setup: creating .venv"
+  "$python" -m venv .venv
+fi
+stamp=.venv/.springback-installed
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+  echo "setup: installing torch (CPU) and springback into .venv"
+  .venv/bin/pip install -q --upgrade pip
+  # Pinned here only: the package itself accepts a range (users bring their torch).
+  .venv/bin/pip install -q "torch==2.13.0"
+  .venv/bin/pip install -q -e ".[test]"
+  touch "$stamp"
+fi

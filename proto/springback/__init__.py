@@ -1,0 +1,23 @@
+"""Springback: fault-tolerant, elastic training for PyTorch.
+
+The package root re-exports the Python client; the generated API lives in
+``springback.v1``, the coordinator in ``springback.service``, the node agent
+and training library in ``springback.worker`` and checkpoints in
+``springback.storage``.
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+__all__ = ["Client", "__version__"]
+
+
+def __getattr__(name: str):
+    # Imported lazily so `import springback.worker` in a training script does not
+    # pull the whole client in.
+    if name == "Client":
+        from springback.service.client import Client
+
+        return Client
+    raise AttributeError(name)

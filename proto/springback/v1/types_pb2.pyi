@@ -1,0 +1,256 @@
+import datetime
+
+from google.protobuf import timestamp_pb2 as _timestamp_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class JobState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    JOB_STATE_UNSPECIFIED: _ClassVar[JobState]
+    JOB_STATE_PENDING: _ClassVar[JobState]
+    JOB_STATE_RUNNING: _ClassVar[JobState]
+    JOB_STATE_PAUSED: _ClassVar[JobState]
+    JOB_STATE_SUCCEEDED: _ClassVar[JobState]
+    JOB_STATE_FAILED: _ClassVar[JobState]
+    JOB_STATE_CANCELLED: _ClassVar[JobState]
+
+class RestoreKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    RESTORE_KIND_UNSPECIFIED: _ClassVar[RestoreKind]
+    RESTORE_KIND_NONE: _ClassVar[RestoreKind]
+    RESTORE_KIND_PEERS: _ClassVar[RestoreKind]
+    RESTORE_KIND_CHECKPOINT: _ClassVar[RestoreKind]
+
+class PlanAction(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PLAN_ACTION_UNSPECIFIED: _ClassVar[PlanAction]
+    PLAN_ACTION_RUN: _ClassVar[PlanAction]
+    PLAN_ACTION_WAIT: _ClassVar[PlanAction]
+    PLAN_ACTION_STOP: _ClassVar[PlanAction]
+JOB_STATE_UNSPECIFIED: JobState
+JOB_STATE_PENDING: JobState
+JOB_STATE_RUNNING: JobState
+JOB_STATE_PAUSED: JobState
+JOB_STATE_SUCCEEDED: JobState
+JOB_STATE_FAILED: JobState
+JOB_STATE_CANCELLED: JobState
+RESTORE_KIND_UNSPECIFIED: RestoreKind
+RESTORE_KIND_NONE: RestoreKind
+RESTORE_KIND_PEERS: RestoreKind
+RESTORE_KIND_CHECKPOINT: RestoreKind
+PLAN_ACTION_UNSPECIFIED: PlanAction
+PLAN_ACTION_RUN: PlanAction
+PLAN_ACTION_WAIT: PlanAction
+PLAN_ACTION_STOP: PlanAction
+
+class Layout(_message.Message):
+    __slots__ = ("tp", "pp", "ep")
+    TP_FIELD_NUMBER: _ClassVar[int]
+    PP_FIELD_NUMBER: _ClassVar[int]
+    EP_FIELD_NUMBER: _ClassVar[int]
+    tp: int
+    pp: int
+    ep: int
+    def __init__(self, tp: _Optional[int] = ..., pp: _Optional[int] = ..., ep: _Optional[int] = ...) -> None: ...
+
+class DataSpec(_message.Message):
+    __slots__ = ("num_samples", "global_batch_size", "seed")
+    NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    GLOBAL_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    num_samples: int
+    global_batch_size: int
+    seed: int
+    def __init__(self, num_samples: _Optional[int] = ..., global_batch_size: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class CheckpointSpec(_message.Message):
+    __slots__ = ("uri", "every_steps", "keep_last", "keep_every")
+    URI_FIELD_NUMBER: _ClassVar[int]
+    EVERY_STEPS_FIELD_NUMBER: _ClassVar[int]
+    KEEP_LAST_FIELD_NUMBER: _ClassVar[int]
+    KEEP_EVERY_FIELD_NUMBER: _ClassVar[int]
+    uri: str
+    every_steps: int
+    keep_last: int
+    keep_every: int
+    def __init__(self, uri: _Optional[str] = ..., every_steps: _Optional[int] = ..., keep_last: _Optional[int] = ..., keep_every: _Optional[int] = ...) -> None: ...
+
+class JobSpec(_message.Message):
+    __slots__ = ("name", "min_workers", "max_workers", "layout", "data", "checkpoint", "max_steps")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    MIN_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    MAX_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    MAX_STEPS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    min_workers: int
+    max_workers: int
+    layout: Layout
+    data: DataSpec
+    checkpoint: CheckpointSpec
+    max_steps: int
+    def __init__(self, name: _Optional[str] = ..., min_workers: _Optional[int] = ..., max_workers: _Optional[int] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., data: _Optional[_Union[DataSpec, _Mapping]] = ..., checkpoint: _Optional[_Union[CheckpointSpec, _Mapping]] = ..., max_steps: _Optional[int] = ...) -> None: ...
+
+class DataCursor(_message.Message):
+    __slots__ = ("epoch", "offset")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    offset: int
+    def __init__(self, epoch: _Optional[int] = ..., offset: _Optional[int] = ...) -> None: ...
+
+class CheckpointRef(_message.Message):
+    __slots__ = ("step", "uri", "generation", "world_size", "size_bytes", "cursor", "committed_at")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    URI_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CURSOR_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_AT_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    uri: str
+    generation: int
+    world_size: int
+    size_bytes: int
+    cursor: DataCursor
+    committed_at: _timestamp_pb2.Timestamp
+    def __init__(self, step: _Optional[int] = ..., uri: _Optional[str] = ..., generation: _Optional[int] = ..., world_size: _Optional[int] = ..., size_bytes: _Optional[int] = ..., cursor: _Optional[_Union[DataCursor, _Mapping]] = ..., committed_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+
+class JobStatus(_message.Message):
+    __slots__ = ("state", "generation", "world_size", "members", "spares", "step", "samples_consumed", "loss", "last_checkpoint", "message", "checkpoint_error", "restore_step", "updated_at")
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    SPARES_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_CONSUMED_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    LAST_CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_ERROR_FIELD_NUMBER: _ClassVar[int]
+    RESTORE_STEP_FIELD_NUMBER: _ClassVar[int]
+    UPDATED_AT_FIELD_NUMBER: _ClassVar[int]
+    state: JobState
+    generation: int
+    world_size: int
+    members: _containers.RepeatedScalarFieldContainer[str]
+    spares: _containers.RepeatedScalarFieldContainer[str]
+    step: int
+    samples_consumed: int
+    loss: float
+    last_checkpoint: CheckpointRef
+    message: str
+    checkpoint_error: str
+    restore_step: int
+    updated_at: _timestamp_pb2.Timestamp
+    def __init__(self, state: _Optional[_Union[JobState, str]] = ..., generation: _Optional[int] = ..., world_size: _Optional[int] = ..., members: _Optional[_Iterable[str]] = ..., spares: _Optional[_Iterable[str]] = ..., step: _Optional[int] = ..., samples_consumed: _Optional[int] = ..., loss: _Optional[float] = ..., last_checkpoint: _Optional[_Union[CheckpointRef, _Mapping]] = ..., message: _Optional[str] = ..., checkpoint_error: _Optional[str] = ..., restore_step: _Optional[int] = ..., updated_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+
+class Job(_message.Message):
+    __slots__ = ("id", "spec", "status", "created_at")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    spec: JobSpec
+    status: JobStatus
+    created_at: _timestamp_pb2.Timestamp
+    def __init__(self, id: _Optional[str] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., status: _Optional[_Union[JobStatus, _Mapping]] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+
+class Member(_message.Message):
+    __slots__ = ("id", "job_id", "host", "rendezvous_port", "num_local_ranks", "joined_at", "join_order")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    RENDEZVOUS_PORT_FIELD_NUMBER: _ClassVar[int]
+    NUM_LOCAL_RANKS_FIELD_NUMBER: _ClassVar[int]
+    JOINED_AT_FIELD_NUMBER: _ClassVar[int]
+    JOIN_ORDER_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    job_id: str
+    host: str
+    rendezvous_port: int
+    num_local_ranks: int
+    joined_at: _timestamp_pb2.Timestamp
+    join_order: int
+    def __init__(self, id: _Optional[str] = ..., job_id: _Optional[str] = ..., host: _Optional[str] = ..., rendezvous_port: _Optional[int] = ..., num_local_ranks: _Optional[int] = ..., joined_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., join_order: _Optional[int] = ...) -> None: ...
+
+class PlanMember(_message.Message):
+    __slots__ = ("member_id", "host", "node_rank", "first_rank", "num_local_ranks")
+    MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    NODE_RANK_FIELD_NUMBER: _ClassVar[int]
+    FIRST_RANK_FIELD_NUMBER: _ClassVar[int]
+    NUM_LOCAL_RANKS_FIELD_NUMBER: _ClassVar[int]
+    member_id: str
+    host: str
+    node_rank: int
+    first_rank: int
+    num_local_ranks: int
+    def __init__(self, member_id: _Optional[str] = ..., host: _Optional[str] = ..., node_rank: _Optional[int] = ..., first_rank: _Optional[int] = ..., num_local_ranks: _Optional[int] = ...) -> None: ...
+
+class ParallelLayout(_message.Message):
+    __slots__ = ("dp", "tp", "pp", "ep")
+    DP_FIELD_NUMBER: _ClassVar[int]
+    TP_FIELD_NUMBER: _ClassVar[int]
+    PP_FIELD_NUMBER: _ClassVar[int]
+    EP_FIELD_NUMBER: _ClassVar[int]
+    dp: int
+    tp: int
+    pp: int
+    ep: int
+    def __init__(self, dp: _Optional[int] = ..., tp: _Optional[int] = ..., pp: _Optional[int] = ..., ep: _Optional[int] = ...) -> None: ...
+
+class RestoreSource(_message.Message):
+    __slots__ = ("kind", "source_rank", "checkpoint")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_RANK_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    kind: RestoreKind
+    source_rank: int
+    checkpoint: CheckpointRef
+    def __init__(self, kind: _Optional[_Union[RestoreKind, str]] = ..., source_rank: _Optional[int] = ..., checkpoint: _Optional[_Union[CheckpointRef, _Mapping]] = ...) -> None: ...
+
+class Plan(_message.Message):
+    __slots__ = ("job_id", "generation", "action", "world_size", "members", "spares", "layout", "master_addr", "master_port", "cursor", "step", "restore", "spec", "reason", "created_at")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    ACTION_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    SPARES_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    MASTER_ADDR_FIELD_NUMBER: _ClassVar[int]
+    MASTER_PORT_FIELD_NUMBER: _ClassVar[int]
+    CURSOR_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    RESTORE_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    generation: int
+    action: PlanAction
+    world_size: int
+    members: _containers.RepeatedCompositeFieldContainer[PlanMember]
+    spares: _containers.RepeatedScalarFieldContainer[str]
+    layout: ParallelLayout
+    master_addr: str
+    master_port: int
+    cursor: DataCursor
+    step: int
+    restore: RestoreSource
+    spec: JobSpec
+    reason: str
+    created_at: _timestamp_pb2.Timestamp
+    def __init__(self, job_id: _Optional[str] = ..., generation: _Optional[int] = ..., action: _Optional[_Union[PlanAction, str]] = ..., world_size: _Optional[int] = ..., members: _Optional[_Iterable[_Union[PlanMember, _Mapping]]] = ..., spares: _Optional[_Iterable[str]] = ..., layout: _Optional[_Union[ParallelLayout, _Mapping]] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., cursor: _Optional[_Union[DataCursor, _Mapping]] = ..., step: _Optional[int] = ..., restore: _Optional[_Union[RestoreSource, _Mapping]] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., reason: _Optional[str] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...

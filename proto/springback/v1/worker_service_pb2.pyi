@@ -1,0 +1,167 @@
+import datetime
+
+from google.protobuf import duration_pb2 as _duration_pb2
+from springback.v1 import types_pb2 as _types_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class JoinJobRequest(_message.Message):
+    __slots__ = ("job_id", "host", "rendezvous_port", "num_local_ranks")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    RENDEZVOUS_PORT_FIELD_NUMBER: _ClassVar[int]
+    NUM_LOCAL_RANKS_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    host: str
+    rendezvous_port: int
+    num_local_ranks: int
+    def __init__(self, job_id: _Optional[str] = ..., host: _Optional[str] = ..., rendezvous_port: _Optional[int] = ..., num_local_ranks: _Optional[int] = ...) -> None: ...
+
+class JoinJobResponse(_message.Message):
+    __slots__ = ("member", "liveness_timeout", "heartbeat_interval")
+    MEMBER_FIELD_NUMBER: _ClassVar[int]
+    LIVENESS_TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_INTERVAL_FIELD_NUMBER: _ClassVar[int]
+    member: _types_pb2.Member
+    liveness_timeout: _duration_pb2.Duration
+    heartbeat_interval: _duration_pb2.Duration
+    def __init__(self, member: _Optional[_Union[_types_pb2.Member, _Mapping]] = ..., liveness_timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., heartbeat_interval: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("job_id", "member_id")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    member_id: str
+    def __init__(self, job_id: _Optional[str] = ..., member_id: _Optional[str] = ...) -> None: ...
+
+class HeartbeatResponse(_message.Message):
+    __slots__ = ("generation",)
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    def __init__(self, generation: _Optional[int] = ...) -> None: ...
+
+class LeaveJobRequest(_message.Message):
+    __slots__ = ("job_id", "member_id", "reason")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    member_id: str
+    reason: str
+    def __init__(self, job_id: _Optional[str] = ..., member_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class LeaveJobResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DrainMemberRequest(_message.Message):
+    __slots__ = ("job_id", "member_id", "reason")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    member_id: str
+    reason: str
+    def __init__(self, job_id: _Optional[str] = ..., member_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class DrainMemberResponse(_message.Message):
+    __slots__ = ("checkpoint",)
+    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    checkpoint: bool
+    def __init__(self, checkpoint: _Optional[bool] = ...) -> None: ...
+
+class WatchPlansRequest(_message.Message):
+    __slots__ = ("job_id", "member_id")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    member_id: str
+    def __init__(self, job_id: _Optional[str] = ..., member_id: _Optional[str] = ...) -> None: ...
+
+class WatchPlansResponse(_message.Message):
+    __slots__ = ("plan",)
+    PLAN_FIELD_NUMBER: _ClassVar[int]
+    plan: _types_pb2.Plan
+    def __init__(self, plan: _Optional[_Union[_types_pb2.Plan, _Mapping]] = ...) -> None: ...
+
+class ReportStepRequest(_message.Message):
+    __slots__ = ("job_id", "member_id", "generation", "step", "samples_consumed", "loss", "cursor")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_CONSUMED_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    CURSOR_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    member_id: str
+    generation: int
+    step: int
+    samples_consumed: int
+    loss: float
+    cursor: _types_pb2.DataCursor
+    def __init__(self, job_id: _Optional[str] = ..., member_id: _Optional[str] = ..., generation: _Optional[int] = ..., step: _Optional[int] = ..., samples_consumed: _Optional[int] = ..., loss: _Optional[float] = ..., cursor: _Optional[_Union[_types_pb2.DataCursor, _Mapping]] = ...) -> None: ...
+
+class ReportStepResponse(_message.Message):
+    __slots__ = ("generation",)
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    def __init__(self, generation: _Optional[int] = ...) -> None: ...
+
+class ReportFailureRequest(_message.Message):
+    __slots__ = ("job_id", "member_id", "generation", "reason")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    member_id: str
+    generation: int
+    reason: str
+    def __init__(self, job_id: _Optional[str] = ..., member_id: _Optional[str] = ..., generation: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class ReportFailureResponse(_message.Message):
+    __slots__ = ("generation",)
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    def __init__(self, generation: _Optional[int] = ...) -> None: ...
+
+class CommitCheckpointRequest(_message.Message):
+    __slots__ = ("job_id", "member_id", "generation", "checkpoint")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    member_id: str
+    generation: int
+    checkpoint: _types_pb2.CheckpointRef
+    def __init__(self, job_id: _Optional[str] = ..., member_id: _Optional[str] = ..., generation: _Optional[int] = ..., checkpoint: _Optional[_Union[_types_pb2.CheckpointRef, _Mapping]] = ...) -> None: ...
+
+class CommitCheckpointResponse(_message.Message):
+    __slots__ = ("retired",)
+    RETIRED_FIELD_NUMBER: _ClassVar[int]
+    retired: _containers.RepeatedCompositeFieldContainer[_types_pb2.CheckpointRef]
+    def __init__(self, retired: _Optional[_Iterable[_Union[_types_pb2.CheckpointRef, _Mapping]]] = ...) -> None: ...
+
+class ReportCheckpointErrorRequest(_message.Message):
+    __slots__ = ("job_id", "member_id", "generation", "error")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    member_id: str
+    generation: int
+    error: str
+    def __init__(self, job_id: _Optional[str] = ..., member_id: _Optional[str] = ..., generation: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
+
+class ReportCheckpointErrorResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

@@ -1,0 +1,1 @@
+"""The Springback coordinator: gRPC servers, job and membership logic over etcd."""

@@ -1,0 +1,169 @@
+"""Client-side gRPC channels to a set of coordinator replicas.
+
+Every replica serves every call (non-leaders forward to the leader), so a
+client only needs *a* live replica. `connect` returns a channel that
+round-robins over the given addresses and that retries UNAVAILABLE for the
+calls listed as idempotent in the service config; non-idempotent calls are
+never retried by the channel (a caller that wants to retry one must know it is
+safe). Deadlines are the caller's: every stub call must pass ``timeout=``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+
+import grpc
+
+ENV_COORDINATOR = "SPRINGBACK_COORDINATOR"
+"""Comma-separated coordinator addresses (HOST:PORT,…)."""
+ENV_TOKEN = "SPRINGBACK_TOKEN"
+"""Bearer token sent on every call."""
+ENV_TLS_CA = "SPRINGBACK_TLS_CA"
+"""PEM file of the CA that signed the coordinator's certificate (enables TLS)."""
+ENV_TLS_CERT = "SPRINGBACK_TLS_CERT"
+"""PEM client certificate, for mTLS."""
+ENV_TLS_KEY = "SPRINGBACK_TLS_KEY"
+"""PEM client key, for mTLS."""
+
+MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+"""Send/receive limit on both sides; a plan for 10,000 members fits well within it."""
+
+DEFAULT_TIMEOUT_S = 10.0
+"""Deadline for a unary call when the caller has no better bound."""
+
+# Calls that are safe to repeat: reads, and writes whose repetition converges to
+# the same state (heartbeats, leaving twice, setting the same scale).
+_IDEMPOTENT = {
+    "springback.v1.JobService": [
+        "GetJob", "ListJobs", "ScaleJob", "PauseJob", "ResumeJob", "CancelJob",
+        "ListCheckpoints",
+    ],
+    "springback.v1.WorkerService": [
+        "Heartbeat", "LeaveJob", "ReportStep", "CommitCheckpoint", "ReportCheckpointError",
+    ],
+}
+
+
+def _service_config() -> str:
+    names = [
+        {"service": service, "method": method}
+        for service, methods in _IDEMPOTENT.items()
+        for method in methods
+    ]
+    return json.dumps({
+        "loadBalancingConfig": [{"round_robin": {}}],
+        "methodConfig": [{
+            "name": names,
+            "retryPolicy": {
+                "maxAttempts": 5,
+                "initialBackoff": "0.1s",
+                "maxBackoff": "1s",
+                "backoffMultiplier": 2,
+                "retryableStatusCodes": ["UNAVAILABLE"],
+            },
+        }],
+    })
+
+
+def _addresses_target(addresses: Sequence[str]) -> str:
+    if len(addresses) == 1:
+        return addresses[0]
+    # ipv4:/ipv6: targets accept a list; only literal IPs are allowed there.
+    return "ipv4:" + ",".join(addresses)
+
+
+def parse_addresses(value: str | Sequence[str] | None) -> list[str]:
+    """Addresses from a comma-separated string, a list, or $SPRINGBACK_COORDINATOR.
+
+    Raises ValueError naming the variable when nothing is configured.
+    """
+    if value is None:
+        value = os.environ.get(ENV_COORDINATOR, "")
+    if isinstance(value, str):
+        value = value.split(",")
+    addresses = [a.strip() for a in value if a.strip()]
+    if not addresses:
+        raise ValueError(
+            f"no coordinator address: pass --coordinator HOST:PORT or set {ENV_COORDINATOR}"
+        )
+    for address in addresses:
+        host, _, port = address.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"coordinator address {address!r} is not HOST:PORT")
+    return addresses
+
+
+def _read(path: str | None) -> bytes | None:
+    if not path:
+        return None
+    with open(path, "rb") as f:
+        return f.read()
+
+
+class _BearerAuth(grpc.AuthMetadataPlugin):
+    def __init__(self, token: str) -> None:
+        self._token = token
+
+    def __call__(self, context, callback) -> None:  # noqa: ANN001 (grpc signature)
+        callback((("authorization", f"Bearer {self._token}"),), None)
+
+
+class _TokenInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+    """Adds the bearer token on plaintext channels (call credentials need TLS)."""
+
+    def __init__(self, token: str) -> None:
+        self._metadata = ("authorization", f"Bearer {token}")
+
+    def _details(self, details):  # noqa: ANN001, ANN202
+        metadata = list(details.metadata or []) + [self._metadata]
+        return details._replace(metadata=metadata)
+
+    def intercept_unary_unary(self, continuation, details, request):  # noqa: ANN001, ANN201
+        return continuation(self._details(details), request)
+
+    def intercept_unary_stream(self, continuation, details, request):  # noqa: ANN001, ANN201
+        return continuation(self._details(details), request)
+
+
+def connect(
+    addresses: str | Sequence[str] | None = None,
+    *,
+    token: str | None = None,
+    tls_ca: str | None = None,
+    tls_cert: str | None = None,
+    tls_key: str | None = None,
+) -> grpc.Channel:
+    """A channel to the coordinator replicas; see the module docstring.
+
+    `token`, `tls_ca`, `tls_cert`, `tls_key` default to their SPRINGBACK_*
+    environment variables. The channel connects lazily: this never blocks.
+    """
+    target = _addresses_target(parse_addresses(addresses))
+    token = token if token is not None else os.environ.get(ENV_TOKEN) or None
+    tls_ca = tls_ca or os.environ.get(ENV_TLS_CA)
+    tls_cert = tls_cert or os.environ.get(ENV_TLS_CERT)
+    tls_key = tls_key or os.environ.get(ENV_TLS_KEY)
+    options = [
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.enable_retries", 1),
+        ("grpc.service_config", _service_config()),
+        ("grpc.keepalive_time_ms", 10_000),
+    ]
+    if tls_ca:
+        credentials = grpc.ssl_channel_credentials(
+            root_certificates=_read(tls_ca),
+            private_key=_read(tls_key),
+            certificate_chain=_read(tls_cert),
+        )
+        if token:
+            credentials = grpc.composite_channel_credentials(
+                credentials, grpc.metadata_call_credentials(_BearerAuth(token))
+            )
+        return grpc.secure_channel(target, credentials, options=options)
+    channel = grpc.insecure_channel(target, options=options)
+    if token:
+        channel = grpc.intercept_channel(channel, _TokenInterceptor(token))
+    return channel
