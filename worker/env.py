@@ -1,0 +1,101 @@
+"""Environment variables shared by the node agent and the training library.
+
+The agent (`springback run`) sets these for every local rank it spawns; the
+library (`springback.worker.Session`) reads them. They are the only contract
+between the two processes besides the control directory (see `control.py`).
+The torchrun-compatible ones describe the generation a rank was *spawned* in;
+a rank that lives through several generations takes its current rank and world
+size from the plan, not from these.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+# torchrun-compatible (values of the generation the rank was spawned in)
+RANK = "RANK"
+LOCAL_RANK = "LOCAL_RANK"
+WORLD_SIZE = "WORLD_SIZE"
+LOCAL_WORLD_SIZE = "LOCAL_WORLD_SIZE"
+MASTER_ADDR = "MASTER_ADDR"
+MASTER_PORT = "MASTER_PORT"
+
+JOB_ID = "SPRINGBACK_JOB_ID"
+"""Job the rank trains for."""
+MEMBER_ID = "SPRINGBACK_MEMBER_ID"
+"""Member id of the node agent that spawned the rank."""
+GENERATION = "SPRINGBACK_GENERATION"
+"""Generation current when the rank was spawned."""
+COORDINATOR = "SPRINGBACK_COORDINATOR"
+"""Coordinator addresses (comma-separated), for step reports from global rank 0."""
+TOKEN = "SPRINGBACK_TOKEN"
+"""Bearer token for the coordinator, if one is configured."""
+CONTROL_DIR = "SPRINGBACK_CONTROL_DIR"
+"""Directory where the agent publishes the current plan to its ranks."""
+COLLECTIVE_TIMEOUT_S = "SPRINGBACK_COLLECTIVE_TIMEOUT_S"
+"""Process-group timeout: a collective hung on a dead or stopped peer fails after
+this long. The agent sets it to the member liveness timeout."""
+RENDEZVOUS_TIMEOUT_S = "SPRINGBACK_RENDEZVOUS_TIMEOUT_S"
+"""How long a rank waits for all ranks of a generation to arrive (default 120)."""
+AUDIT_DIR = "SPRINGBACK_AUDIT_DIR"
+"""When set, every rank writes the sample indices it consumes, per generation, here."""
+METRICS_FILE = "SPRINGBACK_METRICS_FILE"
+"""When set, global rank 0 appends one JSON line per step and per generation here."""
+
+
+def _float(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if not raw:
+        return default
+    try:
+        return float(raw)
+    except ValueError as e:
+        raise ValueError(f"{name}={raw!r} is not a number of seconds") from e
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankEnv:
+    """What a rank learns from its environment at start-up."""
+
+    job_id: str
+    """Job id; empty outside an agent (standalone mode)."""
+    member_id: str
+    """Member id of the spawning agent; empty outside an agent."""
+    local_rank: int
+    """Index of this rank on its node; stable across generations."""
+    control_dir: str
+    """Plan channel from the agent; empty outside an agent."""
+    coordinator: str
+    """Coordinator addresses; empty disables step reports."""
+    token: str | None
+    """Bearer token, if any."""
+    collective_timeout_s: float
+    """Process-group timeout in seconds."""
+    rendezvous_timeout_s: float
+    """Deadline for all ranks of a generation to arrive."""
+    audit_dir: str
+    """Audit output directory; empty disables the audit."""
+    metrics_file: str
+    """Per-step JSON lines file written by global rank 0; empty disables it."""
+
+    @classmethod
+    def from_environ(cls) -> RankEnv:
+        """Parses the environment; raises ValueError naming a malformed variable."""
+        raw_local = os.environ.get(LOCAL_RANK, "0")
+        try:
+            local_rank = int(raw_local)
+        except ValueError as e:
+            raise ValueError(f"{LOCAL_RANK}={raw_local!r} is not an integer") from e
+        return cls(
+            job_id=os.environ.get(JOB_ID, ""),
+            member_id=os.environ.get(MEMBER_ID, ""),
+            local_rank=local_rank,
+            control_dir=os.environ.get(CONTROL_DIR, ""),
+            coordinator=os.environ.get(COORDINATOR, ""),
+            token=os.environ.get(TOKEN) or None,
+            collective_timeout_s=_float(COLLECTIVE_TIMEOUT_S, 30.0),
+            rendezvous_timeout_s=_float(RENDEZVOUS_TIMEOUT_S, 120.0),
+            audit_dir=os.environ.get(AUDIT_DIR, ""),
+            metrics_file=os.environ.get(METRICS_FILE, ""),
+        )
