@@ -1,0 +1,94 @@
+"""Asynchronous sharded checkpoints on fsspec storage (file://, s3://, memory://).
+
+Public API for the training library (worker) -- one ``Checkpointer`` per rank::
+
+    from springback.storage import Checkpointer, restore_model, model_state_dict
+
+    ckpt = Checkpointer(base_uri, rank=rank, world_size=world,      # of the generation
+                        storage_options=None,                       # or {"client_kwargs": {"endpoint_url": ...}}
+                        on_commit=lambda info: stub.CommitCheckpoint(
+                            CommitCheckpointRequest(job_id=..., member_id=..., generation=gen,
+                                                    checkpoint=info.to_checkpoint_ref())),
+                        on_error=lambda exc: report_checkpoint_error(exc))
+    sd = model_state_dict(model, optim)            # DDP or FSDP2; add more entries if needed
+    ckpt.save(step, sd, generation=gen, cursor=(epoch, offset), layout={"dp": world})
+    ...                                            # returns after the host-memory snapshot
+    ckpt.wait()                                    # e.g. after a drain checkpoint, before exit
+
+    res = restore_model(base_uri, model, optim, restore_rng=True)   # collective; any world size
+    res.manifest.step, res.manifest.cursor                           # resume point
+    # or restore(base_uri, state_dict, step=N) / load(ckpt_uri, state_dict) for raw state dicts
+
+    delete_checkpoint(ref.uri)                     # for each CheckpointRef the coordinator retires
+    apply_retention(base_uri, keep_last=3, keep_every=1000)   # or Checkpointer(keep_last=...)
+    clean_partial(base_uri, current_generation=gen)           # e.g. once per new generation
+    verify(ckpt_uri) -> list[str]                  # problems, each naming the bad file
+
+Semantics (commit protocol, failures) are in ``commit.py``, ``checkpointer.py`` and
+``restore.py``; the CLI helpers in ``cli.py``.
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+from springback.storage.catalog import (
+    CheckpointInfo,
+    apply_retention,
+    clean_partial,
+    committed_checkpoints,
+    delete_checkpoint,
+    list_checkpoints,
+    read_manifest,
+    verify,
+)
+from springback.storage.checkpointer import Checkpointer, CheckpointerStats, CommitInfo
+from springback.storage.errors import (
+    CheckpointNotFound,
+    CommitTimeout,
+    CorruptCheckpoint,
+    StorageError,
+    TransientStorageError,
+)
+from springback.storage.manifest import DataCursor, FileEntry, Manifest
+from springback.storage.restore import (
+    RestoreResult,
+    apply_model_state_dict,
+    load,
+    model_state_dict,
+    restore,
+    restore_model,
+)
+from springback.storage.retry import RetryPolicy
+from springback.storage.store import ENV_S3_ENDPOINT_URL, Store
+
+__all__ = [
+    "ENV_S3_ENDPOINT_URL",
+    "CheckpointInfo",
+    "CheckpointNotFound",
+    "Checkpointer",
+    "CheckpointerStats",
+    "CommitInfo",
+    "CommitTimeout",
+    "CorruptCheckpoint",
+    "DataCursor",
+    "FileEntry",
+    "Manifest",
+    "RestoreResult",
+    "RetryPolicy",
+    "StorageError",
+    "Store",
+    "TransientStorageError",
+    "apply_model_state_dict",
+    "apply_retention",
+    "clean_partial",
+    "committed_checkpoints",
+    "delete_checkpoint",
+    "list_checkpoints",
+    "load",
+    "model_state_dict",
+    "read_manifest",
+    "restore",
+    "restore_model",
+    "verify",
+]

@@ -1,0 +1,205 @@
+"""Finding, verifying and deleting checkpoints under a base URI.
+
+A base URI holds one directory per checkpoint (``step-<step>-g<generation>``).
+A checkpoint is *committed* when its ``manifest.json`` exists and parses, otherwise
+*partial*. Every function here is safe to run concurrently with writers: it never
+deletes the newest committed checkpoint, and deletes a partial one only when no
+writer can still commit it (see :func:`clean_partial`). Deleting a checkpoint
+removes its manifest first, so an interrupted delete leaves a partial directory
+(cleaned later), never a committed checkpoint with missing shards.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import zlib
+from typing import Any
+
+from springback.storage.errors import CheckpointNotFound, StorageError
+from springback.storage.manifest import MANIFEST_NAME, Manifest, crc32_hex, parse_checkpoint_dir_name
+from springback.storage.store import Store, join
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointInfo:
+    """One checkpoint directory under a base URI."""
+
+    uri: str
+    step: int
+    generation: int
+    manifest: Manifest | None
+    """None for a partial checkpoint (or one whose manifest does not parse)."""
+    problem: str = ""
+
+    @property
+    def committed(self) -> bool:
+        return self.manifest is not None
+
+    @property
+    def state(self) -> str:
+        return "committed" if self.committed else "partial"
+
+
+def _store(uri: str, store: Store | None, storage_options: dict[str, Any] | None) -> Store:
+    return store if store is not None else Store(uri, storage_options=storage_options)
+
+
+def read_manifest(ckpt_uri: str, *, store: Store | None = None, storage_options: dict[str, Any] | None = None) -> Manifest:
+    """Read and parse ``<ckpt_uri>/manifest.json``.
+
+    Raises :class:`CheckpointNotFound` if absent (the checkpoint is partial or gone),
+    :class:`StorageError` if it does not parse.
+    """
+    s = _store(ckpt_uri, store, storage_options)
+    uri = join(ckpt_uri, MANIFEST_NAME)
+    try:
+        data = s.get_bytes(uri)
+    except FileNotFoundError as exc:
+        raise CheckpointNotFound(f"no committed checkpoint at {ckpt_uri} ({MANIFEST_NAME} missing)", uri=ckpt_uri) from exc
+    try:
+        return Manifest.from_json(data, uri=uri)
+    except ValueError as exc:
+        raise StorageError(str(exc), uri=uri) from exc
+
+
+def list_checkpoints(
+    base_uri: str, *, store: Store | None = None, storage_options: dict[str, Any] | None = None
+) -> list[CheckpointInfo]:
+    """All checkpoint directories under ``base_uri``, oldest first (by step, then generation)."""
+    s = _store(base_uri, store, storage_options)
+    out = []
+    for name, is_dir in s.list(base_uri):
+        parsed = parse_checkpoint_dir_name(name)
+        if parsed is None or not is_dir:
+            continue
+        uri = join(base_uri, name)
+        manifest, problem = None, ""
+        try:
+            manifest = read_manifest(uri, store=s)
+        except CheckpointNotFound:
+            pass
+        except StorageError as exc:
+            problem = str(exc)
+        out.append(CheckpointInfo(uri=uri, step=parsed[0], generation=parsed[1], manifest=manifest, problem=problem))
+    out.sort(key=lambda c: (c.step, c.generation))
+    return out
+
+
+def committed_checkpoints(
+    base_uri: str, *, store: Store | None = None, storage_options: dict[str, Any] | None = None
+) -> list[CheckpointInfo]:
+    """Committed checkpoints under ``base_uri``, oldest first."""
+    return [c for c in list_checkpoints(base_uri, store=store, storage_options=storage_options) if c.committed]
+
+
+def verify(
+    ckpt_uri: str,
+    *,
+    store: Store | None = None,
+    storage_options: dict[str, Any] | None = None,
+    ranks: tuple[int, int] | None = None,
+) -> list[str]:
+    """Check every file listed in the manifest (existence, size, CRC-32).
+
+    Returns a list of problems, one per bad file, each naming the file's URI; an
+    empty list means the checkpoint is intact. A missing manifest is a problem
+    too. ``ranks=(i, n)`` checks only files ``j`` with ``j % n == i`` (to split the
+    reading across ``n`` restoring ranks). Reads every byte: cost is one full read.
+    """
+    s = _store(ckpt_uri, store, storage_options)
+    try:
+        manifest = read_manifest(ckpt_uri, store=s)
+    except StorageError as exc:
+        return [str(exc)]
+    problems = []
+    for j, entry in enumerate(manifest.files):
+        if ranks is not None and j % ranks[1] != ranks[0]:
+            continue
+        uri = join(ckpt_uri, entry.path)
+        try:
+            crc, size = 0, 0
+            for chunk in s.iter_chunks(uri):
+                crc = zlib.crc32(chunk, crc)
+                size += len(chunk)
+        except FileNotFoundError:
+            problems.append(f"{uri}: missing")
+            continue
+        except (OSError, StorageError) as exc:
+            problems.append(f"{uri}: unreadable: {exc!r}")
+            continue
+        if size != entry.size_bytes:
+            problems.append(f"{uri}: size {size} != {entry.size_bytes} in manifest")
+        elif crc32_hex(crc) != entry.crc32:
+            problems.append(f"{uri}: crc32 {crc32_hex(crc)} != {entry.crc32} in manifest (corrupt)")
+    return problems
+
+
+def delete_checkpoint(ckpt_uri: str, *, store: Store | None = None, storage_options: dict[str, Any] | None = None) -> None:
+    """Delete one checkpoint: manifest first (it becomes partial), then the rest. Idempotent."""
+    s = _store(ckpt_uri, store, storage_options)
+    s.rm(join(ckpt_uri, MANIFEST_NAME))
+    s.rm_tree(ckpt_uri)
+
+
+def clean_partial(
+    base_uri: str,
+    *,
+    current_generation: int | None = None,
+    store: Store | None = None,
+    storage_options: dict[str, Any] | None = None,
+) -> list[str]:
+    """Delete partial checkpoints that can no longer commit; return their URIs.
+
+    A partial directory is deleted when it is older (by step) than the newest
+    committed checkpoint, or when ``current_generation`` is given and it was written
+    by an older generation (its writers are fenced: they can no longer commit). A
+    partial directory of the current generation newer than every commit may be a
+    save in flight and is kept.
+    """
+    s = _store(base_uri, store, storage_options)
+    all_ckpts = list_checkpoints(base_uri, store=s)
+    newest = max((c.step for c in all_ckpts if c.committed), default=-1)
+    deleted = []
+    for c in all_ckpts:
+        if c.committed:
+            continue
+        stale_gen = current_generation is not None and c.generation < current_generation
+        if c.step < newest or stale_gen:
+            log.info("deleting partial checkpoint %s", c.uri)
+            delete_checkpoint(c.uri, store=s)
+            deleted.append(c.uri)
+    return deleted
+
+
+def apply_retention(
+    base_uri: str,
+    *,
+    keep_last: int,
+    keep_every: int | None = None,
+    store: Store | None = None,
+    storage_options: dict[str, Any] | None = None,
+) -> list[str]:
+    """Delete committed checkpoints beyond the newest ``keep_last``; return their URIs.
+
+    Checkpoints whose step is a multiple of ``keep_every`` are kept as well. The
+    newest committed checkpoint is always kept, so old ones go only after a newer
+    commit. ``keep_last`` must be >= 1.
+    """
+    if keep_last < 1:
+        raise ValueError(f"keep_last must be >= 1, got {keep_last}")
+    if keep_every is not None and keep_every < 1:
+        raise ValueError(f"keep_every must be >= 1 or None, got {keep_every}")
+    s = _store(base_uri, store, storage_options)
+    committed = committed_checkpoints(base_uri, store=s)
+    doomed = committed[:-keep_last]
+    deleted = []
+    for c in doomed:
+        if keep_every is not None and c.step % keep_every == 0:
+            continue
+        log.info("retention: deleting checkpoint %s", c.uri)
+        delete_checkpoint(c.uri, store=s)
+        deleted.append(c.uri)
+    return deleted

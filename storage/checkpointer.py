@@ -1,0 +1,289 @@
+"""Asynchronous sharded checkpointing, one :class:`Checkpointer` per rank.
+
+``save()`` blocks the step loop only while the rank's share of the state is copied
+into reusable host buffers (:mod:`springback.storage.snapshot`); serialization,
+upload and the commit run on one background thread per rank
+(:mod:`springback.storage.commit`). No collective is used, so a dead peer never
+hangs a save: the committing rank gives up after ``commit_timeout_s`` and the
+checkpoint stays partial.
+
+Overlap policy -- at most one checkpoint in flight per rank, so host memory is
+bounded by one copy of the rank's share:
+
+- ``policy="block"`` (default): a ``save()`` that finds the previous one still
+  running first waits for it (the wait counts as stall, see ``stats``). Every
+  rank therefore writes every requested step, which keeps ranks consistent.
+- ``policy="skip"``: such a ``save()`` returns ``None`` at once and counts
+  ``stats.skipped``. Ranks may then disagree about which steps they wrote; a step
+  that some rank skipped never commits (its partial directory is cleaned later).
+
+Failure semantics: a background failure (storage error after retries, commit
+timeout, a failing commit callback) never raises into the training loop. It is
+logged, counted (``stats.failed``, ``stats.last_error``), passed to ``on_error``
+(the training library reports it to the coordinator as the job's checkpoint
+error), and leaves the previous committed checkpoint valid. ``wait()`` re-raises
+it for callers that want it (e.g. a drain checkpoint).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import dataclasses
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, Literal
+
+import torch
+
+from springback.storage import catalog
+from springback.storage.commit import DoneRecord, commit, wait_for_records, write_shard
+from springback.storage.manifest import DataCursor, Manifest, checkpoint_dir_name
+from springback.storage.retry import RetryPolicy
+from springback.storage.snapshot import StagingArea
+from springback.storage.store import Store, join
+
+log = logging.getLogger(__name__)
+
+SavePolicy = Literal["block", "skip"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CommitInfo:
+    """A checkpoint that was just committed on storage (manifest written)."""
+
+    uri: str
+    manifest: Manifest
+
+    def to_checkpoint_ref(self) -> Any:
+        """As a ``springback.v1.CheckpointRef`` for the CommitCheckpoint RPC."""
+        from springback.v1 import types_pb2
+
+        m = self.manifest
+        return types_pb2.CheckpointRef(
+            step=m.step,
+            uri=self.uri,
+            generation=m.generation,
+            world_size=m.world_size,
+            size_bytes=m.size_bytes,
+            cursor=types_pb2.DataCursor(epoch=m.cursor.epoch, offset=m.cursor.offset),
+        )
+
+
+@dataclasses.dataclass
+class CheckpointerStats:
+    saves: int = 0
+    """save() calls that started a checkpoint."""
+    committed: int = 0
+    """Checkpoints this rank committed (rank 0 only)."""
+    failed: int = 0
+    skipped: int = 0
+    last_stall_s: float = 0.0
+    """Time the last save() blocked the caller (waiting for the previous + snapshot)."""
+    last_snapshot_s: float = 0.0
+    last_upload_s: float = 0.0
+    last_error: str = ""
+
+
+def _default_rank_world() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _as_cursor(cursor: DataCursor | tuple[int, int] | dict[str, int] | None) -> DataCursor:
+    if cursor is None:
+        return DataCursor()
+    if isinstance(cursor, DataCursor):
+        return cursor
+    if isinstance(cursor, dict):
+        return DataCursor(**cursor)
+    return DataCursor(epoch=int(cursor[0]), offset=int(cursor[1]))
+
+
+def capture_rng() -> dict[str, torch.Tensor]:
+    """This process's torch RNG states (CPU, and CUDA when available)."""
+    rng = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        rng["cuda"] = torch.cuda.get_rng_state()
+    return rng
+
+
+class Checkpointer:
+    """Writes this rank's shard of each checkpoint in the background; rank 0 commits.
+
+    Args:
+        base_uri: where checkpoints go; each one is ``<base_uri>/step-<step>-g<gen>``.
+        rank, world_size: this rank in the *generation*; default from
+            torch.distributed, else ``RANK`` / ``WORLD_SIZE``.
+        storage_options: fsspec options (s3 endpoint, credentials); see store.py.
+        commit_timeout_s: how long rank 0 waits for all ranks' shards to become
+            durable before giving up on a checkpoint (it stays partial).
+        policy: ``"block"`` or ``"skip"`` when a save is due while one is in flight.
+        save_rng: store each rank's torch RNG state with its shard.
+        on_commit: called on rank 0's background thread after the manifest is
+            written; the training library sends CommitCheckpoint from it. An
+            exception from it counts as a failed checkpoint (files stay on storage).
+        on_error: called with the exception of any failed background save.
+        keep_last, keep_every: if set, rank 0 applies retention (and deletes
+            partial checkpoints that can no longer commit) after each commit.
+    """
+
+    def __init__(
+        self,
+        base_uri: str,
+        *,
+        rank: int | None = None,
+        world_size: int | None = None,
+        storage_options: dict[str, Any] | None = None,
+        retry: RetryPolicy | None = None,
+        commit_timeout_s: float = 600.0,
+        poll_interval_s: float = 0.2,
+        policy: SavePolicy = "block",
+        save_rng: bool = True,
+        on_commit: Callable[[CommitInfo], None] | None = None,
+        on_error: Callable[[BaseException], None] | None = None,
+        keep_last: int | None = None,
+        keep_every: int | None = None,
+        store: Store | None = None,
+    ) -> None:
+        if policy not in ("block", "skip"):
+            raise ValueError(f"policy must be 'block' or 'skip', got {policy!r}")
+        if commit_timeout_s <= 0:
+            raise ValueError(f"commit_timeout_s must be > 0, got {commit_timeout_s}")
+        if keep_last is not None and keep_last < 1:
+            raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
+        d_rank, d_world = _default_rank_world()
+        self.rank = d_rank if rank is None else rank
+        self.world_size = d_world if world_size is None else world_size
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} is not in [0, world_size={self.world_size})")
+        self.base_uri = base_uri.rstrip("/")
+        self.store = store or Store(base_uri, storage_options=storage_options, retry=retry)
+        self.commit_timeout_s = commit_timeout_s
+        self.poll_interval_s = poll_interval_s
+        self.policy = policy
+        self.save_rng = save_rng
+        self.on_commit = on_commit
+        self.on_error = on_error
+        self.keep_last = keep_last
+        self.keep_every = keep_every
+        self.stats = CheckpointerStats()
+        self._staging = StagingArea()
+        self._executor = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"springback-ckpt-r{self.rank}")
+        self._inflight: cf.Future[CommitInfo | DoneRecord] | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def staging_bytes(self) -> int:
+        """Host memory held by the staging buffers."""
+        return self._staging.num_bytes
+
+    def in_flight(self) -> bool:
+        return self._inflight is not None and not self._inflight.done()
+
+    def save(
+        self,
+        step: int,
+        state_dict: dict[str, Any],
+        *,
+        generation: int,
+        cursor: DataCursor | tuple[int, int] | dict[str, int] | None = None,
+        layout: dict[str, int] | None = None,
+        extra: dict[str, Any] | None = None,
+    ) -> cf.Future[CommitInfo | DoneRecord] | None:
+        """Snapshot this rank's share of ``state_dict`` and write it in the background.
+
+        Every rank of the generation must call it for the same ``step`` and
+        ``generation``, with the same keys/shapes for non-DTensor entries. Returns
+        a future (rank 0: :class:`CommitInfo`; others: their done-record) or
+        ``None`` when skipped. ``cursor``, ``layout`` and ``extra`` (JSON-able) go
+        into the manifest from rank 0. Raises only for bad arguments / state that
+        cannot be snapshotted; storage failures surface through the future.
+        """
+        t0 = time.perf_counter()
+        with self._lock:
+            if self.in_flight():
+                if self.policy == "skip":
+                    self.stats.skipped += 1
+                    log.warning("checkpoint of step %d skipped: the previous one is still in flight", step)
+                    return None
+                cf.wait([self._inflight])  # type: ignore[list-item]
+            t1 = time.perf_counter()
+            snap = self._staging.snapshot(state_dict, rank=self.rank, world_size=self.world_size)
+            rng = capture_rng() if self.save_rng else None
+            t2 = time.perf_counter()
+            self.stats.saves += 1
+            self.stats.last_snapshot_s = t2 - t1
+            self.stats.last_stall_s = t2 - t0
+            ckpt_uri = join(self.base_uri, checkpoint_dir_name(step, generation))
+            args = (ckpt_uri, snap, rng, step, generation, _as_cursor(cursor), dict(layout or {}), extra)
+            self._inflight = self._executor.submit(self._write, *args)
+            return self._inflight
+
+    def _write(self, ckpt_uri, snap, rng, step, generation, cursor, layout, extra) -> CommitInfo | DoneRecord:  # type: ignore[no-untyped-def]
+        t0 = time.perf_counter()
+        try:
+            record = write_shard(
+                self.store, ckpt_uri, snap, rank=self.rank, world_size=self.world_size,
+                step=step, generation=generation, rng=rng,
+            )
+            self.stats.last_upload_s = time.perf_counter() - t0
+            if self.rank != 0:
+                return record
+            records = wait_for_records(
+                self.store, ckpt_uri, self.world_size, timeout_s=self.commit_timeout_s,
+                poll_interval_s=self.poll_interval_s,
+            )
+            manifest = commit(
+                self.store, ckpt_uri, records, step=step, generation=generation,
+                cursor=cursor, layout=layout, extra=extra,
+            )
+            info = CommitInfo(uri=ckpt_uri, manifest=manifest)
+            log.info("committed checkpoint %s (%d bytes)", ckpt_uri, manifest.size_bytes)
+            if self.on_commit is not None:
+                self.on_commit(info)
+            self.stats.committed += 1
+            if self.keep_last is not None:
+                catalog.apply_retention(self.base_uri, keep_last=self.keep_last, keep_every=self.keep_every, store=self.store)
+                catalog.clean_partial(self.base_uri, current_generation=generation, store=self.store)
+            return info
+        except BaseException as exc:
+            self.stats.failed += 1
+            self.stats.last_error = f"{type(exc).__name__}: {exc}"
+            log.error("checkpoint %s failed on rank %d: %s", ckpt_uri, self.rank, self.stats.last_error)
+            if self.on_error is not None:
+                try:
+                    self.on_error(exc)
+                except Exception:  # noqa: BLE001 - a broken error hook must not hide the error
+                    log.exception("on_error hook failed")
+            raise
+
+    def wait(self, timeout_s: float | None = None) -> CommitInfo | DoneRecord | None:
+        """Wait for the in-flight checkpoint (if any) and return its result.
+
+        Re-raises the background error; raises ``TimeoutError`` after ``timeout_s``
+        (the save keeps running). Use it before exiting, e.g. after a drain save.
+        """
+        fut = self._inflight
+        if fut is None:
+            return None
+        return fut.result(timeout=timeout_s)
+
+    def close(self, timeout_s: float | None = None) -> None:
+        """Wait for the in-flight checkpoint (errors are logged, not raised), then stop the thread."""
+        try:
+            self.wait(timeout_s)
+        except Exception:  # noqa: BLE001 - already counted and logged by _write
+            pass
+        self._executor.shutdown(wait=False)
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,259 @@
+"""Writing one rank's shard, and the commit protocol that makes a checkpoint count.
+
+Protocol, for the checkpoint directory ``D`` of one step:
+
+1. Every rank ``r`` writes its DCP shard file ``D/__r_0.distcp`` (skipped when it
+   owns nothing), then its *done-record* ``D/_springback/rank-r.pkl``: the file's
+   size and CRC-32, its DCP write items and results (its part of the DCP
+   metadata), and its RNG state. The done-record is written only after the shard
+   is durable, so its presence means "rank r's share is safe".
+2. The committing rank (rank 0 of the generation) polls for all ``world_size``
+   done-records until a deadline. If one is missing at the deadline it raises
+   :class:`~springback.storage.errors.CommitTimeout`: nothing more is written and
+   the directory stays *partial*. A dead peer therefore costs one deadline, never a
+   hang.
+3. It merges the records into DCP ``Metadata`` (checking that the chunks tile every
+   tensor exactly), writes ``D/.metadata``, and finally ``D/manifest.json``
+   (atomically). Only then is the checkpoint committed.
+
+Crash at any point: before step 3 ends there is no manifest, so readers ignore the
+directory and cleanup deletes it; the previous committed checkpoint is untouched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+import time
+import uuid
+import zlib
+from collections import ChainMap
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
+from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, _StorageInfo
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
+
+from springback.storage.errors import CommitTimeout, StorageError
+from springback.storage.manifest import (
+    MANIFEST_NAME,
+    DataCursor,
+    FileEntry,
+    Manifest,
+    crc32_hex,
+    crc32_of,
+    library_versions,
+    utc_now_iso,
+)
+from springback.storage.snapshot import ShardSnapshot
+from springback.storage.store import Store, join
+
+DCP_METADATA_NAME = ".metadata"
+RECORDS_DIR = "_springback"
+
+
+def shard_file_name(rank: int) -> str:
+    return f"__{rank}_0.distcp"
+
+
+def record_name(rank: int) -> str:
+    return f"{RECORDS_DIR}/rank-{rank:05d}.pkl"
+
+
+@dataclasses.dataclass
+class DoneRecord:
+    """What rank ``rank`` durably wrote for one checkpoint (pickled into the directory)."""
+
+    rank: int
+    world_size: int
+    step: int
+    generation: int
+    shard: FileEntry | None
+    items: list[WriteItem]
+    results: list[WriteResult]
+    mappings: dict[str, Any]
+    rng: dict[str, torch.Tensor] | None = None
+    entry: FileEntry | None = None
+    """Size and CRC of the record file itself; set when read back by the committer."""
+
+
+class _HashingWriter:
+    """Write-through wrapper that counts and CRCs the bytes; ``tell`` is the offset in the file."""
+
+    def __init__(self, raw: Any) -> None:
+        self.raw = raw
+        self.pos = 0
+        self.crc = 0
+
+    def write(self, b: Any) -> int:
+        mv = memoryview(b).cast("B")
+        self.raw.write(mv)
+        self.crc = zlib.crc32(mv, self.crc)
+        self.pos += mv.nbytes
+        return mv.nbytes
+
+    def tell(self) -> int:
+        return self.pos
+
+    def flush(self) -> None:  # torch.save flushes; the real flush happens on close
+        pass
+
+
+def _serialize(stream: Any, snap: ShardSnapshot, file_name: str) -> tuple[list[WriteResult], int, str]:
+    w = _HashingWriter(stream)
+    results = []
+    for item, data in zip(snap.items, snap.data):
+        offset = w.tell()
+        if item.type == WriteItemType.BYTE_IO:
+            w.write(data)
+        else:
+            torch.save(data, w)
+        length = w.tell() - offset
+        results.append(
+            WriteResult(index=item.index, size_in_bytes=length, storage_data=_StorageInfo(file_name, offset, length))
+        )
+    return results, w.pos, crc32_hex(w.crc)
+
+
+def write_shard(
+    store: Store,
+    ckpt_uri: str,
+    snap: ShardSnapshot,
+    *,
+    rank: int,
+    world_size: int,
+    step: int,
+    generation: int,
+    rng: dict[str, torch.Tensor] | None = None,
+) -> DoneRecord:
+    """Write rank ``rank``'s shard file and then its done-record; return the record.
+
+    Retries transient errors by rewriting the whole file from the snapshot. On any
+    failure no done-record is written, so the checkpoint can never commit.
+    """
+    shard: FileEntry | None = None
+    results: list[WriteResult] = []
+    if snap.items:
+        name = shard_file_name(rank)
+        results, size, crc = store.write_file(join(ckpt_uri, name), lambda f: _serialize(f, snap, name))
+        shard = FileEntry(path=name, size_bytes=size, crc32=crc, rank=rank)
+    record = DoneRecord(
+        rank=rank,
+        world_size=world_size,
+        step=step,
+        generation=generation,
+        shard=shard,
+        items=snap.items,
+        results=results,
+        mappings=snap.mappings,
+        rng=rng,
+    )
+    store.put_bytes(join(ckpt_uri, record_name(rank)), pickle.dumps(record), atomic=True)
+    return record
+
+
+def wait_for_records(
+    store: Store, ckpt_uri: str, world_size: int, *, timeout_s: float, poll_interval_s: float = 0.2
+) -> list[DoneRecord]:
+    """Poll until every rank's done-record exists, then read them all (ordered by rank).
+
+    Raises :class:`CommitTimeout` listing the missing ranks after ``timeout_s``.
+    Reading a record that fails to unpickle raises :class:`StorageError` naming it.
+    """
+    deadline = time.monotonic() + timeout_s
+    wanted = {f"rank-{r:05d}.pkl": r for r in range(world_size)}
+    while True:
+        present = {name for name, _ in store.list(join(ckpt_uri, RECORDS_DIR))}
+        missing = sorted(r for name, r in wanted.items() if name not in present)
+        if not missing:
+            break
+        if time.monotonic() >= deadline:
+            raise CommitTimeout(
+                f"checkpoint {ckpt_uri} not committed: ranks {missing} did not finish their shards "
+                f"within {timeout_s:.1f}s",
+                uri=ckpt_uri,
+                missing_ranks=missing,
+            )
+        time.sleep(poll_interval_s)
+    records = []
+    for r in range(world_size):
+        uri = join(ckpt_uri, record_name(r))
+        data = store.get_bytes(uri)
+        try:
+            record = pickle.loads(data)
+        except (pickle.UnpicklingError, EOFError, AttributeError) as exc:
+            raise StorageError(f"unreadable done-record {uri}: {exc!r}", uri=uri) from exc
+        record.entry = FileEntry(path=record_name(r), size_bytes=len(data), crc32=crc32_of(data), rank=r)
+        records.append(record)
+    return records
+
+
+def build_metadata(records: list[DoneRecord], ckpt_uri: str) -> Metadata:
+    """Merge the ranks' parts into DCP ``Metadata``; ``ValueError`` if the chunks do not tile."""
+    plans = [SavePlan(items=list(r.items)) for r in records]
+    try:
+        _, md = create_default_global_save_plan(plans, rewrite_index_hints=False)
+    except AssertionError as exc:
+        raise ValueError(f"ranks wrote overlapping entries for {ckpt_uri}: {exc}") from exc
+    try:  # private DCP helper: checks that chunks cover each tensor without overlap
+        from torch.distributed.checkpoint.default_planner import _validate_global_plan
+
+        errors = _validate_global_plan(plans, md)
+    except ImportError:  # pragma: no cover - older torch
+        errors = []
+    if errors:
+        raise ValueError(f"inconsistent shards for {ckpt_uri}: {'; '.join(map(str, errors))[:500]}")
+    md.planner_data = dict(ChainMap(*[r.mappings for r in records]))
+    md.storage_data = {wr.index: wr.storage_data for r in records for wr in r.results}
+    md.storage_meta = StorageMeta(checkpoint_id=ckpt_uri, save_id=uuid.uuid4().hex)
+    md.version = CURRENT_DCP_VERSION
+    return md
+
+
+def commit(
+    store: Store,
+    ckpt_uri: str,
+    records: list[DoneRecord],
+    *,
+    step: int,
+    generation: int,
+    cursor: DataCursor,
+    layout: dict[str, int],
+    extra: dict[str, Any] | None = None,
+) -> Manifest:
+    """Write ``.metadata`` then ``manifest.json`` for a checkpoint whose shards are all durable.
+
+    Idempotent: rerunning it rewrites the same two files. The manifest is the
+    commit point; a failure before it leaves the checkpoint partial.
+    """
+    md = build_metadata(records, ckpt_uri)
+    md_bytes = pickle.dumps(md)
+    store.put_bytes(join(ckpt_uri, DCP_METADATA_NAME), md_bytes, atomic=True)
+    files = [FileEntry(path=DCP_METADATA_NAME, size_bytes=len(md_bytes), crc32=crc32_of(md_bytes))]
+    for r in records:
+        if r.shard is not None:
+            files.append(r.shard)
+    files.extend(r.entry for r in records if r.entry is not None)  # records hold RNG states: verify them too
+    manifest = Manifest(
+        step=step,
+        generation=generation,
+        world_size=len(records),
+        layout=dict(layout),
+        cursor=cursor,
+        files=tuple(files),
+        versions=library_versions(),
+        created_at=utc_now_iso(),
+        extra=dict(extra or {}),
+    )
+    store.put_bytes(join(ckpt_uri, MANIFEST_NAME), manifest.to_json().encode(), atomic=True)
+    return manifest
+
+
+def load_record(store: Store, ckpt_uri: str, rank: int) -> DoneRecord:
+    """Read one rank's done-record (used to restore RNG state)."""
+    return pickle.loads(store.get_bytes(join(ckpt_uri, record_name(rank))))
+
+

@@ -1,0 +1,52 @@
+"""Exceptions raised by ``springback.storage``.
+
+One hierarchy, rooted at :class:`StorageError`. Every error names the URI (and,
+where there is one, the shard file) it is about, so an operator can act on the
+message alone. Callers that map to gRPC status codes should use:
+
+- :class:`CheckpointNotFound` -> NOT_FOUND
+- :class:`CorruptCheckpoint` -> FAILED_PRECONDITION (the data is there but bad)
+- :class:`TransientStorageError` / :class:`CommitTimeout` -> UNAVAILABLE
+- anything else -> INTERNAL
+"""
+
+from __future__ import annotations
+
+
+class StorageError(Exception):
+    """Base of every error raised by springback.storage."""
+
+    def __init__(self, message: str, *, uri: str | None = None) -> None:
+        super().__init__(message)
+        self.uri = uri
+
+
+class TransientStorageError(StorageError):
+    """A storage call kept failing with retryable errors until its retry budget ran out."""
+
+
+class CheckpointNotFound(StorageError):
+    """No committed checkpoint exists where one was asked for."""
+
+
+class CorruptCheckpoint(StorageError):
+    """A committed checkpoint failed verification.
+
+    ``problems`` lists one human-readable line per bad file, each naming the file.
+    """
+
+    def __init__(self, message: str, *, uri: str | None = None, problems: list[str] | None = None) -> None:
+        super().__init__(message, uri=uri)
+        self.problems = list(problems or [])
+
+
+class CommitTimeout(StorageError):
+    """The committing rank did not see every rank's shard become durable in time.
+
+    The checkpoint stays partial (no manifest); the previous committed one is untouched.
+    ``missing_ranks`` names the ranks whose done-record never appeared.
+    """
+
+    def __init__(self, message: str, *, uri: str | None = None, missing_ranks: list[int] | None = None) -> None:
+        super().__init__(message, uri=uri)
+        self.missing_ranks = list(missing_ranks or [])

@@ -1,0 +1,152 @@
+"""Per-rank write planning and the host-memory snapshot of one rank's share.
+
+Planning is local and deterministic: no collective runs, so a checkpoint never
+hangs on a dead peer. Which rank writes what:
+
+- a ``DTensor`` entry: the rank writes its local shard, unless it is a replica
+  (its mesh coordinate is not 0 along a ``Replicate`` dimension; HSDP / 2-D);
+- a plain ``torch.Tensor`` entry is taken to be *replicated* on every rank (DDP),
+  and exactly one rank writes it; ranks are chosen by a size-balanced greedy
+  assignment computed identically on every rank (largest first, to the least
+  loaded rank, ties to the lowest rank) -- like DCP's save-plan dedup, but without
+  gathering plans;
+- any other object (ints, lists, ...) is replicated too and assigned the same way.
+
+This matches DCP semantics (one copy per key), and requires that every rank of a
+generation passes the same keys with the same shapes for non-DTensor entries.
+
+The snapshot copies the owned tensors into staging buffers that are kept and
+reused across saves (pinned when the source is on an accelerator), so host memory
+stays bounded by one copy of the rank's share and steady-state saves allocate
+nothing. The caller must not start a new snapshot while the previous one is still
+being written; :class:`~springback.storage.checkpointer.Checkpointer` ensures it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import io
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner_helpers import _create_write_items
+from torch.distributed.tensor import DTensor
+
+_OBJECT_WEIGHT = 64  # nominal bytes of a non-tensor entry, for the balance
+
+
+@dataclasses.dataclass
+class ShardSnapshot:
+    """One rank's owned entries, in host memory, ready to serialize.
+
+    ``data[i]`` is the staged tensor (a staging buffer; do not keep it past the
+    next snapshot) or the ``torch.save`` bytes of object ``items[i]``.
+    """
+
+    items: list[WriteItem]
+    data: list[torch.Tensor | bytes]
+    mappings: dict[str, Any]
+    num_bytes: int
+
+
+def _owns_dtensor(t: DTensor) -> bool:
+    coord = t.device_mesh.get_coordinate()
+    if coord is None:  # this rank is not in the tensor's mesh
+        return False
+    for dim, p in enumerate(t.placements):
+        if p.is_partial():
+            raise ValueError("cannot checkpoint a DTensor with a Partial placement; redistribute it first")
+        if p.is_replicate() and coord[dim] != 0:
+            return False
+    return True
+
+
+def assign_replicated(sizes: dict[str, int], world_size: int) -> dict[str, int]:
+    """Map each replicated key to the rank that writes it (deterministic, size-balanced)."""
+    heap = [(0, r) for r in range(world_size)]
+    owner: dict[str, int] = {}
+    for fqn in sorted(sizes, key=lambda k: (-sizes[k], k)):
+        load, r = heapq.heappop(heap)
+        owner[fqn] = r
+        heapq.heappush(heap, (load + sizes[fqn], r))
+    return owner
+
+
+class StagingArea:
+    """Reusable host buffers for snapshots of one rank's state."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+
+    def _stage(self, key: tuple[str, tuple[int, ...]], src: torch.Tensor) -> torch.Tensor:
+        buf = self._buffers.get(key)
+        if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
+            pin = src.device.type != "cpu" and torch.cuda.is_available()
+            buf = torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=pin)
+            self._buffers[key] = buf
+        buf.copy_(src.detach(), non_blocking=src.device.type != "cpu")
+        return buf
+
+    def snapshot(self, state_dict: dict[str, Any], *, rank: int, world_size: int) -> ShardSnapshot:
+        """Copy this rank's owned entries of ``state_dict`` into the staging buffers.
+
+        Blocks until the copies are complete (device streams synchronized), so the
+        caller may mutate ``state_dict`` as soon as this returns. Raises
+        ``ValueError`` for entries it cannot checkpoint (Partial DTensors).
+        """
+        flat, mappings = flatten_state_dict(state_dict)
+        owned: list[tuple[WriteItem, Any]] = []
+        replicated: dict[str, tuple[WriteItem, Any]] = {}
+        sizes: dict[str, int] = {}
+        for fqn, obj in flat.items():
+            if isinstance(obj, DTensor):
+                if _owns_dtensor(obj):
+                    (item,) = _create_write_items(fqn, obj)
+                    owned.append((item, obj.to_local()))
+            elif isinstance(obj, torch.Tensor):
+                (item,) = _create_write_items(fqn, obj)
+                replicated[fqn] = (item, obj)
+                sizes[fqn] = obj.numel() * obj.element_size()
+            else:
+                replicated[fqn] = (_create_write_items(fqn, obj)[0], obj)
+                sizes[fqn] = _OBJECT_WEIGHT
+        owner = assign_replicated(sizes, world_size)
+        owned.extend(v for fqn, v in replicated.items() if owner[fqn] == rank)
+
+        items: list[WriteItem] = []
+        data: list[torch.Tensor | bytes] = []
+        live: set[tuple[str, tuple[int, ...]]] = set()
+        any_device = False
+        num_bytes = 0
+        for item, src in owned:
+            if item.type == WriteItemType.BYTE_IO:
+                buf = io.BytesIO()
+                torch.save(src, buf)
+                data.append(buf.getvalue())
+                num_bytes += len(data[-1])
+            else:
+                key = _key(item.index)
+                live.add(key)
+                any_device |= src.device.type != "cpu"
+                staged = self._stage(key, src)
+                data.append(staged)
+                num_bytes += staged.numel() * staged.element_size()
+            items.append(item)
+        if any_device and torch.cuda.is_available():
+            torch.cuda.synchronize()
+        for key in list(self._buffers):  # drop buffers of entries that went away
+            if key not in live:
+                del self._buffers[key]
+        return ShardSnapshot(items=items, data=data, mappings=mappings, num_bytes=num_bytes)
+
+
+def _key(index: MetadataIndex) -> tuple[str, tuple[int, ...]]:
+    return index.fqn, tuple(index.offset or ())

@@ -1,0 +1,214 @@
+"""A small storage layer over fsspec string URIs, with retries.
+
+URIs are plain strings (``file:///x``, ``/x``, ``s3://bucket/x``, ``memory://x``):
+``pathlib.Path`` would mangle ``s3://``. A :class:`Store` wraps the fsspec filesystem
+of one URI scheme and applies :func:`~springback.storage.retry.call_with_retry` to
+every call, so transient errors (5xx, throttling, resets) are retried with backoff
+and anything else fails at once with the URI in the message.
+
+S3 configuration, in priority order: explicit ``storage_options`` (s3fs keyword
+arguments, e.g. ``{"client_kwargs": {"endpoint_url": ...}, "key": ..., "secret":
+...}``), then the environment: ``SPRINGBACK_S3_ENDPOINT_URL`` for the endpoint and
+the usual ``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY`` / ``AWS_REGION`` that
+botocore reads itself.
+
+Durability: on local files, :meth:`Store.write_file` fsyncs before returning and
+:meth:`Store.put_bytes` with ``atomic=True`` writes a temporary file and renames it,
+so a crash leaves either the old content or the new. On S3 a PUT (or a completed
+multipart upload) is atomic by itself. Listing and existence checks bypass fsspec's
+listing cache, so polling sees other processes' writes.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any, BinaryIO, TypeVar
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+
+from springback.storage.retry import RetryPolicy, RetryStats, call_with_retry
+
+T = TypeVar("T")
+
+ENV_S3_ENDPOINT_URL = "SPRINGBACK_S3_ENDPOINT_URL"
+"""Environment variable: endpoint URL of an S3-compatible store (e.g. MinIO, moto)."""
+
+_READ_CHUNK = 8 << 20
+
+
+def join(base: str, *parts: str) -> str:
+    """Join URI parts with ``/`` without touching the scheme (``s3://`` stays intact)."""
+    out = base.rstrip("/")
+    for p in parts:
+        out = f"{out}/{p.strip('/')}"
+    return out
+
+
+def resolve_storage_options(uri: str, storage_options: dict[str, Any] | None) -> dict[str, Any]:
+    """Return fsspec options for ``uri``: the explicit ones, completed from the environment."""
+    opts = dict(storage_options or {})
+    if uri.startswith(("s3://", "s3a://")):
+        endpoint = os.environ.get(ENV_S3_ENDPOINT_URL)
+        client_kwargs = dict(opts.get("client_kwargs") or {})
+        if endpoint and "endpoint_url" not in client_kwargs and "endpoint_url" not in opts:
+            client_kwargs["endpoint_url"] = endpoint
+        if client_kwargs:
+            opts["client_kwargs"] = client_kwargs
+    return opts
+
+
+class Store:
+    """Retrying file operations on one fsspec filesystem, addressed by full URIs.
+
+    Every method may raise :class:`~springback.storage.errors.TransientStorageError`
+    when its retry budget runs out, or the underlying non-transient error
+    (``FileNotFoundError`` ...) at once. All methods are safe to call from several
+    threads.
+    """
+
+    def __init__(
+        self,
+        uri: str,
+        *,
+        storage_options: dict[str, Any] | None = None,
+        retry: RetryPolicy | None = None,
+        stats: RetryStats | None = None,
+    ) -> None:
+        self.storage_options = resolve_storage_options(uri, storage_options)
+        self.fs, _ = fsspec.url_to_fs(uri, **self.storage_options)
+        self.retry = retry or RetryPolicy()
+        self.stats = stats or RetryStats()
+        self.is_local = isinstance(self.fs, LocalFileSystem)
+
+    # -- helpers -------------------------------------------------------------
+    def _path(self, uri: str) -> str:
+        return self.fs._strip_protocol(uri)
+
+    def _call(self, what: str, uri: str, fn: Callable[[], T]) -> T:
+        return call_with_retry(fn, what=what, uri=uri, policy=self.retry, stats=self.stats)
+
+    def _ensure_parent(self, path: str) -> None:
+        if self.is_local:
+            self.fs.makedirs(os.path.dirname(path), exist_ok=True)
+
+    # -- writing -------------------------------------------------------------
+    def write_file(self, uri: str, produce: Callable[[BinaryIO], T]) -> T:
+        """Open ``uri`` for writing and call ``produce(stream)``; return its result.
+
+        On a transient error the whole file is rewritten by calling ``produce``
+        again on a fresh stream, so ``produce`` must be repeatable. Local files are
+        fsynced before this returns; on S3 the upload is complete when it returns.
+        """
+        path = self._path(uri)
+
+        def attempt() -> T:
+            self._ensure_parent(path)
+            with self.fs.open(path, "wb") as f:
+                result = produce(f)
+                if self.is_local:
+                    f.flush()
+                    os.fsync(f.fileno())
+            return result
+
+        return self._call("write", uri, attempt)
+
+    def put_bytes(self, uri: str, data: bytes, *, atomic: bool = False) -> None:
+        """Write ``data`` to ``uri``. With ``atomic``, readers see old or new content, never a mix."""
+        path = self._path(uri)
+        if not (atomic and self.is_local):
+            self.write_file(uri, lambda f: f.write(data))
+            return
+        tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+
+        def attempt() -> None:
+            self._ensure_parent(path)
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+
+        self._call("write", uri, attempt)
+
+    # -- reading -------------------------------------------------------------
+    def get_bytes(self, uri: str) -> bytes:
+        """Read the whole file at ``uri``."""
+        return self._call("read", uri, lambda: self.fs.cat_file(self._path(uri)))
+
+    def iter_chunks(self, uri: str, chunk_size: int = _READ_CHUNK) -> Iterator[bytes]:
+        """Yield the bytes of ``uri`` in chunks (not retried mid-stream; the open is)."""
+        f = self._call("open", uri, lambda: self.fs.open(self._path(uri), "rb"))
+        with f:
+            while True:
+                b = f.read(chunk_size)
+                if not b:
+                    return
+                yield b
+
+    def exists(self, uri: str) -> bool:
+        """True if a file or directory exists at ``uri`` (fresh, not from a listing cache)."""
+        path = self._path(uri)
+
+        def attempt() -> bool:
+            self.fs.invalidate_cache(path)
+            return bool(self.fs.exists(path))
+
+        return self._call("exists", uri, attempt)
+
+    def size(self, uri: str) -> int:
+        """Size in bytes of the file at ``uri``."""
+        path = self._path(uri)
+
+        def attempt() -> int:
+            self.fs.invalidate_cache(path)
+            return int(self.fs.size(path))
+
+        return self._call("stat", uri, attempt)
+
+    def list(self, uri: str) -> list[tuple[str, bool]]:
+        """Return ``(name, is_dir)`` for the entries directly under ``uri``; [] if it is absent."""
+        path = self._path(uri).rstrip("/")
+
+        def attempt() -> list[tuple[str, bool]]:
+            self.fs.invalidate_cache(path)
+            try:
+                entries = self.fs.ls(path, detail=True)
+            except FileNotFoundError:
+                return []
+            out = []
+            for e in entries:
+                name = e["name"].rstrip("/").rsplit("/", 1)[-1]
+                if name and e["name"].rstrip("/") != path:
+                    out.append((name, e.get("type") == "directory"))
+            return out
+
+        return self._call("list", uri, attempt)
+
+    # -- deleting ------------------------------------------------------------
+    def rm(self, uri: str) -> None:
+        """Delete one file; a missing file is not an error (idempotent)."""
+        path = self._path(uri)
+
+        def attempt() -> None:
+            try:
+                self.fs.rm_file(path)
+            except FileNotFoundError:
+                pass
+
+        self._call("delete", uri, attempt)
+
+    def rm_tree(self, uri: str) -> None:
+        """Delete a directory and everything under it; missing is not an error (idempotent)."""
+        path = self._path(uri)
+
+        def attempt() -> None:
+            self.fs.invalidate_cache(path)
+            try:
+                self.fs.rm(path, recursive=True)
+            except FileNotFoundError:
+                pass
+
+        self._call("delete", uri, attempt)
