@@ -1,0 +1,90 @@
+"""The agent → rank control channel: the current plan, published as a file.
+
+The agent writes every plan it receives to ``<control_dir>/plan.pb`` (atomic
+rename, so a reader sees a whole plan or the previous one) and, during a
+drain, a ``drain`` marker. Ranks poll the file: a ``stat`` per step boundary
+costs microseconds, needs no extra socket and survives the rank being
+restarted. A file channel also means a rank whose agent died keeps reading the
+last plan; the agent's death kills its ranks anyway (parent-death signal).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+
+from springback.v1 import types_pb2 as pb
+
+PLAN_FILE = "plan.pb"
+DRAIN_FILE = "drain"
+
+
+class PlanPublisher:
+    """Agent side. `publish` is idempotent and never leaves a torn file."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+        os.makedirs(directory, exist_ok=True)
+        for name in (PLAN_FILE, DRAIN_FILE):
+            try:
+                os.unlink(os.path.join(directory, name))
+            except FileNotFoundError:
+                pass
+
+    def publish(self, plan: pb.Plan) -> None:
+        path = os.path.join(self.directory, PLAN_FILE)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "wb") as f:
+            f.write(plan.SerializeToString())
+        os.replace(tmp, path)
+
+    def request_drain(self) -> None:
+        """Tells the ranks the node is draining (they may checkpoint first)."""
+        with open(os.path.join(self.directory, DRAIN_FILE), "w") as f:
+            f.write("drain\n")
+
+
+class PlanChannel:
+    """Rank side: the newest published plan, re-read only when the file changed."""
+
+    def __init__(self, directory: str) -> None:
+        self._path = os.path.join(directory, PLAN_FILE)
+        self._drain_path = os.path.join(directory, DRAIN_FILE)
+        self._key: tuple[int, int, int] | None = None
+        self._plan: pb.Plan | None = None
+
+    def latest(self) -> pb.Plan | None:
+        """The newest plan, or None before the agent published one. Never blocks."""
+        try:
+            st = os.stat(self._path)
+        except FileNotFoundError:
+            return self._plan
+        key = (st.st_ino, st.st_mtime_ns, st.st_size)
+        if key != self._key:
+            try:
+                with open(self._path, "rb") as f:
+                    data = f.read()
+            except FileNotFoundError:
+                return self._plan
+            plan = pb.Plan()
+            plan.ParseFromString(data)
+            if self._plan is None or plan.generation >= self._plan.generation:
+                self._plan = plan
+            self._key = key
+        return self._plan
+
+    def draining(self) -> bool:
+        return os.path.exists(self._drain_path)
+
+    def wait(self, accept: Callable[[pb.Plan], bool], deadline: float,
+             poll_s: float = 0.02) -> pb.Plan | None:
+        """Polls until `accept(plan)` holds or `deadline` (time.monotonic) passes;
+        returns the accepted plan or None on timeout."""
+        while True:
+            plan = self.latest()
+            if plan is not None and accept(plan):
+                return plan
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(poll_s)

@@ -1,0 +1,83 @@
+"""Forming one generation's process group from its plan.
+
+Every agent hosts a TCPStore server; the plan names the node-rank-0 agent's
+store as ``master_addr:master_port``. A generation's ranks meet under the key
+prefix ``springback/<job>/g<generation>/`` of that store, so stale ranks of an
+older generation can never mix with the current one.
+
+Ranks first count themselves in with an *arrival barrier* polled on the store:
+it waits up to the rendezvous timeout (slow starters: a restarted rank imports
+torch) and gives up as soon as a newer plan is published (a member died before
+arriving). Only when all ranks are present is ``init_process_group`` called,
+with the short collective timeout, so a collective hung on a dead or stopped
+peer raises within that timeout instead of torch's 30-minute default.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import time
+from collections.abc import Callable
+
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+
+class RendezvousAborted(Exception):
+    """A newer plan appeared, or the deadline passed, before all ranks arrived."""
+
+
+def _connect(host: str, port: int, deadline: float,
+             superseded: Callable[[], bool]) -> dist.TCPStore:
+    last: Exception | None = None
+    while time.monotonic() < deadline:
+        if superseded():
+            raise RendezvousAborted("a newer plan was published while connecting")
+        try:
+            return dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
+                                 timeout=datetime.timedelta(seconds=5))
+        except (RuntimeError, dist.DistError) as e:  # master unreachable (yet)
+            last = e
+            time.sleep(0.1)
+    raise RendezvousAborted(f"rendezvous store {host}:{port} unreachable: {last}")
+
+
+def form_group(*, job_id: str, generation: int, rank: int, world_size: int,
+               master_addr: str, master_port: int, backend: str,
+               collective_timeout_s: float, rendezvous_timeout_s: float,
+               superseded: Callable[[], bool]) -> None:
+    """Initialises the default process group for one generation.
+
+    Blocks until all `world_size` ranks arrived (up to `rendezvous_timeout_s`).
+    Raises RendezvousAborted when `superseded()` turns true or the deadline
+    passes; the caller then waits for the next plan. Not idempotent: call
+    `leave_group` before forming the next generation's group.
+    """
+    deadline = time.monotonic() + rendezvous_timeout_s
+    store = _connect(master_addr, master_port, deadline, superseded)
+    prefix = dist.PrefixStore(f"springback/{job_id}/g{generation}/", store)
+    prefix.add("arrived", 1)
+    while prefix.add("arrived", 0) < world_size:
+        if superseded():
+            raise RendezvousAborted("a newer plan was published before all ranks arrived")
+        if time.monotonic() >= deadline:
+            raise RendezvousAborted(
+                f"only {prefix.add('arrived', 0)}/{world_size} ranks arrived within "
+                f"{rendezvous_timeout_s:.0f}s")
+        time.sleep(0.01)
+    dist.init_process_group(backend, store=dist.PrefixStore("pg/", prefix), rank=rank,
+                            world_size=world_size,
+                            timeout=datetime.timedelta(seconds=collective_timeout_s))
+
+
+def leave_group() -> None:
+    """Destroys the default process group if there is one. Never raises: a group
+    broken by a dead peer is torn down as far as possible and dropped."""
+    if not dist.is_initialized():
+        return
+    try:
+        dist.destroy_process_group()
+    except Exception as e:  # noqa: BLE001 - a broken group must not stop recovery
+        log.warning("destroying a broken process group: %s", e)

@@ -1,0 +1,98 @@
+"""Step reports from global rank 0 to the coordinator, off the step loop.
+
+`StepReporter.submit` never blocks: it replaces the pending report (only the
+newest matters: the coordinator keeps the last step) and a background thread
+sends it with a deadline. A coordinator that is down or slow costs nothing but
+staleness of `springback job get`; failures are logged, counted and retried
+with the next report. A FAILED_PRECONDITION reply means this rank's generation
+is no longer current (it was fenced or a new plan exists): `stale` turns true
+and the training loop moves to the next plan at its next step boundary.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import grpc
+
+from springback.service.channel import connect
+from springback.v1 import types_pb2 as pb
+from springback.v1 import worker_service_pb2 as wpb
+from springback.v1 import worker_service_pb2_grpc as wgrpc
+
+log = logging.getLogger(__name__)
+
+REPORT_TIMEOUT_S = 5.0
+
+
+class StepReporter:
+    """Sends the newest ReportStep in the background; see the module docstring."""
+
+    def __init__(self, addresses: str, token: str | None, job_id: str, member_id: str) -> None:
+        self._channel = connect(addresses, token=token)
+        self._stub = wgrpc.WorkerServiceStub(self._channel)
+        self._job_id = job_id
+        self._member_id = member_id
+        self._cond = threading.Condition()
+        self._pending: wpb.ReportStepRequest | None = None
+        self._in_flight = False
+        self._closed = False
+        self.stale = False
+        self.coordinator_generation = 0
+        self.num_failures = 0
+        self._thread = threading.Thread(target=self._loop, name="springback-reporter",
+                                        daemon=True)
+        self._thread.start()
+
+    def submit(self, *, generation: int, step: int, samples_consumed: int, loss: float,
+               epoch: int, offset: int) -> None:
+        req = wpb.ReportStepRequest(
+            job_id=self._job_id, member_id=self._member_id, generation=generation, step=step,
+            samples_consumed=samples_consumed, loss=loss,
+            cursor=pb.DataCursor(epoch=epoch, offset=offset))
+        with self._cond:
+            self._pending = req
+            self._cond.notify_all()
+
+    def flush(self, timeout_s: float = REPORT_TIMEOUT_S) -> bool:
+        """Waits until the pending report was sent (or failed); False on timeout."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while self._pending is not None or self._in_flight:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True
+
+    def close(self) -> None:
+        self.flush()
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join(timeout=1)
+        self._channel.close()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while self._pending is None and not self._closed:
+                    self._cond.wait()
+                if self._closed:
+                    return
+                req, self._pending, self._in_flight = self._pending, None, True
+            try:
+                resp = self._stub.ReportStep(req, timeout=REPORT_TIMEOUT_S)
+                self.coordinator_generation = resp.generation
+            except grpc.RpcError as e:
+                if e.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND):
+                    self.stale = True
+                self.num_failures += 1
+                log.warning("ReportStep(step=%d, generation=%d) failed: %s %s", req.step,
+                            req.generation, e.code().name, e.details())
+            finally:
+                with self._cond:
+                    self._in_flight = False
+                    self._cond.notify_all()

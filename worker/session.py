@@ -1,0 +1,405 @@
+"""The training library: what a user's ``train.py`` imports.
+
+A `Session` lives as long as the rank process and survives generations: the
+model and optimizer stay in memory, and only the process group is rebuilt.
+
+    session = Session(model=model, optimizer=opt)
+    for gen in session.generations():        # one per plan this rank runs in
+        with gen:                            # a dead peer ends the generation quietly
+            ddp = DDP(model, process_group=gen.group)
+            for batch in gen.batches():      # stops at a step boundary on a new plan
+                loss = ...; loss.backward(); opt.step(); opt.zero_grad()
+                gen.report(loss=loss.item())
+
+Failure semantics:
+
+* A collective that fails inside ``with gen:`` (a peer was killed: connection
+  reset at once; a peer stopped: the collective timeout, which the agent sets to
+  the liveness timeout) ends the generation. The session waits up to
+  `failure_grace_s` for the coordinator's next plan and re-raises the error if
+  none comes (then it was not a membership change but a bug).
+* At the start of every generation the ranks agree on the state: each reports
+  the step its in-memory state holds (-1 for a fresh process). The state of the
+  highest step (the plan's source rank when it holds it) is broadcast to every
+  rank unless all ranks ended the previous generation cleanly at the same step.
+  Only when no rank holds state is it loaded from the plan's checkpoint through
+  `restore_checkpoint` (the storage hook), or taken fresh from rank 0.
+* A new plan (join, drain) is switched to at a step boundary agreed by all
+  ranks: every step ends with one small all-reduce that carries the newest
+  generation any rank has seen and the step's loss.
+* Do the optimizer step last in the loop body: a failure after it would leave
+  this rank's state one step ahead of the step it claims.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from springback.v1 import types_pb2 as pb
+from springback.worker.audit import AuditLog
+from springback.worker.control import PlanChannel
+from springback.worker.env import METRICS_FILE, RankEnv
+from springback.worker.rendezvous import RendezvousAborted, form_group, leave_group
+from springback.worker.sampler import Batch, SampleStream
+
+log = logging.getLogger(__name__)
+
+RestoreHook = Callable[[pb.CheckpointRef, dict[str, Any]], int]
+"""Loads a committed checkpoint into the registered state; returns its step."""
+
+
+class Session:
+    """A rank's elastic training session; see the module docstring."""
+
+    def __init__(self, *, model: torch.nn.Module | None = None,
+                 optimizer: torch.optim.Optimizer | None = None,
+                 state: dict[str, Any] | None = None,
+                 num_samples: int | None = None, global_batch_size: int | None = None,
+                 seed: int | None = None, max_steps: int | None = None,
+                 backend: str = "gloo", restore_checkpoint: RestoreHook | None = None,
+                 failure_grace_s: float | None = None, env: RankEnv | None = None) -> None:
+        """`model`/`optimizer`/`state` (objects with state_dict/load_state_dict)
+        are what survivors hand to joiners. Data and max_steps come from the job
+        spec in the plan; the keyword arguments are fallbacks for standalone runs
+        (``python train.py`` without an agent: one rank, world size 1)."""
+        self.env = env or RankEnv.from_environ()
+        self.state: dict[str, Any] = dict(state or {})
+        if model is not None:
+            self.state["model"] = model
+        if optimizer is not None:
+            self.state["optimizer"] = optimizer
+        self.backend = backend
+        self.restore_checkpoint = restore_checkpoint
+        self.failure_grace_s = failure_grace_s or max(15.0, 3 * self.env.collective_timeout_s)
+        self._fallback = (num_samples, global_batch_size, seed, max_steps)
+        self._state_step = -1  # step the in-memory state holds; -1: none yet
+        self._clean = False    # the last generation ended at an agreed boundary
+        self._generation = 0
+        self._was_member = False
+        self.finished = False
+        self._standalone_store: dist.TCPStore | None = None
+        if self.env.control_dir:
+            self._channel: PlanChannel | None = PlanChannel(self.env.control_dir)
+        else:
+            self._channel = None
+            self._standalone_plan = self._make_standalone_plan()
+        self._reporter = None
+        if self.env.coordinator and self.env.job_id:
+            from springback.worker.reporter import StepReporter
+            self._reporter = StepReporter(self.env.coordinator, self.env.token,
+                                          self.env.job_id, self.env.member_id)
+
+    @property
+    def step(self) -> int:
+        """Last step whose update the in-memory state holds (0 before training)."""
+        return max(self._state_step, 0)
+
+    # -- plans ---------------------------------------------------------------
+
+    def _make_standalone_plan(self) -> pb.Plan:
+        n, b, seed, max_steps = self._fallback
+        if not n or not b:
+            raise ValueError("standalone run (no agent): pass num_samples and "
+                             "global_batch_size to Session")
+        self._standalone_store = dist.TCPStore("127.0.0.1", 0, is_master=True,
+                                               wait_for_workers=False)
+        plan = pb.Plan(job_id="standalone", generation=1, action=pb.PLAN_ACTION_RUN,
+                       world_size=1, master_addr="127.0.0.1",
+                       master_port=self._standalone_store.port)
+        plan.members.add(member_id="", node_rank=0, first_rank=0, num_local_ranks=1)
+        plan.spec.data.num_samples = n
+        plan.spec.data.global_batch_size = b
+        plan.spec.data.seed = seed or 0
+        plan.spec.max_steps = max_steps or 0
+        return plan
+
+    def _latest(self) -> pb.Plan | None:
+        if self._channel is None:
+            return self._standalone_plan
+        return self._channel.latest()
+
+    def _me(self, plan: pb.Plan) -> pb.PlanMember | None:
+        for m in plan.members:
+            if m.member_id == self.env.member_id:
+                return m
+        return None
+
+    def _next_plan(self, deadline: float | None) -> pb.Plan | None:
+        """Waits for a plan newer than the current generation that this rank acts
+        on. Returns None when the job stopped or this member was removed; raises
+        TimeoutError when `deadline` passes first."""
+        while True:
+            plan = self._latest()
+            if plan is not None and plan.generation > self._generation:
+                if plan.action == pb.PLAN_ACTION_STOP:
+                    return None
+                me = self._me(plan)
+                if plan.action == pb.PLAN_ACTION_RUN and me is not None:
+                    if self.env.local_rank >= me.num_local_ranks:
+                        return None
+                    return plan
+                if (self._was_member and me is None
+                        and self.env.member_id not in plan.spares):
+                    log.info("member %s is not in generation %d: leaving",
+                             self.env.member_id, plan.generation)
+                    return None
+            if self._channel is None:
+                return None  # standalone: the only plan was used
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError("no newer plan arrived")
+            time.sleep(0.02)
+
+    # -- generations ---------------------------------------------------------
+
+    def generations(self) -> Iterator[Generation]:
+        """Yields one `Generation` per plan this rank trains in, with the process
+        group formed and state agreed. Ends when max_steps is reached, the job
+        stops, or this member is no longer in the plan."""
+        try:
+            while not self.finished:
+                plan = self._next_plan(None)
+                if plan is None:
+                    break
+                gen = self._start(plan)
+                if gen is None:
+                    continue
+                try:
+                    yield gen
+                finally:
+                    gen._close()
+        finally:
+            self.close()
+
+    def _start(self, plan: pb.Plan) -> Generation | None:
+        me = self._me(plan)
+        assert me is not None
+        self._generation = plan.generation
+        self._was_member = True
+        rank = me.first_rank + self.env.local_rank
+        t0 = time.monotonic()
+
+        def superseded() -> bool:
+            latest = self._latest()
+            return latest is not None and latest.generation > plan.generation
+
+        try:
+            form_group(job_id=plan.job_id, generation=plan.generation, rank=rank,
+                       world_size=plan.world_size, master_addr=plan.master_addr,
+                       master_port=plan.master_port, backend=self.backend,
+                       collective_timeout_s=self.env.collective_timeout_s,
+                       rendezvous_timeout_s=self.env.rendezvous_timeout_s,
+                       superseded=superseded)
+            source = self._agree_state(plan, rank)
+        except (RendezvousAborted, RuntimeError) as e:
+            log.warning("generation %d could not start on rank %d: %s", plan.generation,
+                        rank, e)
+            leave_group()
+            self._clean = False
+            return None
+        gen = Generation(self, plan, rank)
+        gen._record_start(source, time.monotonic() - t0)
+        return gen
+
+    def _agree_state(self, plan: pb.Plan, rank: int) -> int | None:
+        """Makes every rank's state identical; returns the source rank or None."""
+        world = plan.world_size
+        mine = torch.tensor([self._state_step, int(self._clean)], dtype=torch.int64)
+        gathered = [torch.zeros_like(mine) for _ in range(world)]
+        dist.all_gather(gathered, mine)
+        steps = [int(t[0]) for t in gathered]
+        clean = all(int(t[1]) for t in gathered)
+        best = max(steps)
+        if best < 0 and plan.restore.kind == pb.RESTORE_KIND_CHECKPOINT:
+            if self.restore_checkpoint is None:
+                raise RuntimeError("plan says restore from checkpoint "
+                                   f"{plan.restore.checkpoint.uri} but no restore hook is set")
+            self._state_step = self.restore_checkpoint(plan.restore.checkpoint, self.state)
+            self._clean = False
+            return None
+        if best >= 0 and clean and all(s == best for s in steps):
+            return None  # every rank already holds the same state
+        if best < 0:
+            source, best = 0, 0  # fresh start: rank 0's initialisation wins
+        elif (plan.restore.kind == pb.RESTORE_KIND_PEERS and plan.restore.source_rank < world
+              and steps[plan.restore.source_rank] == best):
+            source = plan.restore.source_rank
+        else:
+            source = steps.index(best)
+        payload: list[Any] = [None]
+        if rank == source:
+            payload = [{k: v.state_dict() for k, v in self.state.items()}]
+        dist.broadcast_object_list(payload, src=source)
+        if rank != source:
+            for k, v in self.state.items():
+                v.load_state_dict(payload[0][k])
+        self._state_step = best
+        return source
+
+    def close(self) -> None:
+        """Flushes the last step report and drops the process group. Idempotent."""
+        leave_group()
+        if self._reporter is not None:
+            self._reporter.close()
+            self._reporter = None
+
+
+def state_digest(state: dict[str, Any]) -> str:
+    """SHA-256 over the tensors of every registered module (replica comparison)."""
+    h = hashlib.sha256()
+    for name in sorted(state):
+        obj = state[name]
+        if isinstance(obj, torch.nn.Module):
+            for key, t in sorted(obj.state_dict().items()):
+                h.update(key.encode())
+                h.update(t.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+class Generation:
+    """One membership epoch as seen by one rank: rank, world size, process group,
+    and the batches of the steps it runs. Use as a context manager."""
+
+    def __init__(self, session: Session, plan: pb.Plan, rank: int) -> None:
+        self.session = session
+        self.plan = plan
+        self.generation = plan.generation
+        self.rank = rank
+        self.world_size = plan.world_size
+        self.local_rank = session.env.local_rank
+        self.max_steps = plan.spec.max_steps or 2**62
+        data = plan.spec.data
+        self.stream = SampleStream(num_samples=int(data.num_samples),
+                                   global_batch_size=int(data.global_batch_size),
+                                   seed=int(data.seed))
+        self.group = dist.group.WORLD
+        self._loss = float("nan")
+        self._audit = (AuditLog(session.env.audit_dir, self.generation, rank)
+                       if session.env.audit_dir else None)
+
+    # -- the step loop ---------------------------------------------------------
+
+    def batches(self) -> Iterator[Batch]:
+        """This rank's batch of each step, from the step after the agreed state.
+
+        Stops after max_steps, or at the end of a step when any rank has seen a
+        newer plan (all ranks stop at the same step). Raises what a failed
+        collective raises; ``with gen:`` turns that into a quiet end."""
+        s = self.session
+        s._clean = False
+        while s._state_step < self.max_steps:
+            step = s._state_step + 1
+            batch = self.stream.batch(step, self.world_size, self.rank)
+            if self._audit is not None:
+                self._audit.record(batch)
+            self._loss = float("nan")
+            yield batch
+            s._state_step = step
+            if self._end_step(batch):
+                break
+        s._clean = True
+        if s._state_step >= self.max_steps:
+            s.finished = True
+            self._record_state("end")
+
+    def report(self, *, loss: float) -> None:
+        """Attaches this rank's mean loss over its batch to the current step."""
+        self._loss = float(loss)
+
+    def _end_step(self, batch: Batch) -> bool:
+        """The agreed step boundary: one all-reduce of (newest generation seen,
+        loss share). Returns True when the ranks must move to a newer plan."""
+        s = self.session
+        latest = s._latest()
+        seen = max(latest.generation if latest is not None else 0, self.generation)
+        if s._reporter is not None and s._reporter.coordinator_generation > seen:
+            seen = s._reporter.coordinator_generation
+        share = 0.0 if self._loss != self._loss else self._loss * len(batch.indices)
+        t = torch.tensor([float(seen), share / batch.global_batch_size], dtype=torch.float64)
+        dist.all_reduce(t)
+        newer = t[0].item() > self.world_size * self.generation + 0.5
+        if self.rank == 0:
+            self._after_step(batch.step, t[1].item())
+        if newer:
+            self._record_state("switch")
+        return newer
+
+    def _after_step(self, step: int, loss: float) -> None:
+        s = self.session
+        epoch, offset = self.stream.cursor_after(step)
+        if s._reporter is not None:
+            s._reporter.submit(generation=self.generation, step=step,
+                               samples_consumed=step * self.stream.global_batch_size,
+                               loss=loss, epoch=epoch, offset=offset)
+            if step >= self.max_steps:
+                s._reporter.flush()
+        _metric({"event": "step", "generation": self.generation, "world_size": self.world_size,
+                 "step": step, "loss": loss})
+
+    # -- bookkeeping -----------------------------------------------------------
+
+    def _record_start(self, source: int | None, formed_s: float) -> None:
+        if self.rank == 0:
+            _metric({"event": "generation", "generation": self.generation,
+                     "world_size": self.world_size, "step": self.session.step,
+                     "source_rank": -1 if source is None else source,
+                     "formed_s": round(formed_s, 4), "reason": self.plan.reason})
+        log.info("rank %d/%d joined generation %d at step %d (state from %s)", self.rank,
+                 self.world_size, self.generation, self.session.step,
+                 "memory" if source is None else f"rank {source}")
+        self._record_state("start")
+
+    def _record_state(self, when: str) -> None:
+        if not self.session.env.audit_dir:
+            return
+        path = os.path.join(self.session.env.audit_dir,
+                            f"state-g{self.generation:06d}-r{self.rank:05d}.jsonl")
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(json.dumps({"generation": self.generation, "rank": self.rank,
+                                "when": when, "step": self.session.step,
+                                "digest": state_digest(self.session.state)}) + "\n")
+
+    def _close(self) -> None:
+        if self._audit is not None:
+            self._audit.close()
+            self._audit = None
+        leave_group()
+
+    def __enter__(self) -> Generation:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:  # noqa: ANN001
+        if exc is None or not isinstance(exc, RuntimeError):
+            return False
+        s = self.session
+        s._clean = False
+        log.warning("generation %d broke on rank %d at step %d: %s", self.generation,
+                    self.rank, s.step + 1, str(exc).splitlines()[0] if str(exc) else exc)
+        leave_group()
+        latest = s._latest()
+        deadline = time.monotonic() + s.failure_grace_s
+        while latest is None or latest.generation <= self.generation:
+            if time.monotonic() >= deadline:
+                log.error("no new generation within %.0fs: the failure is not a "
+                          "membership change", s.failure_grace_s)
+                return False
+            time.sleep(0.02)
+            latest = s._latest()
+        return True
+
+
+def _metric(record: dict) -> None:
+    path = os.environ.get(METRICS_FILE)
+    if not path:
+        return
+    record = {"t": time.time(), **record}
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(record) + "\n")
