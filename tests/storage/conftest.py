@@ -1,0 +1,160 @@
+"""Fixtures for storage tests: a real moto S3 server on 127.0.0.1 (port 0), and a
+fault-injecting HTTP proxy in front of it."""
+
+from __future__ import annotations
+
+import http.client
+import socket
+import threading
+import uuid
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def moto_endpoint() -> Any:
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
+    server.start()
+    host, port = server.get_host_and_port()
+    yield f"http://{host}:{port}"
+    server.stop()
+
+
+def s3_options(endpoint: str, **extra: Any) -> dict[str, Any]:
+    opts: dict[str, Any] = {
+        "key": "testing",
+        "secret": "testing",
+        "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"},
+        "skip_instance_cache": True,
+    }
+    opts.update(extra)
+    return opts
+
+
+@pytest.fixture
+def s3_bucket(moto_endpoint: str) -> tuple[str, dict[str, Any]]:
+    """A fresh bucket; returns (``s3://bucket``, storage options)."""
+    import boto3
+
+    opts = s3_options(moto_endpoint)
+    name = f"ckpt-{uuid.uuid4().hex[:10]}"
+    boto3.client(
+        "s3", endpoint_url=moto_endpoint, aws_access_key_id="testing", aws_secret_access_key="testing",
+        region_name="us-east-1",
+    ).create_bucket(Bucket=name)
+    return f"s3://{name}", opts
+
+
+class FaultInjector:
+    """Chainable failure plan for the proxy: ``inj.fail(2, "503").fail(1, "reset", method="PUT")``.
+
+    Each rule fails the next ``count`` matching requests; ``injected`` records
+    what was actually done, for exact assertions.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._rules: list[list[Any]] = []  # [remaining, mode, method]
+        self.injected: list[tuple[str, str, str]] = []  # (mode, method, path)
+        self.forwarded = 0
+
+    def fail(self, count: int, mode: str, *, method: str | None = None) -> FaultInjector:
+        assert mode in ("503", "reset", "throttle")
+        with self._lock:
+            self._rules.append([count, mode, method])
+        return self
+
+    def _take(self, method: str, path: str) -> str | None:
+        with self._lock:
+            for rule in self._rules:
+                if rule[0] > 0 and (rule[2] is None or rule[2] == method):
+                    rule[0] -= 1
+                    self.injected.append((rule[1], method, path))
+                    return rule[1]
+            self.forwarded += 1
+        return None
+
+
+_HOP = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade", "proxy-connection"}
+
+
+def _make_handler(upstream: tuple[str, int], injector: FaultInjector) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+        def _body(self) -> bytes:
+            if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
+                out = b""
+                while True:
+                    size = int(self.rfile.readline().strip() or b"0", 16)
+                    if size == 0:
+                        self.rfile.readline()
+                        return out
+                    out += self.rfile.read(size)
+                    self.rfile.readline()
+            n = int(self.headers.get("Content-Length") or 0)
+            return self.rfile.read(n) if n else b""
+
+        def _handle(self) -> None:
+            body = self._body()
+            mode = injector._take(self.command, self.path)
+            if mode == "reset":
+                self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+                self.close_connection = True
+                self.connection.close()
+                return
+            if mode in ("503", "throttle"):
+                code = "SlowDown" if mode == "throttle" else "ServiceUnavailable"
+                payload = f"<?xml version='1.0'?><Error><Code>{code}</Code><Message>injected</Message></Error>".encode()
+                self.send_response(503)
+                self.send_header("Content-Type", "application/xml")
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+                return
+            conn = http.client.HTTPConnection(*upstream, timeout=60)
+            headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP}
+            headers["Content-Length"] = str(len(body))
+            conn.request(self.command, self.path, body=body, headers=headers)
+            resp = conn.getresponse()
+            data = resp.read()
+            self.send_response(resp.status)
+            for k, v in resp.getheaders():
+                if k.lower() not in _HOP and k.lower() != "content-length":
+                    self.send_header(k, v)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            if self.command != "HEAD":
+                self.wfile.write(data)
+            conn.close()
+
+        do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _handle
+
+    return Handler
+
+
+@pytest.fixture
+def faulty_s3(moto_endpoint: str) -> Any:
+    """(proxy endpoint URL, FaultInjector): an S3 endpoint that fails on demand."""
+    host, port = moto_endpoint.removeprefix("http://").split(":")
+    injector = FaultInjector()
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _make_handler((host, int(port)), injector))
+    server.daemon_threads = True
+    t = threading.Thread(target=server.serve_forever, daemon=True)
+    t.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", injector
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.fixture
+def make_s3_options() -> Any:
+    """The function ``s3_options(endpoint, **extra)`` building s3fs options for a test endpoint."""
+    return s3_options

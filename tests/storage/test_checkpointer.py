@@ -1,0 +1,288 @@
+"""Checkpointer, commit protocol, catalog and restore, with several ranks in one process
+(each rank a Checkpointer with its own background thread) on real files, memory:// and
+a real S3 server."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import threading
+import uuid
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from springback.storage import (
+    Checkpointer,
+    CheckpointNotFound,
+    CommitTimeout,
+    CorruptCheckpoint,
+    apply_retention,
+    clean_partial,
+    list_checkpoints,
+    restore,
+    verify,
+)
+from springback.storage.commit import record_name
+from springback.storage.manifest import MANIFEST_NAME
+from springback.storage.store import Store, join
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+
+def make_state(seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "model": {
+            "w1": torch.randn(64, 32, generator=g),
+            "b1": torch.randn(64, generator=g),
+            "w2": torch.randn(8, 64, generator=g, dtype=torch.float64),
+            "emb": torch.randint(0, 1000, (50, 3), generator=g),
+        },
+        "step_count": seed,
+        "meta": {"lr": 0.1 * seed, "names": ["a", "b"]},
+    }
+
+
+def zeros_like_state(sd: dict) -> dict:
+    if isinstance(sd, dict):
+        return {k: zeros_like_state(v) for k, v in sd.items()}
+    if isinstance(sd, torch.Tensor):
+        return torch.zeros_like(sd)
+    if isinstance(sd, list):
+        return [zeros_like_state(v) for v in sd]
+    return type(sd)() if not isinstance(sd, (int, float)) else 0
+
+
+def assert_state_equal(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        if isinstance(a[k], dict):
+            assert_state_equal(a[k], b[k])
+        elif isinstance(a[k], torch.Tensor):
+            assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+        else:
+            assert a[k] == b[k], k
+
+
+def save_all_ranks(base: str, step: int, sd_per_rank: list[dict], *, generation: int = 1, **kw) -> list:
+    """Every rank saves; returns the futures' results, rank 0 first."""
+    world = len(sd_per_rank)
+    ckpts = [Checkpointer(base, rank=r, world_size=world, commit_timeout_s=30, poll_interval_s=0.02, **kw) for r in range(world)]
+    futs = [c.save(step, sd_per_rank[r], generation=generation, cursor=(2, 17 * step), layout={"dp": world}) for r, c in enumerate(ckpts)]
+    out = [f.result(timeout=60) for f in futs]
+    for c in ckpts:
+        c.close()
+    return out
+
+
+@pytest.fixture(params=["file", "memory"])
+def base_uri(request, tmp_path) -> str:
+    if request.param == "file":
+        return f"file://{tmp_path}/ckpts"
+    return f"memory://ckpt-{uuid.uuid4().hex[:8]}"
+
+
+class TestCommitProtocol:
+    def test_two_ranks_commit_one_manifest_listing_every_shard(self, base_uri):
+        sd = make_state(1)
+        info, rec1 = save_all_ranks(base_uri, 10, [sd, sd])
+        m = info.manifest
+        assert (m.step, m.generation, m.world_size) == (10, 1, 2)
+        assert (m.cursor.epoch, m.cursor.offset) == (2, 170)
+        assert m.layout == {"dp": 2}
+        paths = {f.path for f in m.files}
+        assert {"__0_0.distcp", "__1_0.distcp", ".metadata", record_name(0), record_name(1)} <= paths
+        assert m.versions["torch"] == torch.__version__
+        assert verify(info.uri) == []
+        ref = info.to_checkpoint_ref()
+        assert (ref.step, ref.uri, ref.world_size, ref.size_bytes) == (10, info.uri, 2, m.size_bytes)
+        assert (ref.cursor.epoch, ref.cursor.offset) == (2, 170)
+
+    def test_replicated_tensors_are_split_between_ranks_not_duplicated(self, base_uri):
+        sd = make_state(2)
+        info, rec1 = save_all_ranks(base_uri, 1, [sd, sd])
+        rank1_fqns = {i.index.fqn for i in rec1.items}
+        rec0 = pickle.loads(Store(base_uri).get_bytes(join(info.uri, record_name(0))))
+        rank0_fqns = {i.index.fqn for i in rec0.items}
+        assert rank0_fqns and rank1_fqns and not (rank0_fqns & rank1_fqns)
+        assert rank0_fqns | rank1_fqns == {"model.w1", "model.b1", "model.w2", "model.emb", "step_count", "meta.lr", "meta.names"}
+
+    def test_plain_dcp_load_reads_the_checkpoint(self, base_uri):
+        sd = make_state(3)
+        info, _ = save_all_ranks(base_uri, 3, [sd, sd])
+        out = zeros_like_state(sd)
+        if base_uri.startswith("file://"):
+            dcp.load(out, storage_reader=dcp.FileSystemReader(info.uri.removeprefix("file://")))
+        else:
+            from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+            dcp.load(out, storage_reader=FsspecReader(info.uri))
+        assert_state_equal(out, sd)
+
+    def test_restore_at_any_world_size_is_bit_identical_and_returns_the_cursor(self, base_uri):
+        sd = make_state(4)
+        save_all_ranks(base_uri, 4, [sd, sd, sd])
+        out = zeros_like_state(sd)
+        result = restore(base_uri, out)
+        assert_state_equal(out, sd)
+        assert result.step == 4 and (result.manifest.cursor.epoch, result.manifest.cursor.offset) == (2, 68)
+
+    def test_a_rank_that_never_writes_makes_the_commit_time_out_and_leaves_it_partial(self, base_uri):
+        sd = make_state(5)
+        save_all_ranks(base_uri, 1, [sd, sd])
+        errors = []
+        c0 = Checkpointer(base_uri, rank=0, world_size=2, commit_timeout_s=0.5, poll_interval_s=0.02, on_error=errors.append)
+        fut = c0.save(2, sd, generation=1)
+        with pytest.raises(CommitTimeout) as exc:
+            fut.result(timeout=30)
+        assert exc.value.missing_ranks == [1]
+        assert len(errors) == 1 and c0.stats.failed == 1 and "ranks [1]" in c0.stats.last_error
+        states = {(c.step, c.state) for c in list_checkpoints(base_uri)}
+        assert states == {(1, "committed"), (2, "partial")}
+        out = zeros_like_state(sd)
+        assert restore(base_uri, out).step == 1
+        c0.close()
+
+
+class TestOverlapPolicy:
+    def _blocked_store(self, base_uri: str, release: threading.Event, entered: threading.Event) -> Store:
+        class Gated(Store):
+            def write_file(self, uri, produce):
+                entered.set()
+                assert release.wait(30)
+                return super().write_file(uri, produce)
+
+        return Gated(base_uri)
+
+    def test_skip_policy_skips_and_counts_while_a_save_is_in_flight(self, base_uri):
+        release, entered = threading.Event(), threading.Event()
+        c = Checkpointer(base_uri, rank=0, world_size=1, policy="skip", store=self._blocked_store(base_uri, release, entered))
+        sd = make_state(6)
+        first = c.save(1, sd, generation=1)
+        assert entered.wait(30)
+        assert c.save(2, sd, generation=1) is None
+        assert c.stats.skipped == 1
+        release.set()
+        assert first.result(timeout=30).manifest.step == 1
+        assert [x.step for x in list_checkpoints(base_uri)] == [1]
+        c.close()
+
+    def test_block_policy_waits_for_the_previous_save_and_writes_both(self, base_uri):
+        release, entered = threading.Event(), threading.Event()
+        c = Checkpointer(base_uri, rank=0, world_size=1, policy="block", store=self._blocked_store(base_uri, release, entered))
+        sd = make_state(7)
+        c.save(1, sd, generation=1)
+        assert entered.wait(30)
+        threading.Timer(0.2, release.set).start()
+        second = c.save(2, sd, generation=1)  # blocks until the first finished
+        assert c.stats.last_stall_s >= 0.1
+        assert second.result(timeout=30).manifest.step == 2
+        assert [(x.step, x.state) for x in list_checkpoints(base_uri)] == [(1, "committed"), (2, "committed")]
+        c.close()
+
+    def test_snapshot_is_taken_at_save_time_and_staging_buffers_are_reused(self, base_uri):
+        c = Checkpointer(base_uri, rank=0, world_size=1)
+        sd = make_state(8)
+        expected = {k: v.clone() for k, v in sd["model"].items()}
+        c.save(1, sd, generation=1)
+        for v in sd["model"].values():  # mutate right after save() returned
+            v.add_(1)
+        c.wait(30)
+        buffers = dict(c._staging._buffers)
+        c.save(2, sd, generation=1)
+        c.wait(30)
+        assert all(c._staging._buffers[k] is buffers[k] for k in buffers)
+        out = zeros_like_state(make_state(8))
+        restore(base_uri, out, step=1)
+        assert_state_equal(out["model"], expected)
+        c.close()
+
+
+class TestCorruption:
+    def test_verify_names_the_corrupt_shard_and_restore_falls_back(self, base_uri):
+        old, new = make_state(9), make_state(10)
+        save_all_ranks(base_uri, 1, [old, old])
+        info, _ = save_all_ranks(base_uri, 2, [new, new])
+        store = Store(base_uri)
+        shard = join(info.uri, "__1_0.distcp")
+        data = bytearray(store.get_bytes(shard))
+        data[len(data) // 2] ^= 0xFF
+        store.put_bytes(shard, bytes(data))
+        problems = verify(info.uri)
+        assert len(problems) == 1 and "__1_0.distcp" in problems[0] and "crc32" in problems[0]
+        out = zeros_like_state(old)
+        result = restore(base_uri, out)
+        assert result.step == 1 and [u for u, _ in result.skipped] == [info.uri]
+        assert_state_equal(out, old)
+
+    def test_missing_shard_is_named_and_explicit_step_is_not_replaced(self, base_uri):
+        sd = make_state(11)
+        save_all_ranks(base_uri, 1, [sd, sd])
+        info, _ = save_all_ranks(base_uri, 2, [sd, sd])
+        Store(base_uri).rm(join(info.uri, "__0_0.distcp"))
+        assert any("__0_0.distcp: missing" in p for p in verify(info.uri))
+        with pytest.raises(CorruptCheckpoint, match="__0_0.distcp"):
+            restore(base_uri, zeros_like_state(sd), step=2)
+
+    def test_no_committed_checkpoint_is_a_clear_not_found(self, base_uri):
+        with pytest.raises(CheckpointNotFound, match="no committed checkpoint"):
+            restore(base_uri, {"x": torch.zeros(1)})
+
+
+class TestRetentionAndCleanup:
+    def test_keep_last_keeps_exactly_the_newest_n(self, base_uri):
+        sd = make_state(12)
+        for step in range(1, 7):
+            save_all_ranks(base_uri, step, [sd])
+        deleted = apply_retention(base_uri, keep_last=2)
+        assert len(deleted) == 4
+        assert [c.step for c in list_checkpoints(base_uri)] == [5, 6]
+
+    def test_keep_every_also_keeps_multiples(self, base_uri):
+        sd = make_state(13)
+        for step in range(1, 8):
+            save_all_ranks(base_uri, step, [sd])
+        apply_retention(base_uri, keep_last=2, keep_every=3)
+        assert [c.step for c in list_checkpoints(base_uri)] == [3, 6, 7]
+
+    def test_checkpointer_retention_runs_only_after_a_newer_commit(self, base_uri):
+        sd = make_state(14)
+        for step in range(1, 4):
+            save_all_ranks(base_uri, step, [sd], keep_last=1)
+            assert [c.step for c in list_checkpoints(base_uri)] == [step]
+
+    def test_clean_partial_deletes_only_what_can_no_longer_commit(self, base_uri):
+        sd = make_state(15)
+        store = Store(base_uri)
+        save_all_ranks(base_uri, 2, [sd])
+        for name in ("step-00000001-g1", "step-00000003-g1", "step-00000004-g2"):
+            store.put_bytes(join(base_uri, name, "__0_0.distcp"), b"partial")
+        assert clean_partial(base_uri) == [join(base_uri, "step-00000001-g1")]
+        assert clean_partial(base_uri, current_generation=2) == [join(base_uri, "step-00000003-g1")]
+        assert [(c.step, c.state) for c in list_checkpoints(base_uri)] == [(2, "committed"), (4, "partial")]
+
+    def test_manifest_is_written_last_and_is_json(self, base_uri):
+        sd = make_state(16)
+        info, _ = save_all_ranks(base_uri, 1, [sd, sd])
+        m = json.loads(Store(base_uri).get_bytes(join(info.uri, MANIFEST_NAME)))
+        assert m["format"] == "springback.checkpoint/v1" and m["size_bytes"] == info.manifest.size_bytes
+
+
+@pytest.mark.timeout(120)
+def test_s3_round_trip_on_a_real_s3_server(s3_bucket):
+    bucket, opts = s3_bucket
+    base = f"{bucket}/job-a"
+    sd = make_state(17)
+    info, _ = save_all_ranks(base, 5, [sd, sd], storage_options=opts)
+    assert verify(info.uri, storage_options=opts) == []
+    out = zeros_like_state(sd)
+    result = restore(base, out, storage_options=opts)
+    assert result.uri == info.uri and result.step == 5
+    assert_state_equal(out, sd)
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+    out2 = zeros_like_state(sd)
+    dcp.load(out2, storage_reader=FsspecReader(info.uri, **opts))
+    assert_state_equal(out2, sd)
