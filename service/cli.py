@@ -1,0 +1,307 @@
+"""The `springback` command line.
+
+Global options (accepted before or after the subcommand):
+``--coordinator ADDR[,ADDR…]`` ($SPRINGBACK_COORDINATOR), ``--token``
+($SPRINGBACK_TOKEN), ``--json`` (machine-readable output, one object per
+line for streams). Exit codes: 0 success, 1 the API refused or failed, 2 bad
+usage or input (the message names the field or file).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from google.protobuf.json_format import MessageToDict
+
+from springback.service.channel import ENV_COORDINATOR, ENV_TOKEN
+from springback.service.client import ApiError, Client
+from springback.service.errors import InvalidArgument
+from springback.v1 import types_pb2 as pb
+
+
+def job_summary(job: pb.Job) -> dict[str, Any]:
+    """The `job get --json` object."""
+    status = job.status
+    checkpoint = None
+    if status.last_checkpoint.step:
+        checkpoint = {
+            "step": status.last_checkpoint.step, "uri": status.last_checkpoint.uri,
+            "generation": status.last_checkpoint.generation,
+            "world_size": status.last_checkpoint.world_size,
+        }
+    return {
+        "id": job.id,
+        "name": job.spec.name,
+        "state": pb.JobState.Name(status.state).removeprefix("JOB_STATE_").lower(),
+        "generation": status.generation,
+        "world_size": status.world_size,
+        "members": list(status.members),
+        "spares": list(status.spares),
+        "step": status.step,
+        "max_steps": job.spec.max_steps,
+        "samples_consumed": status.samples_consumed,
+        "loss": status.loss,
+        "last_checkpoint": checkpoint,
+        "checkpoint_error": status.checkpoint_error or None,
+        "message": status.message,
+        "spec": MessageToDict(job.spec, preserving_proto_field_name=True),
+    }
+
+
+def _human_job(job: pb.Job) -> str:
+    s = job_summary(job)
+    ckpt = s["last_checkpoint"]
+    lines = [
+        f"job        {s['id']} ({s['name']})",
+        f"state      {s['state']}   {s['message']}",
+        f"generation {s['generation']}   world size {s['world_size']}",
+        f"members    {', '.join(s['members']) or '-'}"
+        + (f"   spares {', '.join(s['spares'])}" if s["spares"] else ""),
+        f"progress   step {s['step']}/{s['max_steps']}   samples {s['samples_consumed']}"
+        f"   loss {s['loss']:.4f}",
+        f"checkpoint {'step %d at %s' % (ckpt['step'], ckpt['uri']) if ckpt else '-'}",
+    ]
+    if s["checkpoint_error"]:
+        lines.append(f"ckpt error {s['checkpoint_error']}")
+    return "\n".join(lines)
+
+
+def _progress_line(job: pb.Job, event: str) -> str:
+    s = job_summary(job)
+    return (f"[gen {s['generation']:>3}] {s['state']:<9} world {s['world_size']:>3}  "
+            f"step {s['step']:>6}/{s['max_steps']}  loss {s['loss']:.4f}  {event}")
+
+
+class _Printer:
+    def __init__(self, as_json: bool) -> None:
+        self.as_json = as_json
+
+    def job(self, job: pb.Job) -> None:
+        print(json.dumps(job_summary(job)) if self.as_json else _human_job(job))
+
+
+def _client(args: argparse.Namespace) -> Client:
+    return Client(args.coordinator, token=args.token)
+
+
+def _job_command(args: argparse.Namespace) -> int:
+    out = _Printer(args.json)
+    with _client(args) as client:
+        action = args.job_action
+        if action == "submit":
+            out.job(client.create_job(args.file))
+        elif action == "get":
+            out.job(client.get_job(args.job))
+        elif action == "list":
+            jobs = client.list_jobs()
+            if args.json:
+                print(json.dumps([job_summary(j) for j in jobs]))
+            else:
+                for j in jobs:
+                    s = job_summary(j)
+                    print(f"{s['id']:<28} {s['state']:<10} gen {s['generation']:>4}  "
+                          f"world {s['world_size']:>3}  step {s['step']}/{s['max_steps']}")
+        elif action == "scale":
+            out.job(client.scale_job(args.job, args.min, args.max))
+        elif action in ("pause", "resume", "cancel"):
+            out.job(getattr(client, f"{action}_job")(args.job))
+        elif action == "restore":
+            out.job(client.restore_job(args.job, args.step))
+        elif action == "watch":
+            _watch(client, args)
+    return 0
+
+
+def _watch(client: Client, args: argparse.Namespace) -> None:
+    live = sys.stdout.isatty() and not args.json
+    last_generation = None
+    for job, event in client.watch_job(args.job):
+        if args.json:
+            print(json.dumps({"event": event, **job_summary(job)}), flush=True)
+            continue
+        line = _progress_line(job, event)
+        if live and job.status.generation == last_generation and event.startswith("step"):
+            print("\r" + line.ljust(100), end="", flush=True)  # progress: rewrite in place
+        else:
+            print(("\n" if live and last_generation is not None else "") + line, flush=True)
+        last_generation = job.status.generation
+    if live:
+        print()
+
+
+def _ckpt_command(args: argparse.Namespace) -> int:
+    if args.ckpt_action == "verify":
+        from springback.storage.cli import verify_main
+
+        return verify_main(args.uri, as_json=args.json)
+    with _client(args) as client:
+        if args.ckpt_action == "list":
+            refs = client.list_checkpoints(args.job)
+            rows = [{
+                "step": r.step, "uri": r.uri, "generation": r.generation,
+                "world_size": r.world_size, "size_bytes": r.size_bytes,
+                "committed_at": r.committed_at.ToJsonString() if r.committed_at.seconds else None,
+                "state": "committed",
+            } for r in refs]
+            if args.json:
+                print(json.dumps(rows))
+            else:
+                for r in rows:
+                    print(f"step {r['step']:>8}  {r['committed_at'] or '-':<24} "
+                          f"{r['size_bytes'] / 1e6:>9.1f} MB  world {r['world_size']:>3}  "
+                          f"{r['state']}  {r['uri']}")
+        elif args.ckpt_action == "restore":
+            _Printer(args.json).job(client.restore_job(args.job, args.step))
+    return 0
+
+
+def _coordinator_command(args: argparse.Namespace) -> int:
+    from springback.service.server import CoordinatorConfig, CoordinatorServer
+
+    config = CoordinatorConfig(
+        etcd=args.etcd, listen=args.listen, advertise=args.advertise, token=args.token,
+        tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
+        liveness_timeout_s=args.liveness_timeout_s, leader_ttl_s=args.leader_ttl_s,
+        metrics_listen=args.metrics_listen,
+    )
+    server = CoordinatorServer(config)
+    server.start()
+    print(json.dumps({"address": server.address}) if args.json
+          else f"coordinator serving on {server.address}", flush=True)
+    _serve_until_signal(server.stop)
+    return 0
+
+
+def _serve_until_signal(stop: Callable[[], None]) -> None:
+    done = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: done.set())
+    done.wait()
+    stop()
+
+
+def _up_command(args: argparse.Namespace) -> int:
+    from springback.service.local import EtcdServer
+    from springback.service.server import CoordinatorConfig, CoordinatorServer
+
+    etcd = EtcdServer(os.path.join(args.state_dir, "etcd"), client_port=args.etcd_port)
+    etcd.start()
+    server = CoordinatorServer(CoordinatorConfig(
+        etcd=etcd.endpoint, listen=args.listen, token=args.token,
+        liveness_timeout_s=args.liveness_timeout_s,
+    ))
+    server.start()
+    print(f"etcd        {etcd.endpoint} (data in {etcd.data_dir})")
+    print(f"coordinator {server.address}")
+    print(f"export {ENV_COORDINATOR}={server.address}", flush=True)
+
+    def stop() -> None:
+        server.stop()
+        etcd.stop()
+
+    _serve_until_signal(stop)
+    return 0
+
+
+def _add_global(parser: argparse.ArgumentParser, suppress: bool) -> None:
+    default: Callable[[Any], Any] = (lambda _: argparse.SUPPRESS) if suppress else (lambda v: v)
+    parser.add_argument("--coordinator", default=default(os.environ.get(ENV_COORDINATOR)),
+                        help=f"coordinator address(es), comma-separated (${ENV_COORDINATOR})")
+    parser.add_argument("--token", default=default(os.environ.get(ENV_TOKEN)),
+                        help=f"bearer token (${ENV_TOKEN})")
+    parser.add_argument("--json", action="store_true", default=default(False),
+                        help="machine-readable output")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="springback", description=__doc__.split("\n")[0])
+    _add_global(parser, suppress=False)
+    common = argparse.ArgumentParser(add_help=False)
+    _add_global(common, suppress=True)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    up = commands.add_parser("up", parents=[common], help="local etcd + coordinator")
+    up.add_argument("--state-dir", default=os.path.expanduser("~/.springback"))
+    up.add_argument("--listen", default="127.0.0.1:7070")
+    up.add_argument("--etcd-port", type=int, default=2379)
+    up.add_argument("--liveness-timeout-s", type=float, default=5.0)
+    up.set_defaults(handler=_up_command)
+
+    coord = commands.add_parser("coordinator", parents=[common], help="run a coordinator replica")
+    coord.add_argument("--etcd", required=True, help="etcd endpoint(s), http://HOST:PORT[,…]")
+    coord.add_argument("--listen", default="127.0.0.1:7070")
+    coord.add_argument("--advertise", help="address other replicas reach this one at")
+    coord.add_argument("--tls-cert")
+    coord.add_argument("--tls-key")
+    coord.add_argument("--tls-client-ca", help="require client certificates signed by this CA")
+    coord.add_argument("--liveness-timeout-s", type=float, default=5.0)
+    coord.add_argument("--leader-ttl-s", type=int, default=3)
+    coord.add_argument("--metrics-listen", help="HOST:PORT for Prometheus /metrics")
+    coord.set_defaults(handler=_coordinator_command)
+
+    job = commands.add_parser("job", parents=[common], help="submit and control jobs")
+    actions = job.add_subparsers(dest="job_action", required=True)
+    actions.add_parser("submit", parents=[common], help="submit a YAML/JSON spec").add_argument("file")
+    actions.add_parser("list", parents=[common], help="list jobs")
+    for name in ("get", "pause", "resume", "cancel", "watch"):
+        actions.add_parser(name, parents=[common], help=f"{name} a job").add_argument("job")
+    scale = actions.add_parser("scale", parents=[common], help="change min/max workers")
+    scale.add_argument("job")
+    scale.add_argument("--min", type=int, required=True)
+    scale.add_argument("--max", type=int, required=True)
+    restore = actions.add_parser("restore", parents=[common], help="restore a committed step")
+    restore.add_argument("job")
+    restore.add_argument("--step", type=int, default=0, help="committed step (default newest)")
+    job.set_defaults(handler=_job_command)
+
+    ckpt = commands.add_parser("ckpt", parents=[common], help="checkpoints")
+    ckpt_actions = ckpt.add_subparsers(dest="ckpt_action", required=True)
+    ckpt_actions.add_parser("list", parents=[common], help="committed checkpoints").add_argument("job")
+    ckpt_actions.add_parser("verify", parents=[common], help="verify checksums").add_argument("uri")
+    ckpt_restore = ckpt_actions.add_parser("restore", parents=[common], help="restore a step")
+    ckpt_restore.add_argument("job")
+    ckpt_restore.add_argument("--step", type=int, default=0)
+    ckpt.set_defaults(handler=_ckpt_command)
+
+    _add_run_command(commands, common)
+    return parser
+
+
+def _add_run_command(commands: Any, common: argparse.ArgumentParser) -> None:
+    try:
+        from springback.worker.agent import add_run_arguments, run_main
+    except ImportError:  # the worker package is optional for a coordinator-only install
+        return
+    run = commands.add_parser("run", parents=[common], help="node agent: join a job, run CMD")
+    add_run_arguments(run)
+    run.set_defaults(handler=run_main)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    logging.basicConfig(
+        level=os.environ.get("SPRINGBACK_LOG_LEVEL", "WARNING"),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.handler(args) or 0)
+    except ApiError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except (InvalidArgument, ValueError, OSError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

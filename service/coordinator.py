@@ -1,0 +1,434 @@
+"""The coordinator's transport-free logic: jobs, generations, fencing, commits.
+
+Only the leader replica runs this logic (non-leaders forward RPCs, see
+`server`); every write is an etcd transaction guarded by the leader's fencing
+token and by compare-and-swap on the keys it read, so two replicas that both
+believe they lead cannot both write, and a generation number is never issued
+twice.
+
+What is durable (etcd): jobs (spec + status), members (lease-bound), the
+current plan per job, committed checkpoints. What is in memory only: per-step
+progress (flushed to etcd at most every ``progress_flush_s`` and with every
+other write, so steps cost no etcd writes) and the waiters of watch streams.
+A leader that dies loses at most ``progress_flush_s`` of *reported progress*,
+never a job, member, generation or commit.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Collection, Iterator
+
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from springback.service import keys, planner
+from springback.service.election import Election
+from springback.service.errors import (
+    Conflict, FailedPrecondition, NotFound, NotLeader, SpringbackError, StaleGeneration,
+)
+from springback.service.store import Store
+from springback.v1 import types_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+JobMutation = Callable[[pb.Job], None]
+
+
+def _now() -> Timestamp:
+    ts = Timestamp()
+    ts.GetCurrentTime()
+    return ts
+
+
+class Coordinator:
+    """Jobs and generations of one coordinator replica (acts only as leader)."""
+
+    def __init__(
+        self,
+        store: Store,
+        election: Election,
+        *,
+        liveness_timeout_s: float = 5.0,
+        progress_flush_s: float = 5.0,
+        reconcile_interval_s: float = 0.2,
+    ) -> None:
+        self.store = store
+        self.election = election
+        self.liveness_timeout_s = liveness_timeout_s
+        self.progress_flush_s = progress_flush_s
+        self.reconcile_interval_s = reconcile_interval_s
+        self._lock = threading.RLock()
+        self._changed = threading.Condition(self._lock)
+        self._version = 0  # bumped on every change; watchers wait on it
+        self._events: dict[str, str] = {}  # job id -> last change, in words
+        self._progress: dict[str, planner.Progress] = {}
+        self._dirty: set[str] = set()  # jobs whose progress is not yet in etcd
+        self._generation: dict[str, int] = {}  # job id -> current generation
+        self._planned: dict[str, set[str]] = {}  # job id -> member ids in the plan
+        self._lease_of: dict[str, int] = {}  # member id -> lease id
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="reconcile", daemon=True)
+        self.num_loop_errors = 0
+        self.num_generations = 0
+        self.last_replan_s = 0.0
+
+    # -- lifecycle ------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.leadership_changed()
+        self._thread.join(timeout=5)
+
+    def leadership_changed(self) -> None:
+        """Drops leader-only caches and wakes every watcher (they re-check leadership)."""
+        with self._changed:
+            self._progress.clear()
+            self._dirty.clear()
+            self._generation.clear()
+            self._planned.clear()
+            self._lease_of.clear()
+            self._version += 1
+            self._changed.notify_all()
+
+    def _require_leader(self) -> None:
+        if not self.election.is_leader():
+            raise NotLeader(f"replica {self.election.address} is not the leader")
+
+    # -- reads ------------------------------------------------------------------
+
+    def _job_entry(self, job_id: str):  # noqa: ANN202
+        entry = self.store.get(keys.job(job_id), pb.Job)
+        if entry is None:
+            raise NotFound(f"job {job_id!r} not found")
+        return entry
+
+    def _with_progress(self, job: pb.Job) -> pb.Job:
+        progress = self._progress.get(job.id)
+        if progress is not None and progress.step >= job.status.step:
+            job.status.step = progress.step
+            job.status.samples_consumed = progress.samples_consumed
+            job.status.loss = progress.loss
+            job.status.cursor.CopyFrom(progress.cursor)
+        return job
+
+    def get_job(self, job_id: str) -> pb.Job:
+        return self._with_progress(self._job_entry(job_id).value)
+
+    def list_jobs(self) -> list[pb.Job]:
+        return [
+            self._with_progress(e.value)
+            for e in self.store.get_prefix(keys.JOBS, pb.Job)
+            if "/" not in e.key[len(keys.JOBS):]
+        ]
+
+    def current_plan(self, job_id: str) -> pb.Plan | None:
+        entry = self.store.get(keys.plan(job_id), pb.Plan)
+        return entry.value if entry else None
+
+    def list_checkpoints(self, job_id: str) -> list[pb.CheckpointRef]:
+        """Committed checkpoints, newest first."""
+        self._job_entry(job_id)
+        refs = [e.value for e in self.store.get_prefix(keys.checkpoints(job_id), pb.CheckpointRef)]
+        return sorted(refs, key=lambda r: r.step, reverse=True)
+
+    def current_generation(self, job_id: str) -> int:
+        generation = self._generation.get(job_id)
+        if generation is None:
+            plan = self.current_plan(job_id)
+            generation = plan.generation if plan else 0
+            self._generation[job_id] = generation
+            self._planned[job_id] = {m.member_id for m in plan.members} if plan else set()
+        return generation
+
+    def members(self, job_id: str) -> list[pb.Member]:
+        out = []
+        for e in self.store.get_prefix(keys.members(job_id), pb.Member):
+            member = e.value
+            member.join_order = e.create_revision
+            self._lease_of[member.id] = e.lease_id
+            out.append(member)
+        return out
+
+    # -- the one write path -----------------------------------------------------
+
+    def change(
+        self,
+        job_id: str,
+        reason: str,
+        mutate: JobMutation | None = None,
+        *,
+        stateless: Collection[str] = (),
+        draining: Collection[str] = (),
+        force_generation: bool = False,
+        extra_ops: Callable[[], list] | None = None,
+    ) -> pb.Job:
+        """Applies `mutate` to the job, replans, and writes both atomically.
+
+        A new generation is written when the plan's signature changes (or when
+        forced: a rank crashed, an operator restore). `draining` members are
+        planned as if their draining flag (written by `extra_ops`) were set.
+        Raises `Conflict` if a
+        concurrent writer won (nothing is written), `NotLeader` if this replica
+        does not lead, and whatever `mutate` raises (nothing is written).
+        """
+        self._require_leader()
+        with self._changed:
+            job_entry = self._job_entry(job_id)
+            job = self._with_progress(job_entry.value)
+            if mutate is not None:
+                mutate(job)
+            plan_entry = self.store.get(keys.plan(job_id), pb.Plan)
+            previous = plan_entry.value if plan_entry else None
+            members = self.members(job_id)
+            for m in members:
+                m.draining = m.draining or m.id in draining
+            checkpoints = self.list_checkpoints(job_id)
+            requested = None
+            if job.status.restore_step:
+                requested = next((c for c in checkpoints if c.step == job.status.restore_step), None)
+            started = time.perf_counter()
+            plan = planner.make_plan(
+                job, members, previous,
+                progress=self._progress.get(job_id) or planner.Progress(
+                    step=job.status.step, samples_consumed=job.status.samples_consumed,
+                    loss=job.status.loss, cursor=job.status.cursor,
+                ),
+                newest_checkpoint=checkpoints[0] if checkpoints else None,
+                requested_checkpoint=requested,
+                stateless=stateless,
+                reason=reason,
+            )
+            self.last_replan_s = time.perf_counter() - started
+            new_generation = force_generation or previous is None or (
+                planner.signature(plan) != planner.signature(previous)
+            )
+            status = job.status
+            if new_generation:
+                plan.generation = (previous.generation if previous else 0) + 1
+                plan.created_at.CopyFrom(_now())
+                if plan.restore.kind in (pb.RESTORE_KIND_CHECKPOINT, pb.RESTORE_KIND_NONE):
+                    # Training rewinds to the restored state: progress follows it.
+                    if requested is not None:
+                        status.restore_step = 0
+                    status.step = plan.step
+                    status.cursor.CopyFrom(plan.cursor)
+                    if plan.restore.kind == pb.RESTORE_KIND_NONE:
+                        status.samples_consumed = 0
+                    self._progress.pop(job_id, None)
+                status.generation = plan.generation
+                status.world_size = plan.world_size
+                del status.members[:]
+                status.members.extend(m.member_id for m in plan.members if plan.world_size)
+            if not planner.is_terminal(status.state):
+                if plan.action == pb.PLAN_ACTION_RUN:
+                    status.state = pb.JOB_STATE_RUNNING
+                elif status.state == pb.JOB_STATE_RUNNING:
+                    status.state = pb.JOB_STATE_PENDING
+            del status.spares[:]
+            status.spares.extend(plan.spares)
+            status.message = reason
+            status.updated_at.CopyFrom(_now())
+
+            txn = self.store.txn
+            compare = self.election.fence() + [
+                txn.mod(keys.job(job_id)) == job_entry.mod_revision,
+                (txn.mod(keys.plan(job_id)) == plan_entry.mod_revision) if plan_entry
+                else (txn.version(keys.plan(job_id)) == 0),
+            ]
+            ops = [txn.put(keys.job(job_id), job.SerializeToString())]
+            if new_generation:
+                ops.append(txn.put(keys.plan(job_id), plan.SerializeToString()))
+            if extra_ops is not None:
+                ops.extend(extra_ops())
+            if not self.store.transaction(compare, ops):
+                raise Conflict(f"job {job_id}: concurrent update, retry")
+            self._dirty.discard(job_id)
+            if new_generation:
+                self.num_generations += 1
+                self._generation[job_id] = plan.generation
+                self._planned[job_id] = {m.member_id for m in plan.members}
+                log.info("job %s generation %d (%s): world %d, %s", job_id, plan.generation,
+                         pb.PlanAction.Name(plan.action), plan.world_size, reason)
+            self._notify(job_id, reason)
+            return job
+
+    def _notify(self, job_id: str, event: str) -> None:
+        with self._changed:
+            self._version += 1
+            self._events[job_id] = event
+            self._changed.notify_all()
+
+    def change_with_retry(self, job_id: str, reason: str, mutate: JobMutation | None = None,
+                          **kwargs) -> pb.Job:  # noqa: ANN003
+        """`change`, retried on `Conflict` (three attempts)."""
+        for attempt in range(3):
+            try:
+                return self.change(job_id, reason, mutate, **kwargs)
+            except Conflict:
+                if attempt == 2:
+                    raise
+        raise AssertionError("unreachable")
+
+    # -- progress and fencing ---------------------------------------------------
+
+    def check_generation(self, job_id: str, generation: int) -> None:
+        """Raises `StaleGeneration` unless `generation` is the job's current one."""
+        current = self.current_generation(job_id)
+        if generation != current:
+            raise StaleGeneration(job_id, generation, current)
+
+    def record_progress(self, job_id: str, member_id: str, generation: int,
+                        progress: planner.Progress) -> int:
+        """Accepts a step report from a member of the current generation.
+
+        In memory only; the job succeeds (one write) when max_steps is reached.
+        """
+        self._require_leader()
+        with self._changed:
+            self.check_generation(job_id, generation)
+            if member_id not in self._planned.get(job_id, set()):
+                raise StaleGeneration(job_id, generation, self.current_generation(job_id))
+            previous = self._progress.get(job_id)
+            if previous is None or progress.step >= previous.step:
+                self._progress[job_id] = progress
+                self._dirty.add(job_id)
+                self._notify(job_id, f"step {progress.step}")
+        job = self.get_job(job_id)
+        if progress.step >= job.spec.max_steps and job.status.state == pb.JOB_STATE_RUNNING:
+            def succeed(job: pb.Job) -> None:
+                job.status.state = pb.JOB_STATE_SUCCEEDED
+            self.change_with_retry(job_id, f"reached max_steps {job.spec.max_steps}", succeed)
+        return self.current_generation(job_id)
+
+    # -- watching -----------------------------------------------------------------
+
+    def watch(self, job_id: str, alive: Callable[[], bool],
+              poll_s: float = 1.0) -> Iterator[tuple[pb.Job, str]]:
+        """The job now, then after every change, until the job ends or `alive()` is false.
+
+        Raises `NotLeader` when this replica stops leading (the stream should
+        be retried against the new leader).
+        """
+        seen = -1
+        while alive():
+            self._require_leader()
+            with self._changed:
+                if seen == self._version:
+                    self._changed.wait(poll_s)
+                    continue
+                seen = self._version
+                event = self._events.get(job_id, "")
+            job = self.get_job(job_id)
+            yield job, event
+            if planner.is_terminal(job.status.state):
+                return
+
+    def watch_plans(self, job_id: str, alive: Callable[[], bool],
+                    poll_s: float = 1.0) -> Iterator[pb.Plan]:
+        """The current plan, then each newer one; ends after a STOP plan."""
+        self._job_entry(job_id)
+        sent = -1
+        while alive():
+            self._require_leader()
+            with self._changed:
+                generation = self.current_generation(job_id)
+                if generation == sent:
+                    self._changed.wait(poll_s)
+                    continue
+            plan = self.current_plan(job_id)
+            if plan is None:
+                with self._changed:
+                    self._changed.wait(poll_s)
+                continue
+            sent = plan.generation
+            yield plan
+            if plan.action == pb.PLAN_ACTION_STOP:
+                return
+
+    # -- background loop ------------------------------------------------------------
+
+    def _loop(self) -> None:
+        last_flush = time.monotonic()
+        while not self._stop.wait(self.reconcile_interval_s):
+            if not self.election.is_leader():
+                continue
+            try:
+                self.reconcile()
+                if time.monotonic() - last_flush >= self.progress_flush_s:
+                    self.flush_progress()
+                    last_flush = time.monotonic()
+            except SpringbackError as e:
+                self.num_loop_errors += 1
+                log.warning("reconcile: %s", e)
+            except Exception:  # a bug: log it, count it, keep serving
+                self.num_loop_errors += 1
+                log.exception("reconcile failed")
+
+    def reconcile(self) -> None:
+        """Replans every live job whose members no longer match its plan.
+
+        This is how expired members (lease gone), and changes a previous
+        leader did not finish, turn into new generations. Reads only, unless
+        something changed.
+        """
+        live: dict[str, set[str]] = {}
+        for e in self.store.get_prefix(keys.MEMBERS, pb.Member):
+            job_id, member_id = keys.member_job_and_id(e.key)
+            if not e.value.draining:  # a draining member is planned out already
+                live.setdefault(job_id, set()).add(member_id)
+        for job in self.list_jobs():
+            if planner.is_terminal(job.status.state):
+                continue
+            plan = self.current_plan(job.id)
+            planned = {m.member_id for m in plan.members} | set(plan.spares) if plan else set()
+            alive = live.get(job.id, set())
+            if plan is not None and planned == alive:
+                continue
+            lost = sorted(planned - alive)
+            joined = sorted(alive - planned)
+            reason = "; ".join(
+                part for part in (
+                    f"lost {', '.join(lost)} (liveness timeout)" if lost else "",
+                    f"admitted {', '.join(joined)}" if joined else "",
+                ) if part
+            ) or "initial plan"
+            try:
+                self.change(job.id, reason)
+            except (Conflict, NotFound) as e:
+                log.info("reconcile %s: %s", job.id, e)
+
+    def flush_progress(self) -> None:
+        """Writes reported progress of jobs that changed since their last write."""
+        for job_id in list(self._dirty):
+            try:
+                self.change(job_id, self._events.get(job_id, "progress"))
+            except (Conflict, NotFound) as e:
+                log.info("flush %s: %s", job_id, e)
+
+    # -- used by the membership and job-control layers ---------------------------------
+
+    def forget_member(self, member_id: str) -> None:
+        self._lease_of.pop(member_id, None)
+
+    def lease_of(self, job_id: str, member_id: str) -> int:
+        lease = self._lease_of.get(member_id)
+        if lease is None:
+            entry = self.store.get(keys.member(job_id, member_id))
+            if entry is None:
+                raise NotFound(
+                    f"member {member_id!r} of job {job_id!r} is not registered (expired or "
+                    "left): stop local ranks and join again"
+                )
+            lease = self._lease_of[member_id] = entry.lease_id
+        return lease
+
+    def require_state(self, job: pb.Job, allowed: Collection[int], action: str) -> None:
+        if job.status.state not in allowed:
+            raise FailedPrecondition(
+                f"cannot {action} job {job.id}: it is {pb.JobState.Name(job.status.state)}"
+            )

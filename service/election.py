@@ -1,0 +1,145 @@
+"""Leader election over etcd: one coordinator replica leads, the others follow.
+
+Campaign is a create-only put of the leader record bound to this replica's
+lease (TTL ``ttl_s``). The record's create revision is the *fencing token*:
+every leader-only write compares it (`fence`), so a replica that lost its
+lease without noticing (paused, partitioned) cannot write anything.
+
+Failure semantics: the leader renews its lease every ``ttl_s / 3``. If a
+renewal finds the lease expired, or etcd is unreachable for longer than the
+TTL, the replica steps down (``on_lost`` runs) and campaigns again. A killed
+leader is replaced once its lease expires: within ``ttl_s`` plus one campaign
+interval.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from springback.service import keys
+from springback.service.errors import NotLeader, SpringbackError
+from springback.service.store import Store
+
+log = logging.getLogger(__name__)
+
+
+class Election:
+    def __init__(
+        self,
+        store: Store,
+        address: str,
+        *,
+        ttl_s: int = 3,
+        on_elected: Callable[[], None] | None = None,
+        on_lost: Callable[[], None] | None = None,
+    ) -> None:
+        self._store = store
+        self.address = address
+        self._ttl_s = ttl_s
+        self._on_elected = on_elected
+        self._on_lost = on_lost
+        self._lease: Any = None
+        self._token = 0  # create revision of our leader record; 0 when not leader
+        self._leader_cache: tuple[float, str | None] = (0.0, None)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="election", daemon=True)
+        self.num_errors = 0
+
+    # -- public --------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def is_leader(self) -> bool:
+        return self._token != 0
+
+    def fence(self) -> list[Any]:
+        """Comparisons that hold only while this replica is the leader.
+
+        Raises `NotLeader` when it is not; add the result to every leader-only
+        transaction's compare list.
+        """
+        token = self._token
+        if not token:
+            raise NotLeader(f"replica {self.address} is not the leader")
+        return [self._store.txn.create(keys.LEADER) == token]
+
+    def leader_address(self, max_age_s: float = 0.5) -> str | None:
+        """The current leader's address (cached up to ``max_age_s``), or None."""
+        if self.is_leader():
+            return self.address
+        at, address = self._leader_cache
+        if time.monotonic() - at > max_age_s:
+            entry = self._store.get(keys.LEADER)
+            address = entry.value.decode() if entry else None
+            self._leader_cache = (time.monotonic(), address)
+        return address
+
+    def resign(self) -> None:
+        """Stops campaigning and gives up leadership now (best effort)."""
+        self._stop.set()
+        token, lease = self._token, self._lease
+        if token:
+            self._step_down("resigned")
+        if lease is not None:
+            try:
+                self._store.revoke_lease(lease.id)
+            except SpringbackError as e:
+                log.warning("resign: could not revoke lease: %s", e)
+        self._thread.join(timeout=5)
+
+    # -- loop ----------------------------------------------------------------
+
+    def _run(self) -> None:
+        interval = self._ttl_s / 3
+        while not self._stop.is_set():
+            try:
+                if self._token:
+                    self._renew()
+                else:
+                    self._campaign()
+            except SpringbackError as e:
+                self.num_errors += 1
+                log.warning("election: %s", e)
+                if self._token and self._lease_deadline < time.monotonic():
+                    self._step_down("lease could not be renewed before it expired")
+            self._stop.wait(interval if self._token else interval / 2)
+
+    def _campaign(self) -> None:
+        if self._store.get(keys.LEADER) is not None:
+            return
+        lease = self._store.grant_lease(self._ttl_s)
+        txn = self._store.txn
+        won = self._store.transaction(
+            compare=[txn.create(keys.LEADER) == 0],
+            success=[txn.put(keys.LEADER, self.address, lease=lease)],
+        )
+        entry = self._store.get(keys.LEADER) if won else None
+        if entry is None or entry.lease_id != lease.id:
+            self._store.revoke_lease(lease.id)
+            return
+        self._lease = lease
+        self._lease_deadline = time.monotonic() + self._ttl_s
+        self._token = entry.create_revision
+        log.info("elected leader %s (token %d)", self.address, self._token)
+        if self._on_elected:
+            self._on_elected()
+
+    def _renew(self) -> None:
+        started = time.monotonic()
+        ttl = self._store.refresh_lease(self._lease.id)
+        if ttl <= 0:
+            self._step_down("leader lease expired")
+            return
+        self._lease_deadline = started + ttl
+
+    def _step_down(self, reason: str) -> None:
+        log.warning("leader %s stepping down: %s", self.address, reason)
+        self._token = 0
+        self._lease = None
+        if self._on_lost:
+            self._on_lost()

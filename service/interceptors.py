@@ -1,0 +1,137 @@
+"""Cross-cutting concerns of the coordinator's gRPC server, as interceptors.
+
+* `BearerAuth`: every call must carry ``authorization: Bearer <token>``
+  (compared in constant time); others get UNAUTHENTICATED before any handler
+  runs, so they change nothing. Health checks are exempt so that load
+  balancers and Kubernetes probes, which cannot send a token, work.
+* `LeaderForwarding`: on a replica that is not the leader, Springback calls
+  are relayed, as raw bytes, to the leader with the caller's metadata and
+  remaining deadline; the leader's status comes back unchanged. A call that
+  was already forwarded once is not forwarded again (it fails UNAVAILABLE),
+  so two replicas with stale views cannot bounce a call between them.
+* `CallCounter`: counts calls per method for the metrics endpoint.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import threading
+from collections import Counter
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import grpc
+
+from springback.service.channel import DEFAULT_TIMEOUT_S, connect
+from springback.service.election import Election
+from springback.service.errors import SpringbackError
+
+log = logging.getLogger(__name__)
+
+FORWARDED = "x-springback-forwarded"
+_API_PREFIX = "/springback.v1."
+_STREAMS = frozenset({
+    "/springback.v1.JobService/WatchJob",
+    "/springback.v1.WorkerService/WatchPlans",
+})
+_PASSED_METADATA = ("authorization",)
+
+
+def _deny(code: grpc.StatusCode, details: str) -> grpc.RpcMethodHandler:
+    def handler(request: Any, context: grpc.ServicerContext) -> Any:
+        context.abort(code, details)
+
+    return grpc.unary_unary_rpc_method_handler(handler)
+
+
+class BearerAuth(grpc.ServerInterceptor):
+    def __init__(self, token: str) -> None:
+        if not token:
+            raise ValueError("token: must not be empty")
+        self._expected = f"Bearer {token}".encode()
+
+    def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails) -> Any:
+        if details.method.startswith("/grpc.health.v1."):
+            return continuation(details)
+        sent = dict(details.invocation_metadata or ()).get("authorization", "")
+        if isinstance(sent, str) and hmac.compare_digest(sent.encode(), self._expected):
+            return continuation(details)
+        return _deny(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid bearer token")
+
+
+class LeaderForwarding(grpc.ServerInterceptor):
+    def __init__(self, election: Election, *, tls_ca: str | None = None,
+                 tls_cert: str | None = None, tls_key: str | None = None) -> None:
+        self._election = election
+        self._tls = dict(tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key)
+        self._channels: dict[str, grpc.Channel] = {}
+        self._lock = threading.Lock()
+        self.num_forwarded = 0
+
+    def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails) -> Any:
+        method = details.method
+        if not method.startswith(_API_PREFIX) or self._election.is_leader():
+            return continuation(details)
+        metadata = dict(details.invocation_metadata or ())
+        if FORWARDED in metadata:
+            return continuation(details)  # the servicer answers NotLeader (UNAVAILABLE)
+        outgoing = [(k, v) for k, v in metadata.items() if k in _PASSED_METADATA]
+        outgoing.append((FORWARDED, self._election.address))
+        if method in _STREAMS:
+            return grpc.unary_stream_rpc_method_handler(self._stream(method, outgoing))
+        return grpc.unary_unary_rpc_method_handler(self._unary(method, outgoing))
+
+    def _leader_channel(self, context: grpc.ServicerContext) -> grpc.Channel:
+        try:
+            leader = self._election.leader_address()
+        except SpringbackError as e:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"cannot find the leader: {e}")
+        if not leader or leader == self._election.address:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "no coordinator leader elected yet; retry")
+        with self._lock:
+            channel = self._channels.get(leader)
+            if channel is None:
+                channel = self._channels[leader] = connect([leader], token="", **self._tls)
+        return channel
+
+    def _unary(self, method: str, metadata: list) -> Callable:
+        def forward(request: bytes, context: grpc.ServicerContext) -> bytes:
+            call = self._leader_channel(context).unary_unary(method)
+            self.num_forwarded += 1
+            try:
+                return call(request, metadata=metadata,
+                            timeout=context.time_remaining() or DEFAULT_TIMEOUT_S)
+            except grpc.RpcError as e:
+                context.abort(e.code(), e.details() or "")
+
+        return forward
+
+    def _stream(self, method: str, metadata: list) -> Callable:
+        def forward(request: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
+            call = self._leader_channel(context).unary_stream(method)(
+                request, metadata=metadata, timeout=context.time_remaining())
+            self.num_forwarded += 1
+            context.add_callback(call.cancel)
+            try:
+                yield from call
+            except grpc.RpcError as e:
+                if e.code() != grpc.StatusCode.CANCELLED:
+                    context.abort(e.code(), e.details() or "")
+
+        return forward
+
+    def close(self) -> None:
+        with self._lock:
+            for channel in self._channels.values():
+                channel.close()
+            self._channels.clear()
+
+
+class CallCounter(grpc.ServerInterceptor):
+    def __init__(self) -> None:
+        self.calls: Counter[str] = Counter()
+
+    def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails) -> Any:
+        self.calls[details.method] += 1
+        return continuation(details)

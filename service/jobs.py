@@ -1,0 +1,106 @@
+"""Job control: create, scale, pause, resume, cancel, restore.
+
+Each operation is one etcd transaction through `Coordinator.change` (state
+transition + replan together), so a failure at any point leaves the previous
+state. Illegal transitions raise `FailedPrecondition` and change nothing.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+from springback.service import keys, spec as specs
+from springback.service.coordinator import Coordinator, _now
+from springback.service.errors import Conflict, InvalidArgument, NotFound
+from springback.v1 import types_pb2 as pb
+
+_LIVE = (pb.JOB_STATE_PENDING, pb.JOB_STATE_RUNNING)
+_NOT_TERMINAL = _LIVE + (pb.JOB_STATE_PAUSED,)
+
+
+class JobControl:
+    def __init__(self, coordinator: Coordinator) -> None:
+        self.coordinator = coordinator
+
+    def create(self, spec: pb.JobSpec) -> pb.Job:
+        """Validates `spec`, stores the job (PENDING) and its first plan."""
+        spec = specs.validate(spec)
+        self.coordinator._require_leader()
+        job = pb.Job(id=f"{spec.name}-{uuid.uuid4().hex[:6]}", spec=spec)
+        job.created_at.CopyFrom(_now())
+        job.status.state = pb.JOB_STATE_PENDING
+        job.status.message = "created"
+        job.status.updated_at.CopyFrom(job.created_at)
+        store = self.coordinator.store
+        txn = store.txn
+        if not store.transaction(
+            self.coordinator.election.fence() + [txn.version(keys.job(job.id)) == 0],
+            [txn.put(keys.job(job.id), job.SerializeToString())],
+        ):
+            raise Conflict(f"job id {job.id} already exists; retry")
+        return self.coordinator.change_with_retry(job.id, "created")
+
+    def scale(self, job_id: str, min_workers: int, max_workers: int) -> pb.Job:
+        def mutate(job: pb.Job) -> None:
+            self.coordinator.require_state(job, _NOT_TERMINAL, "scale")
+            scaled = pb.JobSpec()
+            scaled.CopyFrom(job.spec)
+            scaled.min_workers = min_workers
+            scaled.max_workers = max_workers
+            if min_workers == 0:
+                raise InvalidArgument("min_workers", "must be positive")
+            if max_workers == 0:
+                raise InvalidArgument("max_workers", "must be positive")
+            job.spec.CopyFrom(specs.validate(scaled))
+
+        return self.coordinator.change_with_retry(
+            job_id, f"scaled to min {min_workers}, max {max_workers}", mutate
+        )
+
+    def pause(self, job_id: str) -> pb.Job:
+        def mutate(job: pb.Job) -> None:
+            if job.status.state == pb.JOB_STATE_PAUSED:
+                return
+            self.coordinator.require_state(job, _LIVE, "pause")
+            job.status.state = pb.JOB_STATE_PAUSED
+
+        return self.coordinator.change_with_retry(job_id, "paused", mutate)
+
+    def resume(self, job_id: str) -> pb.Job:
+        def mutate(job: pb.Job) -> None:
+            if job.status.state in _LIVE:
+                return
+            self.coordinator.require_state(job, (pb.JOB_STATE_PAUSED,), "resume")
+            job.status.state = pb.JOB_STATE_PENDING
+
+        return self.coordinator.change_with_retry(job_id, "resumed", mutate)
+
+    def cancel(self, job_id: str) -> pb.Job:
+        def mutate(job: pb.Job) -> None:
+            if job.status.state == pb.JOB_STATE_CANCELLED:
+                return
+            self.coordinator.require_state(job, _NOT_TERMINAL, "cancel")
+            job.status.state = pb.JOB_STATE_CANCELLED
+
+        return self.coordinator.change_with_retry(job_id, "cancelled", mutate)
+
+    def restore(self, job_id: str, step: int) -> pb.Job:
+        """Makes the next generation restore the committed checkpoint at `step`.
+
+        `step` 0 means the newest. NOT_FOUND when no such commit exists.
+        """
+        checkpoints = self.coordinator.list_checkpoints(job_id)
+        chosen = checkpoints[0] if checkpoints and step == 0 else next(
+            (c for c in checkpoints if c.step == step), None)
+        if chosen is None:
+            what = f"at step {step}" if step else "at all"
+            raise NotFound(f"job {job_id} has no committed checkpoint {what}")
+
+        def mutate(job: pb.Job) -> None:
+            self.coordinator.require_state(job, _NOT_TERMINAL, "restore")
+            job.status.restore_step = chosen.step
+
+        return self.coordinator.change_with_retry(
+            job_id, f"restore from checkpoint at step {chosen.step} requested", mutate,
+            force_generation=True,
+        )

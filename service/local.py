@@ -1,0 +1,114 @@
+"""A local etcd server, for `springback up`, the demo and the tests.
+
+`EtcdServer` starts the ``etcd`` binary found on PATH (or $SPRINGBACK_ETCD)
+with its data in a directory of ours, waits until it answers, and stops it.
+The client and peer ports must be given: etcd cannot bind port 0 and report
+it back, so callers pick free ones with `free_port` just before starting.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import time
+
+from springback.service.errors import StoreUnavailable
+from springback.service.store import Store
+
+ENV_ETCD = "SPRINGBACK_ETCD"
+"""Path of the etcd binary (default: `etcd` on PATH)."""
+
+
+class EtcdNotFound(RuntimeError):
+    pass
+
+
+def etcd_binary() -> str:
+    path = os.environ.get(ENV_ETCD) or shutil.which("etcd")
+    if not path or not os.access(path, os.X_OK):
+        raise EtcdNotFound(
+            "no etcd binary: install one (Debian: apt-get install etcd-server) or set "
+            f"{ENV_ETCD} to its path"
+        )
+    return path
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class EtcdServer:
+    """One etcd member on loopback. Not a cluster: for laptops and tests."""
+
+    def __init__(self, data_dir: str, *, client_port: int | None = None,
+                 peer_port: int | None = None, host: str = "127.0.0.1", name: str = "springback") -> None:
+        self.data_dir = data_dir
+        self.host = host
+        self.client_port = client_port or free_port(host)
+        self.peer_port = peer_port or free_port(host)
+        self.name = name
+        self.process: subprocess.Popen | None = None
+        self.log_path = os.path.join(data_dir, "etcd.log")
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://{self.host}:{self.client_port}"
+
+    def start(self, timeout_s: float = 20.0) -> None:
+        """Starts etcd and waits until it serves; raises on timeout (with its log's tail)."""
+        os.makedirs(self.data_dir, exist_ok=True)
+        client = f"http://{self.host}:{self.client_port}"
+        peer = f"http://{self.host}:{self.peer_port}"
+        log = open(self.log_path, "ab")  # noqa: SIM115 (owned by the child)
+        self.process = subprocess.Popen(
+            [
+                etcd_binary(), "--name", self.name,
+                "--data-dir", os.path.join(self.data_dir, "data"),
+                "--listen-client-urls", client, "--advertise-client-urls", client,
+                "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+                "--initial-cluster", f"{self.name}={peer}",
+            ],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+        log.close()
+        deadline = time.monotonic() + timeout_s
+        store = Store(self.endpoint, timeout_s=1.0)
+        try:
+            while True:
+                if self.process.poll() is not None:
+                    raise RuntimeError(f"etcd exited with {self.process.returncode}: {self._tail()}")
+                try:
+                    store.get("/springback/v1/ping")
+                    return
+                except StoreUnavailable:
+                    if time.monotonic() > deadline:
+                        self.stop()
+                        raise RuntimeError(f"etcd did not start within {timeout_s}s: {self._tail()}")
+                    time.sleep(0.1)  # polling a condition with a deadline
+        finally:
+            store.close()
+
+    def _tail(self) -> str:
+        try:
+            with open(self.log_path, encoding="utf-8", errors="replace") as f:
+                return f.read()[-2000:]
+        except OSError:
+            return "(no log)"
+
+    def stop(self, kill: bool = False) -> None:
+        """Stops etcd (SIGKILL when `kill`, else SIGTERM); data stays for a restart."""
+        if self.process is None or self.process.poll() is not None:
+            return
+        if kill:
+            self.process.kill()
+        else:
+            self.process.terminate()
+        try:
+            self.process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()

@@ -1,0 +1,135 @@
+"""Members of a job: join, liveness, drain, leave, rank failures, reports.
+
+A member is alive exactly while its etcd key exists; the key is bound to a
+lease of ``liveness_timeout_s`` that each Heartbeat renews (a lease renewal,
+not a key write). When the lease expires etcd deletes the key and the
+leader's reconcile loop makes a new generation. A member whose key is gone is
+*fenced*: its heartbeats get NOT_FOUND and its reports FAILED_PRECONDITION,
+so a node that was paused (SIGSTOP) and wakes up changes nothing and must
+join again as a new member.
+"""
+
+from __future__ import annotations
+
+import math
+import uuid
+
+from springback.service import keys, planner
+from springback.service.coordinator import Coordinator, _now
+from springback.service.errors import FailedPrecondition, InvalidArgument, NotFound
+from springback.v1 import types_pb2 as pb
+
+
+class Membership:
+    def __init__(self, coordinator: Coordinator) -> None:
+        self.coordinator = coordinator
+
+    @property
+    def liveness_timeout_s(self) -> float:
+        return self.coordinator.liveness_timeout_s
+
+    def join(self, job_id: str, host: str, rendezvous_port: int, num_local_ranks: int) -> pb.Member:
+        """Registers a member and replans (a joiner is admitted, or becomes a spare)."""
+        if not host:
+            raise InvalidArgument("host", "is required")
+        if not 0 < rendezvous_port < 65536:
+            raise InvalidArgument("rendezvous_port", f"{rendezvous_port} is not a TCP port")
+        if num_local_ranks == 0:
+            raise InvalidArgument("num_local_ranks", "must be positive")
+        coordinator = self.coordinator
+        coordinator._require_leader()
+        job = coordinator.get_job(job_id)
+        if planner.is_terminal(job.status.state):
+            raise FailedPrecondition(
+                f"job {job_id} is {pb.JobState.Name(job.status.state)}: nothing to join"
+            )
+        store = coordinator.store
+        lease = store.grant_lease(max(2, math.ceil(self.liveness_timeout_s)))
+        member = pb.Member(
+            id=f"m-{uuid.uuid4().hex[:8]}", job_id=job_id, host=host,
+            rendezvous_port=rendezvous_port, num_local_ranks=num_local_ranks,
+        )
+        member.joined_at.CopyFrom(_now())
+        key = keys.member(job_id, member.id)
+        txn = store.txn
+        if not store.transaction(
+            coordinator.election.fence() + [txn.version(key) == 0],
+            [txn.put(key, member.SerializeToString(), lease=lease)],
+        ):
+            store.revoke_lease(lease.id)
+            raise FailedPrecondition(f"member id {member.id} collided; join again")
+        coordinator._lease_of[member.id] = lease.id
+        coordinator.change_with_retry(job_id, f"{member.id} joined ({host}, {num_local_ranks} ranks)")
+        return member
+
+    def heartbeat(self, job_id: str, member_id: str) -> int:
+        """Renews the member's lease; returns the current generation.
+
+        NOT_FOUND when the member expired or left (it is fenced).
+        """
+        coordinator = self.coordinator
+        lease = coordinator.lease_of(job_id, member_id)
+        if coordinator.store.refresh_lease(lease) <= 0:
+            coordinator.forget_member(member_id)
+            raise NotFound(
+                f"member {member_id!r} of job {job_id!r} expired: stop local ranks and join again"
+            )
+        return coordinator.current_generation(job_id)
+
+    def leave(self, job_id: str, member_id: str, reason: str) -> None:
+        """Removes the member and replans. Idempotent: leaving twice is fine."""
+        coordinator = self.coordinator
+        coordinator._require_leader()
+        entry = coordinator.store.get(keys.member(job_id, member_id))
+        coordinator.forget_member(member_id)
+        if entry is None:
+            return
+        coordinator.store.revoke_lease(entry.lease_id)  # deletes the key with it
+        coordinator.change_with_retry(job_id, f"{member_id} left: {reason or 'no reason given'}")
+
+    def drain(self, job_id: str, member_id: str, reason: str) -> bool:
+        """Announces that a member is leaving soon (preemption, SIGTERM).
+
+        When other members of the plan will still hold the state, the member is
+        marked draining and a generation without it is made at once: returns
+        False (no checkpoint needed). When it is the last holder, nothing
+        changes and True is returned: the member must checkpoint, then leave.
+        """
+        coordinator = self.coordinator
+        coordinator._require_leader()
+        key = keys.member(job_id, member_id)
+        entry = coordinator.store.get(key, pb.Member)
+        if entry is None:
+            raise NotFound(f"member {member_id!r} of job {job_id!r} is not registered")
+        plan = coordinator.current_plan(job_id)
+        holders = {m.member_id for m in plan.members} if plan else set()
+        others = [
+            m for m in coordinator.members(job_id)
+            if m.id != member_id and m.id in holders and not m.draining
+        ]
+        if not others:
+            return True
+        member = entry.value
+        member.draining = True
+        txn = coordinator.store.txn
+
+        def mark_draining() -> list:
+            return [txn.put(key, member.SerializeToString(), lease=entry.lease_id)]
+
+        coordinator.change_with_retry(
+            job_id, f"{member_id} draining: {reason or 'no reason given'}",
+            extra_ops=mark_draining, draining={member_id},
+        )
+        return False
+
+    def report_failure(self, job_id: str, member_id: str, generation: int, reason: str) -> int:
+        """A local rank died: new generation at once; that member's ranks hold no state."""
+        coordinator = self.coordinator
+        coordinator._require_leader()
+        coordinator.check_generation(job_id, generation)
+        coordinator.lease_of(job_id, member_id)  # NOT_FOUND for a fenced member
+        job = coordinator.change_with_retry(
+            job_id, f"{member_id} reported a failure: {reason or 'rank exited'}",
+            stateless={member_id}, force_generation=True,
+        )
+        return job.status.generation

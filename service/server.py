@@ -1,0 +1,187 @@
+"""Building, starting and stopping one coordinator replica.
+
+A replica binds its gRPC port (port 0 picks a free one; `address` tells which),
+serves the Springback services plus gRPC health checking and reflection,
+campaigns for leadership, and, while leader, runs the reconcile loop.
+`stop` resigns leadership first (so another replica takes over at once
+instead of after the lease TTL), then lets in-flight calls finish for
+``grace_s``.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent import futures
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from springback.service import metrics
+from springback.service.channel import MAX_MESSAGE_BYTES
+from springback.service.coordinator import Coordinator
+from springback.service.election import Election
+from springback.service.interceptors import BearerAuth, CallCounter, LeaderForwarding
+from springback.service.servicers import JobServicer, WorkerServicer
+from springback.service.store import Store
+from springback.v1 import job_service_pb2, job_service_pb2_grpc, worker_service_pb2
+from springback.v1 import worker_service_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True)
+class CoordinatorConfig:
+    etcd: str
+    """etcd endpoints, comma-separated (http://HOST:PORT,…)."""
+    listen: str = "127.0.0.1:7070"
+    """gRPC listen address; port 0 picks a free port."""
+    advertise: str | None = None
+    """Address other replicas reach this one at (default: the bound listen address)."""
+    token: str | None = None
+    """Bearer token required on every call (health checks excepted)."""
+    tls_cert: str | None = None
+    """PEM server certificate; with tls_key enables TLS."""
+    tls_key: str | None = None
+    tls_client_ca: str | None = None
+    """PEM CA for client certificates: enables mTLS (clients must present one)."""
+    liveness_timeout_s: float = 5.0
+    """A member that has not heartbeaten for this long is failed (>= 2, etcd lease granularity)."""
+    leader_ttl_s: int = 3
+    """Leader lease TTL: a dead leader is replaced within about this long."""
+    progress_flush_s: float = 5.0
+    """Reported progress is written to etcd at most this often."""
+    metrics_listen: str | None = None
+    """HOST:PORT for the Prometheus endpoint (None: off)."""
+    max_workers: int = 256
+    """gRPC server threads; each open watch stream holds one."""
+
+    def __post_init__(self) -> None:
+        if not self.etcd:
+            raise ValueError("etcd: at least one endpoint is required")
+        host, _, port = self.listen.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"listen: {self.listen!r} is not HOST:PORT")
+        if self.liveness_timeout_s < 2:
+            raise ValueError(f"liveness_timeout_s: {self.liveness_timeout_s} is below 2 s "
+                             "(etcd lease granularity)")
+        if self.leader_ttl_s < 2:
+            raise ValueError(f"leader_ttl_s: {self.leader_ttl_s} is below 2 s")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("tls_cert and tls_key: give both or neither")
+        if self.tls_client_ca and not self.tls_cert:
+            raise ValueError("tls_client_ca: mTLS needs tls_cert and tls_key too")
+
+
+def _read(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+class CoordinatorServer:
+    def __init__(self, config: CoordinatorConfig) -> None:
+        self.config = config
+        self.store = Store(config.etcd)
+        # The advertised address is known once the port is bound (below).
+        self.election = Election(self.store, "", ttl_s=config.leader_ttl_s,
+                                 on_elected=self._on_leadership, on_lost=self._on_leadership)
+        self.counter = CallCounter()
+        self._forwarding = LeaderForwarding(self.election)
+        interceptors: list[grpc.ServerInterceptor] = [self.counter]
+        if config.token:
+            interceptors.append(BearerAuth(config.token))
+        interceptors.append(self._forwarding)
+        self._server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=config.max_workers, thread_name_prefix="rpc"),
+            interceptors=interceptors,
+            options=[
+                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.so_reuseport", 0),
+            ],
+        )
+        if config.tls_cert:
+            credentials = grpc.ssl_server_credentials(
+                [(_read(config.tls_key), _read(config.tls_cert))],
+                root_certificates=_read(config.tls_client_ca) if config.tls_client_ca else None,
+                require_client_auth=bool(config.tls_client_ca),
+            )
+            port = self._server.add_secure_port(config.listen, credentials)
+        else:
+            port = self._server.add_insecure_port(config.listen)
+        if port == 0:
+            raise OSError(f"listen: cannot bind {config.listen}")
+        host = config.listen.rpartition(":")[0]
+        self.address = config.advertise or f"{host}:{port}"
+        self.election.address = self.address
+        self.coordinator = Coordinator(
+            self.store, self.election, liveness_timeout_s=config.liveness_timeout_s,
+            progress_flush_s=config.progress_flush_s,
+        )
+        job_service_pb2_grpc.add_JobServiceServicer_to_server(JobServicer(self.coordinator), self._server)
+        worker_service_pb2_grpc.add_WorkerServiceServicer_to_server(
+            WorkerServicer(self.coordinator), self._server)
+        self.health = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
+        reflection.enable_server_reflection((
+            job_service_pb2.DESCRIPTOR.services_by_name["JobService"].full_name,
+            worker_service_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name,
+            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+            reflection.SERVICE_NAME,
+        ), self._server)
+        self.registry = self._metrics()
+        self._metrics_server = None
+
+    def _on_leadership(self) -> None:
+        self.coordinator.leadership_changed()
+
+    def _metrics(self) -> metrics.Registry:
+        registry = metrics.Registry()
+        c = self.coordinator
+        registry.add("springback_coordinator_is_leader", "gauge", "1 on the leader replica",
+                     lambda: float(self.election.is_leader()))
+        registry.add("springback_coordinator_generations_total", "counter",
+                     "generations made by this replica", lambda: c.num_generations)
+        registry.add("springback_coordinator_replan_seconds", "gauge",
+                     "duration of the last replan", lambda: c.last_replan_s)
+        registry.add("springback_coordinator_loop_errors_total", "counter",
+                     "failed reconcile iterations", lambda: c.num_loop_errors)
+        registry.add("springback_coordinator_rpc_total", "counter", "calls received, by method",
+                     lambda: [({"method": m}, n) for m, n in self.counter.calls.items()])
+
+        def per_job(field: str):  # noqa: ANN202
+            def collect() -> list:
+                if not self.election.is_leader():
+                    return []
+                return [({"job": j.id}, getattr(j.status, field)) for j in c.list_jobs()]
+            return collect
+
+        registry.add("springback_job_generation", "gauge", "current generation", per_job("generation"))
+        registry.add("springback_job_world_size", "gauge", "ranks in the current plan",
+                     per_job("world_size"))
+        registry.add("springback_job_step", "gauge", "last completed step", per_job("step"))
+        return registry
+
+    def start(self) -> None:
+        self._server.start()
+        self.election.start()
+        self.coordinator.start()
+        self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        if self.config.metrics_listen:
+            self._metrics_server = metrics.serve(self.registry, self.config.metrics_listen)
+        log.info("coordinator replica serving on %s", self.address)
+
+    def wait(self) -> None:
+        self._server.wait_for_termination()
+
+    def stop(self, grace_s: float = 2.0) -> None:
+        """Resigns leadership, then stops serving (idempotent)."""
+        self.health.enter_graceful_shutdown()
+        self.coordinator.stop()
+        self.election.resign()
+        self._server.stop(grace_s).wait(grace_s + 1)
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
+        self._forwarding.close()
+        self.store.close()

@@ -1,0 +1,146 @@
+"""Job specs: parsing YAML/JSON files and validating `JobSpec` messages.
+
+Every error is an `InvalidArgument` whose field is the dotted path of the bad
+key (``data.global_batch_size``), so the CLI, the client and the server give
+the same message. Validation has no side effects.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import yaml
+
+from springback.service.errors import InvalidArgument
+from springback.v1 import types_pb2
+
+_NAME = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
+_URI_SCHEMES = ("file://", "s3://", "memory://", "/")
+
+# key -> (kind, required); kind is int, str or a nested schema.
+_SCHEMA: dict[str, Any] = {
+    "name": (str, True),
+    "min_workers": (int, False),
+    "max_workers": (int, False),
+    "layout": ({"tp": (int, False), "pp": (int, False), "ep": (int, False)}, False),
+    "data": (
+        {"num_samples": (int, True), "global_batch_size": (int, True), "seed": (int, False)},
+        True,
+    ),
+    "checkpoint": (
+        {
+            "uri": (str, True),
+            "every_steps": (int, False),
+            "keep_last": (int, False),
+            "keep_every": (int, False),
+        },
+        False,
+    ),
+    "max_steps": (int, True),
+}
+
+
+def _check(value: Mapping[str, Any], schema: dict[str, Any], path: str) -> None:
+    if not isinstance(value, Mapping):
+        raise InvalidArgument(path or "spec", "must be a mapping")
+    for key in value:
+        if key not in schema:
+            where = f"{path}.{key}" if path else str(key)
+            raise InvalidArgument(where, f"unknown key (expected one of {', '.join(schema)})")
+    for key, (kind, required) in schema.items():
+        where = f"{path}.{key}" if path else key
+        if key not in value or value[key] is None:
+            if required:
+                raise InvalidArgument(where, "is required")
+            continue
+        item = value[key]
+        if isinstance(kind, dict):
+            _check(item, kind, where)
+        elif kind is int and (isinstance(item, bool) or not isinstance(item, int)):
+            raise InvalidArgument(where, f"must be an integer, got {item!r}")
+        elif kind is int and item < 0:
+            raise InvalidArgument(where, f"must not be negative, got {item}")
+        elif kind is str and not isinstance(item, str):
+            raise InvalidArgument(where, f"must be a string, got {item!r}")
+
+
+def spec_from_dict(value: Mapping[str, Any]) -> types_pb2.JobSpec:
+    """A validated `JobSpec` from a parsed YAML/JSON mapping."""
+    _check(value, _SCHEMA, "")
+    spec = types_pb2.JobSpec(
+        name=value["name"],
+        min_workers=value.get("min_workers") or 0,
+        max_workers=value.get("max_workers") or 0,
+        max_steps=value["max_steps"],
+    )
+    if value.get("checkpoint") and value["checkpoint"].get("keep_last") is None:
+        spec.checkpoint.keep_last = 3
+    for section in ("layout", "data", "checkpoint"):
+        for key, item in (value.get(section) or {}).items():
+            if item is not None:
+                setattr(getattr(spec, section), key, item)
+    return validate(spec)
+
+
+def load_spec_file(path: str) -> types_pb2.JobSpec:
+    """Reads and validates a spec file (YAML, or JSON by extension)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as e:
+        raise InvalidArgument(path, f"cannot read: {e.strerror}") from e
+    try:
+        value = json.loads(text) if path.endswith(".json") else yaml.safe_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as e:
+        raise InvalidArgument(path, f"not valid {'JSON' if path.endswith('.json') else 'YAML'}: {e}") from e
+    try:
+        return spec_from_dict(value)
+    except InvalidArgument as e:
+        raise InvalidArgument(e.field, f"{e.problem} (in {path})") from e
+
+
+def validate(spec: types_pb2.JobSpec) -> types_pb2.JobSpec:
+    """A copy of `spec` with defaults filled in; raises on the first bad field.
+
+    Defaults: min_workers 1, max_workers = min_workers, layout degrees 1,
+    (checkpoint.keep_last 0 keeps every checkpoint; spec files default it to 3).
+    """
+    out = types_pb2.JobSpec()
+    out.CopyFrom(spec)
+    if not _NAME.match(out.name):
+        raise InvalidArgument(
+            "name", f"{out.name!r} must be 1-63 lowercase letters, digits or '-', "
+            "starting and ending with a letter or digit"
+        )
+    out.min_workers = out.min_workers or 1
+    out.max_workers = out.max_workers or out.min_workers
+    if out.max_workers < out.min_workers:
+        raise InvalidArgument(
+            "max_workers", f"{out.max_workers} is below min_workers {out.min_workers}"
+        )
+    for degree in ("tp", "pp", "ep"):
+        setattr(out.layout, degree, getattr(out.layout, degree) or 1)
+    if out.data.num_samples == 0:
+        raise InvalidArgument("data.num_samples", "must be positive")
+    if out.data.global_batch_size == 0:
+        raise InvalidArgument("data.global_batch_size", "must be positive")
+    if out.data.global_batch_size > out.data.num_samples:
+        raise InvalidArgument(
+            "data.global_batch_size",
+            f"{out.data.global_batch_size} exceeds data.num_samples {out.data.num_samples}",
+        )
+    if out.max_steps == 0:
+        raise InvalidArgument("max_steps", "must be positive")
+    if out.checkpoint.uri:
+        if not out.checkpoint.uri.startswith(_URI_SCHEMES):
+            raise InvalidArgument(
+                "checkpoint.uri",
+                f"{out.checkpoint.uri!r} must be an absolute path or a file://, s3:// "
+                "or memory:// URI",
+            )
+    elif out.checkpoint.every_steps:
+        raise InvalidArgument("checkpoint.uri", "is required when checkpoint.every_steps is set")
+    return out

@@ -1,0 +1,152 @@
+"""Typed access to etcd: protobuf values, fenced transactions, leases.
+
+Every call has the client's deadline (``timeout_s``). Connection failures and
+timeouts raise `StoreUnavailable` (the caller may retry: reads are idempotent,
+and every write here is a compare-and-swap that either fully applied or did
+not apply at all). The client reconnects by itself when etcd comes back.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, TypeVar
+from urllib.parse import urlparse
+
+import etcd3
+import etcd3.exceptions
+import grpc
+from google.protobuf.message import Message
+
+from springback.service.errors import InvalidArgument, StoreUnavailable
+
+log = logging.getLogger(__name__)
+
+M = TypeVar("M", bound=Message)
+
+
+def _parse_endpoint(url: str) -> tuple[str, int]:
+    parsed = urlparse(url if "://" in url else f"http://{url}")
+    if not parsed.hostname or not parsed.port:
+        raise InvalidArgument("etcd", f"endpoint {url!r} is not http://HOST:PORT")
+    return parsed.hostname, parsed.port
+
+
+def _translate(fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except (
+            etcd3.exceptions.ConnectionFailedError,
+            etcd3.exceptions.ConnectionTimeoutError,
+            etcd3.exceptions.InternalServerError,
+            etcd3.exceptions.NoServerAvailableError,
+            grpc.RpcError,
+        ) as e:
+            raise StoreUnavailable(f"etcd unavailable: {type(e).__name__}: {e}") from e
+
+    return wrapper
+
+
+@dataclass(frozen=True)
+class Entry:
+    """A value with the etcd metadata the coordinator uses."""
+
+    value: Any
+    key: str
+    mod_revision: int
+    create_revision: int
+    lease_id: int
+
+
+class Store:
+    """One etcd client; thread-safe (the underlying gRPC channel is)."""
+
+    def __init__(self, endpoints: str, *, timeout_s: float = 5.0) -> None:
+        urls = [u.strip() for u in endpoints.split(",") if u.strip()]
+        if not urls:
+            raise InvalidArgument("etcd", "no endpoint given")
+        hosts = [_parse_endpoint(u) for u in urls]
+        # A failed endpoint is retried after `time_retry` seconds; the etcd3
+        # default (300 s) would turn a short etcd restart into a 5-minute outage.
+        retry_s = 0.0 if len(hosts) == 1 else 1.0
+        self._client = etcd3.MultiEndpointEtcd3Client(
+            endpoints=[etcd3.Endpoint(h, p, secure=False, time_retry=retry_s) for h, p in hosts],
+            timeout=timeout_s,
+            failover=True,
+        )
+        self.endpoints = endpoints
+        self.txn = self._client.transactions
+
+    def close(self) -> None:
+        self._client.close()
+
+    # -- reads -------------------------------------------------------------
+
+    @staticmethod
+    def _entry(raw: bytes, meta: Any, message_type: type[M] | None) -> Entry:
+        value: Any = raw
+        if message_type is not None:
+            value = message_type.FromString(raw)
+        return Entry(
+            value=value,
+            key=meta.key.decode(),
+            mod_revision=meta.mod_revision,
+            create_revision=meta.create_revision,
+            lease_id=meta.lease_id,
+        )
+
+    @_translate
+    def get(self, key: str, message_type: type[M] | None = None) -> Entry | None:
+        raw, meta = self._client.get(key)
+        if raw is None:
+            return None
+        return self._entry(raw, meta, message_type)
+
+    @_translate
+    def get_prefix(self, prefix: str, message_type: type[M] | None = None) -> list[Entry]:
+        return [
+            self._entry(raw, meta, message_type)
+            for raw, meta in self._client.get_prefix(prefix, sort_order="ascend")
+        ]
+
+    # -- writes ------------------------------------------------------------
+
+    @_translate
+    def transaction(self, compare: list[Any], success: list[Any]) -> bool:
+        """Applies `success` atomically iff every comparison holds."""
+        ok, _ = self._client.transaction(compare=compare, success=success, failure=[])
+        return bool(ok)
+
+    @_translate
+    def put(self, key: str, value: Message | bytes, lease: Any = None) -> None:
+        data = value if isinstance(value, bytes) else value.SerializeToString()
+        self._client.put(key, data, lease=lease)
+
+    @_translate
+    def delete(self, key: str) -> bool:
+        return bool(self._client.delete(key))
+
+    # -- leases ------------------------------------------------------------
+
+    @_translate
+    def grant_lease(self, ttl_s: int) -> Any:
+        return self._client.lease(ttl_s)
+
+    @_translate
+    def refresh_lease(self, lease_id: int) -> int:
+        """Renews a lease; returns its TTL in seconds, <= 0 when it expired."""
+        for response in self._client.refresh_lease(lease_id):
+            return int(response.TTL)
+        return 0
+
+    @_translate
+    def revoke_lease(self, lease_id: int) -> None:
+        self._client.revoke_lease(lease_id)
+
+    @_translate
+    def watch_prefix(self, prefix: str) -> tuple[Iterator[Any], Callable[[], None]]:
+        return self._client.watch_prefix(prefix)
