@@ -68,6 +68,12 @@ class FaultInjector:
             self._rules.append([count, mode, method])
         return self
 
+    def clear(self) -> FaultInjector:
+        """Drop the remaining rules (what was injected stays recorded)."""
+        with self._lock:
+            self._rules.clear()
+        return self
+
     def _take(self, method: str, path: str) -> str | None:
         with self._lock:
             for rule in self._rules:
@@ -129,7 +135,9 @@ def _make_handler(upstream: tuple[str, int], injector: FaultInjector) -> type[Ba
             for k, v in resp.getheaders():
                 if k.lower() not in _HOP and k.lower() != "content-length":
                     self.send_header(k, v)
-            self.send_header("Content-Length", str(len(data)))
+            # HEAD has no body: pass the upstream length through (s3fs sizes files by it)
+            length = resp.getheader("Content-Length", "0") if self.command == "HEAD" else str(len(data))
+            self.send_header("Content-Length", length)
             self.end_headers()
             if self.command != "HEAD":
                 self.wfile.write(data)

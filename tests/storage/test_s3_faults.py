@@ -1,0 +1,117 @@
+"""Transient S3 errors are retried with backoff and never corrupt a checkpoint;
+persistent ones fail the save (reported, counted) and leave the previous one valid.
+Faults come from a real HTTP proxy in front of a real moto S3 server."""
+
+from __future__ import annotations
+
+import botocore.exceptions
+import pytest
+import torch
+
+from springback.storage import Checkpointer, RetryPolicy, TransientStorageError, list_checkpoints, restore, verify
+from springback.storage.retry import is_transient
+from springback.storage.store import Store
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+FAST_RETRY = RetryPolicy(max_attempts=6, initial_backoff_s=0.01, max_backoff_s=0.1, deadline_s=60)
+
+
+def _client_error(code: str, status: int) -> botocore.exceptions.ClientError:
+    return botocore.exceptions.ClientError(
+        {"Error": {"Code": code, "Message": "x"}, "ResponseMetadata": {"HTTPStatusCode": status}}, "PutObject"
+    )
+
+
+class TestTransientClassification:
+    @pytest.mark.parametrize(
+        "exc",
+        [ConnectionResetError(), TimeoutError(), _client_error("SlowDown", 503), _client_error("InternalError", 500)],
+    )
+    def test_retryable_errors_are_transient(self, exc):
+        assert is_transient(exc)
+
+    def test_a_wrapped_5xx_is_transient(self):
+        try:
+            try:
+                raise _client_error("ServiceUnavailable", 503)
+            except botocore.exceptions.ClientError as inner:
+                raise OSError("wrapped") from inner
+        except OSError as outer:
+            assert is_transient(outer)
+
+    @pytest.mark.parametrize(
+        "exc", [FileNotFoundError("x"), PermissionError("x"), ValueError("x"), _client_error("AccessDenied", 403)]
+    )
+    def test_other_errors_are_not(self, exc):
+        assert not is_transient(exc)
+
+
+def _state() -> dict:
+    g = torch.Generator().manual_seed(0)
+    return {"w": torch.randn(256, 256, generator=g), "b": torch.randn(256, generator=g), "step": 3}
+
+
+def _no_lower_retries(endpoint: str, make_s3_options) -> dict:
+    # Turn off botocore's and s3fs's own retries so every injected fault reaches our layer.
+    # (s3fs's own retry count is a class attribute: see _store below.)
+    return make_s3_options(endpoint, config_kwargs={"retries": {"max_attempts": 1, "mode": "standard"}})
+
+
+def _store(bucket: str, opts: dict, retry: RetryPolicy) -> Store:
+    store = Store(bucket, storage_options=opts, retry=retry)
+    store.fs.retries = 1
+    return store
+
+
+def _save(base: str, store: Store, step: int, sd: dict, world: int = 2):
+    ckpts = [Checkpointer(base, rank=r, world_size=world, store=store, commit_timeout_s=30, poll_interval_s=0.05) for r in range(world)]
+    futs = [c.save(step, sd, generation=1) for c in ckpts]
+    for c in ckpts:
+        c.close()
+    return futs
+
+
+@pytest.mark.timeout(120)
+def test_injected_503s_throttling_and_resets_are_retried_and_the_checkpoint_is_intact(s3_bucket, faulty_s3, make_s3_options):
+    bucket, _ = s3_bucket
+    endpoint, injector = faulty_s3
+    opts = _no_lower_retries(endpoint, make_s3_options)
+    store = _store(bucket, opts, FAST_RETRY)
+    injector.fail(2, "503", method="PUT").fail(1, "throttle", method="PUT").fail(1, "reset", method="PUT").fail(1, "503", method="GET")
+    sd = _state()
+    futs = _save(f"{bucket}/job", store, 7, sd)
+    info = futs[0].result(timeout=60)
+    assert [m for m, _, _ in injector.injected] == ["503", "503", "throttle", "reset", "503"]
+    # s3fs/botocore absorb some faults themselves (e.g. on reads); ours retries the rest.
+    assert 1 <= store.stats.retries <= len(injector.injected) and store.stats.gave_up == 0
+    assert verify(info.uri, storage_options=opts) == []
+    out = {"w": torch.zeros(256, 256), "b": torch.zeros(256), "step": 0}
+    restore(f"{bucket}/job", out, storage_options=opts)
+    assert torch.equal(out["w"], sd["w"]) and torch.equal(out["b"], sd["b"]) and out["step"] == 3
+
+
+@pytest.mark.timeout(120)
+def test_persistent_failure_fails_the_save_naming_the_uri_and_keeps_the_previous_checkpoint(s3_bucket, faulty_s3, make_s3_options):
+    bucket, _ = s3_bucket
+    endpoint, injector = faulty_s3
+    opts = _no_lower_retries(endpoint, make_s3_options)
+    base = f"{bucket}/job"
+    good = _state()
+    _save(base, _store(bucket, opts, FAST_RETRY), 1, good)[0].result(timeout=60)
+
+    store = _store(bucket, opts, RetryPolicy(max_attempts=3, initial_backoff_s=0.01, max_backoff_s=0.05))
+    injector.fail(1000, "503", method="PUT")
+    errors: list[BaseException] = []
+    c = Checkpointer(base, rank=0, world_size=1, store=store, on_error=errors.append)
+    fut = c.save(2, {"w": torch.ones(256, 256), "b": torch.ones(256), "step": 9}, generation=1)
+    with pytest.raises(TransientStorageError, match=r"step-00000002-g1/__0_0\.distcp"):
+        fut.result(timeout=60)
+    c.close()
+    assert c.stats.failed == 1 and len(errors) == 1 and store.stats.gave_up == 1
+    injector.clear()
+    states = {(x.step, x.state) for x in list_checkpoints(base, storage_options=opts)}
+    assert (1, "committed") in states and (2, "committed") not in states
+    out = {"w": torch.zeros(256, 256), "b": torch.zeros(256), "step": 0}
+    assert restore(base, out, storage_options=opts).step == 1
+    assert torch.equal(out["w"], good["w"])
