@@ -1,0 +1,87 @@
+"""Test helper: node agents (`springback run`) as real subprocesses.
+
+`AgentProcess` runs ``python -m springback.worker.agent … -- python tiny_train.py``
+against a real coordinator and exposes the fault injections the tests need:
+SIGKILL, SIGTERM, and SIGSTOP/SIGCONT of the whole node (agent and ranks).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from fakeplans import TINY_TRAIN
+from springback.worker import env as E
+
+
+def children(pid: int) -> list[int]:
+    """Direct children of `pid` (Linux /proc)."""
+    out: list[int] = []
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                out += [int(x) for x in f.read().split()]
+    except FileNotFoundError:
+        pass
+    return out
+
+
+class AgentProcess:
+    def __init__(self, root: Path, name: str, job_id: str, coordinator: str, *extra: str,
+                 env: dict[str, str] | None = None, nproc: int = 1) -> None:
+        self.name = name
+        self.log_path = root / f"agent-{name}.log"
+        environ = dict(os.environ, **{
+            E.AUDIT_DIR: str(root / "audit"), E.METRICS_FILE: str(root / "metrics.jsonl"),
+            "TINY_STEP_SLEEP_S": "0.1", "PYTHONUNBUFFERED": "1", **(env or {})})
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "springback.worker.agent", "--job", job_id,
+             "--coordinator", coordinator, "--nproc-per-node", str(nproc),
+             "--drain-timeout-s", "30", *extra, "--", sys.executable, TINY_TRAIN],
+            env=environ, stdout=open(self.log_path, "ab"), stderr=subprocess.STDOUT)
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def signal_node(self, sig: int) -> None:
+        """Sends `sig` to the agent and every rank it runs (a whole node)."""
+        pids = [self.pid] + children(self.pid)
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def wait(self, timeout_s: float) -> int:
+        return self.process.wait(timeout=timeout_s)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.signal_node(signal.SIGCONT)
+            self.process.kill()
+            self.process.wait()
+
+
+def metrics(root: Path) -> list[dict]:
+    path = root / "metrics.jsonl"
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass
+    return out
+
+
+def steps(root: Path) -> list[dict]:
+    return [r for r in metrics(root) if r["event"] == "step"]

@@ -1,0 +1,429 @@
+"""The node agent: ``springback run --job JOB -- python train.py …``.
+
+One agent per node. It hosts the node's rendezvous store (a TCPStore server on
+port 0, named in JoinJob), joins the job as a *member*, keeps the member alive
+with heartbeats, relays every plan to its ranks through the control directory
+(`control.py`), and spawns ``--nproc-per-node`` local ranks with the torchrun
+environment plus the SPRINGBACK_* variables of `env.py`.
+
+Failure semantics:
+
+* A local rank exiting non-zero is reported at once (ReportFailure) so the
+  coordinator makes a new generation without waiting for a timeout; the rank is
+  restarted and receives its state from a surviving peer. More than
+  ``--max-restarts`` failures end the agent with exit status 1.
+* SIGTERM, SIGINT or a preemption notice start a *drain*: DrainMember (the
+  coordinator leaves this member out of the next plan), the ranks finish their
+  step and exit when they see that plan, then LeaveJob. Ranks still running at
+  ``--drain-timeout-s`` are killed; the member leaves anyway.
+* Heartbeat or plan stream answering NOT_FOUND means the member expired (the
+  node was stopped or partitioned longer than the liveness timeout) and is
+  *fenced*: its ranks are killed at once, and the agent joins again as a new
+  member (``--on-fenced rejoin``, the default) or exits with status 3.
+* Ranks get the parent-death signal SIGKILL, so an agent killed with SIGKILL
+  takes its ranks with it and its peers see the failure at once.
+* Coordinator unavailable: heartbeats and the plan stream retry with backoff;
+  if the outage outlasts the liveness timeout the member is fenced as above.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+
+import grpc
+import torch.distributed as dist
+
+from springback.service.channel import connect, parse_addresses
+from springback.v1 import types_pb2 as pb
+from springback.v1 import worker_service_pb2 as wpb
+from springback.v1 import worker_service_pb2_grpc as wgrpc
+from springback.worker import env as E
+from springback.worker.control import PlanPublisher
+from springback.worker.preemption import FileNotice, PreemptionSource
+
+log = logging.getLogger("springback.agent")
+
+EXIT_OK, EXIT_ERROR, EXIT_FENCED = 0, 1, 3
+RPC_TIMEOUT_S = 5.0
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """preexec_fn: SIGKILL this child when the agent dies (Linux only)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:
+        pass
+
+
+@dataclass(kw_only=True)
+class AgentConfig:
+    """What one agent runs; built from the `run` command line."""
+
+    job_id: str
+    """Job to join."""
+    command: list[str]
+    """The rank command (e.g. ``python train.py``), run once per local rank."""
+    coordinator: str | None = None
+    """Coordinator addresses; None reads SPRINGBACK_COORDINATOR."""
+    token: str | None = None
+    """Bearer token; None reads SPRINGBACK_TOKEN."""
+    nproc_per_node: int = 1
+    """Local ranks on this node."""
+    host: str = "127.0.0.1"
+    """Address other nodes reach this node's rendezvous store and ranks at."""
+    drain_timeout_s: float = 60.0
+    """How long a drain may take before the ranks are killed."""
+    max_restarts: int = 10
+    """Local rank failures tolerated over the agent's life."""
+    on_fenced: str = "rejoin"
+    """``rejoin`` as a new member, or ``exit`` (status 3), once fenced."""
+    collective_timeout_s: float | None = None
+    """Process-group timeout for the ranks; None uses the liveness timeout."""
+    preemption: list[PreemptionSource] = field(default_factory=list)
+    """Preemption notice sources, polled several times a second."""
+    extra_env: dict[str, str] = field(default_factory=dict)
+    """Added to every rank's environment."""
+
+    def __post_init__(self) -> None:
+        if not self.job_id:
+            raise ValueError("--job is required")
+        if not self.command:
+            raise ValueError("no rank command: pass it after --, e.g. -- python train.py")
+        if self.nproc_per_node < 1:
+            raise ValueError(f"--nproc-per-node must be >= 1, got {self.nproc_per_node}")
+        if self.on_fenced not in ("rejoin", "exit"):
+            raise ValueError(f"--on-fenced must be rejoin or exit, got {self.on_fenced!r}")
+        if self.drain_timeout_s <= 0:
+            raise ValueError(f"--drain-timeout-s must be positive, got {self.drain_timeout_s}")
+
+
+class Fenced(Exception):
+    """The coordinator no longer knows this member (lease expired)."""
+
+
+class Agent:
+    """One node's agent; `run` blocks until the job ends, the node drained, or
+    the agent gives up, and returns the process exit status."""
+
+    def __init__(self, config: AgentConfig) -> None:
+        self.config = config
+        self._channel = connect(config.coordinator or parse_addresses(None), token=config.token)
+        self._stub = wgrpc.WorkerServiceStub(self._channel)
+        self._store = dist.TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False)
+        self._workdir = tempfile.mkdtemp(prefix=f"springback-agent-{config.job_id}-")
+        self._drain_reason: str | None = None
+        self._lock = threading.Lock()
+        self._plan: pb.Plan | None = None
+        self._fenced = threading.Event()
+        self._stop = threading.Event()
+        self._ranks: dict[int, subprocess.Popen] = {}
+        self._num_restarts = 0
+        self.member: pb.Member | None = None
+        self.liveness_timeout_s = 5.0
+
+    # -- membership ------------------------------------------------------------
+
+    def _join(self) -> None:
+        """JoinJob, retried on UNAVAILABLE until the drain timeout; raises RpcError
+        for a permanent error (unknown job, bad token)."""
+        req = wpb.JoinJobRequest(job_id=self.config.job_id, host=self.config.host,
+                                 rendezvous_port=self._store.port,
+                                 num_local_ranks=self.config.nproc_per_node)
+        deadline = time.monotonic() + self.config.drain_timeout_s
+        while True:
+            try:
+                resp = self._stub.JoinJob(req, timeout=RPC_TIMEOUT_S)
+                break
+            except grpc.RpcError as e:
+                if e.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
+        self.member = resp.member
+        self.liveness_timeout_s = resp.liveness_timeout.ToTimedelta().total_seconds() or 5.0
+        self._heartbeat_s = (resp.heartbeat_interval.ToTimedelta().total_seconds()
+                             or self.liveness_timeout_s / 3)
+        self._plan = None
+        self._fenced.clear()
+        self._publisher = PlanPublisher(os.path.join(self._workdir, self.member.id))
+        log.info("joined job %s as member %s (liveness %.1fs)", self.config.job_id,
+                 self.member.id, self.liveness_timeout_s)
+        member_id = self.member.id
+        threading.Thread(target=self._heartbeat_loop, args=(member_id,), daemon=True,
+                         name="heartbeat").start()
+        threading.Thread(target=self._watch_loop, args=(member_id,), daemon=True,
+                         name="watch-plans").start()
+
+    def _current(self, member_id: str) -> bool:
+        return self.member is not None and self.member.id == member_id and not self._stop.is_set()
+
+    def _heartbeat_loop(self, member_id: str) -> None:
+        req = wpb.HeartbeatRequest(job_id=self.config.job_id, member_id=member_id)
+        while self._current(member_id) and not self._fenced.is_set():
+            try:
+                self._stub.Heartbeat(req, timeout=max(self._heartbeat_s, 1.0))
+            except grpc.RpcError as e:
+                if e.code() == grpc.StatusCode.NOT_FOUND:
+                    log.warning("member %s expired: fenced", member_id)
+                    self._fenced.set()
+                    return
+                log.warning("heartbeat failed: %s", e.code().name)
+            self._stop.wait(self._heartbeat_s)
+
+    def _watch_loop(self, member_id: str) -> None:
+        req = wpb.WatchPlansRequest(job_id=self.config.job_id, member_id=member_id)
+        backoff = 0.1
+        while self._current(member_id) and not self._fenced.is_set():
+            try:
+                for resp in self._stub.WatchPlans(req, timeout=3600):
+                    if not self._current(member_id):
+                        return
+                    self._on_plan(resp.plan)
+                    backoff = 0.1
+            except grpc.RpcError as e:
+                if e.code() == grpc.StatusCode.NOT_FOUND:
+                    self._fenced.set()
+                    return
+                if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+                    log.warning("plan stream broke: %s; reconnecting", e.code().name)
+            self._stop.wait(backoff)
+            backoff = min(backoff * 2, 2.0)
+
+    def _on_plan(self, plan: pb.Plan) -> None:
+        with self._lock:
+            if self._plan is not None and plan.generation <= self._plan.generation:
+                return
+            self._plan = plan
+            self._publisher.publish(plan)
+        log.info("generation %d: %s, world %d (%s)", plan.generation,
+                 pb.PlanAction.Name(plan.action), plan.world_size, plan.reason)
+
+    # -- ranks -----------------------------------------------------------------
+
+    def _rank_env(self, local_rank: int) -> dict[str, str]:
+        assert self.member is not None
+        environ = dict(os.environ)
+        environ.update(self.config.extra_env)
+        timeout = self.config.collective_timeout_s or self.liveness_timeout_s
+        environ.update({
+            E.LOCAL_RANK: str(local_rank), E.LOCAL_WORLD_SIZE: str(self.config.nproc_per_node),
+            E.JOB_ID: self.config.job_id, E.MEMBER_ID: self.member.id,
+            E.CONTROL_DIR: self._publisher.directory,
+            E.COORDINATOR: self.config.coordinator or os.environ.get(E.COORDINATOR, ""),
+            E.COLLECTIVE_TIMEOUT_S: str(timeout),
+        })
+        if self.config.token:
+            environ[E.TOKEN] = self.config.token
+        if self.config.host.startswith("127.") and "GLOO_SOCKET_IFNAME" not in environ:
+            environ["GLOO_SOCKET_IFNAME"] = "lo"
+        plan = self._plan
+        me = next((m for m in plan.members if m.member_id == self.member.id), None) if plan else None
+        if plan is not None and me is not None:
+            environ.update({E.RANK: str(me.first_rank + local_rank),
+                            E.WORLD_SIZE: str(plan.world_size),
+                            E.MASTER_ADDR: plan.master_addr,
+                            E.MASTER_PORT: str(plan.master_port),
+                            E.GENERATION: str(plan.generation)})
+        return environ
+
+    def _spawn(self, local_rank: int) -> None:
+        self._ranks[local_rank] = subprocess.Popen(
+            self.config.command, env=self._rank_env(local_rank), start_new_session=True,
+            preexec_fn=_die_with_parent)
+
+    def _kill_ranks(self) -> None:
+        for p in self._ranks.values():
+            if p.poll() is None:
+                p.kill()
+        for p in self._ranks.values():
+            p.wait()
+        self._ranks.clear()
+
+    def _report_failure(self, local_rank: int, code: int) -> None:
+        assert self.member is not None
+        generation = self._plan.generation if self._plan else 0
+        reason = f"local rank {local_rank} of {self.member.id} exited with status {code}"
+        log.warning("%s; reporting failure", reason)
+        try:
+            self._stub.ReportFailure(wpb.ReportFailureRequest(
+                job_id=self.config.job_id, member_id=self.member.id, generation=generation,
+                reason=reason), timeout=RPC_TIMEOUT_S)
+        except grpc.RpcError as e:  # the peers' collectives fail anyway; keep going
+            log.warning("ReportFailure failed: %s %s", e.code().name, e.details())
+
+    # -- main loop -------------------------------------------------------------
+
+    def request_drain(self, reason: str) -> None:
+        """Starts a drain (idempotent; safe from a signal handler)."""
+        if self._drain_reason is None:
+            self._drain_reason = reason
+
+    def run(self) -> int:
+        try:
+            self._join()
+        except grpc.RpcError as e:
+            log.error("cannot join job %s: %s %s", self.config.job_id, e.code().name, e.details())
+            return EXIT_ERROR
+        for lr in range(self.config.nproc_per_node):
+            self._spawn(lr)
+        try:
+            return self._supervise()
+        finally:
+            self._stop.set()
+            self._kill_ranks()
+            self._store = None
+
+    def _supervise(self) -> int:
+        while True:
+            if self._fenced.is_set():
+                self._kill_ranks()
+                if self.config.on_fenced == "exit":
+                    log.warning("fenced: ranks stopped, exiting")
+                    return EXIT_FENCED
+                log.warning("fenced: ranks stopped, joining again as a new member")
+                self._join()
+                for lr in range(self.config.nproc_per_node):
+                    self._spawn(lr)
+            if self._drain_reason is None:
+                for source in self.config.preemption:
+                    reason = source.poll()
+                    if reason:
+                        self.request_drain(reason)
+                        break
+            if self._drain_reason is not None:
+                return self._drain()
+            status = self._check_ranks()
+            if status is not None:
+                return status
+            time.sleep(0.05)
+
+    def _check_ranks(self) -> int | None:
+        """Restarts failed ranks; returns an exit status once all ranks are done."""
+        for lr, p in list(self._ranks.items()):
+            code = p.poll()
+            if code is None or code == 0:
+                continue
+            if self._fenced.is_set():
+                return None
+            self._report_failure(lr, code)
+            self._num_restarts += 1
+            if self._num_restarts > self.config.max_restarts:
+                log.error("more than %d rank failures: giving up", self.config.max_restarts)
+                self._leave("too many rank failures")
+                return EXIT_ERROR
+            self._spawn(lr)
+        if self._ranks and all(p.poll() == 0 for p in self._ranks.values()):
+            log.info("all local ranks finished")
+            self._leave("ranks finished")
+            return EXIT_OK
+        return None
+
+    def _drain(self) -> int:
+        assert self.member is not None
+        reason = self._drain_reason or "drain"
+        log.warning("draining: %s", reason)
+        deadline = time.monotonic() + self.config.drain_timeout_s
+        try:
+            resp = self._stub.DrainMember(wpb.DrainMemberRequest(
+                job_id=self.config.job_id, member_id=self.member.id, reason=reason),
+                timeout=RPC_TIMEOUT_S)
+            if resp.checkpoint:
+                log.warning("coordinator asks for a drain checkpoint (no survivor holds "
+                            "the state); the ranks write it if checkpointing is configured")
+        except grpc.RpcError as e:
+            log.warning("DrainMember failed (%s); leaving without handing over",
+                        e.code().name)
+        self._publisher.request_drain()
+        while time.monotonic() < deadline:
+            if all(p.poll() is not None for p in self._ranks.values()):
+                break
+            if self._fenced.is_set():
+                break
+            time.sleep(0.05)
+        else:
+            log.warning("drain deadline of %.0fs passed: killing ranks",
+                        self.config.drain_timeout_s)
+        self._kill_ranks()
+        self._leave(reason)
+        log.info("drained")
+        return EXIT_OK
+
+    def _leave(self, reason: str) -> None:
+        assert self.member is not None
+        try:
+            self._stub.LeaveJob(wpb.LeaveJobRequest(job_id=self.config.job_id,
+                                                    member_id=self.member.id, reason=reason),
+                                timeout=RPC_TIMEOUT_S)
+        except grpc.RpcError as e:
+            log.warning("LeaveJob failed (%s): the member expires by itself", e.code().name)
+
+
+# -- command line -------------------------------------------------------------
+
+def add_run_arguments(p: argparse.ArgumentParser) -> None:
+    """Adds the `run` options to `p` (the CLI's ``run`` sub-command, whose parent
+    parser already defines --coordinator and --token); dispatch to `run_main`."""
+    p.add_argument("--job", required=True, help="job id to join")
+    p.add_argument("--nproc-per-node", type=int, default=1)
+    p.add_argument("--host", default=os.environ.get("SPRINGBACK_HOST", "127.0.0.1"),
+                   help="address peers reach this node at (default 127.0.0.1)")
+    p.add_argument("--drain-timeout-s", type=float, default=60.0)
+    p.add_argument("--max-restarts", type=int, default=10)
+    p.add_argument("--on-fenced", choices=["rejoin", "exit"], default="rejoin")
+    p.add_argument("--collective-timeout-s", type=float, default=None,
+                   help="process-group timeout (default: the liveness timeout)")
+    p.add_argument("--preemption-file", default=None,
+                   help="drain when this file appears (a preemption notice)")
+    p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- the rank command")
+
+
+def run_main(args: argparse.Namespace) -> int:
+    """Runs the agent for parsed `run` arguments; returns the exit status."""
+    cmd = list(args.cmd)
+    if cmd and cmd[0] == "--":
+        cmd = cmd[1:]
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log.setLevel(logging.INFO)
+    try:
+        config = AgentConfig(
+            job_id=args.job, command=cmd, coordinator=getattr(args, "coordinator", None),
+            token=getattr(args, "token", None), nproc_per_node=args.nproc_per_node,
+            host=args.host, drain_timeout_s=args.drain_timeout_s,
+            max_restarts=args.max_restarts, on_fenced=args.on_fenced,
+            collective_timeout_s=args.collective_timeout_s,
+            preemption=[FileNotice(args.preemption_file)] if args.preemption_file else [])
+        agent = Agent(config)
+    except ValueError as e:
+        print(f"springback run: {e}", file=sys.stderr)
+        return 2
+
+    def on_signal(signum: int, _frame: object) -> None:
+        agent.request_drain(f"signal {signal.Signals(signum).name}")
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    return agent.run()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m springback.worker.agent …``: the `run` command without the CLI."""
+    p = argparse.ArgumentParser(prog="springback run")
+    p.add_argument("--coordinator", default=None,
+                   help="coordinator ADDR[,ADDR...] (or SPRINGBACK_COORDINATOR)")
+    p.add_argument("--token", default=None, help="bearer token (or SPRINGBACK_TOKEN)")
+    add_run_arguments(p)
+    return run_main(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
