@@ -243,6 +243,11 @@ class Coordinator:
             ops = [txn.put(keys.job(job_id), job.SerializeToString())]
             if new_generation:
                 ops.append(txn.put(keys.plan(job_id), plan.SerializeToString()))
+            elif list(plan.spares) != list(previous.spares):
+                # Same generation, new hot spares: training is not interrupted.
+                del previous.spares[:]
+                previous.spares.extend(plan.spares)
+                ops.append(txn.put(keys.plan(job_id), previous.SerializeToString()))
             if extra_ops is not None:
                 ops.extend(extra_ops())
             if not self.store.transaction(compare, ops):

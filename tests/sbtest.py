@@ -1,0 +1,77 @@
+"""Helpers shared by Springback's tests: waiting on conditions, real processes.
+
+Nothing here fakes a component: etcd is the real binary, coordinators are real
+gRPC servers (in-process or `springback coordinator` subprocesses).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+def wait_for(predicate: Callable[[], T], timeout_s: float, what: str, interval_s: float = 0.05) -> T:
+    """Polls `predicate` until it returns a truthy value; fails the test after `timeout_s`.
+
+    Exceptions raised by the predicate count as "not yet" (the last one is
+    reported on timeout).
+    """
+    deadline = time.monotonic() + timeout_s
+    last_error: BaseException | None = None
+    while True:
+        try:
+            value = predicate()
+            if value:
+                return value
+        except Exception as e:  # noqa: BLE001 (reported below)
+            last_error = e
+        if time.monotonic() > deadline:
+            raise AssertionError(
+                f"timed out after {timeout_s}s waiting for {what}"
+                + (f" (last error: {last_error!r})" if last_error else "")
+            )
+        time.sleep(interval_s)  # polling interval of a condition with a deadline
+
+
+class CoordinatorProcess:
+    """A `springback coordinator` subprocess on a free loopback port."""
+
+    def __init__(self, etcd_endpoint: str, *extra: str, log_path: str | None = None) -> None:
+        self.log_path = log_path
+        self._log = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "springback.service.cli", "--json", "coordinator",
+             "--etcd", etcd_endpoint, "--listen", "127.0.0.1:0", *extra],
+            stdout=subprocess.PIPE, stderr=self._log, start_new_session=True,
+            env={**os.environ, "SPRINGBACK_LOG_LEVEL": "INFO"},
+        )
+        line = self.process.stdout.readline()
+        if not line:
+            raise RuntimeError(f"coordinator exited with {self.process.wait()} (log: {log_path})")
+        self.address: str = json.loads(line)["address"]
+
+    def kill(self) -> None:
+        """SIGKILL: no resignation, no graceful stop."""
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait(timeout=10)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        if self.process.stdout:
+            self.process.stdout.close()
+        if self._log is not subprocess.DEVNULL:
+            self._log.close()

@@ -1,0 +1,191 @@
+"""Members, generations and fencing against a real coordinator and etcd."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from sbtest import wait_for
+from springback.v1 import types_pb2 as pb
+from springback.v1 import worker_service_pb2 as ws
+from springback.v1 import worker_service_pb2_grpc as ws_grpc
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def workers(coordinator):
+    channel = grpc.insecure_channel(coordinator.address)
+    yield ws_grpc.WorkerServiceStub(channel)
+    channel.close()
+
+
+def join(workers, job_id: str, port: int, ranks: int = 1) -> str:
+    response = workers.JoinJob(
+        ws.JoinJobRequest(job_id=job_id, host="127.0.0.1", rendezvous_port=port,
+                          num_local_ranks=ranks), timeout=10)
+    return response.member.id
+
+
+def plan_of(coordinator, job_id: str) -> pb.Plan:
+    return coordinator.coordinator.current_plan(job_id)
+
+
+def keep_alive(workers, job_id: str, *members: str) -> None:
+    for member in members:
+        workers.Heartbeat(ws.HeartbeatRequest(job_id=job_id, member_id=member), timeout=5)
+
+
+class TestGenerations:
+    def test_joins_make_generations_with_stable_ranks(self, coordinator, client, workers, make_spec):
+        job = client.create_job(make_spec(min_workers=2, max_workers=3))
+        a = join(workers, job.id, 5001)
+        plan = plan_of(coordinator, job.id)
+        assert plan.action == pb.PLAN_ACTION_WAIT and client.get_job(job.id).status.state == pb.JOB_STATE_PENDING
+        b = join(workers, job.id, 5002)
+        plan = plan_of(coordinator, job.id)
+        assert plan.action == pb.PLAN_ACTION_RUN and plan.world_size == 2
+        assert [m.member_id for m in plan.members] == [a, b]
+        assert (plan.master_addr, plan.master_port) == ("127.0.0.1", 5001)
+        c = join(workers, job.id, 5003)
+        newer = plan_of(coordinator, job.id)
+        assert newer.generation == plan.generation + 1 and newer.world_size == 3
+        assert [(m.member_id, m.first_rank) for m in newer.members] == [(a, 0), (b, 1), (c, 2)]
+        assert newer.restore.kind == pb.RESTORE_KIND_PEERS and newer.restore.source_rank == 0
+        status = client.get_job(job.id).status
+        assert status.state == pb.JOB_STATE_RUNNING and list(status.members) == [a, b, c]
+
+    def test_a_member_that_stops_heartbeating_is_failed_and_replanned(
+        self, coordinator, client, workers, make_spec
+    ):
+        job = client.create_job(make_spec(min_workers=1, max_workers=3))
+        a, b, c = (join(workers, job.id, 6000 + i) for i in range(3))
+        before = plan_of(coordinator, job.id)
+
+        def b_gone() -> bool:
+            keep_alive(workers, job.id, a, c)  # b stays silent
+            return b not in [m.member_id for m in plan_of(coordinator, job.id).members]
+
+        wait_for(b_gone, 15, "b to be declared failed after the liveness timeout")
+        after = plan_of(coordinator, job.id)
+        assert after.generation == before.generation + 1
+        # a keeps rank 0; c moves into the vacated slot; state comes from survivors.
+        assert [(m.member_id, m.node_rank) for m in after.members] == [(a, 0), (c, 1)]
+        assert after.restore.kind == pb.RESTORE_KIND_PEERS
+        assert "lost" in after.reason and b in after.reason
+        with pytest.raises(grpc.RpcError) as e:  # b is fenced when it wakes up
+            workers.Heartbeat(ws.HeartbeatRequest(job_id=job.id, member_id=b), timeout=5)
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND
+
+    def test_layout_sends_surplus_members_to_hot_spares(self, coordinator, client, workers, make_spec):
+        job = client.create_job(make_spec(min_workers=2, max_workers=4, layout={"tp": 2}))
+        members = [join(workers, job.id, 7000 + i) for i in range(3)]
+        plan = plan_of(coordinator, job.id)
+        assert plan.world_size == 2 and plan.layout.dp == 1 and plan.layout.tp == 2
+        assert list(plan.spares) == members[2:]
+        generation = plan.generation
+        fourth = join(workers, job.id, 7003)
+        plan = plan_of(coordinator, job.id)
+        assert plan.world_size == 4 and plan.generation == generation + 1
+        assert [m.member_id for m in plan.members] == members + [fourth]
+
+    def test_graceful_leave_and_drain_make_a_generation_without_the_member(
+        self, coordinator, client, workers, make_spec
+    ):
+        job = client.create_job(make_spec(min_workers=1, max_workers=3))
+        a, b = join(workers, job.id, 8001), join(workers, job.id, 8002)
+        drained = workers.DrainMember(ws.DrainMemberRequest(job_id=job.id, member_id=b, reason="spot"),
+                                      timeout=10)
+        assert drained.checkpoint is False  # a still holds the state
+        plan = plan_of(coordinator, job.id)
+        assert [m.member_id for m in plan.members] == [a]
+        # The last holder must checkpoint before it goes: nothing changes yet.
+        last = workers.DrainMember(ws.DrainMemberRequest(job_id=job.id, member_id=a), timeout=10)
+        assert last.checkpoint is True and plan_of(coordinator, job.id).generation == plan.generation
+        workers.LeaveJob(ws.LeaveJobRequest(job_id=job.id, member_id=b), timeout=10)
+        workers.LeaveJob(ws.LeaveJobRequest(job_id=job.id, member_id=a), timeout=10)
+        workers.LeaveJob(ws.LeaveJobRequest(job_id=job.id, member_id=a), timeout=10)  # idempotent
+        final = plan_of(coordinator, job.id)
+        assert final.action == pb.PLAN_ACTION_WAIT and not final.members
+        assert client.get_job(job.id).status.state == pb.JOB_STATE_PENDING
+
+
+class TestFencing:
+    def test_reports_from_an_older_generation_are_rejected(self, coordinator, client, workers, make_spec):
+        job = client.create_job(make_spec(max_workers=2))
+        a = join(workers, job.id, 9001)
+        old = plan_of(coordinator, job.id).generation
+        workers.ReportStep(ws.ReportStepRequest(job_id=job.id, member_id=a, generation=old, step=3,
+                                                samples_consumed=96, loss=2.5), timeout=5)
+        assert client.get_job(job.id).status.step == 3
+        join(workers, job.id, 9002)
+        for call, request in (
+            (workers.ReportStep, ws.ReportStepRequest(job_id=job.id, member_id=a, generation=old, step=9)),
+            (workers.CommitCheckpoint, ws.CommitCheckpointRequest(
+                job_id=job.id, member_id=a, generation=old,
+                checkpoint=pb.CheckpointRef(step=3, uri="file:///tmp/x"))),
+            (workers.ReportFailure, ws.ReportFailureRequest(job_id=job.id, member_id=a, generation=old)),
+        ):
+            with pytest.raises(grpc.RpcError) as e:
+                call(request, timeout=5)
+            assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert f"generation {old}" in e.value.details()
+        status = client.get_job(job.id).status
+        assert status.step == 3 and not status.last_checkpoint.step
+        assert status.generation == old + 1
+
+    def test_a_rank_failure_makes_a_new_generation_at_once(self, coordinator, client, workers, make_spec):
+        job = client.create_job(make_spec(max_workers=2))
+        a, b = join(workers, job.id, 9101), join(workers, job.id, 9102)
+        plan = plan_of(coordinator, job.id)
+        response = workers.ReportFailure(ws.ReportFailureRequest(
+            job_id=job.id, member_id=a, generation=plan.generation, reason="rank 0 exited 1"), timeout=5)
+        after = plan_of(coordinator, job.id)
+        assert response.generation == after.generation == plan.generation + 1
+        assert [m.member_id for m in after.members] == [a, b]  # same ranks
+        # a's ranks lost their state: b (rank 1) is the source.
+        assert after.restore.kind == pb.RESTORE_KIND_PEERS and after.restore.source_rank == 1
+
+
+class TestCommits:
+    def test_commits_are_recorded_and_retention_retires_the_oldest(
+        self, coordinator, client, workers, make_spec
+    ):
+        job = client.create_job(make_spec(max_workers=1, checkpoint={"uri": "file:///tmp/c", "keep_last": 2}))
+        a = join(workers, job.id, 9201)
+        generation = plan_of(coordinator, job.id).generation
+        retired_steps = []
+        for step in (10, 20, 30):
+            response = workers.CommitCheckpoint(ws.CommitCheckpointRequest(
+                job_id=job.id, member_id=a, generation=generation,
+                checkpoint=pb.CheckpointRef(step=step, uri=f"file:///tmp/c/step-{step}", world_size=1,
+                                            cursor=pb.DataCursor(offset=step * 32))), timeout=5)
+            retired_steps += [r.step for r in response.retired]
+        assert retired_steps == [10]
+        assert [c.step for c in client.list_checkpoints(job.id)] == [30, 20]
+        assert client.get_job(job.id).status.last_checkpoint.step == 30
+        # When every holder is gone, the next generation restores the newest commit.
+        workers.LeaveJob(ws.LeaveJobRequest(job_id=job.id, member_id=a), timeout=5)
+        join(workers, job.id, 9202)
+        plan = plan_of(coordinator, job.id)
+        assert plan.restore.kind == pb.RESTORE_KIND_CHECKPOINT
+        assert plan.restore.checkpoint.step == 30 and plan.step == 30 and plan.cursor.offset == 960
+        # An operator can pick an older committed step.
+        restored = client.restore_job(job.id, 20)
+        plan = plan_of(coordinator, job.id)
+        assert restored.status.generation == plan.generation
+        assert plan.restore.checkpoint.step == 20 and plan.step == 20
+        assert client.get_job(job.id).status.restore_step == 0  # consumed by that generation
+
+    def test_reaching_max_steps_succeeds_the_job_and_stops_members(
+        self, coordinator, client, workers, make_spec
+    ):
+        job = client.create_job(make_spec(max_workers=1, max_steps=5))
+        a = join(workers, job.id, 9301)
+        generation = plan_of(coordinator, job.id).generation
+        workers.ReportStep(ws.ReportStepRequest(job_id=job.id, member_id=a, generation=generation,
+                                                step=5, samples_consumed=160), timeout=5)
+        assert client.get_job(job.id).status.state == pb.JOB_STATE_SUCCEEDED
+        stream = workers.WatchPlans(ws.WatchPlansRequest(job_id=job.id, member_id=a), timeout=10)
+        plans = [r.plan for r in stream]
+        assert plans[-1].action == pb.PLAN_ACTION_STOP
