@@ -1,0 +1,102 @@
+"""Multi-process checkpoints on real torch.distributed (gloo): N writers -> M readers for
+DDP and FSDP2 with bit-identical state, and a rank SIGKILLed mid-upload."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from springback.storage import clean_partial, list_checkpoints, restore
+
+WORKER = Path(__file__).with_name("dist_worker.py")
+
+
+def launch(world: int, args: dict, tmp: Path, tag: str) -> list[subprocess.Popen]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    procs = []
+    for rank in range(world):
+        a = {**args, "rank": rank, "world": world, "rendezvous": str(tmp / f"rdzv-{tag}")}
+        log = open(tmp / f"{tag}-rank{rank}.log", "w")
+        procs.append(subprocess.Popen([sys.executable, str(WORKER), json.dumps(a)], env=env, stdout=log, stderr=subprocess.STDOUT))
+    return procs
+
+
+def join_all(procs: list[subprocess.Popen], tmp: Path, tag: str, timeout_s: float = 90) -> None:
+    deadline = time.monotonic() + timeout_s
+    for rank, p in enumerate(procs):
+        try:
+            rc = p.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        assert rc == 0, f"{tag} rank {rank} exited {rc}:\n{(tmp / f'{tag}-rank{rank}.log').read_text()[-3000:]}"
+
+
+def assert_tree_equal(a, b, path="") -> None:
+    if isinstance(a, dict):
+        assert set(a) == set(b), f"{path}: keys {set(a) ^ set(b)}"
+        for k in a:
+            assert_tree_equal(a[k], b[k], f"{path}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_tree_equal(x, y, f"{path}[{i}]")
+    elif isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), f"{path} differs"
+    else:
+        assert a == b, f"{path}: {a!r} != {b!r}"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_saved_by_two_ranks_restores_bit_identical_on_three_and_one(parallel, tmp_path):
+    base = f"file://{tmp_path}/ckpts"
+    ref = tmp_path / "ref.pt"
+    join_all(launch(2, {"mode": "save", "parallel": parallel, "base": base, "out": str(ref)}, tmp_path, "save"), tmp_path, "save")
+    expected = torch.load(ref, weights_only=False)
+    for world in (3, 1):
+        out = tmp_path / f"restored-{world}.pt"
+        tag = f"restore{world}"
+        join_all(launch(world, {"mode": "restore", "parallel": parallel, "base": base, "out": str(out)}, tmp_path, tag), tmp_path, tag)
+        got = torch.load(out, weights_only=False)
+        assert (got["step"], got["cursor"], got["writers"]) == (3, [1, 96], 2)
+        assert_tree_equal(expected["model"], got["model"], "model")
+        assert_tree_equal(expected["optim"], got["optim"], "optim")
+
+
+@pytest.mark.timeout(120)
+def test_rank_killed_mid_upload_leaves_no_committed_half_checkpoint_and_it_is_cleaned(tmp_path):
+    base = f"file://{tmp_path}/ckpts"
+    outcome = tmp_path / "outcome.json"
+    procs = launch(2, {"mode": "hang", "base": base, "hang_rank": 1, "commit_timeout_s": 4.0, "out": str(outcome)}, tmp_path, "hang")
+    try:
+        shard = tmp_path / "ckpts" / "step-00000002-g1" / "__1_0.distcp"
+        deadline = time.monotonic() + 60
+        while not (shard.exists() and shard.stat().st_size >= 65536):
+            assert time.monotonic() < deadline, "rank 1 never started uploading step 2"
+            assert procs[1].poll() is None, (tmp_path / "hang-rank1.log").read_text()
+            time.sleep(0.02)
+        procs[1].send_signal(signal.SIGKILL)
+        assert procs[1].wait(timeout=30) == -signal.SIGKILL
+        assert procs[0].wait(timeout=60) == 0, (tmp_path / "hang-rank0.log").read_text()
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert json.loads(outcome.read_text()) == {"committed": False, "error": "CommitTimeout", "missing": [1]}
+    assert [(c.step, c.state) for c in list_checkpoints(base)] == [(1, "committed"), (2, "partial")]
+    assert not (tmp_path / "ckpts" / "step-00000002-g1" / "manifest.json").exists()
+    sd = {"w": torch.zeros(512, 512), "b": torch.zeros(512), "x": torch.zeros(300, 300)}
+    assert restore(base, sd).step == 1
+    # the next generation cleans what the killed one left behind
+    assert clean_partial(base, current_generation=2) == [f"{base}/step-00000002-g1"]
+    assert [(c.step, c.state) for c in list_checkpoints(base)] == [(1, "committed")]
