@@ -29,7 +29,6 @@ Failure semantics:
 from __future__ import annotations
 
 import argparse
-import ctypes
 import logging
 import os
 import signal
@@ -55,15 +54,19 @@ log = logging.getLogger("springback.agent")
 
 EXIT_OK, EXIT_ERROR, EXIT_FENCED = 0, 1, 3
 RPC_TIMEOUT_S = 5.0
-_PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent() -> None:
-    """preexec_fn: SIGKILL this child when the agent dies (Linux only)."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except OSError:
-        pass
+# Ranks are started through this snippet rather than with subprocess's
+# preexec_fn: preexec_fn runs Python in a fork() of a process with live gRPC
+# threads, and gRPC's fork handlers abort the child now and then (SIGABRT).
+# The snippet sets the parent-death signal, checks the agent did not die in
+# between, and execs the rank command.
+_PDEATH_LAUNCHER = (
+    "import ctypes,os,signal,sys\n"
+    "ctypes.CDLL('libc.so.6').prctl(1, signal.SIGKILL)\n"
+    "if os.getppid() != int(sys.argv[1]): sys.exit(1)\n"
+    "os.execvp(sys.argv[2], sys.argv[2:])\n"
+)
 
 
 @dataclass(kw_only=True)
@@ -237,9 +240,10 @@ class Agent:
         return environ
 
     def _spawn(self, local_rank: int) -> None:
+        launcher = [sys.executable, "-S", "-c", _PDEATH_LAUNCHER, str(os.getpid())]
         self._ranks[local_rank] = subprocess.Popen(
-            self.config.command, env=self._rank_env(local_rank), start_new_session=True,
-            preexec_fn=_die_with_parent)
+            launcher + self.config.command, env=self._rank_env(local_rank),
+            start_new_session=True)
 
     def _kill_ranks(self) -> None:
         for p in self._ranks.values():
