@@ -70,18 +70,24 @@ def _check(value: Mapping[str, Any], schema: dict[str, Any], path: str) -> None:
 def spec_from_dict(value: Mapping[str, Any]) -> types_pb2.JobSpec:
     """A validated `JobSpec` from a parsed YAML/JSON mapping."""
     _check(value, _SCHEMA, "")
-    spec = types_pb2.JobSpec(
-        name=value["name"],
-        min_workers=value.get("min_workers") or 0,
-        max_workers=value.get("max_workers") or 0,
-        max_steps=value["max_steps"],
-    )
+    spec = types_pb2.JobSpec()
     if value.get("checkpoint") and value["checkpoint"].get("keep_last") is None:
         spec.checkpoint.keep_last = 3
-    for section in ("layout", "data", "checkpoint"):
-        for key, item in (value.get(section) or {}).items():
-            if item is not None:
-                setattr(getattr(spec, section), key, item)
+    fields = [(spec, key, key) for key in ("name", "min_workers", "max_workers", "max_steps")]
+    fields += [
+        (getattr(spec, section), key, f"{section}.{key}")
+        for section in ("layout", "data", "checkpoint")
+        for key in (value.get(section) or {})
+    ]
+    for message, key, where in fields:
+        section, _, _ = where.rpartition(".")
+        item = (value.get(section) or {}).get(key) if section else value.get(key)
+        if item is None:
+            continue
+        try:
+            setattr(message, key, item)
+        except (ValueError, TypeError) as e:  # out of the field's integer range
+            raise InvalidArgument(where, f"{item!r} is out of range ({e})") from e
     return validate(spec)
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 from urllib.parse import urlparse
@@ -146,7 +146,3 @@ class Store:
     @_translate
     def revoke_lease(self, lease_id: int) -> None:
         self._client.revoke_lease(lease_id)
-
-    @_translate
-    def watch_prefix(self, prefix: str) -> tuple[Iterator[Any], Callable[[], None]]:
-        return self._client.watch_prefix(prefix)

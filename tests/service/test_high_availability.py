@@ -1,0 +1,114 @@
+"""Replicas, leader failover and etcd restarts: nothing lost, nothing issued twice."""
+
+from __future__ import annotations
+
+import threading
+
+import grpc
+import pytest
+
+from sbtest import wait_for
+from springback.service import keys
+from springback.service.client import ApiError, Client
+from springback.service.store import Store
+from springback.v1 import types_pb2 as pb
+from springback.v1 import worker_service_pb2 as ws
+from springback.v1 import worker_service_pb2_grpc as ws_grpc
+
+pytestmark = pytest.mark.timeout(90)
+
+
+def leader_of(etcd_endpoint: str) -> str | None:
+    store = Store(etcd_endpoint)
+    try:
+        entry = store.get(keys.LEADER)
+        return entry.value.decode() if entry else None
+    finally:
+        store.close()
+
+
+class TestLeaderFailover:
+    def test_killing_the_leader_mid_traffic_loses_nothing(self, etcd, spawn_coordinator, make_spec):
+        replicas = [spawn_coordinator(), spawn_coordinator()]
+        wait_for(lambda: leader_of(etcd.endpoint), 15, "a leader to be elected")
+        leader = next(r for r in replicas if r.address == leader_of(etcd.endpoint))
+        follower = next(r for r in replicas if r is not leader)
+        client = Client([r.address for r in replicas], timeout_s=5)
+        workers = ws_grpc.WorkerServiceStub(grpc.insecure_channel(follower.address))
+
+        # State before the failure: jobs, members, generations, a commit.
+        jobs = [client.create_job(make_spec(name=f"j{i}", max_workers=2)).id for i in range(3)]
+        member = workers.JoinJob(ws.JoinJobRequest(job_id=jobs[0], host="127.0.0.1",
+                                                   rendezvous_port=4000, num_local_ranks=1), timeout=10)
+        generation = client.get_job(jobs[0]).status.generation
+        workers.CommitCheckpoint(ws.CommitCheckpointRequest(
+            job_id=jobs[0], member_id=member.member.id, generation=generation,
+            checkpoint=pb.CheckpointRef(step=5, uri="file:///tmp/ck/5")), timeout=10)
+
+        # Traffic during the failover: keep creating jobs and reading them back.
+        created: list[str] = []
+        errors: list[BaseException] = []
+        stop = threading.Event()
+
+        def traffic() -> None:
+            i = 0
+            while not stop.is_set():
+                try:
+                    created.append(client.get_job(jobs[1]).id)
+                    i += 1
+                except ApiError as e:
+                    if e.code != grpc.StatusCode.UNAVAILABLE:
+                        errors.append(e)
+
+        thread = threading.Thread(target=traffic)
+        thread.start()
+        wait_for(lambda: len(created) > 5, 10, "traffic through the leader")
+        leader.kill()
+        wait_for(lambda: leader_of(etcd.endpoint) == follower.address, 15, "the follower to take over")
+        served = len(created)
+        wait_for(lambda: len(created) > served + 5, 15, "calls served by the new leader")
+        stop.set()
+        thread.join(10)
+        assert errors == []
+
+        # Nothing lost: every job, the member, the generation and the commit.
+        assert sorted(j.id for j in client.list_jobs()) == sorted(jobs)
+        job = client.get_job(jobs[0])
+        assert job.status.generation == generation and list(job.status.members) == [member.member.id]
+        assert [c.step for c in client.list_checkpoints(jobs[0])] == [5]
+        # The new leader keeps the member alive and issues the *next* generation.
+        workers.Heartbeat(ws.HeartbeatRequest(job_id=jobs[0], member_id=member.member.id), timeout=10)
+        joined = workers.JoinJob(ws.JoinJobRequest(job_id=jobs[0], host="127.0.0.1",
+                                                   rendezvous_port=4001, num_local_ranks=1), timeout=10)
+        assert joined.member.id != member.member.id
+        assert client.get_job(jobs[0]).status.generation == generation + 1
+        client.close()
+
+    def test_a_follower_forwards_every_call_to_the_leader(self, etcd, spawn_coordinator, make_spec):
+        replicas = [spawn_coordinator(), spawn_coordinator()]
+        wait_for(lambda: leader_of(etcd.endpoint), 15, "a leader to be elected")
+        follower = next(r for r in replicas if r.address != leader_of(etcd.endpoint))
+        with Client(follower.address) as client:
+            job = client.create_job(make_spec())
+            assert client.get_job(job.id).id == job.id
+            with pytest.raises(ApiError) as e:
+                client.get_job("missing")
+            assert e.value.code == grpc.StatusCode.NOT_FOUND  # the leader's status, unchanged
+            events = client.watch_job(job.id, timeout_s=10)
+            first, _ = next(events)
+            assert first.id == job.id
+            events.close()
+
+
+class TestEtcdRestart:
+    def test_the_coordinator_reconnects_after_etcd_restarts(self, etcd, coordinator, client, make_spec):
+        job = client.create_job(make_spec())
+        etcd.stop(kill=True)
+        with pytest.raises(ApiError) as e:
+            client.get_job(job.id)
+        assert e.value.code == grpc.StatusCode.UNAVAILABLE
+        etcd.start()
+        got = wait_for(lambda: client.get_job(job.id), 30, "the coordinator to serve again")
+        assert got.id == job.id
+        second = wait_for(lambda: client.create_job(make_spec(name="after")), 30, "writes to work again")
+        assert sorted(j.id for j in client.list_jobs()) == sorted([job.id, second.id])

@@ -1,0 +1,131 @@
+"""The planner as a pure function: ranks, layout, spares, restore choice."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from springback.service.planner import Progress, make_plan
+from springback.v1 import types_pb2 as pb
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def job(min_workers=1, max_workers=8, tp=1, pp=1, ep=1, state=pb.JOB_STATE_RUNNING) -> pb.Job:
+    spec = pb.JobSpec(name="j", min_workers=min_workers, max_workers=max_workers,
+                      layout=pb.Layout(tp=tp, pp=pp, ep=ep),
+                      data=pb.DataSpec(num_samples=100, global_batch_size=10), max_steps=10)
+    return pb.Job(id="j", spec=spec, status=pb.JobStatus(state=state))
+
+
+def members(*ids: str, ranks: int = 1) -> list[pb.Member]:
+    return [pb.Member(id=i, host=f"h{i}", rendezvous_port=1000 + n, num_local_ranks=ranks, join_order=n)
+            for n, i in enumerate(ids)]
+
+
+def plan(j, ms, previous=None, **kw) -> pb.Plan:
+    kw.setdefault("progress", Progress(step=7, cursor=pb.DataCursor(offset=70)))
+    kw.setdefault("newest_checkpoint", None)
+    return make_plan(j, ms, previous, **kw)
+
+
+class TestRanks:
+    def test_survivors_keep_their_ranks_and_joiners_fill_the_holes(self):
+        first = plan(job(), members("a", "b", "c", "d"))
+        second = plan(job(), members("a", "c", "d", "e"), first)
+        assert [(m.member_id, m.node_rank) for m in second.members] == [
+            ("a", 0), ("e", 1), ("c", 2), ("d", 3)]
+        assert [m.first_rank for m in second.members] == [0, 1, 2, 3]
+
+    def test_a_shrinking_world_moves_only_the_out_of_range_survivors(self):
+        first = plan(job(), members("a", "b", "c", "d"))
+        second = plan(job(), members("a", "c", "d"), first)
+        assert [(m.member_id, m.node_rank) for m in second.members] == [("a", 0), ("d", 1), ("c", 2)]
+
+    def test_multi_rank_nodes_get_contiguous_global_ranks(self):
+        p = plan(job(), members("a", "b", ranks=4))
+        assert [(m.first_rank, m.num_local_ranks) for m in p.members] == [(0, 4), (4, 4)]
+        assert p.world_size == 8 and (p.master_addr, p.master_port) == ("ha", 1000)
+
+
+class TestLayoutAndLimits:
+    def test_tp_times_pp_must_divide_the_world_and_the_rest_are_spares(self):
+        p = plan(job(tp=2, pp=2), members("a", "b", "c", "d", "e", "f"))
+        assert p.world_size == 4 and list(p.spares) == ["e", "f"]
+        assert (p.layout.dp, p.layout.tp, p.layout.pp) == (1, 2, 2)
+
+    def test_ep_must_divide_dp(self):
+        p = plan(job(ep=2), members("a", "b", "c"))
+        assert p.world_size == 2 and p.layout.dp == 2 and list(p.spares) == ["c"]
+
+    def test_max_workers_caps_the_world(self):
+        p = plan(job(max_workers=2), members("a", "b", "c"))
+        assert p.world_size == 2 and list(p.spares) == ["c"]
+
+    def test_below_min_workers_the_plan_waits(self):
+        p = plan(job(min_workers=3), members("a", "b"))
+        assert p.action == pb.PLAN_ACTION_WAIT and p.world_size == 0
+
+    def test_draining_members_are_not_planned(self):
+        ms = members("a", "b")
+        ms[1].draining = True
+        assert [m.member_id for m in plan(job(), ms).members] == ["a"]
+
+    def test_a_paused_job_waits_and_keeps_its_state_holders(self):
+        first = plan(job(), members("a", "b"))
+        paused = plan(job(state=pb.JOB_STATE_PAUSED), members("a", "b"), first)
+        assert paused.action == pb.PLAN_ACTION_WAIT and [m.member_id for m in paused.members] == ["a", "b"]
+        resumed = plan(job(), members("a", "b"), paused)
+        assert resumed.restore.kind == pb.RESTORE_KIND_PEERS
+
+    def test_a_terminal_job_stops(self):
+        assert plan(job(state=pb.JOB_STATE_CANCELLED), members("a")).action == pb.PLAN_ACTION_STOP
+
+
+class TestRestoreChoice:
+    ref = pb.CheckpointRef(step=5, uri="file:///c/5", cursor=pb.DataCursor(offset=50))
+
+    def test_fresh_jobs_start_from_scratch(self):
+        p = plan(job(), members("a"))
+        assert p.restore.kind == pb.RESTORE_KIND_NONE and p.step == 0
+
+    def test_survivors_serve_state_from_the_lowest_new_rank(self):
+        first = plan(job(), members("a", "b", "c"))
+        p = plan(job(), members("b", "c", "d"), first, stateless={"b"}, newest_checkpoint=self.ref)
+        assert p.restore.kind == pb.RESTORE_KIND_PEERS
+        assert p.restore.source_rank == 2  # c kept node rank 2; b lost its state
+        assert (p.step, p.cursor.offset) == (7, 70)
+
+    def test_without_survivors_the_newest_checkpoint_is_restored(self):
+        first = plan(job(), members("a"))
+        p = plan(job(), members("z"), first, newest_checkpoint=self.ref)
+        assert p.restore.kind == pb.RESTORE_KIND_CHECKPOINT
+        assert (p.step, p.cursor.offset, p.restore.checkpoint.uri) == (5, 50, "file:///c/5")
+
+    def test_an_operator_chosen_checkpoint_wins_over_peers(self):
+        first = plan(job(), members("a"))
+        p = plan(job(), members("a"), first, requested_checkpoint=self.ref)
+        assert p.restore.kind == pb.RESTORE_KIND_CHECKPOINT and p.step == 5
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    alive=st.lists(st.sampled_from("abcdefghij"), unique=True, max_size=10),
+    survivors=st.lists(st.sampled_from("abcdefghij"), unique=True, max_size=10),
+    tp=st.sampled_from([1, 2, 4]), min_workers=st.integers(1, 4), max_workers=st.integers(4, 10),
+)
+def test_every_plan_is_consistent(alive, survivors, tp, min_workers, max_workers):
+    j = job(min_workers=min_workers, max_workers=max_workers, tp=tp)
+    previous = plan(j, members(*survivors)) if survivors else None
+    p = plan(j, members(*alive), previous)
+    planned = [m.member_id for m in p.members]
+    assert len(set(planned) | set(p.spares)) == len(planned) + len(p.spares)
+    if p.action == pb.PLAN_ACTION_RUN:
+        assert sorted(m.node_rank for m in p.members) == list(range(len(planned)))
+        assert p.world_size % tp == 0 and min_workers <= len(planned) <= max_workers
+        assert set(planned) | set(p.spares) == set(alive)
+        old = {m.member_id: m.node_rank for m in previous.members} if previous else {}
+        for m in p.members:  # a survivor keeps its rank whenever it is still in range
+            if m.member_id in old and old[m.member_id] < len(planned):
+                assert m.node_rank == old[m.member_id]

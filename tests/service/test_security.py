@@ -1,0 +1,100 @@
+"""Bearer tokens, TLS and mTLS on a real coordinator; health and reflection."""
+
+from __future__ import annotations
+
+import subprocess
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from sbtest import wait_for
+from springback.service.client import ApiError, Client
+from springback.v1 import job_service_pb2 as js
+from springback.v1 import job_service_pb2_grpc as js_grpc
+
+pytestmark = pytest.mark.timeout(60)
+
+TOKEN = "s3cret-token"
+
+
+@pytest.fixture
+def secured(start_coordinator):
+    server = start_coordinator(token=TOKEN)
+    wait_for(server.election.is_leader, 10, "leadership")
+    return server
+
+
+class TestBearerToken:
+    @pytest.mark.parametrize("token", [None, "wrong", TOKEN + "x"])
+    def test_calls_without_the_right_token_are_unauthenticated_and_change_nothing(
+        self, secured, make_spec, token
+    ):
+        with Client(secured.address, token=token or "") as bad:
+            with pytest.raises(ApiError) as e:
+                bad.create_job(make_spec())
+            assert e.value.code == grpc.StatusCode.UNAUTHENTICATED
+            with pytest.raises(ApiError) as e:
+                next(bad.watch_job("any"))
+            assert e.value.code == grpc.StatusCode.UNAUTHENTICATED
+        with Client(secured.address, token=TOKEN) as good:
+            assert good.list_jobs() == []
+
+    def test_the_right_token_is_accepted(self, secured, make_spec):
+        with Client(secured.address, token=TOKEN) as client:
+            job = client.create_job(make_spec())
+            assert client.get_job(job.id).id == job.id
+
+    def test_health_checks_need_no_token(self, secured):
+        with grpc.insecure_channel(secured.address) as channel:
+            response = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        assert response.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_reflection_lists_the_services(coordinator):
+    with grpc.insecure_channel(coordinator.address) as channel:
+        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+        responses = stub.ServerReflectionInfo(
+            iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5)
+        names = {s.name for r in responses for s in r.list_services_response.service}
+    assert {"springback.v1.JobService", "springback.v1.WorkerService", "grpc.health.v1.Health"} <= names
+
+
+def _openssl(*args: str) -> None:
+    subprocess.run(["openssl", *args], check=True, capture_output=True, timeout=30)
+
+
+@pytest.fixture
+def pki(tmp_path):
+    """A CA, a server certificate for 127.0.0.1 and a client certificate."""
+    d = tmp_path
+    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=test-ca",
+             "-keyout", str(d / "ca.key"), "-out", str(d / "ca.pem"))
+    for name, ext in (("server", "subjectAltName=IP:127.0.0.1"), ("client", "extendedKeyUsage=clientAuth")):
+        _openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={name}",
+                 "-keyout", str(d / f"{name}.key"), "-out", str(d / f"{name}.csr"))
+        (d / f"{name}.ext").write_text(ext + "\n")
+        _openssl("x509", "-req", "-in", str(d / f"{name}.csr"), "-CA", str(d / "ca.pem"),
+                 "-CAkey", str(d / "ca.key"), "-CAcreateserial", "-days", "1",
+                 "-extfile", str(d / f"{name}.ext"), "-out", str(d / f"{name}.pem"))
+    return d
+
+
+class TestTls:
+    def test_mtls_accepts_a_signed_client_and_refuses_others(self, start_coordinator, pki, make_spec):
+        server = start_coordinator(
+            tls_cert=str(pki / "server.pem"), tls_key=str(pki / "server.key"),
+            tls_client_ca=str(pki / "ca.pem"), token=TOKEN,
+        )
+        wait_for(server.election.is_leader, 10, "leadership")
+        with Client(server.address, token=TOKEN, tls_ca=str(pki / "ca.pem"),
+                    tls_cert=str(pki / "client.pem"), tls_key=str(pki / "client.key")) as client:
+            assert client.create_job(make_spec()).id
+        with Client(server.address, token=TOKEN, tls_ca=str(pki / "ca.pem"), timeout_s=3) as anonymous:
+            with pytest.raises(ApiError) as e:
+                anonymous.list_jobs()
+            assert e.value.code == grpc.StatusCode.UNAVAILABLE  # handshake refused
+        plaintext = js_grpc.JobServiceStub(grpc.insecure_channel(server.address))
+        with pytest.raises(grpc.RpcError):
+            plaintext.ListJobs(js.ListJobsRequest(), timeout=3)

@@ -1,0 +1,70 @@
+"""Job spec parsing: every bad input is an InvalidArgument naming its field."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from springback.service.errors import InvalidArgument
+from springback.service.spec import load_spec_file, spec_from_dict
+
+pytestmark = pytest.mark.timeout(60)
+
+GOOD = {"name": "lm", "data": {"num_samples": 10, "global_batch_size": 2}, "max_steps": 3}
+
+
+@pytest.mark.parametrize(
+    ("patch", "field"),
+    [
+        ({"name": None}, "name"),
+        ({"name": 3}, "name"),
+        ({"max_steps": -1}, "max_steps"),
+        ({"max_steps": True}, "max_steps"),
+        ({"data": None}, "data"),
+        ({"data": [1]}, "data"),
+        ({"data": {"num_samples": 10}}, "data.global_batch_size"),
+        ({"layout": {"tp": "2"}}, "layout.tp"),
+        ({"layout": {"dp": 2}}, "layout.dp"),
+        ({"checkpoint": {"every_steps": 5}}, "checkpoint.uri"),
+        ({"workers": 3}, "workers"),
+        ({"data": {"num_samples": 10, "global_batch_size": 2**40}}, "data.global_batch_size"),
+    ],
+)
+def test_bad_keys_are_named(patch, field):
+    with pytest.raises(InvalidArgument) as e:
+        spec_from_dict({**GOOD, **patch})
+    assert e.value.field == field
+
+
+def test_defaults_are_filled_in():
+    spec = spec_from_dict({**GOOD, "checkpoint": {"uri": "s3://b/p"}})
+    assert (spec.min_workers, spec.max_workers, spec.layout.tp, spec.checkpoint.keep_last) == (1, 1, 1, 3)
+
+
+def test_unreadable_and_malformed_files_name_the_file(tmp_path):
+    with pytest.raises(InvalidArgument) as e:
+        load_spec_file(str(tmp_path / "missing.yaml"))
+    assert "missing.yaml" in str(e.value)
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("name: [unclosed\n")
+    with pytest.raises(InvalidArgument) as e:
+        load_spec_file(str(broken))
+    assert "broken.yaml" in str(e.value) and "YAML" in str(e.value)
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-5, 2**70) | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=12), inner, max_size=4),
+    max_leaves=12,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(st.sampled_from([*GOOD, "layout", "checkpoint", "min_workers", "x"]),
+                       json_values, max_size=6))
+def test_arbitrary_input_is_accepted_or_rejected_cleanly(value):
+    try:
+        spec_from_dict(value)
+    except InvalidArgument as e:
+        assert e.field  # never a crash, always a named field
