@@ -30,6 +30,7 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from springback.storage.retry import RetryPolicy, RetryStats, call_with_retry
+from springback.storage.s3upload import S3PartWriter
 
 T = TypeVar("T")
 
@@ -63,6 +64,9 @@ def resolve_storage_options(uri: str, storage_options: dict[str, Any] | None) ->
 class Store:
     """Retrying file operations on one fsspec filesystem, addressed by full URIs.
 
+    On S3, files are uploaded by :class:`~springback.storage.s3upload.S3PartWriter`
+    (``part_size`` parts, ``max_concurrency`` of them in flight).
+
     Every method may raise :class:`~springback.storage.errors.TransientStorageError`
     when its retry budget runs out, or the underlying non-transient error
     (``FileNotFoundError`` ...) at once. All methods are safe to call from several
@@ -76,12 +80,17 @@ class Store:
         storage_options: dict[str, Any] | None = None,
         retry: RetryPolicy | None = None,
         stats: RetryStats | None = None,
+        part_size: int = 32 << 20,
+        max_concurrency: int = 4,
     ) -> None:
         self.storage_options = resolve_storage_options(uri, storage_options)
         self.fs, _ = fsspec.url_to_fs(uri, **self.storage_options)
         self.retry = retry or RetryPolicy()
         self.stats = stats or RetryStats()
         self.is_local = isinstance(self.fs, LocalFileSystem)
+        self.is_s3 = type(self.fs).__name__ == "S3FileSystem"
+        self.part_size = part_size
+        self.max_concurrency = max_concurrency
 
     # -- helpers -------------------------------------------------------------
     def _path(self, uri: str) -> str:
@@ -106,6 +115,9 @@ class Store:
 
         def attempt() -> T:
             self._ensure_parent(path)
+            if self.is_s3:
+                with S3PartWriter(self.fs, path, part_size=self.part_size, max_concurrency=self.max_concurrency) as w:
+                    return produce(w)
             with self.fs.open(path, "wb") as f:
                 result = produce(f)
                 if self.is_local:
