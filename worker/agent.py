@@ -47,7 +47,7 @@ from springback.v1 import types_pb2 as pb
 from springback.v1 import worker_service_pb2 as wpb
 from springback.v1 import worker_service_pb2_grpc as wgrpc
 from springback.worker import env as E
-from springback.worker.control import PlanPublisher
+from springback.worker.control import PlanPublisher, activate_standby
 from springback.worker.preemption import FileNotice, PreemptionSource
 
 log = logging.getLogger("springback.agent")
@@ -89,6 +89,9 @@ class AgentConfig:
     """How long a drain may take before the ranks are killed."""
     max_restarts: int = 10
     """Local rank failures tolerated over the agent's life."""
+    standby: bool = True
+    """Keep one warm standby rank (script started, blocked in `Session()`) to
+    replace a crashed rank in well under a second instead of a cold start."""
     on_fenced: str = "rejoin"
     """``rejoin`` as a new member, or ``exit`` (status 3), once fenced."""
     collective_timeout_s: float | None = None
@@ -131,6 +134,8 @@ class Agent:
         self._fenced = threading.Event()
         self._stop = threading.Event()
         self._ranks: dict[int, subprocess.Popen] = {}
+        self._standby: tuple[subprocess.Popen, str] | None = None
+        self._num_standbys = 0
         self._num_restarts = 0
         self.member: pb.Member | None = None
         self.liveness_timeout_s = 5.0
@@ -245,11 +250,43 @@ class Agent:
             launcher + self.config.command, env=self._rank_env(local_rank),
             start_new_session=True)
 
+    def _spawn_standby(self) -> None:
+        if not self.config.standby or self._standby is not None:
+            return
+        self._num_standbys += 1
+        path = os.path.join(self._workdir, f"standby-{self._num_standbys}.json")
+        environ = self._rank_env(0)
+        environ[E.STANDBY_FILE] = path
+        launcher = [sys.executable, "-S", "-c", _PDEATH_LAUNCHER, str(os.getpid())]
+        proc = subprocess.Popen(launcher + self.config.command, env=environ,
+                                start_new_session=True)
+        self._standby = (proc, path)
+
+    def _replace_rank(self, local_rank: int) -> None:
+        """Puts the warm standby (or, without one, a cold new process) in the
+        place of a failed local rank, then starts the next standby."""
+        assert self.member is not None
+        if self._standby is not None and self._standby[0].poll() is None:
+            proc, path = self._standby
+            self._standby = None
+            activate_standby(path, local_rank=local_rank, member_id=self.member.id,
+                             control_dir=self._publisher.directory)
+            self._ranks[local_rank] = proc
+            log.info("standby took the place of local rank %d", local_rank)
+        else:
+            self._standby = None
+            self._spawn(local_rank)
+        self._spawn_standby()
+
     def _kill_ranks(self) -> None:
-        for p in self._ranks.values():
+        procs = list(self._ranks.values())
+        if self._standby is not None:
+            procs.append(self._standby[0])
+            self._standby = None
+        for p in procs:
             if p.poll() is None:
                 p.kill()
-        for p in self._ranks.values():
+        for p in procs:
             p.wait()
         self._ranks.clear()
 
@@ -280,6 +317,7 @@ class Agent:
             return EXIT_ERROR
         for lr in range(self.config.nproc_per_node):
             self._spawn(lr)
+        self._spawn_standby()
         try:
             return self._supervise()
         finally:
@@ -298,6 +336,7 @@ class Agent:
                 self._join()
                 for lr in range(self.config.nproc_per_node):
                     self._spawn(lr)
+                self._spawn_standby()
             if self._drain_reason is None:
                 for source in self.config.preemption:
                     reason = source.poll()
@@ -325,7 +364,7 @@ class Agent:
                 log.error("more than %d rank failures: giving up", self.config.max_restarts)
                 self._leave("too many rank failures")
                 return EXIT_ERROR
-            self._spawn(lr)
+            self._replace_rank(lr)
         if self._ranks and all(p.poll() == 0 for p in self._ranks.values()):
             log.info("all local ranks finished")
             self._leave("ranks finished")
@@ -383,6 +422,8 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    help="address peers reach this node at (default 127.0.0.1)")
     p.add_argument("--drain-timeout-s", type=float, default=60.0)
     p.add_argument("--max-restarts", type=int, default=10)
+    p.add_argument("--no-standby", dest="standby", action="store_false",
+                   help="do not keep a warm standby rank for fast crash recovery")
     p.add_argument("--on-fenced", choices=["rejoin", "exit"], default="rejoin")
     p.add_argument("--collective-timeout-s", type=float, default=None,
                    help="process-group timeout (default: the liveness timeout)")
@@ -403,7 +444,7 @@ def run_main(args: argparse.Namespace) -> int:
             job_id=args.job, command=cmd, coordinator=getattr(args, "coordinator", None),
             token=getattr(args, "token", None), nproc_per_node=args.nproc_per_node,
             host=args.host, drain_timeout_s=args.drain_timeout_s,
-            max_restarts=args.max_restarts, on_fenced=args.on_fenced,
+            max_restarts=args.max_restarts, standby=args.standby, on_fenced=args.on_fenced,
             collective_timeout_s=args.collective_timeout_s,
             preemption=[FileNotice(args.preemption_file)] if args.preemption_file else [])
         agent = Agent(config)

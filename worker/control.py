@@ -10,6 +10,7 @@ last plan; the agent's death kills its ranks anyway (parent-death signal).
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import Callable
@@ -87,4 +88,24 @@ class PlanChannel:
                 return plan
             if time.monotonic() >= deadline:
                 return None
+            time.sleep(poll_s)
+
+
+def activate_standby(path: str, *, local_rank: int, member_id: str, control_dir: str) -> None:
+    """Agent side: hands a warm standby rank its identity (atomic write)."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump({"local_rank": local_rank, "member_id": member_id,
+                   "control_dir": control_dir}, f)
+    os.replace(tmp, path)
+
+
+def await_activation(path: str, poll_s: float = 0.02) -> dict:
+    """Rank side: blocks until the agent activates this standby; returns the
+    identity. No deadline: an unused standby is killed by its agent."""
+    while True:
+        try:
+            with open(path, encoding="utf-8") as f:
+                return json.load(f)
+        except FileNotFoundError:
             time.sleep(poll_s)

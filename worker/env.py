@@ -40,6 +40,11 @@ RENDEZVOUS_TIMEOUT_S = "SPRINGBACK_RENDEZVOUS_TIMEOUT_S"
 """How long a rank waits for all ranks of a generation to arrive (default 120)."""
 AUDIT_DIR = "SPRINGBACK_AUDIT_DIR"
 """When set, every rank writes the sample indices it consumes, per generation, here."""
+STANDBY_FILE = "SPRINGBACK_STANDBY_FILE"
+"""Set on a warm standby rank: `Session()` blocks until the agent writes this
+file (JSON: local_rank, member_id, control_dir) to put the standby in the place
+of a crashed rank. The script's set-up before `Session()` (imports, data, model)
+is then already done, which is most of a rank's start-up time."""
 METRICS_FILE = "SPRINGBACK_METRICS_FILE"
 """When set, global rank 0 appends one JSON line per step and per generation here."""
 

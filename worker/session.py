@@ -33,6 +33,7 @@ Failure semantics:
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -46,8 +47,8 @@ import torch.distributed as dist
 
 from springback.v1 import types_pb2 as pb
 from springback.worker.audit import AuditLog
-from springback.worker.control import PlanChannel
-from springback.worker.env import METRICS_FILE, RankEnv
+from springback.worker.control import PlanChannel, await_activation
+from springback.worker.env import METRICS_FILE, STANDBY_FILE, RankEnv
 from springback.worker.rendezvous import RendezvousAborted, form_group, leave_group
 from springback.worker.sampler import Batch, SampleStream
 
@@ -71,7 +72,7 @@ class Session:
         are what survivors hand to joiners. Data and max_steps come from the job
         spec in the plan; the keyword arguments are fallbacks for standalone runs
         (``python train.py`` without an agent: one rank, world size 1)."""
-        self.env = env or RankEnv.from_environ()
+        self.env = env or _activated(RankEnv.from_environ())
         self.state: dict[str, Any] = dict(state or {})
         if model is not None:
             self.state["model"] = model
@@ -250,6 +251,18 @@ class Session:
         if self._reporter is not None:
             self._reporter.close()
             self._reporter = None
+
+
+def _activated(rank_env: RankEnv) -> RankEnv:
+    """A warm standby waits here until its agent gives it a crashed rank's place."""
+    path = os.environ.get(STANDBY_FILE)
+    if not path:
+        return rank_env
+    identity = await_activation(path)
+    log.info("standby activated as local rank %d", identity["local_rank"])
+    return dataclasses.replace(rank_env, local_rank=int(identity["local_rank"]),
+                               member_id=identity["member_id"],
+                               control_dir=identity["control_dir"])
 
 
 def state_digest(state: dict[str, Any]) -> str:

@@ -1,0 +1,202 @@
+"""Recovery benchmark: how long until training runs again after a failure.
+
+Runs a real local cluster (etcd, one coordinator, three node agents, each with
+one rank of examples/tinylm) and injects, one after the other:
+
+* a crashed local rank (SIGKILL of one rank process; its agent stays alive and
+  reports the failure at once): target <= 3 s;
+* a lost node (SIGKILL of one agent with its ranks): detected by the liveness
+  timeout; target <= liveness timeout + 3 s.
+
+Recovery time = first completed step of the new generation - the kill. Lost
+work = steps whose results the survivors did not keep (0 when the survivors'
+in-memory state covers every finished step).
+
+    python bench/recovery.py [--repeats 3] [--liveness-timeout-s 2] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+TRAIN = ROOT / "examples" / "tinylm" / "train.py"
+
+
+def _children(pid: int) -> list[int]:
+    out: list[int] = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            out += [int(x) for x in f.read().split()]
+    return out
+
+
+def _active_ranks(agent_pid: int) -> list[int]:
+    """The agent's rank processes, leaving out its warm standby (a standby is
+    active once the agent wrote its activation file)."""
+    out = []
+    for pid in _children(agent_pid):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+        except FileNotFoundError:
+            continue
+        standby = env.get(b"SPRINGBACK_STANDBY_FILE")
+        if standby is None or os.path.exists(standby.decode()):
+            out.append(pid)
+    return out
+
+
+def _events(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass
+    return out
+
+
+def _wait(pred, timeout_s: float, what: str):  # noqa: ANN001, ANN202
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = pred()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise TimeoutError(f"timed out waiting for {what}")
+
+
+def _recovered_after(metrics: Path, t_kill: float, generation: int) -> tuple[float, dict]:
+    """Seconds from the kill to the first step of a generation newer than `generation`."""
+    def first_step():
+        for e in _events(metrics):
+            if e["event"] == "step" and e["generation"] > generation and e["t"] > t_kill:
+                return e
+        return None
+    step = _wait(first_step, 60, "training to resume")
+    return step["t"] - t_kill, step
+
+
+def _last_step(metrics: Path) -> dict:
+    return [e for e in _events(metrics) if e["event"] == "step"][-1]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--liveness-timeout-s", type=float, default=2.0)
+    p.add_argument("--gap-s", type=float, default=6.0, help="seconds between faults")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args()
+
+    from springback.service.client import Client
+    from springback.service.local import EtcdServer
+    from springback.service.server import CoordinatorConfig, CoordinatorServer
+
+    work = Path(tempfile.mkdtemp(prefix="springback-bench-"))
+    metrics = work / "metrics.jsonl"
+    etcd = EtcdServer(str(work / "etcd"))
+    etcd.start()
+    server = CoordinatorServer(CoordinatorConfig(
+        etcd=etcd.endpoint, listen="127.0.0.1:0", liveness_timeout_s=args.liveness_timeout_s,
+        leader_ttl_s=2, progress_flush_s=1.0))
+    server.start()
+    agents: list[subprocess.Popen] = []
+    results: dict[str, list[float]] = {"rank_crash_s": [], "node_loss_s": []}
+    lost_steps: list[int] = []
+    try:
+        _wait(server.election.is_leader, 20, "the coordinator to lead")
+        client = Client(server.address)
+        job = client.create_job({
+            "name": "bench-recovery", "min_workers": 2, "max_workers": 3,
+            "data": {"num_samples": 5547, "global_batch_size": 24, "seed": 0},
+            "max_steps": 1_000_000})
+        env = dict(os.environ, SPRINGBACK_METRICS_FILE=str(metrics), TINYLM_MAX_STEPS="1000000",
+                   PYTHONUNBUFFERED="1")
+
+        def start_agent(name: str) -> subprocess.Popen:
+            log = open(work / f"agent-{name}.log", "ab")  # noqa: SIM115
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "springback.worker.agent", "--job", job.id,
+                 "--coordinator", server.address, "--max-restarts", "100", "--",
+                 sys.executable, str(TRAIN)], env=env, stdout=log, stderr=subprocess.STDOUT)
+            agents.append(proc)
+            return proc
+
+        for name in ("a", "b", "c"):
+            start_agent(name)
+        _wait(lambda: any(e["event"] == "step" and e["world_size"] == 3
+                          for e in _events(metrics)), 120, "three workers training")
+        for i in range(args.repeats):
+            # faults a few seconds apart: the standby started after a crash must be
+            # warm (imports done) before the next crash on that node
+            time.sleep(args.gap_s)
+            before = _last_step(metrics)
+            victim = agents[1 + i % 2]
+            ranks = _active_ranks(victim.pid)
+            t_kill = time.time()
+            for pid in ranks:
+                os.kill(pid, signal.SIGKILL)
+            seconds, first = _recovered_after(metrics, t_kill, before["generation"])
+            results["rank_crash_s"].append(seconds)
+            lost_steps.append(max(0, _last_step_before(metrics, t_kill) + 1 - first["step"]))
+        for i in range(args.repeats):
+            time.sleep(1.0)
+            before = _last_step(metrics)
+            victim = agents[-1]
+            t_kill = time.time()
+            victim.kill()  # the agent; its ranks die with it (parent-death signal)
+            seconds, first = _recovered_after(metrics, t_kill, before["generation"])
+            results["node_loss_s"].append(seconds)
+            lost_steps.append(max(0, _last_step_before(metrics, t_kill) + 1 - first["step"]))
+            start_agent(f"r{i}")  # a replacement joins for the next round
+            _wait(lambda: any(e["event"] == "step" and e["world_size"] == 3 and e["t"] > t_kill
+                              for e in _events(metrics)), 120, "the replacement to join")
+    finally:
+        for proc in agents:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        server.stop(grace_s=0.5)
+        etcd.stop(kill=True)
+
+    summary = {
+        "liveness_timeout_s": args.liveness_timeout_s,
+        "rank_crash_s": [round(x, 3) for x in results["rank_crash_s"]],
+        "node_loss_s": [round(x, 3) for x in results["node_loss_s"]],
+        "rank_crash_median_s": round(sorted(results["rank_crash_s"])[len(results["rank_crash_s"]) // 2], 3),
+        "node_loss_median_s": round(sorted(results["node_loss_s"])[len(results["node_loss_s"]) // 2], 3),
+        "max_lost_steps": max(lost_steps),
+        "work_dir": str(work),
+    }
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        lt = args.liveness_timeout_s
+        print(f"crashed local rank -> training again: median {summary['rank_crash_median_s']:.2f} s "
+              f"(runs {summary['rank_crash_s']}; target 3 s; a timeout-based detector would "
+              f"need >= {lt:.1f} s just to notice)")
+        print(f"lost node          -> training again: median {summary['node_loss_median_s']:.2f} s "
+              f"(runs {summary['node_loss_s']}; target liveness {lt:.1f} s + 3 s = {lt + 3:.1f} s)")
+        print(f"lost work: at most {summary['max_lost_steps']} step(s) per failure")
+    return 0
+
+
+def _last_step_before(metrics: Path, t: float) -> int:
+    steps = [e["step"] for e in _events(metrics) if e["event"] == "step" and e["t"] <= t]
+    return max(steps) if steps else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
