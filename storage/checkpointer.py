@@ -176,6 +176,7 @@ class Checkpointer:
         self._staging = StagingArea()
         self._executor = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"springback-ckpt-r{self.rank}")
         self._inflight: cf.Future[CommitInfo | DoneRecord] | None = None
+        self._last: tuple[int, int] | None = None  # (generation, step) of the last save started
         self._lock = threading.Lock()
 
     @property
@@ -202,11 +203,20 @@ class Checkpointer:
         ``generation``, with the same keys/shapes for non-DTensor entries. Returns
         a future (rank 0: :class:`CommitInfo`; others: their done-record) or
         ``None`` when skipped. ``cursor``, ``layout`` and ``extra`` (JSON-able) go
-        into the manifest from rank 0. Raises only for bad arguments / state that
-        cannot be snapshotted; storage failures surface through the future.
+        into the manifest from rank 0. Saving the step of the previous save again
+        (e.g. a drain checkpoint right after a periodic one) returns the previous
+        future instead of rewriting files a committer may be reading. Raises
+        ``ValueError`` for a step lower than the previous one in the same
+        generation, or state that cannot be snapshotted; storage failures surface
+        through the future.
         """
         t0 = time.perf_counter()
         with self._lock:
+            if self._last is not None and self._last[0] == generation:
+                if step == self._last[1]:
+                    return self._inflight
+                if step < self._last[1]:
+                    raise ValueError(f"step {step} is lower than the previous checkpoint's step {self._last[1]} in generation {generation}")
             if self.in_flight():
                 if self.policy == "skip":
                     self.stats.skipped += 1
@@ -218,6 +228,7 @@ class Checkpointer:
             rng = capture_rng() if self.save_rng else None
             t2 = time.perf_counter()
             self.stats.saves += 1
+            self._last = (generation, step)
             self.stats.last_snapshot_s = t2 - t1
             self.stats.last_stall_s = t2 - t0
             ckpt_uri = join(self.base_uri, checkpoint_dir_name(step, generation))

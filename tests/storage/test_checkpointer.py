@@ -121,6 +121,14 @@ class TestCommitProtocol:
             dcp.load(out, storage_reader=FsspecReader(info.uri))
         assert_state_equal(out, sd)
 
+    def test_dcp_format_utils_convert_it_back_to_the_nested_state_dict(self, tmp_path):
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+        sd = make_state(30)
+        info, _ = save_all_ranks(str(tmp_path / "ck"), 1, [sd, sd])
+        dcp_to_torch_save(info.uri, tmp_path / "full.pt")
+        assert_state_equal(torch.load(tmp_path / "full.pt", weights_only=False), sd)
+
     def test_restore_at_any_world_size_is_bit_identical_and_returns_the_cursor(self, base_uri):
         sd = make_state(4)
         save_all_ranks(base_uri, 4, [sd, sd, sd])
@@ -197,6 +205,18 @@ class TestOverlapPolicy:
         out = zeros_like_state(make_state(8))
         restore(base_uri, out, step=1)
         assert_state_equal(out["model"], expected)
+        c.close()
+
+
+    def test_saving_the_same_step_again_returns_the_first_save_and_going_back_is_refused(self, base_uri):
+        c = Checkpointer(base_uri, rank=0, world_size=1)
+        sd = make_state(31)
+        first = c.save(5, sd, generation=1)
+        assert c.save(5, sd, generation=1) is first and c.stats.saves == 1
+        with pytest.raises(ValueError, match="lower than"):
+            c.save(4, sd, generation=1)
+        first.result(timeout=30)
+        assert c.save(4, sd, generation=2).result(timeout=30).manifest.generation == 2  # new generation: fine
         c.close()
 
 
