@@ -82,7 +82,7 @@ def main() -> None:
             opt.step()
             if rank == 0:
                 torch.save({**full, "step": res.step, "cursor": [res.manifest.cursor.epoch, res.manifest.cursor.offset],
-                            "writers": res.manifest.world_size}, a["out"])
+                            "writers": res.manifest.world_size, "skipped": [u for u, _ in res.skipped]}, a["out"])
         dist.barrier()
     finally:
         dist.destroy_process_group()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -56,6 +57,21 @@ def assert_tree_equal(a, b, path="") -> None:
         assert a == b, f"{path}: {a!r} != {b!r}"
 
 
+def plant_corrupt_copy(root: Path, step: int) -> str:
+    """Copy the only checkpoint under ``root`` to a newer step and corrupt its rank-1 shard."""
+    (src,) = [p for p in root.iterdir() if p.name.startswith("step-")]
+    name = f"step-{step:08d}-g1"
+    shutil.copytree(src, root / name)
+    manifest = json.loads((root / name / "manifest.json").read_text())
+    manifest["step"] = step
+    (root / name / "manifest.json").write_text(json.dumps(manifest))
+    shard = root / name / "__1_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x5A
+    shard.write_bytes(bytes(data))
+    return name
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
 def test_saved_by_two_ranks_restores_bit_identical_on_three_and_one(parallel, tmp_path):
@@ -63,12 +79,16 @@ def test_saved_by_two_ranks_restores_bit_identical_on_three_and_one(parallel, tm
     ref = tmp_path / "ref.pt"
     join_all(launch(2, {"mode": "save", "parallel": parallel, "base": base, "out": str(ref)}, tmp_path, "save"), tmp_path, "save")
     expected = torch.load(ref, weights_only=False)
+    # A newer committed checkpoint with one corrupt shard: only one restoring rank reads
+    # that file, so all ranks must agree to skip it (or they would load different steps).
+    bad = plant_corrupt_copy(tmp_path / "ckpts", step=4)
     for world in (3, 1):
         out = tmp_path / f"restored-{world}.pt"
         tag = f"restore{world}"
         join_all(launch(world, {"mode": "restore", "parallel": parallel, "base": base, "out": str(out)}, tmp_path, tag), tmp_path, tag)
         got = torch.load(out, weights_only=False)
         assert (got["step"], got["cursor"], got["writers"]) == (3, [1, 96], 2)
+        assert got["skipped"] == [f"{base}/{bad}"]
         assert_tree_equal(expected["model"], got["model"], "model")
         assert_tree_equal(expected["optim"], got["optim"], "optim")
 

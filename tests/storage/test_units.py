@@ -1,0 +1,47 @@
+"""Small pure functions: replicated-entry assignment, manifest parsing, directory names, URI joins."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from springback.storage.manifest import Manifest, checkpoint_dir_name, parse_checkpoint_dir_name
+from springback.storage.snapshot import assign_replicated
+from springback.storage.store import join, resolve_storage_options
+
+
+@given(st.dictionaries(st.text(min_size=1, max_size=8), st.integers(0, 10_000), max_size=40), st.integers(1, 8))
+def test_each_replicated_entry_has_exactly_one_writer_and_loads_are_balanced(sizes, world):
+    owner = assign_replicated(sizes, world)
+    assert owner.keys() == sizes.keys() and all(0 <= r < world for r in owner.values())
+    assert assign_replicated(dict(reversed(list(sizes.items()))), world) == owner  # order-independent
+    loads = [sum(sizes[k] for k, r in owner.items() if r == rank) for rank in range(world)]
+    assert max(loads) - min(loads) <= max(sizes.values(), default=0)
+
+
+@given(st.integers(0, 10**9), st.integers(0, 10**6))
+def test_checkpoint_dir_names_round_trip(step, gen):
+    assert parse_checkpoint_dir_name(checkpoint_dir_name(step, gen)) == (step, gen)
+
+
+def test_foreign_directory_names_are_not_checkpoints():
+    assert parse_checkpoint_dir_name("step-12") == (12, 0)
+    for name in ("tmp", "step-", "step-1-x", "_springback"):
+        assert parse_checkpoint_dir_name(name) is None
+
+
+def test_a_malformed_manifest_names_the_uri_and_the_problem():
+    with pytest.raises(ValueError, match=r"s3://b/step-1/manifest.json.*'step'"):
+        Manifest.from_json('{"format": "springback.checkpoint/v1"}', uri="s3://b/step-1/manifest.json")
+    with pytest.raises(ValueError, match="format"):
+        Manifest.from_json('{"format": "other"}', uri="x")
+
+
+def test_join_keeps_the_scheme_and_resolves_the_s3_endpoint_from_the_environment(monkeypatch):
+    assert join("s3://bucket/base/", "/step-1", "a.distcp") == "s3://bucket/base/step-1/a.distcp"
+    monkeypatch.setenv("SPRINGBACK_S3_ENDPOINT_URL", "http://127.0.0.1:9000")
+    assert resolve_storage_options("s3://b/x", None)["client_kwargs"]["endpoint_url"] == "http://127.0.0.1:9000"
+    explicit = {"client_kwargs": {"endpoint_url": "http://other"}}
+    assert resolve_storage_options("s3://b/x", explicit)["client_kwargs"]["endpoint_url"] == "http://other"
+    assert resolve_storage_options("/local/path", None) == {}
