@@ -26,7 +26,7 @@ from springback.storage import (
 )
 from springback.storage.commit import record_name
 from springback.storage.manifest import MANIFEST_NAME
-from springback.storage.store import Store, join
+from springback.storage.store import Store, join, resolve_storage_options
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -77,11 +77,19 @@ def save_all_ranks(base: str, step: int, sd_per_rank: list[dict], *, generation:
     return out
 
 
-@pytest.fixture(params=["file", "memory"])
-def base_uri(request, tmp_path) -> str:
+@pytest.fixture(params=["file", "memory", "s3"])
+def base_uri(request, tmp_path, monkeypatch) -> str:
     if request.param == "file":
         return f"file://{tmp_path}/ckpts"
-    return f"memory://ckpt-{uuid.uuid4().hex[:8]}"
+    if request.param == "memory":
+        return f"memory://ckpt-{uuid.uuid4().hex[:8]}"
+    # s3 configured only through the environment, as a deployment would
+    bucket, opts = request.getfixturevalue("s3_bucket")
+    monkeypatch.setenv("SPRINGBACK_S3_ENDPOINT_URL", opts["client_kwargs"]["endpoint_url"])
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    return f"{bucket}/ckpts"
 
 
 class TestCommitProtocol:
@@ -118,7 +126,7 @@ class TestCommitProtocol:
         else:
             from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
-            dcp.load(out, storage_reader=FsspecReader(info.uri))
+            dcp.load(out, storage_reader=FsspecReader(info.uri, **resolve_storage_options(info.uri, None)))
         assert_state_equal(out, sd)
 
     def test_dcp_format_utils_convert_it_back_to_the_nested_state_dict(self, tmp_path):
