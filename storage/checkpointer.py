@@ -42,7 +42,7 @@ from springback.storage import catalog
 from springback.storage.commit import DoneRecord, commit, wait_for_records, write_shard
 from springback.storage.manifest import DataCursor, Manifest, checkpoint_dir_name
 from springback.storage.retry import RetryPolicy
-from springback.storage.snapshot import StagingArea
+from springback.storage.snapshot import ShardSnapshot, StagingArea
 from springback.storage.store import Store, join
 
 log = logging.getLogger(__name__)
@@ -236,7 +236,17 @@ class Checkpointer:
             self._inflight = self._executor.submit(self._write, *args)
             return self._inflight
 
-    def _write(self, ckpt_uri, snap, rng, step, generation, cursor, layout, extra) -> CommitInfo | DoneRecord:  # type: ignore[no-untyped-def]
+    def _write(
+        self,
+        ckpt_uri: str,
+        snap: ShardSnapshot,
+        rng: dict[str, torch.Tensor] | None,
+        step: int,
+        generation: int,
+        cursor: DataCursor,
+        layout: dict[str, int],
+        extra: dict[str, Any] | None,
+    ) -> CommitInfo | DoneRecord:
         t0 = time.perf_counter()
         try:
             record = write_shard(

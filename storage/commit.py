@@ -186,6 +186,11 @@ def wait_for_records(
             record = pickle.loads(data)
         except (pickle.UnpicklingError, EOFError, AttributeError) as exc:
             raise StorageError(f"unreadable done-record {uri}: {exc!r}", uri=uri) from exc
+        if (record.rank, record.world_size) != (r, world_size):
+            raise StorageError(
+                f"done-record {uri} is from rank {record.rank} of {record.world_size}, expected {r} of {world_size}",
+                uri=uri,
+            )
         record.entry = FileEntry(path=record_name(r), size_bytes=len(data), crc32=crc32_of(data), rank=r)
         records.append(record)
     return records
