@@ -68,6 +68,9 @@ class Coordinator:
         self._generation: dict[str, int] = {}  # job id -> current generation
         self._planned: dict[str, set[str]] = {}  # job id -> member ids in the plan
         self._lease_of: dict[str, int] = {}  # member id -> lease id
+        # job id -> members' (count, newest revision) when last found in line with the plan
+        self._fingerprints: dict[str, tuple[int, int]] = {}
+        self._signatures: dict[str, tuple[int, tuple]] = {}  # job id -> (generation, signature)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="reconcile", daemon=True)
         self.num_loop_errors = 0
@@ -92,6 +95,8 @@ class Coordinator:
             self._generation.clear()
             self._planned.clear()
             self._lease_of.clear()
+            self._fingerprints.clear()
+            self._signatures.clear()
             self._version += 1
             self._changed.notify_all()
 
@@ -137,6 +142,11 @@ class Coordinator:
         return sorted(refs, key=lambda r: r.step, reverse=True)
 
     def current_generation(self, job_id: str) -> int:
+        """The job's generation: cached on the leader (it writes every plan),
+        read from etcd on other replicas."""
+        if not self.election.is_leader():
+            plan = self.current_plan(job_id)
+            return plan.generation if plan else 0
         generation = self._generation.get(job_id)
         if generation is None:
             plan = self.current_plan(job_id)
@@ -146,13 +156,12 @@ class Coordinator:
         return generation
 
     def members(self, job_id: str) -> list[pb.Member]:
-        out = []
-        for e in self.store.get_prefix(keys.members(job_id), pb.Member):
-            member = e.value
-            member.join_order = e.create_revision
-            self._lease_of[member.id] = e.lease_id
-            out.append(member)
-        return out
+        """Live members (join_order filled from etcd), caching their lease ids."""
+        entries = self.store.get_prefix(keys.members(job_id), pb.Member)
+        for e in entries:
+            e.value.join_order = e.create_revision
+        self._lease_of.update((e.value.id, e.lease_id) for e in entries)
+        return [e.value for e in entries]
 
     # -- the one write path -----------------------------------------------------
 
@@ -204,8 +213,9 @@ class Coordinator:
                 reason=reason,
             )
             self.last_replan_s = time.perf_counter() - started
+            signature = planner.signature(plan)
             new_generation = force_generation or previous is None or (
-                planner.signature(plan) != planner.signature(previous)
+                signature != self._signature_of(job_id, previous)
             )
             status = job.status
             if new_generation:
@@ -256,11 +266,20 @@ class Coordinator:
             if new_generation:
                 self.num_generations += 1
                 self._generation[job_id] = plan.generation
-                self._planned[job_id] = {m.member_id for m in plan.members}
+                self._planned[job_id] = {member[0] for member in signature[1]}
+                self._signatures[job_id] = (plan.generation, signature)
                 log.info("job %s generation %d (%s): world %d, %s", job_id, plan.generation,
                          pb.PlanAction.Name(plan.action), plan.world_size, reason)
             self._notify(job_id, reason)
             return job
+
+    def _signature_of(self, job_id: str, plan: pb.Plan) -> tuple:
+        cached = self._signatures.get(job_id)
+        if cached is not None and cached[0] == plan.generation:
+            return cached[1]
+        signature = planner.signature(plan)
+        self._signatures[job_id] = (plan.generation, signature)
+        return signature
 
     def _notify(self, job_id: str, event: str) -> None:
         with self._changed:
@@ -381,18 +400,17 @@ class Coordinator:
         leader did not finish, turn into new generations. Reads only, unless
         something changed.
         """
-        live: dict[str, set[str]] = {}
-        for e in self.store.get_prefix(keys.MEMBERS, pb.Member):
-            job_id, member_id = keys.member_job_and_id(e.key)
-            if not e.value.draining:  # a draining member is planned out already
-                live.setdefault(job_id, set()).add(member_id)
         for job in self.list_jobs():
             if planner.is_terminal(job.status.state):
                 continue
+            fingerprint = self.store.fingerprint(keys.members(job.id))
+            if self._fingerprints.get(job.id) == fingerprint:
+                continue  # no member joined, left, expired or drained
             plan = self.current_plan(job.id)
             planned = {m.member_id for m in plan.members} | set(plan.spares) if plan else set()
-            alive = live.get(job.id, set())
+            alive = {m.id for m in self.members(job.id) if not m.draining}
             if plan is not None and planned == alive:
+                self._fingerprints[job.id] = fingerprint
                 continue
             lost = sorted(planned - alive)
             joined = sorted(alive - planned)

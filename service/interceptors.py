@@ -9,6 +9,8 @@
   remaining deadline; the leader's status comes back unchanged. A call that
   was already forwarded once is not forwarded again (it fails UNAVAILABLE),
   so two replicas with stale views cannot bounce a call between them.
+  Heartbeats are not forwarded: any replica renews a member's lease in etcd
+  itself, so members stay alive while leadership changes hands.
 * `CallCounter`: counts calls per method for the metrics endpoint.
 """
 
@@ -36,6 +38,7 @@ _STREAMS = frozenset({
     "/springback.v1.WorkerService/WatchPlans",
 })
 _PASSED_METADATA = ("authorization",)
+_SERVED_BY_ANY_REPLICA = frozenset({"/springback.v1.WorkerService/Heartbeat"})
 
 
 def _deny(code: grpc.StatusCode, details: str) -> grpc.RpcMethodHandler:
@@ -71,7 +74,8 @@ class LeaderForwarding(grpc.ServerInterceptor):
 
     def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails) -> Any:
         method = details.method
-        if not method.startswith(_API_PREFIX) or self._election.is_leader():
+        if (not method.startswith(_API_PREFIX) or method in _SERVED_BY_ANY_REPLICA
+                or self._election.is_leader()):
             return continuation(details)
         metadata = dict(details.invocation_metadata or ())
         if FORWARDED in metadata:

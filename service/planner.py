@@ -64,10 +64,20 @@ def _ordered_candidates(
     members: Sequence[pb.Member], previous: pb.Plan | None
 ) -> tuple[list[pb.Member], dict[str, int]]:
     old_rank = {m.member_id: m.node_rank for m in previous.members} if previous else {}
-    live = [m for m in members if not m.draining]
-    survivors = sorted((m for m in live if m.id in old_rank), key=lambda m: old_rank[m.id])
-    joiners = sorted((m for m in live if m.id not in old_rank), key=lambda m: (m.join_order, m.id))
-    return survivors + joiners, old_rank
+    survivors: list[tuple[int, str, pb.Member]] = []
+    joiners: list[tuple[int, str, pb.Member]] = []
+    for m in members:
+        if m.draining:
+            continue
+        member_id = m.id
+        rank = old_rank.get(member_id)
+        if rank is None:
+            joiners.append((m.join_order, member_id, m))
+        else:
+            survivors.append((rank, member_id, m))
+    survivors.sort(key=lambda t: t[0])
+    joiners.sort(key=lambda t: (t[0], t[1]))
+    return [t[2] for t in survivors] + [t[2] for t in joiners], old_rank
 
 
 def _active_count(candidates: Sequence[pb.Member], spec: pb.JobSpec) -> int:
@@ -84,28 +94,24 @@ def _active_count(candidates: Sequence[pb.Member], spec: pb.JobSpec) -> int:
     return 0
 
 
-def _assign_ranks(active: Sequence[pb.Member], old_rank: dict[str, int]) -> list[pb.PlanMember]:
+def _assign_ranks(plan: pb.Plan, active: Sequence[pb.Member], old_rank: dict[str, int]) -> None:
     n = len(active)
-    slot: dict[str, int] = {}
-    taken: set[int] = set()
+    by_slot: list[pb.Member | None] = [None] * n
+    movers = []
     for m in active:
         r = old_rank.get(m.id)
-        if r is not None and r < n and r not in taken:
-            slot[m.id] = r
-            taken.add(r)
-    free = iter(r for r in range(n) if r not in taken)
-    for m in active:
-        if m.id not in slot:
-            slot[m.id] = next(free)
-    planned = []
+        if r is not None and r < n and by_slot[r] is None:
+            by_slot[r] = m
+        else:
+            movers.append(m)
+    movers.reverse()
     first_rank = 0
-    for m in sorted(active, key=lambda m: slot[m.id]):
-        planned.append(pb.PlanMember(
-            member_id=m.id, host=m.host, node_rank=slot[m.id],
-            first_rank=first_rank, num_local_ranks=m.num_local_ranks,
-        ))
+    add = plan.members.add
+    for slot in range(n):
+        m = by_slot[slot] or movers.pop()
+        add(member_id=m.id, host=m.host, node_rank=slot, first_rank=first_rank,
+            num_local_ranks=m.num_local_ranks)
         first_rank += m.num_local_ranks
-    return planned
 
 
 def make_plan(
@@ -132,7 +138,6 @@ def make_plan(
     candidates, old_rank = _ordered_candidates(members, previous)
     holders = {m.id for m in candidates if m.id in old_rank and m.id not in stateless}
     n = 0 if job.status.state == pb.JOB_STATE_PAUSED else _active_count(candidates, spec)
-    by_id = {m.id: m for m in candidates}
     if n == 0:
         # Hold: keep the state holders listed (with their old ranks) so the
         # plan that follows knows who can serve state.
@@ -146,21 +151,21 @@ def make_plan(
 
     active = candidates[:n]
     plan.action = pb.PLAN_ACTION_RUN
-    plan.members.extend(_assign_ranks(active, old_rank))
+    _assign_ranks(plan, active, old_rank)
     plan.spares.extend(m.id for m in candidates[n:])
     plan.world_size = sum(m.num_local_ranks for m in active)
     tp, pp, ep = spec.layout.tp or 1, spec.layout.pp or 1, spec.layout.ep or 1
     plan.layout.CopyFrom(pb.ParallelLayout(dp=plan.world_size // (tp * pp), tp=tp, pp=pp, ep=ep))
-    head = by_id[plan.members[0].member_id]
+    head = next(m for m in active if m.id == plan.members[0].member_id)
     plan.master_addr = head.host
     plan.master_port = head.rendezvous_port
 
-    sources = [m for m in plan.members if m.member_id in holders]
+    source = next((m for m in plan.members if m.member_id in holders), None)
     if requested_checkpoint is not None:
         _restore_from_checkpoint(plan, requested_checkpoint)
-    elif sources:
+    elif source is not None:
         plan.restore.kind = pb.RESTORE_KIND_PEERS
-        plan.restore.source_rank = sources[0].first_rank
+        plan.restore.source_rank = source.first_rank
         plan.step = progress.step
         plan.cursor.CopyFrom(progress.cursor)
     elif newest_checkpoint is not None:
