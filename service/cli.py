@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import signal
 import sys
@@ -21,6 +20,7 @@ from typing import Any
 
 from google.protobuf.json_format import MessageToDict
 
+from springback.service import logs
 from springback.service.channel import ENV_COORDINATOR, ENV_TOKEN
 from springback.service.client import ApiError, Client
 from springback.service.errors import InvalidArgument
@@ -278,7 +278,9 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_run_command(commands: Any, common: argparse.ArgumentParser) -> None:
     try:
         from springback.worker.agent import add_run_arguments, run_main
-    except ImportError:  # the worker package is optional for a coordinator-only install
+    except ModuleNotFoundError as e:  # a coordinator-only install has no torch
+        if e.name != "torch":
+            raise
         return
     run = commands.add_parser("run", parents=[common], help="node agent: join a job, run CMD")
     add_run_arguments(run)
@@ -286,10 +288,7 @@ def _add_run_command(commands: Any, common: argparse.ArgumentParser) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    logging.basicConfig(
-        level=os.environ.get("SPRINGBACK_LOG_LEVEL", "WARNING"),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    logs.configure()
     args = build_parser().parse_args(argv)
     try:
         return int(args.handler(args) or 0)
