@@ -47,7 +47,7 @@ from springback.v1 import types_pb2 as pb
 from springback.v1 import worker_service_pb2 as wpb
 from springback.v1 import worker_service_pb2_grpc as wgrpc
 from springback.worker import env as E
-from springback.worker.control import PlanPublisher, activate_standby
+from springback.worker.control import PlanPublisher, activate_standby, ready_path
 from springback.worker.preemption import FileNotice, PreemptionSource
 
 log = logging.getLogger("springback.agent")
@@ -89,6 +89,8 @@ class AgentConfig:
     """How long a drain may take before the ranks are killed."""
     max_restarts: int = 10
     """Local rank failures tolerated over the agent's life."""
+    ready_timeout_s: float = 600.0
+    """How long the ranks' set-up (up to `Session()`) may take before joining."""
     standby: bool = True
     """Keep one warm standby rank (script started, blocked in `Session()`) to
     replace a crashed rank in well under a second instead of a cold start."""
@@ -114,8 +116,8 @@ class AgentConfig:
             raise ValueError(f"--drain-timeout-s must be positive, got {self.drain_timeout_s}")
 
 
-class Fenced(Exception):
-    """The coordinator no longer knows this member (lease expired)."""
+class DrainedBeforeJoin(Exception):
+    """SIGTERM or a preemption notice arrived before the node joined."""
 
 
 class Agent:
@@ -219,23 +221,26 @@ class Agent:
     # -- ranks -----------------------------------------------------------------
 
     def _rank_env(self, local_rank: int) -> dict[str, str]:
-        assert self.member is not None
         environ = dict(os.environ)
         environ.update(self.config.extra_env)
         timeout = self.config.collective_timeout_s or self.liveness_timeout_s
         environ.update({
             E.LOCAL_RANK: str(local_rank), E.LOCAL_WORLD_SIZE: str(self.config.nproc_per_node),
-            E.JOB_ID: self.config.job_id, E.MEMBER_ID: self.member.id,
-            E.CONTROL_DIR: self._publisher.directory,
+            E.JOB_ID: self.config.job_id,
             E.COORDINATOR: self.config.coordinator or os.environ.get(E.COORDINATOR, ""),
             E.COLLECTIVE_TIMEOUT_S: str(timeout),
         })
+        if self.member is not None:  # a standby learns these when activated
+            environ[E.MEMBER_ID] = self.member.id
+            environ[E.CONTROL_DIR] = self._publisher.directory
         if self.config.token:
             environ[E.TOKEN] = self.config.token
         if self.config.host.startswith("127.") and "GLOO_SOCKET_IFNAME" not in environ:
             environ["GLOO_SOCKET_IFNAME"] = "lo"
         plan = self._plan
-        me = next((m for m in plan.members if m.member_id == self.member.id), None) if plan else None
+        me = None
+        if plan is not None and self.member is not None:
+            me = next((m for m in plan.members if m.member_id == self.member.id), None)
         if plan is not None and me is not None:
             environ.update({E.RANK: str(me.first_rank + local_rank),
                             E.WORLD_SIZE: str(plan.world_size),
@@ -250,9 +255,7 @@ class Agent:
             launcher + self.config.command, env=self._rank_env(local_rank),
             start_new_session=True)
 
-    def _spawn_standby(self) -> None:
-        if not self.config.standby or self._standby is not None:
-            return
+    def _new_standby(self) -> tuple[subprocess.Popen, str]:
         self._num_standbys += 1
         path = os.path.join(self._workdir, f"standby-{self._num_standbys}.json")
         environ = self._rank_env(0)
@@ -260,7 +263,38 @@ class Agent:
         launcher = [sys.executable, "-S", "-c", _PDEATH_LAUNCHER, str(os.getpid())]
         proc = subprocess.Popen(launcher + self.config.command, env=environ,
                                 start_new_session=True)
-        self._standby = (proc, path)
+        return proc, path
+
+    def _spawn_standby(self) -> None:
+        if self.config.standby and self._standby is None:
+            self._standby = self._new_standby()
+
+    def _start_ranks(self) -> None:
+        """Starts the local ranks as standbys, waits until every one has done
+        its set-up (imports, data, model: up to `ready_timeout_s`), and only
+        then joins: the generation that admits this node does not wait for a
+        cold start. Raises RuntimeError if a rank exits during set-up."""
+        standbys = [self._new_standby() for _ in range(self.config.nproc_per_node)]
+        self._ranks = {lr: proc for lr, (proc, _) in enumerate(standbys)}
+        deadline = time.monotonic() + self.config.ready_timeout_s
+        while not all(os.path.exists(ready_path(path)) for _, path in standbys):
+            for proc, _ in standbys:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"a rank exited with status {proc.returncode} before "
+                                       "reaching Session() (see its output above)")
+            if time.monotonic() > deadline:
+                log.warning("ranks not ready after %.0fs: joining anyway",
+                            self.config.ready_timeout_s)
+                break
+            if self._drain_reason is not None:
+                raise DrainedBeforeJoin(self._drain_reason)
+            time.sleep(0.05)
+        self._join()
+        assert self.member is not None
+        for lr, (_, path) in enumerate(standbys):
+            activate_standby(path, local_rank=lr, member_id=self.member.id,
+                             control_dir=self._publisher.directory)
+        self._spawn_standby()
 
     def _replace_rank(self, local_rank: int) -> None:
         """Puts the warm standby (or, without one, a cold new process) in the
@@ -311,15 +345,17 @@ class Agent:
 
     def run(self) -> int:
         try:
-            self._join()
+            self._start_ranks()
+            return self._supervise()
         except grpc.RpcError as e:
             log.error("cannot join job %s: %s %s", self.config.job_id, e.code().name, e.details())
             return EXIT_ERROR
-        for lr in range(self.config.nproc_per_node):
-            self._spawn(lr)
-        self._spawn_standby()
-        try:
-            return self._supervise()
+        except DrainedBeforeJoin as e:
+            log.warning("drained before joining: %s", e)
+            return EXIT_OK
+        except RuntimeError as e:
+            log.error("%s", e)
+            return EXIT_ERROR
         finally:
             self._stop.set()
             self._kill_ranks()
@@ -333,10 +369,7 @@ class Agent:
                     log.warning("fenced: ranks stopped, exiting")
                     return EXIT_FENCED
                 log.warning("fenced: ranks stopped, joining again as a new member")
-                self._join()
-                for lr in range(self.config.nproc_per_node):
-                    self._spawn(lr)
-                self._spawn_standby()
+                self._start_ranks()
             if self._drain_reason is None:
                 for source in self.config.preemption:
                     reason = source.poll()

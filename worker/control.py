@@ -100,9 +100,17 @@ def activate_standby(path: str, *, local_rank: int, member_id: str, control_dir:
     os.replace(tmp, path)
 
 
+def ready_path(path: str) -> str:
+    """Marker a standby writes once its script reached `Session()`."""
+    return f"{path}.ready"
+
+
 def await_activation(path: str, poll_s: float = 0.02) -> dict:
-    """Rank side: blocks until the agent activates this standby; returns the
-    identity. No deadline: an unused standby is killed by its agent."""
+    """Rank side: marks this standby ready, then blocks until the agent
+    activates it; returns the identity. No deadline: an unused standby is
+    killed by its agent."""
+    with open(ready_path(path), "w") as f:
+        f.write(f"{os.getpid()}\n")
     while True:
         try:
             with open(path, encoding="utf-8") as f:

@@ -66,7 +66,7 @@ class TestNodeLoss:
     def test_sigkill_of_one_of_three_workers_leaves_the_others_to_finish_exactly_once(
             self, cluster):
         agents = [cluster.start(n) for n in ("a", "b", "c")]
-        cluster.wait_world(3, min_step=5)
+        cluster.wait_world(3, min_step=20)  # well trained by now: a restart would show
         before = max(r["step"] for r in steps(cluster.root))
         agents[0].signal_node(signal.SIGKILL)  # node rank 0: also hosts the rendezvous store
         job = cluster.wait_succeeded()
@@ -80,8 +80,8 @@ class TestNodeLoss:
         after = [r for r in records if r["world_size"] == 2 and r["step"] > before]
         assert after, "no step ran with the two survivors"
         # the loss curve continues: no jump back to an untrained model
-        first_after = min(after, key=lambda r: r["step"])
-        assert first_after["loss"] < 0.5 * _initial_loss(records)
+        first_after = sorted(after, key=lambda r: r["step"])[:3]
+        assert sum(r["loss"] for r in first_after) / 3 < 0.5 * _initial_loss(records)
 
 
 class TestDrain:

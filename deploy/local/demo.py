@@ -1,0 +1,303 @@
+"""The full local demo: a Springback cluster on one machine, training through a
+node crash and a join.
+
+Starts etcd, two coordinator replicas and three node agents, each running one
+rank of examples/tinylm (a character-level transformer LM on the Python
+standard library's docstrings). A quarter of the way in, one worker is killed
+with SIGKILL; half way, a new worker joins. A live view shows progress;
+a closing summary shows steps, generations, recovery times, lost steps,
+goodput and the exactly-once audit of the training samples.
+
+    deploy/local/demo.sh              # sets up the venv first, then runs this
+    .venv/bin/python deploy/local/demo.py [--max-steps N] [--state-dir DIR]
+
+Safe to run twice: each run starts from an empty state directory, and
+processes left over by an interrupted earlier run (recorded in its pid file)
+are stopped first. Every process this demo starts is stopped when it ends.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "tinylm"
+PY = sys.executable
+TTY = sys.stdout.isatty()
+
+
+def say(msg: str) -> None:
+    clear = "\r\033[K" if TTY else ""
+    print(f"{clear}{time.strftime('%H:%M:%S')}  {msg}", flush=True)
+
+
+class Processes:
+    """Every process the demo starts, recorded in a pid file for the next run."""
+
+    def __init__(self, pidfile: Path) -> None:
+        self.pidfile = pidfile
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def stop_leftovers(self) -> None:
+        if not self.pidfile.exists():
+            return
+        for line in self.pidfile.read_text().split():
+            pid = int(line)
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    cmdline = f.read()
+            except FileNotFoundError:
+                continue
+            if b"springback" in cmdline or b"etcd" in cmdline:  # still ours
+                os.killpg(pid, signal.SIGKILL)
+        self.pidfile.unlink()
+
+    def start(self, name: str, argv: list[str], log: Path, **kw) -> subprocess.Popen:
+        proc = subprocess.Popen(argv, stdout=kw.pop("stdout", open(log, "ab")),  # noqa: SIM115
+                                stderr=open(log, "ab"), start_new_session=True, **kw)
+        self.procs[name] = proc
+        with open(self.pidfile, "a") as f:
+            f.write(f"{proc.pid}\n")
+        return proc
+
+    def kill(self, name: str) -> None:
+        proc = self.procs[name]
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+    def stop_all(self) -> None:
+        for name, proc in reversed(list(self.procs.items())):
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGTERM if name.startswith("etcd") else signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+        if self.pidfile.exists():
+            self.pidfile.unlink()
+
+
+def read_events(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--max-steps", type=int, default=600)
+    p.add_argument("--state-dir", default=os.path.join(tempfile.gettempdir(),
+                                                        f"springback-demo-{os.getuid()}"))
+    p.add_argument("--liveness-timeout-s", type=float, default=2.0)
+    args = p.parse_args()
+
+    from springback.service.client import Client
+    from springback.service.local import free_port
+    from springback.service.spec import load_spec_file
+    from springback.v1 import types_pb2 as pb
+    from springback.worker.audit import check_exactly_once
+
+    state = Path(args.state_dir)
+    state.mkdir(parents=True, exist_ok=True)
+    procs = Processes(state / "pids")
+    procs.stop_leftovers()
+    for child in state.iterdir():
+        if child.name != "pids":
+            shutil.rmtree(child) if child.is_dir() else child.unlink()
+    metrics, audit = state / "metrics.jsonl", state / "audit"
+    interrupted = False
+
+    def on_signal(signum: int, _frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        # -- the cluster ------------------------------------------------------
+        client_port, peer_port = free_port(), free_port()
+        etcd_url = f"http://127.0.0.1:{client_port}"
+        procs.start("etcd", ["etcd", "--data-dir", str(state / "etcd"),
+                             "--listen-client-urls", etcd_url, "--advertise-client-urls",
+                             etcd_url, "--listen-peer-urls", f"http://127.0.0.1:{peer_port}",
+                             "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer_port}",
+                             "--initial-cluster", f"default=http://127.0.0.1:{peer_port}"],
+                    state / "etcd.log")
+        say(f"etcd          {etcd_url}")
+        addresses = []
+        for i in (1, 2):
+            proc = procs.start(f"coordinator-{i}", [
+                PY, "-m", "springback.service.cli", "--json", "coordinator", "--etcd", etcd_url,
+                "--listen", "127.0.0.1:0", "--liveness-timeout-s", str(args.liveness_timeout_s)],
+                state / f"coordinator-{i}.log", stdout=subprocess.PIPE)
+            line = proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"coordinator-{i} did not start: see {state}/coordinator-{i}.log")
+            addresses.append(json.loads(line)["address"])
+            say(f"coordinator-{i} {addresses[-1]}")
+        coordinators = ",".join(addresses)
+        client = Client(addresses)
+        spec = load_spec_file(str(EXAMPLE / "job.yaml"))
+        spec.max_steps = args.max_steps
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                job = client.create_job(spec)
+                break
+            except Exception:  # noqa: BLE001 - the replicas are still electing a leader
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.3)
+        say(f"job {job.id} submitted: {spec.name}, {spec.max_steps} steps, global batch "
+            f"{spec.data.global_batch_size}, {spec.min_workers}-{spec.max_workers} workers")
+
+        env = dict(os.environ, SPRINGBACK_METRICS_FILE=str(metrics),
+                   SPRINGBACK_AUDIT_DIR=str(audit), PYTHONUNBUFFERED="1",
+                   TINYLM_MAX_STEPS=str(args.max_steps))
+
+        def start_worker(name: str) -> None:
+            procs.start(name, [PY, "-m", "springback.service.cli", "run", "--job", job.id,
+                               "--coordinator", coordinators, "--",
+                               PY, str(EXAMPLE / "train.py")], state / f"{name}.log", env=env)
+            say(f"{name} started (springback run --job {job.id} -- python train.py)")
+
+        for i in (1, 2, 3):
+            start_worker(f"worker-{i}")
+
+        # -- the live view and the faults -------------------------------------
+        kill_at, join_at = args.max_steps // 4, args.max_steps // 2
+        killed_at_t: float | None = None
+        joined = False
+        seen_generations: set[int] = set()
+        t_start = time.time()
+        while True:
+            events = read_events(metrics)
+            steps = [e for e in events if e["event"] == "step"]
+            for e in events:
+                if e["event"] == "generation" and e["generation"] not in seen_generations:
+                    seen_generations.add(e["generation"])
+                    src = "memory" if e["source_rank"] < 0 else f"rank {e['source_rank']}"
+                    say(f"generation {e['generation']}: world size {e['world_size']}, resumes "
+                        f"after step {e['step']}, state from {src}  ({e['reason']})")
+            step = steps[-1]["step"] if steps else 0
+            if killed_at_t is None and step >= kill_at:
+                killed_at_t = time.time()
+                procs.kill("worker-2")
+                say(f"SIGKILL worker-2 at step {step} (agent and its ranks)")
+            if not joined and step >= join_at:
+                joined = True
+                start_worker("worker-4")
+            job = client.get_job(job.id)
+            if job.status.state in (pb.JOB_STATE_SUCCEEDED, pb.JOB_STATE_FAILED,
+                                    pb.JOB_STATE_CANCELLED):
+                break
+            if steps:
+                recent = [s for s in steps if s["t"] > time.time() - 5]
+                rate = len(recent) / 5
+                bar_w = 30
+                done = int(bar_w * step / args.max_steps)
+                line = (f"[{'#' * done}{'.' * (bar_w - done)}] step {step}/{args.max_steps} "
+                        f"loss {steps[-1]['loss']:.3f}  gen {steps[-1]['generation']} "
+                        f"world {steps[-1]['world_size']}  {rate:.1f} steps/s  "
+                        f"coordinator: step {job.status.step}")
+                if TTY:
+                    print(f"\r\033[K{line}", end="", flush=True)
+                elif int(time.time() - t_start) % 5 == 0:
+                    say(line)
+            if time.time() - t_start > 1800:
+                raise TimeoutError("the demo job did not finish within 30 minutes")
+            time.sleep(0.5)
+        if TTY:
+            print()
+        say(f"job {job.id}: {pb.JobState.Name(job.status.state)} at step {job.status.step}")
+        for name in [n for n in procs.procs if n.startswith("worker")]:
+            try:
+                procs.procs[name].wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                pass
+
+        # -- the closing summary ----------------------------------------------
+        events = read_events(metrics)
+        summarize(events, audit, spec, killed_at_t, job, check_exactly_once)
+        return 0 if job.status.state == pb.JOB_STATE_SUCCEEDED else 1
+    except KeyboardInterrupt:
+        interrupted = True
+        say("interrupted")
+        return 130
+    finally:
+        procs.stop_all()
+        say(f"all demo processes stopped{' (interrupted)' if interrupted else ''}; "
+            f"logs in {state}")
+
+
+def summarize(events, audit, spec, killed_at_t, job, check_exactly_once) -> None:  # noqa: ANN001
+    steps = [e for e in events if e["event"] == "step"]
+    gens = [e for e in events if e["event"] == "generation"]
+    print()
+    print("=" * 72)
+    print("Springback demo summary")
+    print("=" * 72)
+    print(f"steps completed      {job.status.step} / {spec.max_steps}   "
+          f"(loss {steps[0]['loss']:.3f} -> {steps[-1]['loss']:.3f})")
+    print(f"generations          {len(gens)}")
+    for g in gens:
+        print(f"  gen {g['generation']:>3}  world {g['world_size']}  from step {g['step']:>4}  "
+              f"{g['reason']}")
+    # recovery: time from the kill to the first step of the next generation
+    recoveries = []
+    if killed_at_t is not None:
+        after = [s for s in steps if s["t"] > killed_at_t and s["world_size"] == 2]
+        if after:
+            recoveries.append(("worker-2 SIGKILL", after[0]["t"] - killed_at_t))
+    for g in gens[1:]:
+        before = [s for s in steps if s["t"] < g["t"]]
+        after = [s for s in steps if s["t"] > g["t"]]
+        if before and after and "joined" in g["reason"]:
+            recoveries.append((f"gen {g['generation']} (join)", after[0]["t"] - before[-1]["t"]))
+    for what, seconds in recoveries:
+        print(f"recovery             {what}: training again after {seconds:.2f} s")
+    # lost steps: steps run more than once (a generation broke mid-step)
+    counts: dict[int, int] = {}
+    for s in steps:
+        counts[s["step"]] = counts.get(s["step"], 0) + 1
+    finished = {s["step"] for s in steps}
+    redone = sum(1 for g in gens if g["step"] < max((s["step"] for s in steps
+                                                     if s["t"] < g["t"]), default=0))
+    print(f"lost steps           {redone} (survivors kept every finished step in memory)"
+          if redone == 0 else f"lost steps           {redone}")
+    durations = [b["t"] - a["t"] for a, b in zip(steps, steps[1:])
+                 if b["generation"] == a["generation"]]
+    typical = statistics.median(durations) if durations else 0.0
+    wall = steps[-1]["t"] - steps[0]["t"] + typical
+    goodput = min(1.0, len(finished) * typical / wall) if wall > 0 else 0.0
+    print(f"goodput              {goodput:.1%}  ({len(finished)} steps x {typical * 1000:.0f} ms "
+          f"median step / {wall:.1f} s of training wall time)")
+    report = check_exactly_once(str(audit), num_samples=spec.data.num_samples,
+                                global_batch_size=spec.data.global_batch_size,
+                                last_step=job.status.step)
+    verdict = "every sample consumed exactly once" if report.ok else f"PROBLEM: {report}"
+    print(f"data audit           {report.samples} samples over {report.steps} steps: {verdict}")
+    print("=" * 72)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
