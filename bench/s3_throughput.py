@@ -1,9 +1,9 @@
-"""Upload throughput to S3 (a moto server on 127.0.0.1): springback's checkpointer vs a
+"""Upload throughput to S3 (a moto server on 127.0.0.1, in a child process): springback's checkpointer vs a
 raw s3fs upload of the same bytes. Prints MB/s of both and the ratio (target >= 0.9).
 
 springback's time is the background write of the shard (serialize + CRC + upload,
 ``stats.last_upload_s``); the raw upload writes the bytes of that very shard file
-with ``s3fs`` (``fs.pipe``, and an ``open``/``write`` stream). Medians of --reps.
+with ``s3fs`` (``fs.pipe``, and an ``open``/``write`` stream). Medians of --reps, the three run in rotating order.
 
     .venv/bin/python bench/s3_throughput.py [--mb 128] [--reps 3] [--endpoint URL]
 """
@@ -11,6 +11,7 @@ with ``s3fs`` (``fs.pipe``, and an ``open``/``write`` stream). Medians of --reps
 from __future__ import annotations
 
 import argparse
+import multiprocessing as mp
 import statistics
 import time
 import uuid
@@ -21,20 +22,33 @@ from springback.storage import Checkpointer
 from springback.storage.store import Store
 
 
+def _serve_moto(q: mp.Queue) -> None:
+    """Child process: a moto S3 server on 127.0.0.1, port 0 (its own GIL, like a real remote store)."""
+    import logging
+    import threading
+
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    q.put(server.get_host_and_port())
+    threading.Event().wait()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mb", type=int, default=128)
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=6)
     ap.add_argument("--endpoint", default=None, help="S3 endpoint URL (default: start a moto server on 127.0.0.1)")
     args = ap.parse_args()
     server = None
     endpoint = args.endpoint
     if endpoint is None:
-        from moto.server import ThreadedMotoServer
-
-        server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+        q: mp.Queue = mp.get_context("spawn").Queue()
+        server = mp.get_context("spawn").Process(target=_serve_moto, args=(q,), daemon=True)
         server.start()
-        host, port = server.get_host_and_port()
+        host, port = q.get(timeout=60)
         endpoint = f"http://{host}:{port}"
     import boto3
     import logging
@@ -48,31 +62,46 @@ def main() -> None:
     sd = {f"t{i}": torch.randn(n) for i in range(16)}
     store = Store(f"s3://{bucket}", storage_options=opts)
     ck = Checkpointer(f"s3://{bucket}/ckpt", rank=0, world_size=1, store=store, keep_last=1)
-    ours, pipe, stream = [], [], []
-    for i in range(args.reps):
-        info = ck.save(i, sd, generation=1)
-        uri = info.result().uri
-        ours.append(ck.stats.last_upload_s)
-        data = store.get_bytes(f"{uri}/__0_0.distcp")
-        path = f"{bucket}/raw/{i}.bin"
+    # the bytes of the shard file, for the raw uploads
+    first = ck.save(0, sd, generation=1).result()
+    data = store.get_bytes(f"{first.uri}/__0_0.distcp")
+
+    def run_ours(i: int) -> float:
+        ck.save(i + 1, sd, generation=1).result()
+        return ck.stats.last_upload_s
+
+    def run_pipe(i: int) -> float:
         t0 = time.perf_counter()
-        store.fs.pipe(path, data)
-        pipe.append(time.perf_counter() - t0)
+        store.fs.pipe(f"{bucket}/raw/{i}.bin", data)
+        return time.perf_counter() - t0
+
+    def run_stream(i: int) -> float:
         t0 = time.perf_counter()
-        with store.fs.open(path + ".s", "wb") as f:
+        with store.fs.open(f"{bucket}/raw/{i}.s", "wb") as f:
             f.write(data)
-        stream.append(time.perf_counter() - t0)
+        return time.perf_counter() - t0
+
+    # rotate the order in each repetition: the store's speed drifts (moto, shared CPUs)
+    times: dict[str, list[float]] = {"ours": [], "pipe": [], "stream": []}
+    fns = [("ours", run_ours), ("pipe", run_pipe), ("stream", run_stream)]
+    for i in range(args.reps):
+        for name, fn in fns[i % 3 :] + fns[: i % 3]:
+            times[name].append(fn(i))
+    ours, pipe, stream = times["ours"], times["pipe"], times["stream"]
     ck.close()
     mb = len(data) / 2**20
     m_ours, m_pipe, m_stream = (mb / statistics.median(x) for x in (ours, pipe, stream))
     print(f"shard {mb:.0f} MiB, {args.reps} reps, endpoint {endpoint}")
+    print("seconds per rep: springback", [round(x, 2) for x in ours], "pipe", [round(x, 2) for x in pipe],
+          "open/write", [round(x, 2) for x in stream])
     print(f"springback checkpointer: {m_ours:8.1f} MiB/s")
     print(f"raw s3fs pipe:           {m_pipe:8.1f} MiB/s")
     print(f"raw s3fs open/write:     {m_stream:8.1f} MiB/s")
     print(f"springback / raw pipe         = {m_ours / m_pipe:.2f}  (target >= 0.9)")
     print(f"springback / raw open/write   = {m_ours / m_stream:.2f}")
     if server is not None:
-        server.stop()
+        server.terminate()
+        server.join(10)
 
 
 if __name__ == "__main__":

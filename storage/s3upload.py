@@ -29,7 +29,9 @@ class S3PartWriter:
         self.path = path
         self.part_size = part_size
         self.max_concurrency = max(1, max_concurrency)
-        self._buf = bytearray()
+        self._cur = bytearray(part_size)  # the part being filled; parts are never copied again
+        self._n = 0
+        self._held: list[bytearray] = []  # full parts kept back until the file is known to be large
         self._upload_id: str | None = None
         self._parts: list[cf.Future[dict[str, Any]]] = []
         self._pool: cf.ThreadPoolExecutor | None = None
@@ -37,15 +39,28 @@ class S3PartWriter:
 
     def write(self, data: Any) -> int:
         mv = memoryview(data).cast("B")
-        self._buf += mv
-        if self._upload_id is None and len(self._buf) >= 2 * self.part_size:
+        total = mv.nbytes
+        while mv.nbytes:
+            k = min(mv.nbytes, self.part_size - self._n)
+            self._cur[self._n : self._n + k] = mv[:k]
+            self._n += k
+            mv = mv[k:]
+            if self._n == self.part_size:
+                self._part_full()
+        return total
+
+    def _part_full(self) -> None:
+        full, self._cur, self._n = self._cur, bytearray(self.part_size), 0
+        if self._upload_id is not None:
+            self._submit(full)
+            return
+        self._held.append(full)
+        if len(self._held) >= 2:  # large file: switch to a multipart upload
             self._upload_id = self.fs.call_s3("create_multipart_upload", Bucket=self.bucket, Key=self.key)["UploadId"]
             self._pool = cf.ThreadPoolExecutor(self.max_concurrency, thread_name_prefix="springback-s3-part")
-        if self._upload_id is not None:
-            while len(self._buf) >= self.part_size:
-                self._submit(self._buf[: self.part_size])  # one copy (a new bytearray)
-                del self._buf[: self.part_size]
-        return mv.nbytes
+            for part in self._held:
+                self._submit(part)
+            self._held = []
 
     def _submit(self, body: bytes | bytearray) -> None:
         assert self._pool is not None
@@ -73,12 +88,13 @@ class S3PartWriter:
             return
         self._closed = True
         try:
+            tail = self._cur[: self._n]
             if self._upload_id is None:
-                self.fs.call_s3("put_object", Bucket=self.bucket, Key=self.key, Body=self._buf)
+                body = b"".join([*self._held, tail]) if self._held else tail
+                self.fs.call_s3("put_object", Bucket=self.bucket, Key=self.key, Body=body)
             else:
-                if self._buf:
-                    self._submit(self._buf)
-                    self._buf = bytearray()
+                if tail:
+                    self._submit(tail)
                 parts = [f.result() for f in self._parts]
                 self.fs.call_s3(
                     "complete_multipart_upload", Bucket=self.bucket, Key=self.key, UploadId=self._upload_id,
@@ -88,7 +104,7 @@ class S3PartWriter:
             self.abort()
             raise
         finally:
-            self._buf = bytearray()
+            self._cur, self._held = bytearray(), []
             if self._pool is not None:
                 self._pool.shutdown(wait=True)
             self.fs.invalidate_cache(self.path)

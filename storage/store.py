@@ -80,7 +80,7 @@ class Store:
         storage_options: dict[str, Any] | None = None,
         retry: RetryPolicy | None = None,
         stats: RetryStats | None = None,
-        part_size: int = 32 << 20,
+        part_size: int = 50 << 20,
         max_concurrency: int = 4,
     ) -> None:
         self.storage_options = resolve_storage_options(uri, storage_options)
