@@ -93,18 +93,16 @@ def main() -> None:
         shutil.rmtree(f"{root}/dcp/step-{i}", ignore_errors=True)
     ck.close()
     del bufs
-    # rank 0 of a DP job: replicated tensors are split across ranks, so it snapshots 1/dp
-    # of the state (no collective is involved, so one process measures it faithfully).
-    share = Checkpointer(f"{root}/share", rank=0, world_size=args.dp, commit_timeout_s=0.01)
+    # one rank of a DP job: replicated tensors are split across ranks, so it snapshots
+    # ~1/dp of the state (no collective is involved, so one process measures it
+    # faithfully; rank 1 is used because it does not wait to commit).
+    share = Checkpointer(f"{root}/share", rank=1, world_size=args.dp)
     share_s = []
     for i in range(args.reps + 1):
         t0 = time.perf_counter()
         share.save(i, sd, generation=1)
         share_s.append(time.perf_counter() - t0)
-        try:
-            share.wait()
-        except Exception:  # noqa: BLE001 - the other ranks do not exist: the commit times out
-            pass
+        share.wait()
     share.close()
 
     med = {k: statistics.median(v[1:]) for k, v in (("copy", copy_s), ("ours", ours_s), ("async", async_s))}
@@ -113,7 +111,7 @@ def main() -> None:
     print(f"springback / copy       = {med['ours'] / med['copy']:.2f}   (target <= 2)")
     print(f"springback / async_save = {med['ours'] / med['async']:.3f}  (target <= 0.1)")
     share_med = statistics.median(share_s[1:])
-    print(f"as rank 0 of dp={args.dp} (replicated state split): springback {share_med*1e3:.1f} ms -> "
+    print(f"as one rank of dp={args.dp} (replicated state split): springback {share_med*1e3:.1f} ms -> "
           f"/copy {share_med / med['copy']:.2f}, /async_save {share_med / med['async']:.3f}")
     dist.destroy_process_group()
     if args.dir is None:
