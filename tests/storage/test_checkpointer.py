@@ -162,6 +162,38 @@ class TestCommitProtocol:
         c0.close()
 
 
+class TestCommitHookAndRng:
+    def test_on_commit_gets_the_checkpoint_ref_and_a_failing_hook_counts_as_a_failure(self, tmp_path):
+        base = str(tmp_path / "ck")
+        seen = []
+        c = Checkpointer(base, rank=0, world_size=1, on_commit=lambda info: seen.append(info.to_checkpoint_ref()))
+        c.save(1, make_state(20), generation=4, cursor=(3, 9)).result(timeout=30)
+        assert [(r.step, r.generation, r.cursor.epoch, r.cursor.offset) for r in seen] == [(1, 4, 3, 9)]
+
+        def reject(info):
+            raise RuntimeError("stale generation")
+
+        errors = []
+        c2 = Checkpointer(base, rank=0, world_size=1, on_commit=reject, on_error=errors.append)
+        with pytest.raises(RuntimeError, match="stale generation"):
+            c2.save(2, make_state(21), generation=4).result(timeout=30)
+        assert c2.stats.failed == 1 and c2.stats.committed == 0 and len(errors) == 1
+        c.close()
+        c2.close()
+
+    def test_restore_rng_resumes_the_random_stream_of_the_saving_rank(self, tmp_path):
+        base = str(tmp_path / "ck")
+        torch.manual_seed(7)
+        c = Checkpointer(base, rank=0, world_size=1)
+        sd = make_state(22)
+        c.save(1, sd, generation=1).result(timeout=30)
+        expected = torch.rand(5)
+        torch.manual_seed(999)
+        restore(base, zeros_like_state(sd), restore_rng=True)
+        assert torch.equal(torch.rand(5), expected)
+        c.close()
+
+
 class TestOverlapPolicy:
     def _blocked_store(self, base_uri: str, release: threading.Event, entered: threading.Event) -> Store:
         class Gated(Store):
