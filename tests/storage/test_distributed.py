@@ -19,6 +19,8 @@ from springback.storage import clean_partial, list_checkpoints, restore
 
 WORKER = Path(__file__).with_name("dist_worker.py")
 
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
 
 def launch(world: int, args: dict, tmp: Path, tag: str) -> list[subprocess.Popen]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
