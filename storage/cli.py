@@ -1,6 +1,6 @@
 """Functions behind ``springback ckpt ...`` (dispatched from service/cli.py).
 
-- :func:`ckpt_verify` -- ``springback ckpt verify URI [--json]``: exit code 0 when
+- :func:`ckpt_verify` (alias :func:`verify_main`) -- ``springback ckpt verify URI [--json]``: exit code 0 when
   intact, 1 when any file is bad (each problem names the file), 2 when there is
   nothing committed to verify.
 - :func:`ckpt_list_uri` -- rows for ``springback ckpt list``: what storage holds
@@ -51,6 +51,11 @@ def ckpt_verify(uri: str, json_out: bool = False, *, storage_options: dict[str, 
                 for p in r["problems"]:
                     out.write(f"BAD  {p}\n")
     return code
+
+
+def verify_main(uri: str, *, as_json: bool = False) -> int:
+    """Entry point used by ``service/cli.py``: :func:`ckpt_verify` printing to stdout."""
+    return ckpt_verify(uri, as_json)
 
 
 def ckpt_list_uri(uri: str, *, storage_options: dict[str, Any] | None = None) -> list[dict[str, Any]]:

@@ -10,7 +10,7 @@ import sys
 import torch
 
 from springback.storage import Checkpointer
-from springback.storage.cli import ckpt_list_uri, ckpt_verify, format_rows
+from springback.storage.cli import ckpt_list_uri, ckpt_verify, format_rows, verify_main
 from springback.storage.store import Store, join
 
 
@@ -38,8 +38,10 @@ def test_verify_exits_zero_when_intact_and_one_naming_the_corrupt_shard(tmp_path
     assert proc.returncode == 1 and "__0_0.distcp" in proc.stdout
 
 
-def test_verify_of_an_empty_base_exits_two(tmp_path):
+def test_verify_of_an_empty_base_exits_two(tmp_path, capsys):
     assert ckpt_verify(str(tmp_path), out=io.StringIO()) == 2
+    assert verify_main(str(tmp_path), as_json=True) == 2  # the name service/cli.py calls
+    assert json.loads(capsys.readouterr().out) == {"ok": False, "checkpoints": []}
 
 
 def test_list_shows_committed_and_partial_with_size_and_world(tmp_path):
