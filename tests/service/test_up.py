@@ -1,0 +1,46 @@
+"""`springback up`: a local etcd plus a coordinator, for a laptop."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from springback.service.client import Client
+from springback.service.local import free_port
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_up_serves_jobs_and_stops_cleanly_on_sigterm(tmp_path, make_spec):
+    up = subprocess.Popen(
+        [sys.executable, "-m", "springback.service.cli", "up", "--state-dir", str(tmp_path),
+         "--etcd-port", str(free_port()), "--listen", "127.0.0.1:0"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        lines = [up.stdout.readline().strip() for _ in range(3)]
+        assert lines[0].startswith("etcd") and lines[1].startswith("coordinator"), lines
+        export = lines[2]
+        assert export.startswith("export SPRINGBACK_COORDINATOR="), lines
+        address = export.split("=", 1)[1]
+        with Client(address) as client:
+            job = client.create_job(make_spec())
+            assert client.get_job(job.id).id == job.id
+        assert (tmp_path / "etcd" / "data").is_dir()
+    finally:
+        up.send_signal(signal.SIGTERM)
+        assert up.wait(timeout=30) == 0
+
+
+def test_up_without_an_etcd_binary_says_how_to_get_one(tmp_path):
+    env = {**os.environ, "PATH": str(tmp_path), "SPRINGBACK_ETCD": ""}
+    out = subprocess.run(
+        [sys.executable, "-m", "springback.service.cli", "up", "--state-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=30, env=env,
+    )
+    assert out.returncode == 2
+    assert "no etcd binary" in out.stderr and "etcd-server" in out.stderr
