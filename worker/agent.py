@@ -139,6 +139,7 @@ class Agent:
         self._standby: tuple[subprocess.Popen, str] | None = None
         self._num_standbys = 0
         self._num_restarts = 0
+        self._stop_deadline: float | None = None
         self.member: pb.Member | None = None
         self.liveness_timeout_s = 5.0
 
@@ -220,10 +221,13 @@ class Agent:
 
     # -- ranks -----------------------------------------------------------------
 
+    def _collective_timeout_s(self) -> float:
+        return self.config.collective_timeout_s or self.liveness_timeout_s
+
     def _rank_env(self, local_rank: int) -> dict[str, str]:
         environ = dict(os.environ)
         environ.update(self.config.extra_env)
-        timeout = self.config.collective_timeout_s or self.liveness_timeout_s
+        timeout = self._collective_timeout_s()
         environ.update({
             E.LOCAL_RANK: str(local_rank), E.LOCAL_WORLD_SIZE: str(self.config.nproc_per_node),
             E.JOB_ID: self.config.job_id,
@@ -293,7 +297,8 @@ class Agent:
         assert self.member is not None
         for lr, (_, path) in enumerate(standbys):
             activate_standby(path, local_rank=lr, member_id=self.member.id,
-                             control_dir=self._publisher.directory)
+                             control_dir=self._publisher.directory,
+                             collective_timeout_s=self._collective_timeout_s())
         self._spawn_standby()
 
     def _replace_rank(self, local_rank: int) -> None:
@@ -304,7 +309,8 @@ class Agent:
             proc, path = self._standby
             self._standby = None
             activate_standby(path, local_rank=local_rank, member_id=self.member.id,
-                             control_dir=self._publisher.directory)
+                             control_dir=self._publisher.directory,
+                             collective_timeout_s=self._collective_timeout_s())
             self._ranks[local_rank] = proc
             log.info("standby took the place of local rank %d", local_rank)
         else:
@@ -348,6 +354,9 @@ class Agent:
             self._start_ranks()
             return self._supervise()
         except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                log.warning("not joining job %s: %s", self.config.job_id, e.details())
+                return EXIT_OK
             log.error("cannot join job %s: %s %s", self.config.job_id, e.code().name, e.details())
             return EXIT_ERROR
         except DrainedBeforeJoin as e:
@@ -384,10 +393,15 @@ class Agent:
             time.sleep(0.05)
 
     def _check_ranks(self) -> int | None:
-        """Restarts failed ranks; returns an exit status once all ranks are done."""
+        """Restarts failed ranks; returns an exit status once all ranks are done.
+
+        After a STOP plan (job finished or cancelled) nothing is restarted, and
+        ranks still running after ``drain_timeout_s`` are killed."""
+        plan = self._plan
+        stopping = plan is not None and plan.action == pb.PLAN_ACTION_STOP
         for lr, p in list(self._ranks.items()):
             code = p.poll()
-            if code is None or code == 0:
+            if code is None or code == 0 or stopping:
                 continue
             if self._fenced.is_set():
                 return None
@@ -398,10 +412,20 @@ class Agent:
                 self._leave("too many rank failures")
                 return EXIT_ERROR
             self._replace_rank(lr)
-        if self._ranks and all(p.poll() == 0 for p in self._ranks.values()):
+        codes = [p.poll() for p in self._ranks.values()]
+        if codes and all(c == 0 for c in codes) or stopping and all(c is not None for c in codes):
             log.info("all local ranks finished")
             self._leave("ranks finished")
             return EXIT_OK
+        if stopping:
+            if self._stop_deadline is None:
+                self._stop_deadline = time.monotonic() + self.config.drain_timeout_s
+            elif time.monotonic() > self._stop_deadline:
+                log.warning("job stopped but ranks still running after %.0fs: killing them",
+                            self.config.drain_timeout_s)
+                self._kill_ranks()
+                self._leave("job stopped")
+                return EXIT_OK
         return None
 
     def _drain(self) -> int:

@@ -91,12 +91,16 @@ class PlanChannel:
             time.sleep(poll_s)
 
 
-def activate_standby(path: str, *, local_rank: int, member_id: str, control_dir: str) -> None:
-    """Agent side: hands a warm standby rank its identity (atomic write)."""
+def activate_standby(path: str, *, local_rank: int, member_id: str, control_dir: str,
+                     collective_timeout_s: float) -> None:
+    """Agent side: hands a warm standby rank its identity (atomic write). The
+    standby was started before the agent joined, so everything learnt at join
+    time travels here rather than in its environment."""
     tmp = f"{path}.tmp"
     with open(tmp, "w", encoding="utf-8") as f:
         json.dump({"local_rank": local_rank, "member_id": member_id,
-                   "control_dir": control_dir}, f)
+                   "control_dir": control_dir,
+                   "collective_timeout_s": collective_timeout_s}, f)
     os.replace(tmp, path)
 
 

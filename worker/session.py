@@ -262,7 +262,8 @@ def _activated(rank_env: RankEnv) -> RankEnv:
     log.info("standby activated as local rank %d", identity["local_rank"])
     return dataclasses.replace(rank_env, local_rank=int(identity["local_rank"]),
                                member_id=identity["member_id"],
-                               control_dir=identity["control_dir"])
+                               control_dir=identity["control_dir"],
+                               collective_timeout_s=float(identity["collective_timeout_s"]))
 
 
 def state_digest(state: dict[str, Any]) -> str:

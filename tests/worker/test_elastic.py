@@ -106,7 +106,8 @@ class TestDrain:
 
 class TestZombie:
     def test_a_stopped_node_is_fenced_and_rejoins_as_a_new_member(self, cluster):
-        agents = [cluster.start(n) for n in ("a", "b", "c")]
+        slow = {"TINY_STEP_SLEEP_S": "0.3"}  # time for the zombie to wake and rejoin
+        agents = [cluster.start(n, env=slow) for n in ("a", "b", "c")]
         cluster.wait_world(3, min_step=5)
         agents[2].signal_node(signal.SIGSTOP)
         # survivors go on without it (liveness timeout 2 s, collective timeout 2 s)
@@ -128,9 +129,10 @@ class TestZombie:
 
 class TestJoin:
     def test_a_worker_joining_mid_run_is_admitted_at_a_step_boundary(self, cluster):
-        agents = [cluster.start(n) for n in ("a", "b")]
+        slow = {"TINY_STEP_SLEEP_S": "0.3"}  # time for the joiner's set-up under load
+        agents = [cluster.start(n, env=slow) for n in ("a", "b")]
         cluster.wait_world(2, min_step=10)
-        agents.append(cluster.start("c"))
+        agents.append(cluster.start("c", env=slow))
         cluster.wait_world(3, min_step=1)
         job = cluster.wait_succeeded()
         assert job.status.step == MAX_STEPS

@@ -6,7 +6,9 @@ mid-run; TINY_CRASH_AT_STEP=N makes global rank 1 exit(3) before step N, once
 per marker file TINY_CRASH_MARKER.
 """
 
+import faulthandler
 import os
+import signal
 import sys
 import time
 
@@ -23,6 +25,7 @@ def features(indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def main() -> int:
+    faulthandler.register(signal.SIGUSR1)  # stack dump of a hung rank, for debugging
     torch.manual_seed(0)
     torch.set_num_threads(1)
     model = torch.nn.Linear(8, 1)
