@@ -144,23 +144,45 @@ def _ckpt_command(args: argparse.Namespace) -> int:
         return verify_main(args.uri, as_json=args.json)
     with _client(args) as client:
         if args.ckpt_action == "list":
-            refs = client.list_checkpoints(args.job)
-            rows = [{
-                "step": r.step, "uri": r.uri, "generation": r.generation,
-                "world_size": r.world_size, "size_bytes": r.size_bytes,
-                "committed_at": r.committed_at.ToJsonString() if r.committed_at.seconds else None,
-                "state": "committed",
-            } for r in refs]
+            rows = _checkpoint_rows(client, args.job)
             if args.json:
                 print(json.dumps(rows))
             else:
                 for r in rows:
-                    print(f"step {r['step']:>8}  {r['committed_at'] or '-':<24} "
+                    print(f"step {r['step']:>8}  {r['time'] or '-':<27} "
                           f"{r['size_bytes'] / 1e6:>9.1f} MB  world {r['world_size']:>3}  "
-                          f"{r['state']}  {r['uri']}")
+                          f"{r['state']:<10} {r['uri']}")
         elif args.ckpt_action == "restore":
             _Printer(args.json).job(client.restore_job(args.job, args.step))
     return 0
+
+
+def _checkpoint_rows(client: Client, job_id: str) -> list[dict[str, Any]]:
+    """Committed checkpoints (the coordinator's record), newest first, plus what
+    storage holds beyond them: ``partial`` (no manifest: an interrupted write,
+    cleaned up later) and ``unrecorded`` (complete on storage but never
+    committed in etcd, e.g. finished after a generation change; never restored).
+    """
+    refs = client.list_checkpoints(job_id)
+    rows = [{
+        "step": r.step, "generation": r.generation, "world_size": r.world_size,
+        "size_bytes": r.size_bytes, "state": "committed", "uri": r.uri,
+        "time": r.committed_at.ToJsonString() if r.committed_at.seconds else "",
+    } for r in refs]
+    base = client.get_job(job_id).spec.checkpoint.uri
+    if base:
+        try:
+            from springback.storage.cli import ckpt_list_uri
+
+            stored = ckpt_list_uri(base)
+        except Exception as e:  # noqa: BLE001 (storage is advisory here; the record stands)
+            print(f"warning: cannot list {base}: {e}", file=sys.stderr)
+            stored = []
+        recorded = {r.uri.rstrip("/") for r in refs}
+        for row in stored:
+            if row["uri"].rstrip("/") not in recorded:
+                rows.append({**row, "state": "partial" if row["state"] == "partial" else "unrecorded"})
+    return sorted(rows, key=lambda r: (r["step"], r["generation"]), reverse=True)
 
 
 def _coordinator_command(args: argparse.Namespace) -> int:
