@@ -433,6 +433,10 @@ class Agent:
         reason = self._drain_reason or "drain"
         log.warning("draining: %s", reason)
         deadline = time.monotonic() + self.config.drain_timeout_s
+        # Before DrainMember: the plan that leaves this node out may arrive at
+        # once, and ranks with checkpointing save at the boundary where they
+        # see the marker, i.e. no later than where they switch.
+        self._publisher.request_drain()
         try:
             resp = self._stub.DrainMember(wpb.DrainMemberRequest(
                 job_id=self.config.job_id, member_id=self.member.id, reason=reason),
@@ -443,7 +447,6 @@ class Agent:
         except grpc.RpcError as e:
             log.warning("DrainMember failed (%s); leaving without handing over",
                         e.code().name)
-        self._publisher.request_drain()
         while time.monotonic() < deadline:
             if all(p.poll() is not None for p in self._ranks.values()):
                 break

@@ -33,6 +33,7 @@ class StepReporter:
     def __init__(self, addresses: str, token: str | None, job_id: str, member_id: str) -> None:
         self._channel = connect(addresses, token=token)
         self._stub = wgrpc.WorkerServiceStub(self._channel)
+        self.stub = self._stub  # shared with the checkpoint commit path
         self._job_id = job_id
         self._member_id = member_id
         self._cond = threading.Condition()

@@ -79,6 +79,9 @@ class Session:
         if optimizer is not None:
             self.state["optimizer"] = optimizer
         self.backend = backend
+        if restore_checkpoint is None and "model" in self.state:
+            from springback.worker.checkpointing import restore_from_checkpoint
+            restore_checkpoint = restore_from_checkpoint
         self.restore_checkpoint = restore_checkpoint
         self.failure_grace_s = failure_grace_s or max(15.0, 3 * self.env.collective_timeout_s)
         self._fallback = (num_samples, global_batch_size, seed, max_steps)
@@ -298,6 +301,11 @@ class Generation:
         self._loss = float("nan")
         self._audit = (AuditLog(session.env.audit_dir, self.generation, rank)
                        if session.env.audit_dir else None)
+        self._checkpoints = None
+        self._drain_saved = False
+        if plan.spec.checkpoint.uri and "model" in session.state:
+            from springback.worker.checkpointing import GenerationCheckpoints
+            self._checkpoints = GenerationCheckpoints(session=session, plan=plan, rank=rank)
 
     # -- the step loop ---------------------------------------------------------
 
@@ -337,11 +345,20 @@ class Generation:
         if s._reporter is not None and s._reporter.coordinator_generation > seen:
             seen = s._reporter.coordinator_generation
         share = 0.0 if self._loss != self._loss else self._loss * len(batch.indices)
-        t = torch.tensor([float(seen), share / batch.global_batch_size], dtype=torch.float64)
+        draining = 1.0 if s._channel is not None and s._channel.draining() else 0.0
+        t = torch.tensor([float(seen), share / batch.global_batch_size, draining],
+                         dtype=torch.float64)
         dist.all_reduce(t)
         newer = t[0].item() > self.world_size * self.generation + 0.5
         if self.rank == 0:
             self._after_step(batch.step, t[1].item())
+        if self._checkpoints is not None:
+            drain = t[2].item() > 0 and not self._drain_saved
+            every = self._checkpoints.every_steps
+            if drain or (every and batch.step % every == 0):
+                self._checkpoints.save(batch.step, self.stream.cursor_after(batch.step),
+                                       wait=drain)
+                self._drain_saved = self._drain_saved or drain
         if newer:
             self._record_state("switch")
         return newer
@@ -382,6 +399,9 @@ class Generation:
                                 "digest": state_digest(self.session.state)}) + "\n")
 
     def _close(self) -> None:
+        if self._checkpoints is not None:
+            self._checkpoints.close()
+            self._checkpoints = None
         if self._audit is not None:
             self._audit.close()
             self._audit = None

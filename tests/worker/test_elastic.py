@@ -23,8 +23,11 @@ pytestmark = pytest.mark.timeout(180)
 
 
 @pytest.fixture
-def cluster(tmp_path, client, coordinator_address):
-    created = client.create_job(SPEC)
+def cluster(request, tmp_path, client, coordinator_address):
+    spec = dict(getattr(request, "param", SPEC))
+    if "checkpoint" in spec:
+        spec["checkpoint"] = {**spec["checkpoint"], "uri": f"file://{tmp_path}/ckpt"}
+    created = client.create_job(spec)
     agents: list[AgentProcess] = []
 
     class Cluster:
@@ -158,3 +161,33 @@ class TestRankCrash:
         report = cluster.audit()
         assert report.ok, report
         assert assert_replicas_identical(str(cluster.root / "audit")) >= 2
+
+
+CHECKPOINTED = {**SPEC, "min_workers": 1, "max_workers": 1,
+                "checkpoint": {"uri": "set by the fixture", "every_steps": 10}}
+
+
+class TestNoSurvivor:
+    @pytest.mark.parametrize("cluster", [CHECKPOINTED], indirect=True)
+    def test_with_every_holder_lost_training_resumes_from_the_last_committed_checkpoint(
+            self, cluster):
+        slow = {"TINY_STEP_SLEEP_S": "0.2"}
+        first = cluster.start("a", env=slow)
+        wait_for(lambda: cluster.job().status.last_checkpoint.step >= 20, 60,
+                 "a committed checkpoint at step 20")
+        first.signal_node(signal.SIGKILL)
+        killed_at = max(r["step"] for r in steps(cluster.root))
+        committed = cluster.job().status.last_checkpoint.step
+        cluster.start("b", env=slow)
+        job = cluster.wait_succeeded()
+        assert job.status.step == MAX_STEPS
+        records = steps(cluster.root)
+        resumed = [r for r in records if r["generation"] > records[0]["generation"]
+                   and r["step"] > committed]
+        assert min(r["step"] for r in resumed) == committed + 1
+        # lost work is bounded by the checkpoint interval, and the loss continues
+        assert killed_at - committed <= 10 + 2
+        first_resumed = sorted(resumed, key=lambda r: r["step"])[:3]
+        assert sum(r["loss"] for r in first_resumed) / 3 < 0.5 * _initial_loss(records)
+        report = cluster.audit()
+        assert report.ok, report

@@ -1,0 +1,124 @@
+"""Checkpoints of a `Session` through `springback.storage`: periodic, on drain,
+and the restore used when no surviving rank holds the state.
+
+Survivors hand state over in memory (see `session.py`); storage is only the
+fallback for losing every holder. This module sits beside the session core and
+is active only when the job spec has ``checkpoint.uri`` and the session was
+given a model (and optimizer).
+
+Failure semantics:
+
+* Saving is asynchronous (`Checkpointer.save` returns after a host-memory
+  snapshot); the write and the manifest commit run in the background. Rank 0
+  records a committed checkpoint with CommitCheckpoint, fenced by generation,
+  and deletes what the coordinator retires. A storage failure is reported
+  with ReportCheckpointError and training goes on.
+* A drain checkpoint (any rank's node draining) is saved at the agreed step
+  boundary and waited for (up to `DRAIN_SAVE_TIMEOUT_S`) before the ranks move
+  on, so a node that was the last holder of the state leaves it committed.
+* At the end of a generation the in-flight save is waited for up to
+  `CLOSE_TIMEOUT_S`; a save cut short by a dead peer never commits (its
+  manifest is written last) and is cleaned up by storage's retention.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import grpc
+
+from springback.v1 import types_pb2 as pb
+from springback.v1 import worker_service_pb2 as wpb
+
+log = logging.getLogger(__name__)
+
+DRAIN_SAVE_TIMEOUT_S = 60.0
+CLOSE_TIMEOUT_S = 30.0
+RPC_TIMEOUT_S = 10.0
+
+
+class GenerationCheckpoints:
+    """One generation's checkpointer for one rank."""
+
+    def __init__(self, *, session: Any, plan: pb.Plan, rank: int) -> None:
+        from springback.storage import Checkpointer
+
+        self._session = session
+        self._plan = plan
+        self._rank = rank
+        self.every_steps = int(plan.spec.checkpoint.every_steps)
+        self._ckpt = Checkpointer(plan.spec.checkpoint.uri, rank=rank,
+                                  world_size=plan.world_size,
+                                  on_commit=self._on_commit if rank == 0 else None,
+                                  on_error=self._on_error)
+
+    def _state(self) -> dict[str, Any]:
+        from springback.storage import model_state_dict
+
+        state = self._session.state
+        return model_state_dict(state["model"], state.get("optimizer"))
+
+    def save(self, step: int, cursor: tuple[int, int], *, wait: bool = False) -> None:
+        """Saves `step` (collective: every rank of the generation calls it)."""
+        self._ckpt.save(step, self._state(), generation=self._plan.generation, cursor=cursor,
+                        layout={"dp": self._plan.world_size})
+        if wait:
+            try:
+                self._ckpt.wait(DRAIN_SAVE_TIMEOUT_S)
+            except Exception as e:  # noqa: BLE001 - reported by on_error already
+                log.error("drain checkpoint of step %d failed: %s", step, e)
+
+    def close(self) -> None:
+        self._ckpt.close(CLOSE_TIMEOUT_S)
+
+    def _stub(self):  # noqa: ANN202
+        reporter = self._session._reporter
+        return None if reporter is None else reporter.stub
+
+    def _on_commit(self, info: Any) -> None:
+        from springback.storage import delete_checkpoint
+
+        stub = self._stub()
+        if stub is None:
+            return
+        env = self._session.env
+        try:
+            resp = stub.CommitCheckpoint(wpb.CommitCheckpointRequest(
+                job_id=env.job_id, member_id=env.member_id, generation=self._plan.generation,
+                checkpoint=info.to_checkpoint_ref()), timeout=RPC_TIMEOUT_S)
+        except grpc.RpcError as e:
+            log.warning("CommitCheckpoint of step %d rejected: %s %s", info.manifest.step,
+                        e.code().name, e.details())
+            return
+        for ref in resp.retired:
+            try:
+                delete_checkpoint(ref.uri)
+            except Exception as e:  # noqa: BLE001 - retention retries next commit
+                log.warning("deleting retired checkpoint %s: %s", ref.uri, e)
+
+    def _on_error(self, exc: BaseException) -> None:
+        stub = self._stub()
+        if stub is None:
+            return
+        env = self._session.env
+        try:
+            stub.ReportCheckpointError(wpb.ReportCheckpointErrorRequest(
+                job_id=env.job_id, member_id=env.member_id, generation=self._plan.generation,
+                error=f"rank {self._rank}: {type(exc).__name__}: {exc}"), timeout=RPC_TIMEOUT_S)
+        except grpc.RpcError as e:
+            log.warning("ReportCheckpointError failed: %s", e.code().name)
+
+
+def restore_from_checkpoint(ref: pb.CheckpointRef, state: dict[str, Any]) -> int:
+    """The session's restore hook: loads `ref` (collective over the current
+    group, any world size) into the registered model/optimizer; returns its step.
+    Raises storage's CorruptCheckpoint / CheckpointNotFound when it cannot."""
+    from springback.storage import apply_model_state_dict, load, model_state_dict
+
+    model, optimizer = state["model"], state.get("optimizer")
+    sd = model_state_dict(model, optimizer)
+    load(ref.uri, sd)
+    apply_model_state_dict(model, optimizer, sd)
+    log.info("restored step %d from checkpoint %s", ref.step, ref.uri)
+    return int(ref.step)
