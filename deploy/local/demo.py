@@ -158,6 +158,7 @@ def main() -> int:
         client = Client(addresses)
         spec = load_spec_file(str(EXAMPLE / "job.yaml"))
         spec.max_steps = args.max_steps
+        spec.checkpoint.uri = f"file://{state}/checkpoints"
         deadline = time.monotonic() + 30
         while True:
             try:
@@ -291,6 +292,9 @@ def summarize(events, audit, spec, killed_at_t, job, check_exactly_once) -> None
     goodput = min(1.0, len(finished) * typical / wall) if wall > 0 else 0.0
     print(f"goodput              {goodput:.1%}  ({len(finished)} steps x {typical * 1000:.0f} ms "
           f"median step / {wall:.1f} s of training wall time)")
+    ck = job.status.last_checkpoint
+    if ck.uri:
+        print(f"last checkpoint      step {ck.step} ({ck.size_bytes / 1e6:.1f} MB) at {ck.uri}")
     report = check_exactly_once(str(audit), num_samples=spec.data.num_samples,
                                 global_batch_size=spec.data.global_batch_size,
                                 last_step=job.status.step)
