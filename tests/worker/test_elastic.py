@@ -88,11 +88,17 @@ class TestNodeLoss:
 
 
 class TestDrain:
-    def test_sigterm_drains_the_worker_and_no_step_is_lost_or_redone(self, cluster):
-        agents = [cluster.start(n) for n in ("a", "b", "c")]
+    @pytest.mark.parametrize("notice", ["sigterm", "preemption-file"])
+    def test_a_drained_worker_leaves_and_no_step_is_lost_or_redone(self, cluster, notice):
+        agents = [cluster.start(n, "--preemption-file", str(cluster.root / f"preempted-{n}"))
+                  for n in ("a", "b", "c")]
         cluster.wait_world(3, min_step=5)
-        agents[1].process.send_signal(signal.SIGTERM)
+        if notice == "sigterm":
+            agents[1].process.send_signal(signal.SIGTERM)
+        else:  # what a node-termination handler would write on node b
+            (cluster.root / "preempted-b").write_text("spot interruption in 2 minutes")
         assert agents[1].wait(30) == 0, agents[1].log()
+        assert "draining" in agents[1].log()
         job = cluster.wait_succeeded()
         assert job.status.step == MAX_STEPS
         report = cluster.audit()

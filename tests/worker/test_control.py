@@ -1,0 +1,78 @@
+"""Unit tests: the agent -> rank plan channel, standby activation, notices."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from springback.v1 import types_pb2 as pb
+from springback.worker.agent import AgentConfig
+from springback.worker.control import (
+    PlanChannel, PlanPublisher, activate_standby, await_activation, ready_path)
+from springback.worker.preemption import CallableNotice, FileNotice
+
+
+class TestPlanChannel:
+    def test_a_rank_sees_each_newer_plan_and_never_an_older_one(self, tmp_path):
+        pub, chan = PlanPublisher(str(tmp_path)), PlanChannel(str(tmp_path))
+        assert chan.latest() is None
+        pub.publish(pb.Plan(generation=3))
+        assert chan.latest().generation == 3
+        pub.publish(pb.Plan(generation=2))  # a late, older plan is ignored
+        assert chan.latest().generation == 3
+        pub.publish(pb.Plan(generation=4, world_size=2))
+        assert chan.latest().world_size == 2
+
+    def test_wait_returns_none_at_the_deadline(self, tmp_path):
+        chan = PlanChannel(str(tmp_path))
+        t0 = time.monotonic()
+        assert chan.wait(lambda p: True, deadline=t0 + 0.1) is None
+        assert time.monotonic() - t0 >= 0.1
+
+    def test_a_new_publisher_clears_the_previous_members_plan_and_drain(self, tmp_path):
+        pub = PlanPublisher(str(tmp_path))
+        pub.publish(pb.Plan(generation=5))
+        pub.request_drain()
+        assert PlanChannel(str(tmp_path)).draining()
+        PlanPublisher(str(tmp_path))
+        chan = PlanChannel(str(tmp_path))
+        assert chan.latest() is None and not chan.draining()
+
+
+class TestStandby:
+    def test_activation_hands_over_identity_after_the_ready_marker(self, tmp_path):
+        path = str(tmp_path / "standby-1.json")
+        activate_standby(path, local_rank=2, member_id="m-1", control_dir="/c",
+                         collective_timeout_s=2.0)
+        identity = await_activation(path)
+        assert identity == {"local_rank": 2, "member_id": "m-1", "control_dir": "/c",
+                            "collective_timeout_s": 2.0}
+        assert (tmp_path / "standby-1.json.ready").exists() and ready_path(path).endswith(".ready")
+
+
+class TestPreemptionNotices:
+    def test_a_file_notice_fires_once_the_file_exists_and_names_it(self, tmp_path):
+        notice = FileNotice(str(tmp_path / "notice"))
+        assert notice.poll() is None
+        (tmp_path / "notice").write_text("terminating in 120s")
+        assert "terminating in 120s" in notice.poll()
+
+    def test_a_failing_callable_counts_as_no_notice(self):
+        def broken() -> str:
+            raise OSError("metadata endpoint down")
+        assert CallableNotice(broken).poll() is None
+        assert CallableNotice(lambda: "preempted").poll() == "preempted"
+
+
+class TestAgentConfig:
+    @pytest.mark.parametrize("kwargs, field", [
+        ({"command": []}, "after --"),
+        ({"nproc_per_node": 0}, "--nproc-per-node"),
+        ({"on_fenced": "panic"}, "--on-fenced"),
+        ({"drain_timeout_s": 0}, "--drain-timeout-s"),
+    ])
+    def test_bad_settings_are_rejected_naming_the_option(self, kwargs, field):
+        config = {"job_id": "j", "command": ["python", "train.py"], **kwargs}
+        with pytest.raises(ValueError, match=field):
+            AgentConfig(**config)
