@@ -3,8 +3,9 @@
 Runs a real local cluster (etcd, one coordinator, three node agents, each with
 one rank of examples/tinylm) and injects, one after the other:
 
-* a crashed local rank (SIGKILL of one rank process; its agent stays alive and
-  reports the failure at once): target <= 3 s;
+* a crashed local rank (SIGKILL of one rank process; its agent stays alive,
+  reports the failure at once and puts its warm standby in the rank's place;
+  the bench waits until that standby has finished its set-up): target <= 3 s;
 * a lost node (SIGKILL of one agent with its ranks): detected by the liveness
   timeout; target <= liveness timeout + 3 s.
 
@@ -53,6 +54,20 @@ def _active_ranks(agent_pid: int) -> list[int]:
         if standby is None or os.path.exists(standby.decode()):
             out.append(pid)
     return out
+
+
+def _standby_ready(agent_pid: int) -> bool:
+    """The agent has a warm standby that finished its set-up and is unused."""
+    for pid in _children(agent_pid):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+        except FileNotFoundError:
+            continue
+        path = env.get(b"SPRINGBACK_STANDBY_FILE", b"").decode()
+        if path and not os.path.exists(path) and os.path.exists(path + ".ready"):
+            return True
+    return False
 
 
 def _events(path: Path) -> list[dict]:
@@ -142,8 +157,11 @@ def main() -> int:
             # faults a few seconds apart: the standby started after a crash must be
             # warm (imports done) before the next crash on that node
             time.sleep(args.gap_s)
-            before = _last_step(metrics)
             victim = agents[1 + i % 2]
+            # measure the warm path: the node's standby has finished its set-up
+            # (on a loaded machine that can take longer than the gap)
+            _wait(lambda: _standby_ready(victim.pid), 120, "a warm standby")
+            before = _last_step(metrics)
             ranks = _active_ranks(victim.pid)
             t_kill = time.time()
             for pid in ranks:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -369,6 +370,7 @@ class Agent:
             self._stop.set()
             self._kill_ranks()
             self._store = None
+            shutil.rmtree(self._workdir, ignore_errors=True)
 
     def _supervise(self) -> int:
         while True:
