@@ -10,7 +10,7 @@ commit is durable. Committing the same step twice is a no-op.
 from __future__ import annotations
 
 from springback.service import keys
-from springback.service.coordinator import Coordinator, _now
+from springback.service.coordinator import Coordinator, timestamp_now
 from springback.service.errors import InvalidArgument
 from springback.v1 import types_pb2 as pb
 
@@ -37,7 +37,7 @@ class Commits:
         if not ref.uri:
             raise InvalidArgument("checkpoint.uri", "is required")
         coordinator = self.coordinator
-        coordinator._require_leader()
+        coordinator.require_leader()
         coordinator.check_generation(job_id, generation)
         coordinator.lease_of(job_id, member_id)  # NOT_FOUND for a fenced member
         existing = coordinator.list_checkpoints(job_id)
@@ -46,7 +46,7 @@ class Commits:
         committed = pb.CheckpointRef()
         committed.CopyFrom(ref)
         committed.generation = generation
-        committed.committed_at.CopyFrom(_now())
+        committed.committed_at.CopyFrom(timestamp_now())
         job = coordinator.get_job(job_id)
         keep = retained([c.step for c in existing] + [ref.step],
                         job.spec.checkpoint.keep_last, job.spec.checkpoint.keep_every)

@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 JobMutation = Callable[[pb.Job], None]
 
 
-def _now() -> Timestamp:
+def timestamp_now() -> Timestamp:
     ts = Timestamp()
     ts.GetCurrentTime()
     return ts
@@ -100,7 +100,7 @@ class Coordinator:
             self._version += 1
             self._changed.notify_all()
 
-    def _require_leader(self) -> None:
+    def require_leader(self) -> None:
         if not self.election.is_leader():
             raise NotLeader(f"replica {self.election.address} is not the leader")
 
@@ -185,7 +185,7 @@ class Coordinator:
         concurrent writer won (nothing is written), `NotLeader` if this replica
         does not lead, and whatever `mutate` raises (nothing is written).
         """
-        self._require_leader()
+        self.require_leader()
         with self._changed:
             job_entry = self._job_entry(job_id)
             job = self._with_progress(job_entry.value)
@@ -220,7 +220,7 @@ class Coordinator:
             status = job.status
             if new_generation:
                 plan.generation = (previous.generation if previous else 0) + 1
-                plan.created_at.CopyFrom(_now())
+                plan.created_at.CopyFrom(timestamp_now())
                 if plan.restore.kind in (pb.RESTORE_KIND_CHECKPOINT, pb.RESTORE_KIND_NONE):
                     # Training rewinds to the restored state: progress follows it.
                     if requested is not None:
@@ -242,7 +242,7 @@ class Coordinator:
             del status.spares[:]
             status.spares.extend(plan.spares)
             status.message = reason
-            status.updated_at.CopyFrom(_now())
+            status.updated_at.CopyFrom(timestamp_now())
 
             txn = self.store.txn
             compare = self.election.fence() + [
@@ -312,7 +312,7 @@ class Coordinator:
 
         In memory only; the job succeeds (one write) when max_steps is reached.
         """
-        self._require_leader()
+        self.require_leader()
         with self._changed:
             self.check_generation(job_id, generation)
             if member_id not in self._planned.get(job_id, set()):
@@ -340,7 +340,7 @@ class Coordinator:
         """
         seen = -1
         while alive():
-            self._require_leader()
+            self.require_leader()
             with self._changed:
                 if seen == self._version:
                     self._changed.wait(poll_s)
@@ -358,7 +358,7 @@ class Coordinator:
         self._job_entry(job_id)
         sent = -1
         while alive():
-            self._require_leader()
+            self.require_leader()
             with self._changed:
                 generation = self.current_generation(job_id)
                 if generation == sent:
@@ -434,6 +434,9 @@ class Coordinator:
                 log.info("flush %s: %s", job_id, e)
 
     # -- used by the membership and job-control layers ---------------------------------
+
+    def remember_lease(self, member_id: str, lease_id: int) -> None:
+        self._lease_of[member_id] = lease_id
 
     def forget_member(self, member_id: str) -> None:
         self._lease_of.pop(member_id, None)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import uuid
 
 from springback.service import keys, spec as specs
-from springback.service.coordinator import Coordinator, _now
+from springback.service.coordinator import Coordinator, timestamp_now
 from springback.service.errors import Conflict, InvalidArgument, NotFound
 from springback.v1 import types_pb2 as pb
 
@@ -25,9 +25,9 @@ class JobControl:
     def create(self, spec: pb.JobSpec) -> pb.Job:
         """Validates `spec`, stores the job (PENDING) and its first plan."""
         spec = specs.validate(spec)
-        self.coordinator._require_leader()
+        self.coordinator.require_leader()
         job = pb.Job(id=f"{spec.name}-{uuid.uuid4().hex[:6]}", spec=spec)
-        job.created_at.CopyFrom(_now())
+        job.created_at.CopyFrom(timestamp_now())
         job.status.state = pb.JOB_STATE_PENDING
         job.status.message = "created"
         job.status.updated_at.CopyFrom(job.created_at)

@@ -15,7 +15,7 @@ import math
 import uuid
 
 from springback.service import keys, planner
-from springback.service.coordinator import Coordinator, _now
+from springback.service.coordinator import Coordinator, timestamp_now
 from springback.service.errors import FailedPrecondition, InvalidArgument, NotFound
 from springback.v1 import types_pb2 as pb
 
@@ -37,7 +37,7 @@ class Membership:
         if num_local_ranks == 0:
             raise InvalidArgument("num_local_ranks", "must be positive")
         coordinator = self.coordinator
-        coordinator._require_leader()
+        coordinator.require_leader()
         job = coordinator.get_job(job_id)
         if planner.is_terminal(job.status.state):
             raise FailedPrecondition(
@@ -49,7 +49,7 @@ class Membership:
             id=f"m-{uuid.uuid4().hex[:8]}", job_id=job_id, host=host,
             rendezvous_port=rendezvous_port, num_local_ranks=num_local_ranks,
         )
-        member.joined_at.CopyFrom(_now())
+        member.joined_at.CopyFrom(timestamp_now())
         key = keys.member(job_id, member.id)
         txn = store.txn
         if not store.transaction(
@@ -58,7 +58,7 @@ class Membership:
         ):
             store.revoke_lease(lease.id)
             raise FailedPrecondition(f"member id {member.id} collided; join again")
-        coordinator._lease_of[member.id] = lease.id
+        coordinator.remember_lease(member.id, lease.id)
         coordinator.change_with_retry(job_id, f"{member.id} joined ({host}, {num_local_ranks} ranks)")
         return member
 
@@ -79,7 +79,7 @@ class Membership:
     def leave(self, job_id: str, member_id: str, reason: str) -> None:
         """Removes the member and replans. Idempotent: leaving twice is fine."""
         coordinator = self.coordinator
-        coordinator._require_leader()
+        coordinator.require_leader()
         entry = coordinator.store.get(keys.member(job_id, member_id))
         coordinator.forget_member(member_id)
         if entry is None:
@@ -96,7 +96,7 @@ class Membership:
         changes and True is returned: the member must checkpoint, then leave.
         """
         coordinator = self.coordinator
-        coordinator._require_leader()
+        coordinator.require_leader()
         key = keys.member(job_id, member_id)
         entry = coordinator.store.get(key, pb.Member)
         if entry is None:
@@ -125,7 +125,7 @@ class Membership:
     def report_failure(self, job_id: str, member_id: str, generation: int, reason: str) -> int:
         """A local rank died: new generation at once; that member's ranks hold no state."""
         coordinator = self.coordinator
-        coordinator._require_leader()
+        coordinator.require_leader()
         coordinator.check_generation(job_id, generation)
         coordinator.lease_of(job_id, member_id)  # NOT_FOUND for a fenced member
         job = coordinator.change_with_retry(
