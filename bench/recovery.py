@@ -40,46 +40,35 @@ def _children(pid: int) -> list[int]:
     return out
 
 
-def _active_ranks(agent_pid: int) -> list[int]:
-    """The agent's rank processes, leaving out its warm standby (a standby is
-    active once the agent wrote its activation file)."""
-    out = []
+def _standby_files(agent_pid: int) -> dict[int, str]:
+    """Each child of the agent with its SPRINGBACK_STANDBY_FILE ("" if none)."""
+    out = {}
     for pid in _children(agent_pid):
         try:
             with open(f"/proc/{pid}/environ", "rb") as f:
                 env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
         except FileNotFoundError:
             continue
-        standby = env.get(b"SPRINGBACK_STANDBY_FILE")
-        if standby is None or os.path.exists(standby.decode()):
-            out.append(pid)
+        out[pid] = env.get(b"SPRINGBACK_STANDBY_FILE", b"").decode()
     return out
+
+
+def _active_ranks(agent_pid: int) -> list[int]:
+    """The agent's rank processes, leaving out its warm standby (a standby is
+    active once the agent wrote its activation file)."""
+    return [pid for pid, path in _standby_files(agent_pid).items()
+            if not path or os.path.exists(path)]
 
 
 def _standby_ready(agent_pid: int) -> bool:
     """The agent has a warm standby that finished its set-up and is unused."""
-    for pid in _children(agent_pid):
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
-        except FileNotFoundError:
-            continue
-        path = env.get(b"SPRINGBACK_STANDBY_FILE", b"").decode()
-        if path and not os.path.exists(path) and os.path.exists(path + ".ready"):
-            return True
-    return False
+    return any(path and not os.path.exists(path) and os.path.exists(path + ".ready")
+               for path in _standby_files(agent_pid).values())
 
 
 def _events(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass
-    return out
+    from springback.worker.metrics import read
+    return read(path)
 
 
 def _wait(pred, timeout_s: float, what: str):  # noqa: ANN001, ANN202

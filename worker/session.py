@@ -48,7 +48,8 @@ import torch.distributed as dist
 from springback.v1 import types_pb2 as pb
 from springback.worker.audit import AuditLog
 from springback.worker.control import PlanChannel, await_activation
-from springback.worker.env import METRICS_FILE, STANDBY_FILE, RankEnv
+from springback.worker import metrics
+from springback.worker.env import STANDBY_FILE, RankEnv
 from springback.worker.rendezvous import RendezvousAborted, form_group, leave_group
 from springback.worker.sampler import Batch, SampleStream
 
@@ -372,14 +373,14 @@ class Generation:
                                loss=loss, epoch=epoch, offset=offset)
             if step >= self.max_steps:
                 s._reporter.flush()
-        _metric({"event": "step", "generation": self.generation, "world_size": self.world_size,
+        metrics.append({"event": "step", "generation": self.generation, "world_size": self.world_size,
                  "step": step, "loss": loss})
 
     # -- bookkeeping -----------------------------------------------------------
 
     def _record_start(self, source: int | None, formed_s: float) -> None:
         if self.rank == 0:
-            _metric({"event": "generation", "generation": self.generation,
+            metrics.append({"event": "generation", "generation": self.generation,
                      "world_size": self.world_size, "step": self.session.step,
                      "source_rank": -1 if source is None else source,
                      "formed_s": round(formed_s, 4), "reason": self.plan.reason})
@@ -428,12 +429,3 @@ class Generation:
             time.sleep(0.02)
             latest = s._latest()
         return True
-
-
-def _metric(record: dict) -> None:
-    path = os.environ.get(METRICS_FILE)
-    if not path:
-        return
-    record = {"t": time.time(), **record}
-    with open(path, "a", encoding="utf-8") as f:
-        f.write(json.dumps(record) + "\n")

@@ -93,15 +93,8 @@ class Processes:
 
 
 def read_events(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass
-    return out
+    from springback.worker.metrics import read
+    return read(path)
 
 
 def main() -> int:

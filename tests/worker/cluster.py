@@ -7,7 +7,6 @@ SIGKILL, SIGTERM, and SIGSTOP/SIGCONT of the whole node (agent and ranks).
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -16,6 +15,7 @@ from pathlib import Path
 
 from fakeplans import TINY_TRAIN
 from springback.worker import env as E
+from springback.worker.metrics import read as read_metrics
 
 
 def children(pid: int) -> list[int]:
@@ -71,16 +71,7 @@ class AgentProcess:
 
 
 def metrics(root: Path) -> list[dict]:
-    path = root / "metrics.jsonl"
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass
-    return out
+    return read_metrics(root / "metrics.jsonl")
 
 
 def steps(root: Path) -> list[dict]:

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from springback.v1 import types_pb2 as pb
 from springback.worker import env as E
 from springback.worker.control import PlanPublisher
+from springback.worker.metrics import read as read_metrics
 
 TINY_TRAIN = str(Path(__file__).with_name("tiny_train.py"))
 
@@ -68,10 +69,7 @@ class FakeJob:
         return plan
 
     def steps(self) -> list[dict]:
-        if not os.path.exists(self.metrics):
-            return []
-        return [json.loads(l) for l in Path(self.metrics).read_text().splitlines()
-                if '"event": "step"' in l]
+        return [r for r in read_metrics(self.metrics) if r["event"] == "step"]
 
     def wait_step(self, step: int, timeout_s: float = 60) -> None:
         deadline = time.monotonic() + timeout_s
