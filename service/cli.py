@@ -221,6 +221,10 @@ def _up_command(args: argparse.Namespace) -> int:
         liveness_timeout_s=args.liveness_timeout_s,
     ))
     server.start()
+    if not server.wait_for_leadership(timeout_s=15):
+        server.stop()
+        etcd.stop()
+        raise RuntimeError("the local coordinator did not become leader within 15 s")
     print(f"etcd        {etcd.endpoint} (data in {etcd.data_dir})")
     print(f"coordinator {server.address}")
     print(f"export {ENV_COORDINATOR}={server.address}", flush=True)

@@ -11,6 +11,7 @@ instead of after the lease TTL), then lets in-flight calls finish for
 from __future__ import annotations
 
 import logging
+import time
 from concurrent import futures
 from dataclasses import dataclass
 
@@ -171,6 +172,15 @@ class CoordinatorServer:
         if self.config.metrics_listen:
             self._metrics_server = metrics.serve(self.registry, self.config.metrics_listen)
         log.info("coordinator replica serving on %s", self.address)
+
+    def wait_for_leadership(self, timeout_s: float) -> bool:
+        """Blocks until this replica leads (True) or `timeout_s` passes (False)."""
+        deadline = time.monotonic() + timeout_s
+        while not self.election.is_leader():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)  # polling the election with a deadline
+        return True
 
     def wait(self) -> None:
         self._server.wait_for_termination()
