@@ -1,6 +1,7 @@
 """The node agent: ``springback run --job JOB -- python train.py …``.
 
-One agent per node. It hosts the node's rendezvous store (a TCPStore server on
+One agent per node. It starts its ranks first and joins once their set-up is
+done (`ranks.py`). It hosts the node's rendezvous store (a TCPStore server on
 port 0, named in JoinJob), joins the job as a *member*, keeps the member alive
 with heartbeats, relays every plan to its ranks through the control directory
 (`control.py`), and spawns ``--nproc-per-node`` local ranks with the torchrun
@@ -9,8 +10,9 @@ environment plus the SPRINGBACK_* variables of `env.py`.
 Failure semantics:
 
 * A local rank exiting non-zero is reported at once (ReportFailure) so the
-  coordinator makes a new generation without waiting for a timeout; the rank is
-  restarted and receives its state from a surviving peer. More than
+  coordinator makes a new generation without waiting for a timeout; the warm
+  standby (`ranks.py`) takes the rank's place and receives its state from a
+  surviving peer. More than
   ``--max-restarts`` failures end the agent with exit status 1.
 * SIGTERM, SIGINT or a preemption notice start a *drain*: DrainMember (the
   coordinator leaves this member out of the next plan), the ranks finish their
@@ -33,7 +35,6 @@ import logging
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -48,26 +49,14 @@ from springback.v1 import types_pb2 as pb
 from springback.v1 import worker_service_pb2 as wpb
 from springback.v1 import worker_service_pb2_grpc as wgrpc
 from springback.worker import env as E
-from springback.worker.control import PlanPublisher, activate_standby, ready_path
+from springback.worker.control import PlanPublisher
+from springback.worker.ranks import LocalRanks
 from springback.worker.preemption import FileNotice, PreemptionSource
 
 log = logging.getLogger("springback.agent")
 
 EXIT_OK, EXIT_ERROR, EXIT_FENCED = 0, 1, 3
 RPC_TIMEOUT_S = 5.0
-
-
-# Ranks are started through this snippet rather than with subprocess's
-# preexec_fn: preexec_fn runs Python in a fork() of a process with live gRPC
-# threads, and gRPC's fork handlers abort the child now and then (SIGABRT).
-# The snippet sets the parent-death signal, checks the agent did not die in
-# between, and execs the rank command.
-_PDEATH_LAUNCHER = (
-    "import ctypes,os,signal,sys\n"
-    "ctypes.CDLL('libc.so.6').prctl(1, signal.SIGKILL)\n"
-    "if os.getppid() != int(sys.argv[1]): sys.exit(1)\n"
-    "os.execvp(sys.argv[2], sys.argv[2:])\n"
-)
 
 
 @dataclass(kw_only=True)
@@ -136,9 +125,7 @@ class Agent:
         self._plan: pb.Plan | None = None
         self._fenced = threading.Event()
         self._stop = threading.Event()
-        self._ranks: dict[int, subprocess.Popen] = {}
-        self._standby: tuple[subprocess.Popen, str] | None = None
-        self._num_standbys = 0
+        self._local = LocalRanks(config.command, self._workdir, keep_spare=config.standby)
         self._num_restarts = 0
         self._stop_deadline: float | None = None
         self.member: pb.Member | None = None
@@ -254,82 +241,32 @@ class Agent:
                             E.GENERATION: str(plan.generation)})
         return environ
 
-    def _spawn(self, local_rank: int) -> None:
-        launcher = [sys.executable, "-S", "-c", _PDEATH_LAUNCHER, str(os.getpid())]
-        self._ranks[local_rank] = subprocess.Popen(
-            launcher + self.config.command, env=self._rank_env(local_rank),
-            start_new_session=True)
-
-    def _new_standby(self) -> tuple[subprocess.Popen, str]:
-        self._num_standbys += 1
-        path = os.path.join(self._workdir, f"standby-{self._num_standbys}.json")
-        environ = self._rank_env(0)
-        environ[E.STANDBY_FILE] = path
-        launcher = [sys.executable, "-S", "-c", _PDEATH_LAUNCHER, str(os.getpid())]
-        proc = subprocess.Popen(launcher + self.config.command, env=environ,
-                                start_new_session=True)
-        return proc, path
-
-    def _spawn_standby(self) -> None:
-        if self.config.standby and self._standby is None:
-            self._standby = self._new_standby()
+    def _identity(self) -> dict:
+        """What an activated standby learns: known only after joining."""
+        assert self.member is not None
+        return {"member_id": self.member.id, "control_dir": self._publisher.directory,
+                "collective_timeout_s": self._collective_timeout_s()}
 
     def _start_ranks(self) -> None:
         """Starts the local ranks as standbys, waits until every one has done
-        its set-up (imports, data, model: up to `ready_timeout_s`), and only
-        then joins: the generation that admits this node does not wait for a
-        cold start. Raises RuntimeError if a rank exits during set-up."""
-        standbys = [self._new_standby() for _ in range(self.config.nproc_per_node)]
-        self._ranks = {lr: proc for lr, (proc, _) in enumerate(standbys)}
-        deadline = time.monotonic() + self.config.ready_timeout_s
-        while not all(os.path.exists(ready_path(path)) for _, path in standbys):
-            for proc, _ in standbys:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"a rank exited with status {proc.returncode} before "
-                                       "reaching Session() (see its output above)")
-            if time.monotonic() > deadline:
-                log.warning("ranks not ready after %.0fs: joining anyway",
-                            self.config.ready_timeout_s)
-                break
-            if self._drain_reason is not None:
-                raise DrainedBeforeJoin(self._drain_reason)
-            time.sleep(0.05)
+        its set-up (up to `ready_timeout_s`), and only then joins: the
+        generation that admits this node does not wait for a cold start.
+        Raises RuntimeError if a rank exits during set-up, DrainedBeforeJoin
+        on a drain request meanwhile."""
+        standbys = self._local.start_all(
+            self.config.nproc_per_node, self._rank_env(0), timeout_s=self.config.ready_timeout_s,
+            abort=lambda: self._drain_reason is not None)
+        if self._drain_reason is not None:
+            raise DrainedBeforeJoin(self._drain_reason)
+        if not all(s.ready() for s in standbys):
+            log.warning("ranks not ready after %.0fs: joining anyway", self.config.ready_timeout_s)
         self._join()
-        assert self.member is not None
-        for lr, (_, path) in enumerate(standbys):
-            activate_standby(path, local_rank=lr, member_id=self.member.id,
-                             control_dir=self._publisher.directory,
-                             collective_timeout_s=self._collective_timeout_s())
-        self._spawn_standby()
-
-    def _replace_rank(self, local_rank: int) -> None:
-        """Puts the warm standby (or, without one, a cold new process) in the
-        place of a failed local rank, then starts the next standby."""
-        assert self.member is not None
-        if self._standby is not None and self._standby[0].poll() is None:
-            proc, path = self._standby
-            self._standby = None
-            activate_standby(path, local_rank=local_rank, member_id=self.member.id,
-                             control_dir=self._publisher.directory,
-                             collective_timeout_s=self._collective_timeout_s())
-            self._ranks[local_rank] = proc
-            log.info("standby took the place of local rank %d", local_rank)
-        else:
-            self._standby = None
-            self._spawn(local_rank)
-        self._spawn_standby()
+        for lr, standby in enumerate(standbys):
+            standby.activate(lr, self._identity())
+        self._local.ensure_spare(self._rank_env(0))
 
     def _kill_ranks(self) -> None:
-        procs = list(self._ranks.values())
-        if self._standby is not None:
-            procs.append(self._standby[0])
-            self._standby = None
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-        for p in procs:
-            p.wait()
-        self._ranks.clear()
+        self._local.kill_all()
 
     def _report_failure(self, local_rank: int, code: int) -> None:
         assert self.member is not None
@@ -401,7 +338,7 @@ class Agent:
         ranks still running after ``drain_timeout_s`` are killed."""
         plan = self._plan
         stopping = plan is not None and plan.action == pb.PLAN_ACTION_STOP
-        for lr, p in list(self._ranks.items()):
+        for lr, p in list(self._local.ranks.items()):
             code = p.poll()
             if code is None or code == 0 or stopping:
                 continue
@@ -413,8 +350,9 @@ class Agent:
                 log.error("more than %d rank failures: giving up", self.config.max_restarts)
                 self._leave("too many rank failures")
                 return EXIT_ERROR
-            self._replace_rank(lr)
-        codes = [p.poll() for p in self._ranks.values()]
+            if self._local.replace(lr, self._identity(), self._rank_env(lr)):
+                log.info("warm standby took the place of local rank %d", lr)
+        codes = [p.poll() for p in self._local.ranks.values()]
         if codes and all(c == 0 for c in codes) or stopping and all(c is not None for c in codes):
             log.info("all local ranks finished")
             self._leave("ranks finished")
@@ -450,7 +388,7 @@ class Agent:
             log.warning("DrainMember failed (%s); leaving without handing over",
                         e.code().name)
         while time.monotonic() < deadline:
-            if all(p.poll() is not None for p in self._ranks.values()):
+            if all(p.poll() is not None for p in self._local.ranks.values()):
                 break
             if self._fenced.is_set():
                 break

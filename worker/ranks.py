@@ -1,0 +1,120 @@
+"""A node's local rank processes: starting them, the warm standby, stopping them.
+
+Every rank starts as a *standby*: the user's command runs its set-up (imports,
+data, model) and blocks in `Session()` until activated with its identity
+(`control.activate_standby`). The agent activates the first ranks once all
+are ready, and keeps one extra standby to put in the place of a rank that
+crashes, so a crash costs no cold start.
+
+Processes are started through a small exec launcher that sets the
+parent-death signal: when the agent dies (even by SIGKILL) its ranks die with
+it, and their peers see the failure at once. Failure semantics of each call
+are in its docstring; nothing here talks to the coordinator.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from springback.worker import env as E
+from springback.worker.control import activate_standby, ready_path
+
+# Ranks are started through this snippet rather than with subprocess's
+# preexec_fn: preexec_fn runs Python in a fork() of a process with live gRPC
+# threads, and gRPC's fork handlers abort the child now and then (SIGABRT).
+# The snippet sets the parent-death signal, checks the agent did not die in
+# between, and execs the rank command.
+_PDEATH_LAUNCHER = (
+    "import ctypes,os,signal,sys\n"
+    "ctypes.CDLL('libc.so.6').prctl(1, signal.SIGKILL)\n"
+    "if os.getppid() != int(sys.argv[1]): sys.exit(1)\n"
+    "os.execvp(sys.argv[2], sys.argv[2:])\n"
+)
+
+
+@dataclass
+class Standby:
+    """A started rank waiting for its identity in `path`."""
+
+    proc: subprocess.Popen
+    path: str
+
+    def ready(self) -> bool:
+        """Its script reached `Session()` (set-up done)."""
+        return os.path.exists(ready_path(self.path))
+
+    def activate(self, local_rank: int, identity: dict) -> None:
+        activate_standby(self.path, local_rank=local_rank, **identity)
+
+
+class LocalRanks:
+    """The rank processes of one agent. `ranks` maps local rank -> process."""
+
+    def __init__(self, command: list[str], workdir: str, *, keep_spare: bool) -> None:
+        self.command = command
+        self.workdir = workdir
+        self.keep_spare = keep_spare
+        self.ranks: dict[int, subprocess.Popen] = {}
+        self.spare: Standby | None = None
+        self._num_started = 0
+
+    def _launch(self, environ: dict[str, str]) -> subprocess.Popen:
+        launcher = [sys.executable, "-S", "-c", _PDEATH_LAUNCHER, str(os.getpid())]
+        return subprocess.Popen(launcher + self.command, env=environ, start_new_session=True)
+
+    def start_standby(self, environ: dict[str, str]) -> Standby:
+        self._num_started += 1
+        path = os.path.join(self.workdir, f"standby-{self._num_started}.json")
+        return Standby(self._launch({**environ, E.STANDBY_FILE: path}), path)
+
+    def start_all(self, num: int, environ: dict[str, str], *, timeout_s: float,
+                  abort: Callable[[], bool]) -> list[Standby]:
+        """Starts `num` standbys as local ranks 0..num-1 and waits until all are
+        ready, up to `timeout_s` (then returns anyway) or until `abort()`.
+        Raises RuntimeError when one exits during its set-up."""
+        standbys = [self.start_standby(environ) for _ in range(num)]
+        self.ranks = {lr: s.proc for lr, s in enumerate(standbys)}
+        deadline = time.monotonic() + timeout_s
+        while not all(s.ready() for s in standbys):
+            for s in standbys:
+                if s.proc.poll() is not None:
+                    raise RuntimeError(f"a rank exited with status {s.proc.returncode} before "
+                                       "reaching Session() (see its output above)")
+            if time.monotonic() > deadline or abort():
+                break
+            time.sleep(0.05)
+        return standbys
+
+    def ensure_spare(self, environ: dict[str, str]) -> None:
+        """Starts the warm spare if configured and not running."""
+        if self.keep_spare and self.spare is None:
+            self.spare = self.start_standby(environ)
+
+    def replace(self, local_rank: int, identity: dict, environ: dict[str, str]) -> bool:
+        """Puts the spare (or, without one, a cold new process) in the place of a
+        failed local rank, then starts the next spare. Returns True when warm."""
+        spare, self.spare = self.spare, None
+        warm = spare is not None and spare.proc.poll() is None
+        if warm:
+            spare.activate(local_rank, identity)
+            self.ranks[local_rank] = spare.proc
+        else:
+            self.ranks[local_rank] = self._launch({**environ, E.LOCAL_RANK: str(local_rank)})
+        self.ensure_spare(environ)
+        return warm
+
+    def kill_all(self) -> None:
+        """SIGKILLs every rank and the spare and reaps them. Idempotent."""
+        procs = list(self.ranks.values()) + ([self.spare.proc] if self.spare else [])
+        self.spare = None
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        for p in procs:
+            p.wait()
+        self.ranks.clear()
