@@ -1,13 +1,22 @@
-"""Checkpoint stall: how long save() blocks the step loop, in one run on the same state.
+"""Checkpoint stall in a real training loop: how long the step loop is blocked per
+checkpoint, in one run on the same model + AdamW state (default ~200 MB).
 
-Compares, on a CPU model + AdamW state (default ~200 MB):
-  (a) springback Checkpointer.save()      -- returns after the host-memory snapshot
-  (b) torch.distributed.checkpoint.async_save() -- time until it returns its future
-  (c) a plain in-memory copy of the state into preallocated buffers
-and prints yours/copy (target <= 2) and yours/async_save (target <= 0.1), medians of
-several repetitions (the first, buffer-allocating save is reported separately).
+Each repetition checkpoints the same training loop (forward + backward +
+optimizer.step) three ways, in rotating order:
+  (a) springback ``Checkpointer.save(..., optimizer=opt)``: stall = time in save()
+      + time the next ``opt.step()`` waited in springback's step pre-hook for the
+      background copy (``stats.last_hook_wait_s``);
+  (b) ``torch.distributed.checkpoint.async_save()``: stall = time until it returns
+      its future (it copies the state to host memory inside the call);
+  (c) a plain in-memory copy of the state into preallocated buffers.
+Stalls are medians over the repetitions (the first, buffer-allocating one is
+reported apart). Besides the stall, it prints how much longer the first training
+step after each checkpoint took than a step without one: background work (the
+copy, serialization, writing) competes for the same cores, and that cost is not
+hidden in the ratios. Prints springback/copy (target <= 2) and
+springback/async_save (target <= 0.1).
 
-    .venv/bin/python bench/checkpoint_stall.py [--mb 200] [--reps 5] [--dir /tmp/x]
+    .venv/bin/python bench/checkpoint_stall.py [--mb 200] [--reps 7] [--batch 64] [--dir /tmp/x]
 """
 
 from __future__ import annotations
@@ -26,16 +35,17 @@ from torch import nn
 
 from springback.storage import Checkpointer, model_state_dict
 
+WIDTH = 1024
 
-def build_state(mb: int, device: str = "cpu") -> tuple[nn.Module, torch.optim.Optimizer, dict]:
+
+def build(mb: int, device: str) -> tuple[nn.Module, torch.optim.Optimizer]:
     # params + 2 Adam moments = 3 x 4 bytes per parameter
-    width = 1024
-    n_layers = max(1, round(mb * 2**20 / (3 * 4 * width * width)))
-    model = nn.Sequential(*[nn.Linear(width, width) for _ in range(n_layers)]).to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    model(torch.randn(8, width, device=device)).sum().backward()
-    opt.step()
-    return model, opt, model_state_dict(model, opt)
+    n_layers = max(1, round(mb * 2**20 / (3 * 4 * WIDTH * WIDTH)))
+    layers: list[nn.Module] = []
+    for _ in range(n_layers):
+        layers += [nn.Linear(WIDTH, WIDTH), nn.ReLU()]
+    model = nn.Sequential(*layers).to(device)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
 
 
 def tensors(sd: object) -> list[torch.Tensor]:
@@ -52,66 +62,101 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mb", type=int, default=200)
     ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--batch", type=int, default=64, help="training batch size (sets the step time)")
+    ap.add_argument("--steps", type=int, default=2, help="training steps after each checkpoint")
     ap.add_argument("--device", default="cpu", help="where the state lives (cpu, or cuda: snapshots go to pinned host memory)")
-    ap.add_argument("--dp", type=int, default=2, help="also report rank 0's stall as one of DP ranks sharing replicated state")
     ap.add_argument("--dir", default=None, help="where checkpoints go (default: a temp dir, removed)")
     args = ap.parse_args()
     root = args.dir or tempfile.mkdtemp(prefix="sb-stall-")
     os.makedirs(root, exist_ok=True)
     dist.init_process_group("gloo", init_method=f"file://{root}/rdzv", rank=0, world_size=1)
-    model, opt, sd = build_state(args.mb, args.device)
     cuda = args.device.startswith("cuda")
+    model, opt = build(args.mb, args.device)
+    x = torch.randn(args.batch, WIDTH, device=args.device)
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
+
+    def train_step() -> float:
+        t0 = time.perf_counter()
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+        sync()
+        return time.perf_counter() - t0
+
+    train_step()  # creates the Adam state
+    sd = model_state_dict(model, opt)  # live views: the same tensors the optimizer updates in place
     ts = tensors(sd)
     nbytes = sum(t.numel() * t.element_size() for t in ts)
-    print(f"state: {len(ts)} tensors, {nbytes / 2**20:.0f} MiB, torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(f"state: {len(ts)} tensors, {nbytes / 2**20:.0f} MiB, batch {args.batch}, torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads, {os.cpu_count()} cpus, load {os.getloadavg()[0]:.2f}")
 
-    # The three are interleaved in each repetition so that they see the same machine
-    # conditions (these machines are shared); rep 0 allocates and is reported apart.
     bufs = [torch.empty(t.shape, dtype=t.dtype, pin_memory=cuda) for t in ts]
     ck = Checkpointer(f"{root}/springback", rank=0, world_size=1, keep_last=1)
-    # one rank of a DP job: replicated tensors are split across ranks, so it snapshots
-    # ~1/dp of the state (no collective is involved, so one process measures it
-    # faithfully; rank 1 is used because it does not wait to commit).
-    share = Checkpointer(f"{root}/share", rank=1, world_size=args.dp)
-    share_s: list[float] = []
-    copy_s: list[float] = []
-    ours_s: list[float] = []
-    async_s: list[float] = []
-    for i in range(args.reps + 1):
-        # (c) plain copy into preallocated buffers
+    stall: dict[str, list[float]] = {"copy": [], "ours": [], "async": []}
+    after: dict[str, list[float]] = {"copy": [], "ours": [], "async": [], "none": []}  # first step after
+    ours_save: list[float] = []
+    ours_hook: list[float] = []
+
+    def ckpt_ours(i: int) -> None:
+        t0 = time.perf_counter()
+        ck.save(i, sd, generation=1, optimizer=opt)
+        t_save = time.perf_counter() - t0
+        after["ours"].append(train_step())  # its opt.step() waits in the hook if the copy is not done
+        ours_save.append(t_save)
+        ours_hook.append(ck.stats.last_hook_wait_s)
+        stall["ours"].append(t_save + ck.stats.last_hook_wait_s)
+        for _ in range(args.steps - 1):
+            train_step()
+        ck.wait()
+
+    def ckpt_async(i: int) -> None:
+        t0 = time.perf_counter()
+        fut = dcp.async_save(sd, checkpoint_id=f"{root}/dcp/step-{i}")
+        stall["async"].append(time.perf_counter() - t0)
+        after["async"].append(train_step())
+        for _ in range(args.steps - 1):
+            train_step()
+        fut.result()
+        shutil.rmtree(f"{root}/dcp/step-{i}", ignore_errors=True)
+
+    def ckpt_copy(i: int) -> None:
         t0 = time.perf_counter()
         for b, t in zip(bufs, ts):
             b.copy_(t, non_blocking=cuda)
-        if cuda:
-            torch.cuda.synchronize()
-        copy_s.append(time.perf_counter() - t0)
-        # (a) springback: blocked until the snapshot is taken
-        t0 = time.perf_counter()
-        ck.save(i, sd, generation=1)
-        ours_s.append(time.perf_counter() - t0)
-        ck.wait()
-        t0 = time.perf_counter()
-        share.save(i, sd, generation=1)
-        share_s.append(time.perf_counter() - t0)
-        share.wait()
-        # (b) dcp.async_save: blocked until it returns its future
-        t0 = time.perf_counter()
-        fut = dcp.async_save(sd, checkpoint_id=f"{root}/dcp/step-{i}")
-        async_s.append(time.perf_counter() - t0)
-        fut.result()
-        shutil.rmtree(f"{root}/dcp/step-{i}", ignore_errors=True)
+        sync()
+        stall["copy"].append(time.perf_counter() - t0)
+        after["copy"].append(train_step())
+        for _ in range(args.steps - 1):
+            train_step()
+
+    def no_ckpt(i: int) -> None:
+        for _ in range(args.steps):
+            after["none"].append(train_step())
+
+    # interleaved and rotated: these machines are shared, so all see the same conditions
+    fns = [ckpt_ours, ckpt_async, ckpt_copy, no_ckpt]
+    for i in range(args.reps + 1):
+        for fn in fns[i % 4 :] + fns[: i % 4]:
+            fn(i)
     ck.close()
-    share.close()
     del bufs
 
-    med = {k: statistics.median(v[1:]) for k, v in (("copy", copy_s), ("ours", ours_s), ("async", async_s))}
-    print(f"first call (allocating): copy {copy_s[0]*1e3:.1f} ms, springback {ours_s[0]*1e3:.1f} ms, dcp.async_save {async_s[0]*1e3:.1f} ms")
-    print(f"median of {args.reps}:  copy {med['copy']*1e3:.1f} ms, springback {med['ours']*1e3:.1f} ms, dcp.async_save {med['async']*1e3:.1f} ms")
-    print(f"springback / copy       = {med['ours'] / med['copy']:.2f}   (target <= 2)")
+    med = {k: statistics.median(v[1:]) for k, v in stall.items()}
+    step = statistics.median(after["none"])
+    print(f"first call (allocating): copy {stall['copy'][0]*1e3:.1f} ms, springback {stall['ours'][0]*1e3:.1f} ms, "
+          f"dcp.async_save {stall['async'][0]*1e3:.1f} ms")
+    print(f"stall, median of {args.reps}: copy {med['copy']*1e3:.1f} ms, springback {med['ours']*1e3:.1f} ms "
+          f"(save() {statistics.median(ours_save[1:])*1e3:.1f} + step hook {statistics.median(ours_hook[1:])*1e3:.1f}), "
+          f"dcp.async_save {med['async']*1e3:.1f} ms")
+    print(f"  springback per rep (ms): {[round(s * 1e3, 1) for s in stall['ours'][1:]]}")
+    print(f"  async_save per rep (ms): {[round(s * 1e3, 1) for s in stall['async'][1:]]}")
+    print(f"training step without checkpoint: {step*1e3:.0f} ms; first step after a checkpoint, extra: "
+          + ", ".join(f"{k} {(statistics.median(after[k][1:]) - step)*1e3:+.0f} ms" for k in ("ours", "async", "copy")))
+    print(f"springback / copy       = {med['ours'] / med['copy']:.3f}  (target <= 2)")
     print(f"springback / async_save = {med['ours'] / med['async']:.3f}  (target <= 0.1)")
-    share_med = statistics.median(share_s[1:])
-    print(f"as one rank of dp={args.dp} (replicated state split): springback {share_med*1e3:.1f} ms -> "
-          f"/copy {share_med / med['copy']:.2f}, /async_save {share_med / med['async']:.3f}")
     dist.destroy_process_group()
     if args.dir is None:
         shutil.rmtree(root, ignore_errors=True)

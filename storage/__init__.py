@@ -11,8 +11,10 @@ Public API for the training library (worker) -- one ``Checkpointer`` per rank::
                                                     checkpoint=info.to_checkpoint_ref())),
                         on_error=lambda exc: report_checkpoint_error(exc))
     sd = model_state_dict(model, optim)            # DDP or FSDP2; add more entries if needed
-    ckpt.save(step, sd, generation=gen, cursor=(epoch, offset), layout={"dp": world})
-    ...                                            # returns after the host-memory snapshot
+    ckpt.save(step, sd, generation=gen, cursor=(epoch, offset), layout={"dp": world},
+              optimizer=optim)                     # params + optimizer state are copied in the background;
+    ...                                            # optim.step() waits for that copy (a step pre-hook).
+                                                   # Without optimizer=, save() returns after the full copy.
     ckpt.wait()                                    # e.g. after a drain checkpoint, before exit
 
     res = restore_model(base_uri, model, optim, restore_rng=True)   # collective; any world size

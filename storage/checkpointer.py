@@ -1,9 +1,21 @@
 """Asynchronous sharded checkpointing, one :class:`Checkpointer` per rank.
 
-``save()`` blocks the step loop only while the rank's share of the state is copied
-into reusable host buffers (:mod:`springback.storage.snapshot`); serialization,
-upload and the commit run on one background thread per rank
-(:mod:`springback.storage.commit`). No collective is used, so a dead peer never
+The rank's share of the state is copied into reusable host buffers
+(:mod:`springback.storage.snapshot`); serialization, upload and the commit run on
+one background thread per rank (:mod:`springback.storage.commit`). When to copy:
+
+- ``save(..., optimizer=opt)``: the parameters and optimizer state of ``opt``
+  are copied on the background thread, overlapping the next forward/backward.
+  They change only in ``opt.step()``, so a step pre-hook that the checkpointer
+  registers on ``opt`` waits for that copy before the step runs. Everything else
+  in the state dict (buffers, objects, tensors of other optimizers) is copied
+  inside ``save()``. The stall is ``save()`` plus the wait in the hook
+  (``stats.last_stall_s + stats.last_hook_wait_s``). Code that mutates the
+  parameters outside ``opt.step()`` must call :meth:`Checkpointer.wait_snapshot`
+  first.
+- without ``optimizer``: ``save()`` copies everything before it returns.
+
+Either way the checkpoint holds exactly the state at the time of ``save()``. No collective is used, so a dead peer never
 hangs a save: the committing rank gives up after ``commit_timeout_s`` and the
 checkpoint stays partial.
 
@@ -33,7 +45,8 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import torch
@@ -42,7 +55,7 @@ from springback.storage import catalog
 from springback.storage.commit import DoneRecord, commit, wait_for_records, write_shard
 from springback.storage.manifest import DataCursor, Manifest, checkpoint_dir_name
 from springback.storage.retry import RetryPolicy
-from springback.storage.snapshot import ShardSnapshot, StagingArea
+from springback.storage.snapshot import ShardSnapshot, StagingArea, storage_keys
 from springback.storage.store import Store, join
 
 log = logging.getLogger(__name__)
@@ -82,6 +95,8 @@ class CheckpointerStats:
     skipped: int = 0
     last_stall_s: float = 0.0
     """Time the last save() blocked the caller (waiting for the previous + snapshot)."""
+    last_hook_wait_s: float = 0.0
+    """Time the optimizer step after the last save() waited for its deferred copy."""
     last_snapshot_s: float = 0.0
     last_upload_s: float = 0.0
     last_error: str = ""
@@ -176,6 +191,8 @@ class Checkpointer:
         self._staging = StagingArea()
         self._executor = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"springback-ckpt-r{self.rank}")
         self._inflight: cf.Future[CommitInfo | DoneRecord] | None = None
+        self._copying: ShardSnapshot | None = None  # the snapshot whose deferred copy the hooks wait for
+        self._hooks: weakref.WeakKeyDictionary[torch.optim.Optimizer, Any] = weakref.WeakKeyDictionary()  # step pre-hooks
         self._last: tuple[int, int] | None = None  # (generation, step) of the last save started
         self._lock = threading.Lock()
 
@@ -196,8 +213,13 @@ class Checkpointer:
         cursor: DataCursor | tuple[int, int] | dict[str, int] | None = None,
         layout: dict[str, int] | None = None,
         extra: dict[str, Any] | None = None,
+        optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
     ) -> cf.Future[CommitInfo | DoneRecord] | None:
         """Snapshot this rank's share of ``state_dict`` and write it in the background.
+
+        With ``optimizer`` (one or several), the copy of its parameters and state
+        is deferred to the background thread and its next ``step()`` waits for it
+        (see the module docstring); without, everything is copied before returning.
 
         Every rank of the generation must call it for the same ``step`` and
         ``generation``, with the same keys/shapes for non-DTensor entries. Returns
@@ -224,9 +246,19 @@ class Checkpointer:
                     return None
                 cf.wait([self._inflight])  # type: ignore[list-item]
             t1 = time.perf_counter()
-            snap = self._staging.snapshot(state_dict, rank=self.rank, world_size=self.world_size)
+            if optimizer is None:
+                optimizers = []
+            else:
+                optimizers = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
+            for opt in optimizers:
+                if opt not in self._hooks:
+                    self._hooks[opt] = opt.register_step_pre_hook(self._before_step)
+            defer = storage_keys(optimizers) if optimizers else frozenset()
+            snap = self._staging.snapshot(state_dict, rank=self.rank, world_size=self.world_size, defer=defer)
             rng = capture_rng() if self.save_rng else None
             t2 = time.perf_counter()
+            self._copying = snap if snap.pending else None
+            self.stats.last_hook_wait_s = 0.0
             self.stats.saves += 1
             self._last = (generation, step)
             self.stats.last_snapshot_s = t2 - t1
@@ -235,6 +267,24 @@ class Checkpointer:
             args = (ckpt_uri, snap, rng, step, generation, _as_cursor(cursor), dict(layout or {}), extra)
             self._inflight = self._executor.submit(self._write, *args)
             return self._inflight
+
+    def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        """Optimizer step pre-hook: the state may change now, so the deferred copy must be done."""
+        t0 = time.perf_counter()
+        self.wait_snapshot()
+        self.stats.last_hook_wait_s += time.perf_counter() - t0
+
+    def wait_snapshot(self) -> None:
+        """Block until the state passed to the last ``save()`` is in host memory.
+
+        Optimizer steps call it through their pre-hook; call it yourself before
+        changing parameters or optimizer state in any other way. Returns at once
+        when there is nothing pending (a failed copy fails the checkpoint instead).
+        """
+        snap = self._copying
+        if snap is not None:
+            snap.wait_copied()
+            self._copying = None
 
     def _write(
         self,
@@ -247,8 +297,9 @@ class Checkpointer:
         layout: dict[str, int],
         extra: dict[str, Any] | None,
     ) -> CommitInfo | DoneRecord:
-        t0 = time.perf_counter()
         try:
+            snap.copy_pending()
+            t0 = time.perf_counter()
             record = write_shard(
                 self.store, ckpt_uri, snap, rank=self.rank, world_size=self.world_size,
                 step=step, generation=generation, rng=rng,
@@ -301,6 +352,9 @@ class Checkpointer:
             self.wait(timeout_s)
         except Exception:  # noqa: BLE001 - already counted and logged by _write
             pass
+        for handle in list(self._hooks.values()):
+            handle.remove()
+        self._hooks.clear()
         self._executor.shutdown(wait=False)
 
     def __enter__(self) -> Checkpointer:

@@ -20,6 +20,14 @@ reused across saves (pinned when the source is on an accelerator), so host memor
 stays bounded by one copy of the rank's share and steady-state saves allocate
 nothing. The caller must not start a new snapshot while the previous one is still
 being written; :class:`~springback.storage.checkpointer.Checkpointer` ensures it.
+
+Deferred copies: tensors whose storage is in ``defer`` (the parameters and
+optimizer state of the caller's optimizers, which only ``optimizer.step`` mutates)
+are not copied by :meth:`StagingArea.snapshot`; they are listed in
+``ShardSnapshot.pending`` and copied later by :meth:`ShardSnapshot.copy_pending`
+(on the checkpoint thread), which the caller must let finish before the state
+changes (:meth:`ShardSnapshot.wait_copied`, from an optimizer step pre-hook).
+Everything else (buffers, objects) is copied at once.
 """
 
 from __future__ import annotations
@@ -27,6 +35,8 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import io
+import threading
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -51,6 +61,43 @@ class ShardSnapshot:
     data: list[torch.Tensor | bytes]
     mappings: dict[str, Any]
     num_bytes: int
+    pending: list[tuple[torch.Tensor, torch.Tensor]] = dataclasses.field(default_factory=list)
+    """``(staging buffer, source)`` copies still to do; empty once :meth:`copy_pending` ran."""
+    after: Any = None
+    """A CUDA event recorded at snapshot time that device copies must wait for, or None."""
+    copied: threading.Event = dataclasses.field(default_factory=threading.Event)
+    """Set when no copy is pending any more (also after a failed copy)."""
+
+    def __post_init__(self) -> None:
+        if not self.pending:
+            self.copied.set()
+
+    def copy_pending(self) -> None:
+        """Do the deferred copies (blocking; device copies on a side stream), then set ``copied``.
+
+        The sources must not have changed since :meth:`StagingArea.snapshot`.
+        ``copied`` is set even when a copy fails, so nobody waits forever on it.
+        """
+        try:
+            device = next((src.device for _, src in self.pending if src.device.type == "cuda"), None)
+            if device is not None:
+                stream = torch.cuda.Stream(device=device)
+                with torch.cuda.stream(stream):
+                    if self.after is not None:
+                        stream.wait_event(self.after)
+                    for buf, src in self.pending:
+                        buf.copy_(src, non_blocking=True)
+                stream.synchronize()
+            else:
+                for buf, src in self.pending:
+                    buf.copy_(src)
+            self.pending = []
+        finally:
+            self.copied.set()
+
+    def wait_copied(self) -> None:
+        """Block until the deferred copies are done (at once if there are none)."""
+        self.copied.wait()
 
 
 def _owns_dtensor(t: DTensor) -> bool:
@@ -86,21 +133,25 @@ class StagingArea:
     def num_bytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self._buffers.values())
 
-    def _stage(self, key: tuple[str, tuple[int, ...]], src: torch.Tensor) -> torch.Tensor:
+    def _buffer(self, key: tuple[str, tuple[int, ...]], src: torch.Tensor) -> torch.Tensor:
         buf = self._buffers.get(key)
         if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
             pin = src.device.type != "cpu" and torch.cuda.is_available()
             buf = torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=pin)
             self._buffers[key] = buf
-        buf.copy_(src.detach(), non_blocking=src.device.type != "cpu")
         return buf
 
-    def snapshot(self, state_dict: dict[str, Any], *, rank: int, world_size: int) -> ShardSnapshot:
+    def snapshot(
+        self, state_dict: dict[str, Any], *, rank: int, world_size: int, defer: frozenset[int] = frozenset()
+    ) -> ShardSnapshot:
         """Copy this rank's owned entries of ``state_dict`` into the staging buffers.
 
-        Blocks until the copies are complete (device streams synchronized), so the
-        caller may mutate ``state_dict`` as soon as this returns. Raises
-        ``ValueError`` for entries it cannot checkpoint (Partial DTensors).
+        Entries whose storage (``untyped_storage().data_ptr()``) is in ``defer``
+        (see :func:`storage_keys`) are left in ``pending`` for
+        :meth:`ShardSnapshot.copy_pending`; the caller must keep them unchanged
+        until ``copied`` is set. Every other copy is complete (device streams
+        synchronized) when this returns, so the caller may mutate those entries at
+        once. Raises ``ValueError`` for entries it cannot checkpoint (Partial DTensors).
         """
         flat, mappings = flatten_state_dict(state_dict)
         owned: list[tuple[WriteItem, Any]] = []
@@ -124,6 +175,7 @@ class StagingArea:
         items: list[WriteItem] = []
         data: list[torch.Tensor | bytes] = []
         live: set[tuple[str, tuple[int, ...]]] = set()
+        pending: list[tuple[torch.Tensor, torch.Tensor]] = []
         any_device = False
         num_bytes = 0
         for item, src in owned:
@@ -135,17 +187,44 @@ class StagingArea:
             else:
                 key = _key(item.index)
                 live.add(key)
-                any_device |= src.device.type != "cpu"
-                staged = self._stage(key, src)
+                src = src.detach()
+                staged = self._buffer(key, src)
+                if defer and _storage_key(src) in defer:
+                    pending.append((staged, src))
+                else:
+                    any_device |= src.device.type != "cpu"
+                    staged.copy_(src, non_blocking=src.device.type != "cpu")
                 data.append(staged)
                 num_bytes += staged.numel() * staged.element_size()
             items.append(item)
         if any_device and torch.cuda.is_available():
             torch.cuda.synchronize()
+        after = None
+        if any(src.device.type == "cuda" for _, src in pending):  # device copies start after the work queued so far
+            after = torch.cuda.Event()
+            after.record()
         for key in list(self._buffers):  # drop buffers of entries that went away
             if key not in live:
                 del self._buffers[key]
-        return ShardSnapshot(items=items, data=data, mappings=mappings, num_bytes=num_bytes)
+        return ShardSnapshot(items=items, data=data, mappings=mappings, num_bytes=num_bytes, pending=pending, after=after)
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    if isinstance(t, DTensor):
+        t = t.to_local()
+    return t.untyped_storage().data_ptr()
+
+
+def storage_keys(optimizers: Iterable[torch.optim.Optimizer]) -> frozenset[int]:
+    """Storages of the optimizers' parameters and state tensors: what only ``optimizer.step`` mutates."""
+    keys: set[int] = set()
+    for opt in optimizers:
+        for group in opt.param_groups:
+            keys.update(_storage_key(p) for p in group["params"])
+        for state in opt.state.values():
+            keys.update(_storage_key(v) for v in state.values() if isinstance(v, torch.Tensor))
+    keys.discard(0)  # empty tensors have no storage
+    return frozenset(keys)
 
 
 def _key(index: MetadataIndex) -> tuple[str, tuple[int, ...]]:
