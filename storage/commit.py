@@ -48,6 +48,7 @@ from springback.storage.manifest import (
     library_versions,
     utc_now_iso,
 )
+from springback.storage.s3upload import S3PartWriter
 from springback.storage.snapshot import ShardSnapshot
 from springback.storage.store import Store, join
 
@@ -81,17 +82,24 @@ class DoneRecord:
 
 
 class _HashingWriter:
-    """Write-through wrapper that counts and CRCs the bytes; ``tell`` is the offset in the file."""
+    """Write-through wrapper that counts and CRCs the bytes; ``tell`` is the offset in the file.
+
+    An :class:`S3PartWriter` computes the CRC itself, on a background thread
+    (overlapping serialization and upload); then :meth:`crc_hex` asks it, which
+    is valid once the stream is closed.
+    """
 
     def __init__(self, raw: Any) -> None:
         self.raw = raw
         self.pos = 0
         self.crc = 0
+        self.delegated = isinstance(raw, S3PartWriter)
 
     def write(self, b: Any) -> int:
         mv = memoryview(b).cast("B")
         self.raw.write(mv)
-        self.crc = zlib.crc32(mv, self.crc)
+        if not self.delegated:
+            self.crc = zlib.crc32(mv, self.crc)
         self.pos += mv.nbytes
         return mv.nbytes
 
@@ -101,8 +109,11 @@ class _HashingWriter:
     def flush(self) -> None:  # torch.save flushes; the real flush happens on close
         pass
 
+    def crc_hex(self) -> str:
+        return crc32_hex(self.raw.crc32() if self.delegated else self.crc)
 
-def _serialize(stream: Any, snap: ShardSnapshot, file_name: str) -> tuple[list[WriteResult], int, str]:
+
+def _serialize(stream: Any, snap: ShardSnapshot, file_name: str) -> tuple[list[WriteResult], _HashingWriter]:
     w = _HashingWriter(stream)
     results = []
     for item, data in zip(snap.items, snap.data):
@@ -115,7 +126,7 @@ def _serialize(stream: Any, snap: ShardSnapshot, file_name: str) -> tuple[list[W
         results.append(
             WriteResult(index=item.index, size_in_bytes=length, storage_data=_StorageInfo(file_name, offset, length))
         )
-    return results, w.pos, crc32_hex(w.crc)
+    return results, w
 
 
 def write_shard(
@@ -138,8 +149,8 @@ def write_shard(
     results: list[WriteResult] = []
     if snap.items:
         name = shard_file_name(rank)
-        results, size, crc = store.write_file(join(ckpt_uri, name), lambda f: _serialize(f, snap, name))
-        shard = FileEntry(path=name, size_bytes=size, crc32=crc, rank=rank)
+        results, w = store.write_file(join(ckpt_uri, name), lambda f: _serialize(f, snap, name))
+        shard = FileEntry(path=name, size_bytes=w.pos, crc32=w.crc_hex(), rank=rank)  # the stream is closed now
     record = DoneRecord(
         rank=rank,
         world_size=world_size,

@@ -4,6 +4,7 @@ byte-exact; a failed upload leaves no object behind."""
 from __future__ import annotations
 
 import os
+import zlib
 
 import pytest
 
@@ -12,14 +13,23 @@ from springback.storage.store import Store
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("size", [0, 3 << 20, (5 << 20) * 3 + 12345])
-def test_upload_is_byte_exact_for_single_put_and_multipart(s3_bucket, size):
+@pytest.mark.parametrize("size", [0, 3 << 20, 5 << 20, (5 << 20) + 1, (5 << 20) * 3 + 12345])
+def test_upload_is_byte_exact_and_checksummed_for_single_put_and_multipart(s3_bucket, size):
     bucket, opts = s3_bucket
     store = Store(bucket, storage_options=opts, part_size=5 << 20, max_concurrency=3)
     data = os.urandom(size)
     uri = f"{bucket}/obj-{size}"
-    store.write_file(uri, lambda f: [f.write(data[i : i + 777_777]) for i in range(0, len(data), 777_777)])
+
+    def produce(f):
+        for i in range(0, len(data), 777_777):
+            f.write(data[i : i + 777_777])
+        return f
+
+    w = store.write_file(uri, produce)
     assert store.get_bytes(uri) == data
+    assert w.tell() == size and w.crc32() == zlib.crc32(data)
+    multipart = size > 5 << 20  # a file of at most one part is a single PUT
+    assert (w._pool is not None) == multipart
 
 
 @pytest.mark.timeout(120)
@@ -40,3 +50,11 @@ def test_part_size_below_the_s3_minimum_is_rejected(s3_bucket):
     bucket, opts = s3_bucket
     with pytest.raises(ValueError, match="5 MiB"):
         S3PartWriter(Store(bucket, storage_options=opts).fs, "x/y", part_size=1 << 20)
+
+
+@pytest.mark.parametrize(("la", "lb"), [(0, 5), (7, 0), (100, 33), (5 << 20, 1_234_567)])
+def test_crc32_combine_matches_zlib_over_the_concatenation(la, lb):
+    from springback.storage.s3upload import crc32_combine
+
+    a, b = os.urandom(la), os.urandom(lb)
+    assert crc32_combine(zlib.crc32(a), zlib.crc32(b), lb) == zlib.crc32(a + b)
