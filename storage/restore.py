@@ -95,6 +95,7 @@ def restore(
     state_dict: dict[str, Any],
     *,
     step: int | None = None,
+    max_step: int | None = None,
     storage_options: dict[str, Any] | None = None,
     process_group: Any = None,
     verify_checksums: bool = True,
@@ -105,7 +106,8 @@ def restore(
 
     With ``step``, only checkpoints of that step are candidates (an operator's
     explicit choice is never silently replaced by another step); without it, the
-    newest committed one is tried first and older ones in turn. A candidate whose
+    newest committed one (at most ``max_step``, when given) is tried first and
+    older ones in turn. A candidate whose
     files fail verification is skipped with a warning naming the bad files.
     ``restore_rng`` sets this rank's torch RNG state to the one saved by rank
     ``rank % writers``. Raises :class:`CheckpointNotFound` when there is no
@@ -114,7 +116,7 @@ def restore(
     """
     s = store or Store(base_uri, storage_options=storage_options)
     rank, world, distributed = _dist_group(process_group)
-    candidates = [c.uri for c in reversed(catalog.committed_checkpoints(base_uri, store=s)) if step is None or c.step == step]
+    candidates = [c.uri for c in reversed(catalog.committed_checkpoints(base_uri, store=s)) if (step is None or c.step == step) and (max_step is None or c.step <= max_step)]
     if distributed:  # everyone tries the same list, even if a commit lands meanwhile
         box = [candidates]
         dist.broadcast_object_list(box, src=dist.get_global_rank(process_group, 0) if process_group else 0, group=process_group)

@@ -61,16 +61,33 @@ class GenerationCheckpoints:
 
     def save(self, step: int, cursor: tuple[int, int], *, wait: bool = False) -> None:
         """Saves `step` (collective: every rank of the generation calls it)."""
+        # With the optimizer, the copy to host memory overlaps the next forward
+        # and backward; its next step() waits for the copy (storage's pre-hook).
         self._ckpt.save(step, self._state(), generation=self._plan.generation, cursor=cursor,
-                        layout={"dp": self._plan.world_size})
+                        layout={"dp": self._plan.world_size},
+                        optimizer=self._session.state.get("optimizer"))
         if wait:
             try:
                 self._ckpt.wait(DRAIN_SAVE_TIMEOUT_S)
             except Exception as e:  # noqa: BLE001 - reported by on_error already
                 log.error("drain checkpoint of step %d failed: %s", step, e)
 
-    def close(self) -> None:
-        self._ckpt.close(CLOSE_TIMEOUT_S)
+    def close(self, *, wait_for_commit: bool) -> None:
+        """Ends this generation's checkpointing.
+
+        After a clean step boundary every peer is alive, so the in-flight
+        checkpoint is waited for (up to `CLOSE_TIMEOUT_S`) and commits under
+        this generation. After a failure a peer may be dead and the commit
+        would only time out: wait just until the snapshot is in host memory
+        (the state is about to change) and let the upload end in the
+        background; a late commit is rejected by the coordinator's fencing
+        and the files are cleaned up as partial.
+        """
+        if wait_for_commit:
+            self._ckpt.close(CLOSE_TIMEOUT_S)
+        else:
+            self._ckpt.wait_snapshot()
+            self._ckpt.close(0)
 
     def _stub(self):  # noqa: ANN202
         reporter = self._session._reporter
@@ -111,14 +128,26 @@ class GenerationCheckpoints:
 
 
 def restore_from_checkpoint(ref: pb.CheckpointRef, state: dict[str, Any]) -> int:
-    """The session's restore hook: loads `ref` (collective over the current
-    group, any world size) into the registered model/optimizer; returns its step.
-    Raises storage's CorruptCheckpoint / CheckpointNotFound when it cannot."""
-    from springback.storage import apply_model_state_dict, load, model_state_dict
+    """The session's restore hook: loads the plan's checkpoint (collective over
+    the current group, any world size) into the registered model/optimizer and
+    returns the step it holds.
+
+    Files are verified against the manifest's checksums first; when the plan's
+    checkpoint is damaged or missing, the newest intact older one under the same
+    base URI is restored instead, with a warning naming the bad files (the
+    returned step says which). Raises storage's CorruptCheckpoint /
+    CheckpointNotFound when none is usable.
+    """
+    from springback.storage import apply_model_state_dict, model_state_dict, restore
 
     model, optimizer = state["model"], state.get("optimizer")
     sd = model_state_dict(model, optimizer)
-    load(ref.uri, sd)
+    base = ref.uri.rstrip("/").rsplit("/", 1)[0]
+    result = restore(base, sd, max_step=ref.step)
     apply_model_state_dict(model, optimizer, sd)
-    log.info("restored step %d from checkpoint %s", ref.step, ref.uri)
-    return int(ref.step)
+    if result.manifest.step != ref.step:
+        log.warning("checkpoint of step %d unusable; restored step %d from %s instead",
+                    ref.step, result.manifest.step, result.uri)
+    else:
+        log.info("restored step %d from checkpoint %s", ref.step, result.uri)
+    return int(result.manifest.step)

@@ -401,7 +401,7 @@ class Generation:
 
     def _close(self) -> None:
         if self._checkpoints is not None:
-            self._checkpoints.close()
+            self._checkpoints.close(wait_for_commit=self.session._clean)
             self._checkpoints = None
         if self._audit is not None:
             self._audit.close()

@@ -286,6 +286,18 @@ class TestCorruption:
         with pytest.raises(CorruptCheckpoint, match="__0_0.distcp"):
             restore(base_uri, zeros_like_state(sd), step=2)
 
+    def test_max_step_bounds_the_choice_and_a_damaged_one_falls_back_below_it(self, base_uri):
+        states = {step: make_state(20 + step) for step in (1, 2, 3)}
+        infos = {step: save_all_ranks(base_uri, step, [sd])[0] for step, sd in states.items()}
+        out = zeros_like_state(states[1])
+        assert restore(base_uri, out, max_step=2).step == 2  # 3 is newer than the plan's ref
+        assert_state_equal(out, states[2])
+        Store(base_uri).rm(join(infos[2].uri, "__0_0.distcp"))
+        out = zeros_like_state(states[1])
+        result = restore(base_uri, out, max_step=2)
+        assert result.step == 1 and [u for u, _ in result.skipped] == [infos[2].uri]
+        assert_state_equal(out, states[1])
+
     def test_no_committed_checkpoint_is_a_clear_not_found(self, base_uri):
         with pytest.raises(CheckpointNotFound, match="no committed checkpoint"):
             restore(base_uri, {"x": torch.zeros(1)})

@@ -130,7 +130,9 @@ class TestZombie:
         log = agents[2].log()
         first_id = log.split("as member ", 1)[1].split()[0]
         assert "joined job" in log.split("fenced", 1)[1], log
-        assert log.count("as member ") == 2 and first_id not in log.split("fenced", 1)[1]
+        after = log.split("fenced", 1)[1]
+        # (a plan reason after the fence may still name the lost first id)
+        assert log.count("as member ") == 2 and f"as member {first_id}" not in after
         report = cluster.audit()
         assert report.ok, report
         assert assert_replicas_identical(str(cluster.root / "audit")) >= 2
