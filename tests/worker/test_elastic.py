@@ -4,6 +4,7 @@ spawning real multi-process gloo ranks of a tiny DDP model."""
 from __future__ import annotations
 
 import signal
+from pathlib import Path
 from collections import defaultdict
 
 import pytest
@@ -197,5 +198,26 @@ class TestNoSurvivor:
         assert killed_at - committed <= 10 + 2
         first_resumed = sorted(resumed, key=lambda r: r["step"])[:3]
         assert sum(r["loss"] for r in first_resumed) / 3 < 0.5 * _initial_loss(records)
+        report = cluster.audit()
+        assert report.ok, report
+
+    @pytest.mark.parametrize("cluster", [CHECKPOINTED], indirect=True)
+    def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_commit(self, cluster):
+        slow = {"TINY_STEP_SLEEP_S": "0.2"}
+        first = cluster.start("a", env=slow)
+        wait_for(lambda: cluster.job().status.last_checkpoint.step >= 20, 60,
+                 "two committed checkpoints")
+        first.signal_node(signal.SIGKILL)
+        newest = cluster.job().status.last_checkpoint
+        for shard in Path(newest.uri.removeprefix("file://")).glob("*.distcp"):
+            shard.write_bytes(b"\0" * shard.stat().st_size)  # same size, wrong bytes
+        second = cluster.start("b", env=slow)
+        job = cluster.wait_succeeded()
+        assert job.status.step == MAX_STEPS
+        records = steps(cluster.root)
+        after_kill = [r for r in records if r["generation"] > records[0]["generation"]]
+        # every = 10: the restore skipped the damaged step and took the one before
+        assert min(r["step"] for r in after_kill) == newest.step - 10 + 1
+        assert "damaged" in second.log() and newest.uri.rsplit("/", 1)[1] in second.log()
         report = cluster.audit()
         assert report.ok, report
