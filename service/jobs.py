@@ -57,32 +57,29 @@ class JobControl:
             job_id, f"scaled to min {min_workers}, max {max_workers}", mutate
         )
 
-    def pause(self, job_id: str) -> pb.Job:
+    def _transition(self, job_id: str, action: str, allowed: tuple[int, ...],
+                    done: tuple[int, ...], target: int, event: str) -> pb.Job:
+        """Moves a job in `allowed` states to `target`; a job already in a `done`
+        state is left as it is (the call is idempotent)."""
         def mutate(job: pb.Job) -> None:
-            if job.status.state == pb.JOB_STATE_PAUSED:
+            if job.status.state in done:
                 return
-            self.coordinator.require_state(job, _LIVE, "pause")
-            job.status.state = pb.JOB_STATE_PAUSED
+            self.coordinator.require_state(job, allowed, action)
+            job.status.state = target
 
-        return self.coordinator.change_with_retry(job_id, "paused", mutate)
+        return self.coordinator.change_with_retry(job_id, event, mutate)
+
+    def pause(self, job_id: str) -> pb.Job:
+        return self._transition(job_id, "pause", _LIVE, (pb.JOB_STATE_PAUSED,),
+                                pb.JOB_STATE_PAUSED, "paused")
 
     def resume(self, job_id: str) -> pb.Job:
-        def mutate(job: pb.Job) -> None:
-            if job.status.state in _LIVE:
-                return
-            self.coordinator.require_state(job, (pb.JOB_STATE_PAUSED,), "resume")
-            job.status.state = pb.JOB_STATE_PENDING
-
-        return self.coordinator.change_with_retry(job_id, "resumed", mutate)
+        return self._transition(job_id, "resume", (pb.JOB_STATE_PAUSED,), _LIVE,
+                                pb.JOB_STATE_PENDING, "resumed")
 
     def cancel(self, job_id: str) -> pb.Job:
-        def mutate(job: pb.Job) -> None:
-            if job.status.state == pb.JOB_STATE_CANCELLED:
-                return
-            self.coordinator.require_state(job, _NOT_TERMINAL, "cancel")
-            job.status.state = pb.JOB_STATE_CANCELLED
-
-        return self.coordinator.change_with_retry(job_id, "cancelled", mutate)
+        return self._transition(job_id, "cancel", _NOT_TERMINAL, (pb.JOB_STATE_CANCELLED,),
+                                pb.JOB_STATE_CANCELLED, "cancelled")
 
     def restore(self, job_id: str, step: int) -> pb.Job:
         """Makes the next generation restore the committed checkpoint at `step`.
