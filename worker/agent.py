@@ -383,7 +383,8 @@ class Agent:
                 timeout=RPC_TIMEOUT_S)
             if resp.checkpoint:
                 log.warning("coordinator asks for a drain checkpoint (no survivor holds "
-                            "the state); the ranks write it if checkpointing is configured")
+                            "the state); the ranks write it, then stop")
+                self._publisher.request_last_holder_stop()
         except grpc.RpcError as e:
             log.warning("DrainMember failed (%s); leaving without handing over",
                         e.code().name)

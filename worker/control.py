@@ -2,7 +2,9 @@
 
 The agent writes every plan it receives to ``<control_dir>/plan.pb`` (atomic
 rename, so a reader sees a whole plan or the previous one) and, during a
-drain, a ``drain`` marker. Ranks poll the file: a ``stat`` per step boundary
+drain, a ``drain`` marker, plus a ``last-holder`` marker when the coordinator
+answered that no survivor will hold the state (the ranks must checkpoint, then
+stop). Ranks poll the file: a ``stat`` per step boundary
 costs microseconds, needs no extra socket and survives the rank being
 restarted. A file channel also means a rank whose agent died keeps reading the
 last plan; the agent's death kills its ranks anyway (parent-death signal).
@@ -19,6 +21,7 @@ from springback.v1 import types_pb2 as pb
 
 PLAN_FILE = "plan.pb"
 DRAIN_FILE = "drain"
+LAST_HOLDER_FILE = "last-holder"
 
 
 class PlanPublisher:
@@ -27,7 +30,7 @@ class PlanPublisher:
     def __init__(self, directory: str) -> None:
         self.directory = directory
         os.makedirs(directory, exist_ok=True)
-        for name in (PLAN_FILE, DRAIN_FILE):
+        for name in (PLAN_FILE, DRAIN_FILE, LAST_HOLDER_FILE):
             try:
                 os.unlink(os.path.join(directory, name))
             except FileNotFoundError:
@@ -45,6 +48,12 @@ class PlanPublisher:
         with open(os.path.join(self.directory, DRAIN_FILE), "w") as f:
             f.write("drain\n")
 
+    def request_last_holder_stop(self) -> None:
+        """Tells draining ranks that no survivor will hold the state: write a
+        checkpoint of the step they stop at, then stop (no new plan will come)."""
+        with open(os.path.join(self.directory, LAST_HOLDER_FILE), "w") as f:
+            f.write("checkpoint, then stop\n")
+
 
 class PlanChannel:
     """Rank side: the newest published plan, re-read only when the file changed."""
@@ -52,6 +61,7 @@ class PlanChannel:
     def __init__(self, directory: str) -> None:
         self._path = os.path.join(directory, PLAN_FILE)
         self._drain_path = os.path.join(directory, DRAIN_FILE)
+        self._last_holder_path = os.path.join(directory, LAST_HOLDER_FILE)
         self._key: tuple[int, int, int] | None = None
         self._plan: pb.Plan | None = None
 
@@ -77,6 +87,9 @@ class PlanChannel:
 
     def draining(self) -> bool:
         return os.path.exists(self._drain_path)
+
+    def last_holder(self) -> bool:
+        return os.path.exists(self._last_holder_path)
 
     def wait(self, accept: Callable[[pb.Plan], bool], deadline: float,
              poll_s: float = 0.02) -> pb.Plan | None:

@@ -303,7 +303,7 @@ class Generation:
         self._audit = (AuditLog(session.env.audit_dir, self.generation, rank)
                        if session.env.audit_dir else None)
         self._checkpoints = None
-        self._drain_saved = False
+        self._drain_saved_step: int | None = None  # step of this generation's drain save
         if plan.spec.checkpoint.uri and "model" in session.state:
             from springback.worker.checkpointing import GenerationCheckpoints
             self._checkpoints = GenerationCheckpoints(session=session, plan=plan, rank=rank)
@@ -329,7 +329,7 @@ class Generation:
             if self._end_step(batch):
                 break
         s._clean = True
-        if s._state_step >= self.max_steps:
+        if s._state_step >= self.max_steps and not s.finished:
             s.finished = True
             self._record_state("end")
 
@@ -346,20 +346,32 @@ class Generation:
         if s._reporter is not None and s._reporter.coordinator_generation > seen:
             seen = s._reporter.coordinator_generation
         share = 0.0 if self._loss != self._loss else self._loss * len(batch.indices)
-        draining = 1.0 if s._channel is not None and s._channel.draining() else 0.0
-        t = torch.tensor([float(seen), share / batch.global_batch_size, draining],
+        channel = s._channel
+        draining = 1.0 if channel is not None and channel.draining() else 0.0
+        last_holder = 1.0 if channel is not None and channel.last_holder() else 0.0
+        t = torch.tensor([float(seen), share / batch.global_batch_size, draining, last_holder],
                          dtype=torch.float64)
         dist.all_reduce(t)
         newer = t[0].item() > self.world_size * self.generation + 0.5
+        stop = t[3].item() > 0  # every rank agrees: the state leaves with us
         if self.rank == 0:
             self._after_step(batch.step, t[1].item())
         if self._checkpoints is not None:
-            drain = t[2].item() > 0 and not self._drain_saved
+            drain = (t[2].item() > 0 and self._drain_saved_step is None) or (
+                stop and self._drain_saved_step != batch.step)
             every = self._checkpoints.every_steps
             if drain or (every and batch.step % every == 0):
                 self._checkpoints.save(batch.step, self.stream.cursor_after(batch.step),
                                        wait=drain)
-                self._drain_saved = self._drain_saved or drain
+                if drain:
+                    self._drain_saved_step = batch.step
+        elif stop:
+            log.error("last holder of the state is draining without checkpoint.uri: "
+                      "the job will restart from scratch")
+        if stop:
+            s.finished = True
+            self._record_state("drained")
+            return True
         if newer:
             self._record_state("switch")
         return newer

@@ -221,3 +221,25 @@ class TestNoSurvivor:
         assert "damaged" in second.log() and newest.uri.rsplit("/", 1)[1] in second.log()
         report = cluster.audit()
         assert report.ok, report
+
+
+class TestLastHolderDrain:
+    @pytest.mark.parametrize("cluster", [CHECKPOINTED], indirect=True)
+    def test_the_last_holder_checkpoints_before_it_leaves_and_nothing_is_lost(self, cluster):
+        slow = {"TINY_STEP_SLEEP_S": "0.2"}
+        only = cluster.start("a", env=slow)
+        wait_for(lambda: cluster.job().status.step >= 13, 60, "step 13")
+        only.process.send_signal(signal.SIGTERM)
+        assert only.wait(60) == 0, only.log()
+        drained_at = max(r["step"] for r in steps(cluster.root))
+        job = cluster.job()
+        # every_steps is 10: this commit exists only because the drain asked for it
+        assert job.status.last_checkpoint.step == drained_at and drained_at % 10 != 0
+        assert job.status.state == pb.JOB_STATE_PENDING and not job.status.members
+        cluster.start("b", env=slow)
+        cluster.wait_succeeded()
+        records = steps(cluster.root)
+        resumed = [r for r in records if r["generation"] > records[0]["generation"]]
+        assert min(r["step"] for r in resumed) == drained_at + 1  # no step lost or redone
+        report = cluster.audit()
+        assert report.ok, report
