@@ -189,3 +189,24 @@ class TestCommits:
         stream = workers.WatchPlans(ws.WatchPlansRequest(job_id=job.id, member_id=a), timeout=10)
         plans = [r.plan for r in stream]
         assert plans[-1].action == pb.PLAN_ACTION_STOP
+
+    def test_a_persistent_storage_failure_shows_in_the_job_until_the_next_commit(
+        self, coordinator, client, workers, make_spec
+    ):
+        job = client.create_job(make_spec(max_workers=1, checkpoint={"uri": "s3://b/p"}))
+        a = join(workers, job.id, 9401)
+        generation = plan_of(coordinator, job.id).generation
+        workers.ReportCheckpointError(ws.ReportCheckpointErrorRequest(
+            job_id=job.id, member_id=a, generation=generation,
+            error="rank 0: StorageError: s3://b/p/step-10: 503 after 8 attempts"), timeout=5)
+        status = client.get_job(job.id).status
+        assert "503 after 8 attempts" in status.checkpoint_error
+        assert status.state == pb.JOB_STATE_RUNNING  # training goes on
+        with pytest.raises(grpc.RpcError) as e:  # a stale report changes nothing
+            workers.ReportCheckpointError(ws.ReportCheckpointErrorRequest(
+                job_id=job.id, member_id=a, generation=generation - 1, error="old"), timeout=5)
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        workers.CommitCheckpoint(ws.CommitCheckpointRequest(
+            job_id=job.id, member_id=a, generation=generation,
+            checkpoint=pb.CheckpointRef(step=20, uri="s3://b/p/step-20")), timeout=5)
+        assert client.get_job(job.id).status.checkpoint_error == ""
