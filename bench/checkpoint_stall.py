@@ -142,7 +142,7 @@ def main() -> None:
         for fn in fns[i % 4 :] + fns[: i % 4]:
             fn(i)
     ck.close()
-    del bufs
+    bufs.clear()  # free the copy baseline's buffers
 
     med = {k: statistics.median(v[1:]) for k, v in stall.items()}
     step = statistics.median(after["none"])
