@@ -87,7 +87,7 @@ class EtcdServer:
                 except StoreUnavailable:
                     if time.monotonic() > deadline:
                         self.stop()
-                        raise RuntimeError(f"etcd did not start within {timeout_s}s: {self._tail()}")
+                        raise RuntimeError(f"etcd did not start within {timeout_s}s: {self._tail()}") from None
                     time.sleep(0.1)  # polling a condition with a deadline
         finally:
             store.close()
