@@ -243,3 +243,32 @@ class TestLastHolderDrain:
         assert min(r["step"] for r in resumed) == drained_at + 1  # no step lost or redone
         report = cluster.audit()
         assert report.ok, report
+
+
+SOAK = {**SPEC, "max_steps": 400, "checkpoint": {"uri": "set by the fixture", "every_steps": 50}}
+
+
+@pytest.mark.soak
+@pytest.mark.timeout(600)
+class TestPreemptionSoak:
+    @pytest.mark.parametrize("cluster", [SOAK], indirect=True)
+    def test_repeated_kills_and_rejoins_lose_and_double_no_sample(self, cluster):
+        """A preemption trace: every ~50 steps one of three nodes is SIGKILLed and a
+        fresh node joins; the job must finish with every sample exactly once."""
+        agents = {n: cluster.start(n) for n in ("a", "b", "c")}
+        cluster.wait_world(3, min_step=5)
+        for cycle in range(5):
+            victim = sorted(agents)[cycle % len(agents)]
+            at = max(r["step"] for r in steps(cluster.root))
+            agents.pop(victim).signal_node(signal.SIGKILL)
+            cluster.wait_world(2, min_step=at + 5, timeout_s=60)
+            name = f"n{cycle}"
+            agents[name] = cluster.start(name)
+            cluster.wait_world(3, min_step=at + 40, timeout_s=120)
+        job = cluster.wait_succeeded(timeout_s=300)
+        assert job.status.step == SOAK["max_steps"]
+        assert job.status.generation >= 11  # 5 losses + 5 joins after the first three joins
+        report = check_exactly_once(str(cluster.root / "audit"), num_samples=NUM_SAMPLES,
+                                    global_batch_size=BATCH, last_step=SOAK["max_steps"])
+        assert report.ok, report
+        assert assert_replicas_identical(str(cluster.root / "audit")) >= 2
