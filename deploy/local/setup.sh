@@ -1,19 +1,23 @@
 #!/usr/bin/env bash
 # Installs everything Springback needs on Debian 12 / Python 3.11, idempotently:
-# the etcd server (apt), a virtual environment in .venv with CPU torch and the
+# the etcd server and python3-venv when missing (apt), a virtual environment in .venv with CPU torch and the
 # package itself (editable) with its test extras. Safe to run again.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/../.." && pwd)"
 cd "$root"
 
-if ! command -v etcd >/dev/null 2>&1; then
-  echo "setup: installing etcd-server (apt)"
+python="${PYTHON:-python3}"
+packages=()
+command -v etcd >/dev/null 2>&1 || packages+=(etcd-server)
+# Debian's own python3 needs python3-venv for `python3 -m venv`.
+"$python" -c 'import ensurepip, venv' >/dev/null 2>&1 || packages+=(python3-venv)
+if [ ${#packages[@]} -gt 0 ]; then
+  echo "setup: installing ${packages[*]} (apt)"
   if [ "$(id -u)" = 0 ]; then sudo=""; else sudo="sudo"; fi
   $sudo apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq etcd-server >/dev/null
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${packages[@]}" >/dev/null
 fi
 
-python="${PYTHON:-python3}"
 if [ ! -x .venv/bin/python ]; then
   echo "setup: creating .venv"
   "$python" -m venv .venv
