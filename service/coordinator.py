@@ -181,9 +181,9 @@ class Coordinator:
         A new generation is written when the plan's signature changes (or when
         forced: a rank crashed, an operator restore). `draining` members are
         planned as if their draining flag (written by `extra_ops`) were set.
-        Raises `Conflict` if a
-        concurrent writer won (nothing is written), `NotLeader` if this replica
-        does not lead, and whatever `mutate` raises (nothing is written).
+        Raises `Conflict` if a concurrent writer won (nothing is written),
+        `NotLeader` if this replica does not lead, and whatever `mutate` raises
+        (nothing is written).
         """
         self.require_leader()
         with self._changed:

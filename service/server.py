@@ -145,7 +145,7 @@ class CoordinatorServer:
         registry.add("springback_coordinator_generations_total", "counter",
                      "generations made by this replica", lambda: c.num_generations)
         registry.add("springback_coordinator_replan_seconds", "gauge",
-                     "duration of the last replan", lambda: c.last_replan_s)
+                     "duration of the last planning step (planner only)", lambda: c.last_replan_s)
         registry.add("springback_coordinator_loop_errors_total", "counter",
                      "failed reconcile iterations", lambda: c.num_loop_errors)
         registry.add("springback_coordinator_rpc_total", "counter", "calls received, by method",
