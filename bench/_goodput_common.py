@@ -1,0 +1,49 @@
+"""Shared by the goodput benchmark's two training scripts (bench/goodput.py):
+the same model, data, step and simulated compute for Springback and for the
+torchrun + DCP baseline, so the two differ only in how they survive failures.
+
+The model is a small MLP regression whose samples are a fixed function of their
+index (any rank can build any batch). A step sleeps GOODPUT_STEP_SLEEP_S
+(default 0.06 s) to stand in for compute without loading the 2-core machine.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+NUM_SAMPLES = 4096
+GLOBAL_BATCH = 24
+SEED = 0
+STEP_SLEEP_S = float(os.environ.get("GOODPUT_STEP_SLEEP_S", "0.06"))
+MAX_STEPS = int(os.environ.get("GOODPUT_MAX_STEPS", "1000"))
+
+
+def make_model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(SEED)
+    torch.set_num_threads(1)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 256), torch.nn.ReLU(),
+                                torch.nn.Linear(256, 256), torch.nn.ReLU(),
+                                torch.nn.Linear(256, 1))
+    return model, torch.optim.Adam(model.parameters(), lr=1e-3)
+
+
+def features(indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    x = torch.stack([torch.sin(indices * 0.05 * k) for k in range(1, 17)], dim=1)
+    w_true = torch.arange(1, 17, dtype=torch.float32) / 16
+    return x, x @ w_true + 0.5
+
+
+def train_step(ddp: torch.nn.Module, opt: torch.optim.Optimizer, indices,  # noqa: ANN001
+               loss_scale: float) -> float:
+    """One step on this rank's `indices`: sum of per-sample losses x loss_scale."""
+    x, y = features(torch.as_tensor(indices, dtype=torch.float32))
+    per_sample = (ddp(x).squeeze(1) - y) ** 2
+    (per_sample.sum() * loss_scale).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    if STEP_SLEEP_S:
+        time.sleep(STEP_SLEEP_S)  # stand-in for compute
+    return per_sample.mean().item() if len(per_sample) else 0.0

@@ -1,0 +1,28 @@
+"""Goodput benchmark, Springback side: bench/_goodput_common.py's model under a
+Springback Session (run by `python -m springback.worker.agent ... -- python
+bench/_springback_train.py`; bench/goodput.py starts it)."""
+
+from __future__ import annotations
+
+import sys
+
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import _goodput_common as C
+from springback.worker import Session
+
+
+def main() -> int:
+    model, opt = C.make_model()
+    session = Session(model=model, optimizer=opt, num_samples=C.NUM_SAMPLES,
+                      global_batch_size=C.GLOBAL_BATCH, seed=C.SEED, max_steps=C.MAX_STEPS)
+    for gen in session.generations():
+        with gen:
+            ddp = DDP(model, process_group=gen.group)
+            for batch in gen.batches():
+                gen.report(loss=C.train_step(ddp, opt, batch.indices, batch.loss_scale))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
