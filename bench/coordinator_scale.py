@@ -51,9 +51,8 @@ def main() -> None:
                                                      progress_flush_s=3600))
         server.start()
         try:
-            deadline = time.monotonic() + 15
-            while not server.election.is_leader() and time.monotonic() < deadline:
-                time.sleep(0.05)
+            if not server.wait_for_leadership(timeout_s=15):
+                raise TimeoutError("the coordinator did not become leader within 15 s")
             run(server, args)
         finally:
             server.stop(grace_s=0.5)

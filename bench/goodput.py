@@ -175,11 +175,8 @@ def springback_side(args, work: Path) -> dict:  # noqa: ANN001
     server.start()
     nodes = Nodes(work)
     try:
-        deadline = time.monotonic() + 20
-        while not server.election.is_leader():
-            if time.monotonic() > deadline:
-                raise TimeoutError("coordinator did not lead")
-            time.sleep(0.05)
+        if not server.wait_for_leadership(timeout_s=20):
+            raise TimeoutError("coordinator did not lead")
         client = Client(server.address)
         job = client.create_job({
             "name": "bench-goodput", "min_workers": 2, "max_workers": args.nodes,

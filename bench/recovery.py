@@ -120,7 +120,8 @@ def main() -> int:
     results: dict[str, list[float]] = {"rank_crash_s": [], "node_loss_s": []}
     lost_steps: list[int] = []
     try:
-        _wait(server.election.is_leader, 20, "the coordinator to lead")
+        if not server.wait_for_leadership(timeout_s=20):
+            raise TimeoutError("timed out waiting for the coordinator to lead")
         client = Client(server.address)
         job = client.create_job({
             "name": "bench-recovery", "min_workers": 2, "max_workers": 3,
