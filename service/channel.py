@@ -95,7 +95,8 @@ def parse_addresses(value: str | Sequence[str] | None) -> list[str]:
     return addresses
 
 
-def _read(path: str | None) -> bytes | None:
+def read_file(path: str | None) -> bytes | None:
+    """A PEM (or any) file's bytes; None for no path."""
     if not path:
         return None
     with open(path, "rb") as f:
@@ -154,9 +155,9 @@ def connect(
     ]
     if tls_ca:
         credentials = grpc.ssl_channel_credentials(
-            root_certificates=_read(tls_ca),
-            private_key=_read(tls_key),
-            certificate_chain=_read(tls_cert),
+            root_certificates=read_file(tls_ca),
+            private_key=read_file(tls_key),
+            certificate_chain=read_file(tls_cert),
         )
         if token:
             credentials = grpc.composite_channel_credentials(

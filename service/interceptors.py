@@ -64,10 +64,8 @@ class BearerAuth(grpc.ServerInterceptor):
 
 
 class LeaderForwarding(grpc.ServerInterceptor):
-    def __init__(self, election: Election, *, tls_ca: str | None = None,
-                 tls_cert: str | None = None, tls_key: str | None = None) -> None:
+    def __init__(self, election: Election) -> None:
         self._election = election
-        self._tls = dict(tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key)
         self._channels: dict[str, grpc.Channel] = {}
         self._lock = threading.Lock()
         self.num_forwarded = 0
@@ -96,7 +94,9 @@ class LeaderForwarding(grpc.ServerInterceptor):
         with self._lock:
             channel = self._channels.get(leader)
             if channel is None:
-                channel = self._channels[leader] = connect([leader], token="", **self._tls)
+                # TLS to the leader comes from SPRINGBACK_TLS_* like any client's;
+                # the caller's own token travels in the forwarded metadata.
+                channel = self._channels[leader] = connect([leader], token="")
         return channel
 
     def _unary(self, method: str, metadata: list) -> Callable:

@@ -20,7 +20,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from springback.service import metrics
-from springback.service.channel import MAX_MESSAGE_BYTES
+from springback.service.channel import MAX_MESSAGE_BYTES, read_file
 from springback.service.coordinator import Coordinator
 from springback.service.election import Election
 from springback.service.interceptors import BearerAuth, CallCounter, LeaderForwarding
@@ -75,11 +75,6 @@ class CoordinatorConfig:
             raise ValueError("tls_client_ca: mTLS needs tls_cert and tls_key too")
 
 
-def _read(path: str) -> bytes:
-    with open(path, "rb") as f:
-        return f.read()
-
-
 class CoordinatorServer:
     def __init__(self, config: CoordinatorConfig) -> None:
         self.config = config
@@ -104,8 +99,8 @@ class CoordinatorServer:
         )
         if config.tls_cert:
             credentials = grpc.ssl_server_credentials(
-                [(_read(config.tls_key), _read(config.tls_cert))],
-                root_certificates=_read(config.tls_client_ca) if config.tls_client_ca else None,
+                [(read_file(config.tls_key), read_file(config.tls_cert))],
+                root_certificates=read_file(config.tls_client_ca),
                 require_client_auth=bool(config.tls_client_ca),
             )
             port = self._server.add_secure_port(config.listen, credentials)
