@@ -20,6 +20,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Collection, Iterator
+from typing import NamedTuple
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
@@ -34,6 +35,14 @@ from springback.v1 import types_pb2 as pb
 log = logging.getLogger(__name__)
 
 JobMutation = Callable[[pb.Job], None]
+
+
+class _PlanView(NamedTuple):
+    """What the leader keeps of a job's current plan (it writes every plan)."""
+
+    generation: int
+    signature: tuple  # planner.signature: action and rank assignment
+    members: frozenset[str]  # active member ids
 
 
 def timestamp_now() -> Timestamp:
@@ -65,12 +74,10 @@ class Coordinator:
         self._events: dict[str, str] = {}  # job id -> last change, in words
         self._progress: dict[str, planner.Progress] = {}
         self._dirty: set[str] = set()  # jobs whose progress is not yet in etcd
-        self._generation: dict[str, int] = {}  # job id -> current generation
-        self._planned: dict[str, set[str]] = {}  # job id -> member ids in the plan
+        self._plans: dict[str, _PlanView] = {}  # job id -> what matters of its current plan
         self._lease_of: dict[str, int] = {}  # member id -> lease id
         # job id -> members' (count, newest revision) when last found in line with the plan
         self._fingerprints: dict[str, tuple[int, int]] = {}
-        self._signatures: dict[str, tuple[int, tuple]] = {}  # job id -> (generation, signature)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="reconcile", daemon=True)
         self.num_loop_errors = 0
@@ -92,11 +99,9 @@ class Coordinator:
         with self._changed:
             self._progress.clear()
             self._dirty.clear()
-            self._generation.clear()
-            self._planned.clear()
+            self._plans.clear()
             self._lease_of.clear()
             self._fingerprints.clear()
-            self._signatures.clear()
             self._version += 1
             self._changed.notify_all()
 
@@ -147,13 +152,20 @@ class Coordinator:
         if not self.election.is_leader():
             plan = self.current_plan(job_id)
             return plan.generation if plan else 0
-        generation = self._generation.get(job_id)
-        if generation is None:
-            plan = self.current_plan(job_id)
-            generation = plan.generation if plan else 0
-            self._generation[job_id] = generation
-            self._planned[job_id] = {m.member_id for m in plan.members} if plan else set()
-        return generation
+        view = self._plans.get(job_id)
+        if view is None:
+            view = self._remember(job_id, self.current_plan(job_id))
+        return view.generation
+
+    def _remember(self, job_id: str, plan: pb.Plan | None) -> _PlanView:
+        signature = planner.signature(plan)
+        view = _PlanView(
+            generation=plan.generation if plan else 0,
+            signature=signature,
+            members=frozenset(member[0] for member in signature[1]) if plan else frozenset(),
+        )
+        self._plans[job_id] = view
+        return view
 
     def members(self, job_id: str) -> list[pb.Member]:
         """Live members (join_order filled from etcd), caching their lease ids."""
@@ -265,21 +277,18 @@ class Coordinator:
             self._dirty.discard(job_id)
             if new_generation:
                 self.num_generations += 1
-                self._generation[job_id] = plan.generation
-                self._planned[job_id] = {member[0] for member in signature[1]}
-                self._signatures[job_id] = (plan.generation, signature)
+                self._plans[job_id] = _PlanView(
+                    plan.generation, signature, frozenset(member[0] for member in signature[1]))
                 log.info("job %s generation %d (%s): world %d, %s", job_id, plan.generation,
                          pb.PlanAction.Name(plan.action), plan.world_size, reason)
             self._notify(job_id, reason)
             return job
 
     def _signature_of(self, job_id: str, plan: pb.Plan) -> tuple:
-        cached = self._signatures.get(job_id)
-        if cached is not None and cached[0] == plan.generation:
-            return cached[1]
-        signature = planner.signature(plan)
-        self._signatures[job_id] = (plan.generation, signature)
-        return signature
+        view = self._plans.get(job_id)
+        if view is None or view.generation != plan.generation:
+            view = self._remember(job_id, plan)
+        return view.signature
 
     def _notify(self, job_id: str, event: str) -> None:
         with self._changed:
@@ -315,7 +324,7 @@ class Coordinator:
         self.require_leader()
         with self._changed:
             self.check_generation(job_id, generation)
-            if member_id not in self._planned.get(job_id, set()):
+            if member_id not in self._plans[job_id].members:
                 raise StaleGeneration(job_id, generation, self.current_generation(job_id))
             previous = self._progress.get(job_id)
             if previous is None or progress.step >= previous.step:
