@@ -111,8 +111,9 @@ class GenerationCheckpoints:
         for ref in resp.retired:
             try:
                 delete_checkpoint(ref.uri)
-            except Exception as e:  # noqa: BLE001 - retention retries next commit
-                log.warning("deleting retired checkpoint %s: %s", ref.uri, e)
+            except Exception as e:  # noqa: BLE001 - not retried: its etcd ref is already gone
+                log.warning("deleting retired checkpoint %s failed, it stays on storage: %s",
+                            ref.uri, e)
 
     def _on_error(self, exc: BaseException) -> None:
         stub = self._stub()
