@@ -11,6 +11,14 @@ torch) and gives up as soon as a newer plan is published (a member died before
 arriving). Only when all ranks are present is ``init_process_group`` called,
 with the short collective timeout, so a collective hung on a dead or stopped
 peer raises within that timeout instead of torch's 30-minute default.
+
+Tearing a gloo group down has a trap: a gloo worker thread that finished a
+collective on tensors Python also knows releases them under the GIL, and the
+group's destructor joins those threads while the GIL is held (for instance
+when the user's DDP wrapper, the group's last owner, is garbage collected). If
+the thread has not released its tensors yet, the process deadlocks. So the
+library registers the tensors it hands to collectives (`handed_to_gloo`) and
+`leave_group` waits, with the GIL released, until gloo has let go of them.
 """
 
 from __future__ import annotations
@@ -18,11 +26,35 @@ from __future__ import annotations
 import datetime
 import logging
 import time
+import weakref
 from collections.abc import Callable
 
+import torch
 import torch.distributed as dist
 
 log = logging.getLogger(__name__)
+
+
+_handed: list[weakref.ref] = []  # tensors given to collectives, maybe still held by gloo
+
+
+def handed_to_gloo(*tensors: torch.Tensor) -> None:
+    """Registers tensors just passed to a collective; `leave_group` waits until
+    nothing but the caller's own references could keep them alive. Callers must
+    not keep them beyond the generation."""
+    _handed[:] = [r for r in _handed if r() is not None]
+    _handed.extend(weakref.ref(t) for t in tensors)
+
+
+def _await_gloo_release(timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while any(r() is not None for r in _handed):
+        if time.monotonic() >= deadline:
+            log.warning("gloo still holds collective tensors after %.1fs; "
+                        "tearing the group down anyway", timeout_s)
+            break
+        time.sleep(0.001)  # releases the GIL for the worker thread that needs it
+    _handed.clear()
 
 
 class RendezvousAborted(Exception):
@@ -72,9 +104,13 @@ def form_group(*, job_id: str, generation: int, rank: int, world_size: int,
                             timeout=datetime.timedelta(seconds=collective_timeout_s))
 
 
-def leave_group() -> None:
+def leave_group(release_timeout_s: float = 5.0) -> None:
     """Destroys the default process group if there is one. Never raises: a group
-    broken by a dead peer is torn down as far as possible and dropped."""
+    broken by a dead peer is torn down as far as possible and dropped.
+
+    First waits up to `release_timeout_s` for gloo's worker threads to release
+    the tensors registered with `handed_to_gloo` (see the module docstring)."""
+    _await_gloo_release(release_timeout_s)
     if not dist.is_initialized():
         return
     try:

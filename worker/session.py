@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import io
 import json
 import logging
 import os
@@ -44,13 +45,17 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-
 from springback.v1 import types_pb2 as pb
+from springback.worker import metrics
 from springback.worker.audit import AuditLog
 from springback.worker.control import PlanChannel, await_activation
-from springback.worker import metrics
 from springback.worker.env import STANDBY_FILE, RankEnv
-from springback.worker.rendezvous import RendezvousAborted, form_group, leave_group
+from springback.worker.rendezvous import (
+    RendezvousAborted,
+    form_group,
+    handed_to_gloo,
+    leave_group,
+)
 from springback.worker.sampler import Batch, SampleStream
 
 log = logging.getLogger(__name__)
@@ -220,6 +225,7 @@ class Session:
         mine = torch.tensor([self._state_step, int(self._clean)], dtype=torch.int64)
         gathered = [torch.zeros_like(mine) for _ in range(world)]
         dist.all_gather(gathered, mine)
+        handed_to_gloo(mine, *gathered)
         steps = [int(t[0]) for t in gathered]
         clean = all(int(t[1]) for t in gathered)
         best = max(steps)
@@ -239,13 +245,11 @@ class Session:
             source = plan.restore.source_rank
         else:
             source = steps.index(best)
-        payload: list[Any] = [None]
-        if rank == source:
-            payload = [{k: v.state_dict() for k, v in self.state.items()}]
-        dist.broadcast_object_list(payload, src=source)
+        mine_state = {k: v.state_dict() for k, v in self.state.items()} if rank == source else None
+        received = _broadcast_object(mine_state, source, rank)
         if rank != source:
             for k, v in self.state.items():
-                v.load_state_dict(payload[0][k])
+                v.load_state_dict(received[k])
         self._state_step = best
         return source
 
@@ -268,6 +272,27 @@ def _activated(rank_env: RankEnv) -> RankEnv:
                                member_id=identity["member_id"],
                                control_dir=identity["control_dir"],
                                collective_timeout_s=float(identity["collective_timeout_s"]))
+
+
+def _broadcast_object(obj: Any, source: int, rank: int) -> Any:
+    """`obj` of rank `source`, on every rank (torch-serialised, two broadcasts);
+    unlike dist.broadcast_object_list its tensors are registered with
+    `handed_to_gloo`, so the group can be torn down safely afterwards."""
+    if rank == source:
+        buf = io.BytesIO()
+        torch.save(obj, buf)
+        data = torch.frombuffer(bytearray(buf.getbuffer()), dtype=torch.uint8)
+        size = torch.tensor([data.numel()], dtype=torch.int64)
+    else:
+        size = torch.zeros(1, dtype=torch.int64)
+    dist.broadcast(size, src=source)
+    if rank != source:
+        data = torch.empty(int(size.item()), dtype=torch.uint8)
+    dist.broadcast(data, src=source)
+    handed_to_gloo(size, data)
+    if rank == source:
+        return obj
+    return torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=False)
 
 
 def state_digest(state: dict[str, Any]) -> str:
@@ -352,6 +377,7 @@ class Generation:
         t = torch.tensor([float(seen), share / batch.global_batch_size, draining, last_holder],
                          dtype=torch.float64)
         dist.all_reduce(t)
+        handed_to_gloo(t)
         newer = t[0].item() > self.world_size * self.generation + 0.5
         stop = t[3].item() > 0  # every rank agrees: the state leaves with us
         if self.rank == 0:
