@@ -4,7 +4,9 @@ A worker commits after every shard and the manifest are durable in storage.
 The commit is fenced by generation (a stale one is FAILED_PRECONDITION and
 records nothing) and applies retention in the same transaction: the refs it
 retires are returned so the caller deletes their files *after* the newer
-commit is durable. Committing the same step twice is a no-op.
+commit is durable, together with the refs still recorded, so the caller can
+also remove what storage holds beyond them (a retired checkpoint whose delete
+failed earlier). Committing the same step twice is a no-op.
 """
 
 from __future__ import annotations
@@ -30,8 +32,9 @@ class Commits:
         self.coordinator = coordinator
 
     def commit(self, job_id: str, member_id: str, generation: int,
-               ref: pb.CheckpointRef) -> list[pb.CheckpointRef]:
-        """Records `ref` as committed; returns the checkpoints retention retires."""
+               ref: pb.CheckpointRef) -> tuple[list[pb.CheckpointRef], list[pb.CheckpointRef]]:
+        """Records `ref` as committed; returns (the checkpoints retention
+        retires, the checkpoints recorded after this commit)."""
         if ref.step == 0:
             raise InvalidArgument("checkpoint.step", "must be positive")
         if not ref.uri:
@@ -42,7 +45,7 @@ class Commits:
         coordinator.lease_of(job_id, member_id)  # NOT_FOUND for a fenced member
         existing = coordinator.list_checkpoints(job_id)
         if any(c.step == ref.step for c in existing):
-            return []
+            return [], existing
         committed = pb.CheckpointRef()
         committed.CopyFrom(ref)
         committed.generation = generation
@@ -67,7 +70,8 @@ class Commits:
         coordinator.change_with_retry(
             job_id, f"checkpoint at step {ref.step} committed", record, extra_ops=ops
         )
-        return retired
+        kept = [c for c in existing if c.step in keep] + [committed]
+        return retired, sorted(kept, key=lambda c: c.step)
 
     def report_error(self, job_id: str, member_id: str, generation: int, error: str) -> None:
         """Shows a persistent storage failure in the job status (training goes on)."""

@@ -176,9 +176,9 @@ class WorkerServicer(ws_grpc.WorkerServiceServicer):
     @_handle
     def CommitCheckpoint(self, request: ws.CommitCheckpointRequest,
                          context: grpc.ServicerContext) -> ws.CommitCheckpointResponse:
-        retired = self.commits.commit(
+        retired, retained = self.commits.commit(
             request.job_id, request.member_id, request.generation, request.checkpoint)
-        return ws.CommitCheckpointResponse(retired=retired)
+        return ws.CommitCheckpointResponse(retired=retired, retained=retained)
 
     @_handle
     def ReportCheckpointError(self, request: ws.ReportCheckpointErrorRequest,

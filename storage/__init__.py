@@ -24,6 +24,8 @@ Public API for the training library (worker) -- one ``Checkpointer`` per rank::
     delete_checkpoint(ref.uri)                     # for each CheckpointRef the coordinator retires
     apply_retention(base_uri, keep_last=3, keep_every=1000)   # or Checkpointer(keep_last=...)
     clean_partial(base_uri, current_generation=gen)           # e.g. once per new generation
+    prune_to_record(base_uri, [r.uri for r in retained], current_generation=gen)
+                                                   # after a commit: storage converges to etcd's record
     verify(ckpt_uri) -> list[str]                  # problems, each naming the bad file
 
 Semantics (commit protocol, failures) are in ``commit.py``, ``checkpointer.py`` and
@@ -41,6 +43,7 @@ from springback.storage.catalog import (
     committed_checkpoints,
     delete_checkpoint,
     list_checkpoints,
+    prune_to_record,
     read_manifest,
     verify,
 )
@@ -89,6 +92,7 @@ __all__ = [
     "list_checkpoints",
     "load",
     "model_state_dict",
+    "prune_to_record",
     "read_manifest",
     "restore",
     "restore_model",

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import zlib
+from collections.abc import Iterable
 from typing import Any
 
 from springback.storage.errors import CheckpointNotFound, StorageError
@@ -172,6 +173,41 @@ def clean_partial(
             delete_checkpoint(c.uri, store=s)
             deleted.append(c.uri)
     return deleted
+
+
+def prune_to_record(
+    base_uri: str,
+    recorded_uris: Iterable[str],
+    *,
+    current_generation: int,
+    store: Store | None = None,
+    storage_options: dict[str, Any] | None = None,
+) -> list[str]:
+    """Make storage converge to the coordinator's record; return what was deleted.
+
+    ``recorded_uris`` are the checkpoints the coordinator still records (matched
+    by directory name). Deleted: every other *committed* directory whose step is
+    not above the newest recorded one (a retired checkpoint whose delete failed
+    earlier, or one completed by a fenced writer: neither can ever be restored),
+    and partial directories as :func:`clean_partial` decides. Recorded
+    checkpoints and anything newer than the newest recorded one are kept. A
+    failing delete raises; what was not deleted is found again next time.
+    """
+    s = _store(base_uri, store, storage_options)
+    recorded = {u.rstrip("/").rsplit("/", 1)[-1] for u in recorded_uris}
+    all_ckpts = list_checkpoints(base_uri, store=s)
+    newest = max((c.step for c in all_ckpts if _name(c) in recorded), default=-1)
+    deleted = []
+    for c in all_ckpts:
+        if c.committed and _name(c) not in recorded and c.step <= newest:
+            log.info("deleting checkpoint %s: not recorded by the coordinator", c.uri)
+            delete_checkpoint(c.uri, store=s)
+            deleted.append(c.uri)
+    return deleted + clean_partial(base_uri, current_generation=current_generation, store=s)
+
+
+def _name(c: CheckpointInfo) -> str:
+    return c.uri.rstrip("/").rsplit("/", 1)[-1]
 
 
 def apply_retention(

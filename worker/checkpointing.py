@@ -11,14 +11,19 @@ Failure semantics:
 * Saving is asynchronous (`Checkpointer.save` returns after a host-memory
   snapshot); the write and the manifest commit run in the background. Rank 0
   records a committed checkpoint with CommitCheckpoint, fenced by generation,
-  and deletes what the coordinator retires. A storage failure is reported
-  with ReportCheckpointError and training goes on.
+  then deletes what the coordinator retires and everything else storage holds
+  beyond the coordinator's record (partials that can no longer commit, a
+  retired checkpoint whose delete failed after an earlier commit). A failed
+  delete is logged and retried after the next commit. A storage failure of a
+  save is reported with ReportCheckpointError and training goes on.
 * A drain checkpoint (any rank's node draining) is saved at the agreed step
   boundary and waited for (up to `DRAIN_SAVE_TIMEOUT_S`) before the ranks move
-  on, so a node that was the last holder of the state leaves it committed.
+  on, so a node that was the last holder of the state leaves it committed. The
+  checkpoint of the final step (max_steps) is waited for the same way, before
+  that step is reported.
 * At the end of a generation the in-flight save is waited for up to
   `CLOSE_TIMEOUT_S`; a save cut short by a dead peer never commits (its
-  manifest is written last) and is cleaned up by storage's retention.
+  manifest is written last) and is deleted after the next commit.
 """
 
 from __future__ import annotations
@@ -94,7 +99,7 @@ class GenerationCheckpoints:
         return None if reporter is None else reporter.stub
 
     def _on_commit(self, info: Any) -> None:
-        from springback.storage import delete_checkpoint
+        from springback.storage import delete_checkpoint, prune_to_record
 
         stub = self._stub()
         if stub is None:
@@ -108,12 +113,14 @@ class GenerationCheckpoints:
             log.warning("CommitCheckpoint of step %d rejected: %s %s", info.manifest.step,
                         e.code().name, e.details())
             return
-        for ref in resp.retired:
-            try:
+        try:
+            for ref in resp.retired:
                 delete_checkpoint(ref.uri)
-            except Exception as e:  # noqa: BLE001 - not retried: its etcd ref is already gone
-                log.warning("deleting retired checkpoint %s failed, it stays on storage: %s",
-                            ref.uri, e)
+            prune_to_record(self._plan.spec.checkpoint.uri, [r.uri for r in resp.retained],
+                            current_generation=self._plan.generation)
+        except Exception as e:  # noqa: BLE001 - the next commit's prune retries
+            log.warning("deleting unrecorded checkpoints failed, retried after the next "
+                        "commit: %s", e)
 
     def _on_error(self, exc: BaseException) -> None:
         stub = self._stub()

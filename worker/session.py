@@ -380,20 +380,23 @@ class Generation:
         handed_to_gloo(t)
         newer = t[0].item() > self.world_size * self.generation + 0.5
         stop = t[3].item() > 0  # every rank agrees: the state leaves with us
-        if self.rank == 0:
-            self._after_step(batch.step, t[1].item())
+        final = batch.step >= self.max_steps
         if self._checkpoints is not None:
             drain = (t[2].item() > 0 and self._drain_saved_step is None) or (
                 stop and self._drain_saved_step != batch.step)
             every = self._checkpoints.every_steps
-            if drain or (every and batch.step % every == 0):
+            if drain or final or (every and batch.step % every == 0):
+                # the final step is committed before it is reported: the job's
+                # success ends the generation, and with it the right to commit
                 self._checkpoints.save(batch.step, self.stream.cursor_after(batch.step),
-                                       wait=drain)
+                                       wait=drain or final)
                 if drain:
                     self._drain_saved_step = batch.step
         elif stop:
             log.error("last holder of the state is draining without checkpoint.uri: "
                       "the job will restart from scratch")
+        if self.rank == 0:
+            self._after_step(batch.step, t[1].item())
         if stop:
             s.finished = True
             self._record_state("drained")

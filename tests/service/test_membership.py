@@ -161,7 +161,9 @@ class TestCommits:
                 checkpoint=pb.CheckpointRef(step=step, uri=f"file:///tmp/c/step-{step}", world_size=1,
                                             cursor=pb.DataCursor(offset=step * 32))), timeout=5)
             retired_steps += [r.step for r in response.retired]
+            assert [r.step for r in response.retained] == [s for s in (10, 20, 30) if step - 20 < s <= step]
         assert retired_steps == [10]
+        assert {r.uri for r in response.retained} == {"file:///tmp/c/step-20", "file:///tmp/c/step-30"}
         assert [c.step for c in client.list_checkpoints(job.id)] == [30, 20]
         assert client.get_job(job.id).status.last_checkpoint.step == 30
         # When every holder is gone, the next generation restores the newest commit.

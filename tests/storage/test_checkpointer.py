@@ -21,6 +21,7 @@ from springback.storage import (
     apply_retention,
     clean_partial,
     list_checkpoints,
+    prune_to_record,
     restore,
     verify,
 )
@@ -334,6 +335,22 @@ class TestRetentionAndCleanup:
         assert clean_partial(base_uri) == [join(base_uri, "step-00000001-g1")]
         assert clean_partial(base_uri, current_generation=2) == [join(base_uri, "step-00000003-g1")]
         assert [(c.step, c.state) for c in list_checkpoints(base_uri)] == [(2, "committed"), (4, "partial")]
+
+    def test_prune_to_record_deletes_what_the_record_does_not_hold(self, base_uri):
+        sd = make_state(17)
+        store = Store(base_uri)
+        infos = {step: save_all_ranks(base_uri, step, [sd], generation=2)[0] for step in (1, 2, 3, 4)}
+        for name in ("step-00000003-g1", "step-00000006-g2"):
+            store.put_bytes(join(base_uri, name, "__0_0.distcp"), b"partial")
+        # recorded: 2 and 3. 1 is complete but retired (its delete failed),
+        # 4 is newer than the record (its commit may be on the way), 3-g1 is a
+        # fenced generation's partial, 6-g2 a save in flight.
+        recorded = [infos[2].uri + "/", infos[3].uri]
+        deleted = prune_to_record(base_uri, recorded, current_generation=2)
+        assert sorted(deleted) == sorted([infos[1].uri, join(base_uri, "step-00000003-g1")])
+        assert [(c.step, c.generation, c.state) for c in list_checkpoints(base_uri)] == [
+            (2, 2, "committed"), (3, 2, "committed"), (4, 2, "committed"), (6, 2, "partial")]
+        assert prune_to_record(base_uri, recorded, current_generation=2) == []  # converged
 
     def test_manifest_is_written_last_and_is_json(self, base_uri):
         sd = make_state(16)

@@ -34,6 +34,7 @@ def cluster(request, tmp_path, client, coordinator_address):
     class Cluster:
         root = tmp_path
         job_id = created.id
+        api = client
 
         def start(self, name: str, *extra: str, **kw) -> AgentProcess:
             agent = AgentProcess(tmp_path, name, created.id, coordinator_address, *extra, **kw)
@@ -181,6 +182,9 @@ class TestNoSurvivor:
     def test_with_every_holder_lost_training_resumes_from_the_last_committed_checkpoint(
             self, cluster):
         slow = {"TINY_STEP_SLEEP_S": "0.2"}
+        stale = cluster.root / "ckpt" / "step-00000005-g0"  # a fenced writer's leftover
+        stale.mkdir(parents=True)
+        (stale / "__0_0.distcp").write_bytes(b"partial")
         first = cluster.start("a", env=slow)
         wait_for(lambda: cluster.job().status.last_checkpoint.step >= 20, 60,
                  "a committed checkpoint at step 20")
@@ -190,6 +194,8 @@ class TestNoSurvivor:
         cluster.start("b", env=slow)
         job = cluster.wait_succeeded()
         assert job.status.step == MAX_STEPS
+        # the final step is committed before the job succeeds (not fenced off by it)
+        assert job.status.last_checkpoint.step == MAX_STEPS
         records = steps(cluster.root)
         resumed = [r for r in records if r["generation"] > records[0]["generation"]
                    and r["step"] > committed]
@@ -200,6 +206,16 @@ class TestNoSurvivor:
         assert sum(r["loss"] for r in first_resumed) / 3 < 0.5 * _initial_loss(records)
         report = cluster.audit()
         assert report.ok, report
+        # storage converges to the coordinator's record: the leftover and the
+        # killed node's partial save are gone, every recorded commit is complete
+        recorded = {r.uri.rsplit("/", 1)[1] for r in cluster.api.list_checkpoints(cluster.job_id)}
+
+        def complete_on_storage() -> dict[str, bool]:
+            return {p.name: (p / "manifest.json").exists()
+                    for p in (cluster.root / "ckpt").iterdir()}
+
+        wait_for(lambda: complete_on_storage() == dict.fromkeys(recorded, True), 30,
+                 f"storage to hold exactly {sorted(recorded)}")
 
     @pytest.mark.parametrize("cluster", [CHECKPOINTED], indirect=True)
     def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_commit(self, cluster):
