@@ -34,7 +34,11 @@ of the final lineage: Springback's committed final step (survivors keep every
 finished step, nothing is redone); for torchrun the distinct steps logged up to
 its final step (a step redone after a restart counts once). The median
 undisturbed step time is each system's own median interval between consecutive
-steps of one generation (torchrun: of one worker-group start).
+steps of one generation (torchrun: of one worker-group start). "executed" counts
+the step records logged (Springback: rank 0 logs each step after its final
+all-reduce, so a step finished just as rank 0's node was killed has no record
+and executed can fall a step or two short of useful; torchrun: every logged
+step, redone ones included).
 
     python bench/goodput.py [--max-steps 1500] [--kill-every-s 20] [--replace-after-s 5]
                             [--nodes 3] [--ckpt-every 20] [--only springback|torchrun]
