@@ -39,19 +39,22 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
 import torch.distributed as dist
-
 from springback.service.channel import connect, parse_addresses
+from springback.service.metrics import Registry
+from springback.service.metrics import serve as serve_metrics
 from springback.v1 import types_pb2 as pb
 from springback.v1 import worker_service_pb2 as wpb
 from springback.v1 import worker_service_pb2_grpc as wgrpc
 from springback.worker import env as E
 from springback.worker.control import PlanPublisher
-from springback.worker.ranks import LocalRanks
 from springback.worker.preemption import FileNotice, PreemptionSource
+from springback.worker.ranks import LocalRanks
+from springback.worker.rankstats import read_all as read_rank_stats
 
 log = logging.getLogger("springback.agent")
 
@@ -92,6 +95,9 @@ class AgentConfig:
     """Preemption notice sources, polled several times a second."""
     extra_env: dict[str, str] = field(default_factory=dict)
     """Added to every rank's environment."""
+    metrics_listen: str | None = None
+    """``HOST:PORT`` for a Prometheus endpoint (``/metrics``) of this node's
+    plan and its ranks' statistics (`rankstats.py`); None serves none."""
 
     def __post_init__(self) -> None:
         if not self.job_id:
@@ -104,6 +110,10 @@ class AgentConfig:
             raise ValueError(f"--on-fenced must be rejoin or exit, got {self.on_fenced!r}")
         if self.drain_timeout_s <= 0:
             raise ValueError(f"--drain-timeout-s must be positive, got {self.drain_timeout_s}")
+        if self.metrics_listen is not None:
+            host, sep, port = self.metrics_listen.rpartition(":")
+            if not sep or not host or not port.isdigit() or int(port) > 65535:
+                raise ValueError(f"--metrics-listen must be HOST:PORT, got {self.metrics_listen!r}")
 
 
 class DrainedBeforeJoin(Exception):
@@ -288,7 +298,12 @@ class Agent:
             self._drain_reason = reason
 
     def run(self) -> int:
+        metrics_server = None
         try:
+            if self.config.metrics_listen:
+                metrics_server = serve_metrics(self._metrics_registry(), self.config.metrics_listen)
+                host, port = metrics_server.server_address[:2]
+                log.info("metrics on http://%s:%d/metrics", host, port)
             self._start_ranks()
             return self._supervise()
         except grpc.RpcError as e:
@@ -303,11 +318,45 @@ class Agent:
         except RuntimeError as e:
             log.error("%s", e)
             return EXIT_ERROR
+        except OSError as e:
+            log.error("--metrics-listen %s: %s", self.config.metrics_listen, e)
+            return EXIT_ERROR
         finally:
+            if metrics_server is not None:
+                metrics_server.shutdown()
             self._stop.set()
             self._kill_ranks()
             self._store = None
             shutil.rmtree(self._workdir, ignore_errors=True)
+
+    def _metrics_registry(self) -> Registry:
+        """This node's view: its newest plan, its rank failures, and the
+        statistics each local rank wrote last (labelled by local_rank)."""
+        registry = Registry()
+
+        def plan_field(name: str) -> float:
+            plan = self._plan
+            return getattr(plan, name) if plan is not None else 0
+
+        registry.add("springback_agent_generation", "gauge",
+                     "Generation of the newest plan this node received.",
+                     lambda: plan_field("generation"))
+        registry.add("springback_agent_world_size", "gauge", "World size of that plan.",
+                     lambda: plan_field("world_size"))
+        registry.add("springback_agent_rank_failures_total", "counter",
+                     "Local ranks that exited with an error.", lambda: self._num_restarts)
+
+        def per_rank(key: str) -> Callable[[], list]:
+            def collect() -> list:
+                publisher = getattr(self, "_publisher", None)
+                stats = read_rank_stats(publisher.directory) if publisher else {}
+                return [({"local_rank": str(lr)}, float(v[key]))
+                        for lr, v in sorted(stats.items()) if key in v]
+            return collect
+
+        for key, name, kind, help_text in RANK_METRICS:
+            registry.add(name, kind, help_text, per_rank(key))
+        return registry
 
     def _supervise(self) -> int:
         while True:
@@ -414,6 +463,24 @@ class Agent:
 
 # -- command line -------------------------------------------------------------
 
+RANK_METRICS = [  # (rankstats key, metric, kind, help)
+    ("generation", "springback_rank_generation", "gauge", "Generation the rank trains in."),
+    ("step", "springback_rank_step", "gauge", "Last step the rank completed."),
+    ("steps_total", "springback_rank_steps_total", "counter",
+     "Steps this rank process completed."),
+    ("step_seconds_total", "springback_rank_step_seconds_total", "counter",
+     "Time those steps took (first step of each generation not counted)."),
+    ("last_step_seconds", "springback_rank_last_step_seconds", "gauge",
+     "Duration of the latest step."),
+    ("recovery_seconds", "springback_rank_recovery_seconds", "gauge",
+     "From the rank's last step in an earlier generation to the start of the current one."),
+    ("checkpoint_stall_seconds", "springback_rank_checkpoint_stall_seconds", "gauge",
+     "How long the latest checkpoint blocked training."),
+    ("goodput", "springback_rank_goodput_ratio", "gauge",
+     "Time in steps over time since the rank's Session started."),
+]
+
+
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
     """Adds the `run` options to `p` (the CLI's ``run`` sub-command, whose parent
     parser already defines --coordinator and --token); dispatch to `run_main`."""
@@ -430,6 +497,8 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    help="process-group timeout (default: the liveness timeout)")
     p.add_argument("--preemption-file", default=None,
                    help="drain when this file appears (a preemption notice)")
+    p.add_argument("--metrics-listen", default=None, metavar="HOST:PORT",
+                   help="serve Prometheus metrics of this node and its ranks at /metrics")
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- the rank command")
 
 
@@ -446,7 +515,7 @@ def run_main(args: argparse.Namespace) -> int:
             token=getattr(args, "token", None), nproc_per_node=args.nproc_per_node,
             host=args.host, drain_timeout_s=args.drain_timeout_s,
             max_restarts=args.max_restarts, standby=args.standby, on_fenced=args.on_fenced,
-            collective_timeout_s=args.collective_timeout_s,
+            collective_timeout_s=args.collective_timeout_s, metrics_listen=args.metrics_listen,
             preemption=[FileNotice(args.preemption_file)] if args.preemption_file else [])
         agent = Agent(config)
     except ValueError as e:

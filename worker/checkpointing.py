@@ -77,6 +77,13 @@ class GenerationCheckpoints:
             except Exception as e:  # noqa: BLE001 - reported by on_error already
                 log.error("drain checkpoint of step %d failed: %s", step, e)
 
+    @property
+    def stall_s(self) -> float | None:
+        """How long the latest save blocked training (save() plus the optimizer
+        step that waited for its copy); None before the first save."""
+        stats = self._ckpt.stats
+        return stats.last_stall_s + stats.last_hook_wait_s if stats.saves else None
+
     def close(self, *, wait_for_commit: bool) -> None:
         """Ends this generation's checkpointing.
 

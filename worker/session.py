@@ -50,6 +50,7 @@ from springback.worker import metrics
 from springback.worker.audit import AuditLog
 from springback.worker.control import PlanChannel, await_activation
 from springback.worker.env import STANDBY_FILE, RankEnv
+from springback.worker.rankstats import RankStats
 from springback.worker.rendezvous import (
     RendezvousAborted,
     form_group,
@@ -97,8 +98,10 @@ class Session:
         self._was_member = False
         self.finished = False
         self._standalone_store: dist.TCPStore | None = None
+        self._stats: RankStats | None = None
         if self.env.control_dir:
             self._channel: PlanChannel | None = PlanChannel(self.env.control_dir)
+            self._stats = RankStats(self.env.control_dir, self.env.local_rank)
         else:
             self._channel = None
             self._standalone_plan = self._make_standalone_plan()
@@ -217,6 +220,9 @@ class Session:
             return None
         gen = Generation(self, plan, rank)
         gen._record_start(source, time.monotonic() - t0)
+        if self._stats is not None:
+            self._stats.generation_started(generation=plan.generation,
+                                           world_size=plan.world_size, rank=rank, step=self.step)
         return gen
 
     def _agree_state(self, plan: pb.Plan, rank: int) -> int | None:
@@ -351,7 +357,11 @@ class Generation:
             self._loss = float("nan")
             yield batch
             s._state_step = step
-            if self._end_step(batch):
+            switch = self._end_step(batch)
+            if s._stats is not None:
+                s._stats.step_done(step, checkpoint_stall_s=None if self._checkpoints is None
+                                   else self._checkpoints.stall_s)
+            if switch:
                 break
         s._clean = True
         if s._state_step >= self.max_steps and not s.finished:

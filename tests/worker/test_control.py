@@ -5,12 +5,18 @@ from __future__ import annotations
 import time
 
 import pytest
-
 from springback.v1 import types_pb2 as pb
 from springback.worker.agent import AgentConfig
 from springback.worker.control import (
-    PlanChannel, PlanPublisher, activate_standby, await_activation, ready_path)
+    PlanChannel,
+    PlanPublisher,
+    activate_standby,
+    await_activation,
+    ready_path,
+)
 from springback.worker.preemption import CallableNotice, FileNotice
+from springback.worker.rankstats import RankStats
+from springback.worker.rankstats import read_all as read_rank_stats
 
 
 class TestPlanChannel:
@@ -71,8 +77,31 @@ class TestAgentConfig:
         ({"nproc_per_node": 0}, "--nproc-per-node"),
         ({"on_fenced": "panic"}, "--on-fenced"),
         ({"drain_timeout_s": 0}, "--drain-timeout-s"),
+        ({"metrics_listen": "9100"}, "--metrics-listen"),
+        ({"metrics_listen": "host:port"}, "--metrics-listen"),
+        ({"metrics_listen": "127.0.0.1:70000"}, "--metrics-listen"),
     ])
     def test_bad_settings_are_rejected_naming_the_option(self, kwargs, field):
         config = {"job_id": "j", "command": ["python", "train.py"], **kwargs}
         with pytest.raises(ValueError, match=field):
             AgentConfig(**config)
+
+
+class TestRankStats:
+    def test_the_agent_reads_what_each_rank_wrote_and_skips_foreign_files(self, tmp_path):
+        stats = RankStats(str(tmp_path), local_rank=1)
+        stats.generation_started(generation=3, world_size=4, rank=2, step=7)
+        for step in (8, 9, 10):
+            stats.step_done(step, checkpoint_stall_s=0.004)
+        stats.flush(force=True)
+        (tmp_path / "stats-x.json").write_text("{}")
+        (tmp_path / "stats-0.json").write_text("{torn")
+        seen = read_rank_stats(str(tmp_path))
+        assert list(seen) == [1]
+        v = seen[1]
+        assert (v["generation"], v["world_size"], v["rank"], v["step"]) == (3, 4, 2, 10)
+        # the first step of a generation is not timed (it includes warm-up)
+        assert v["steps_total"] == 3 and v["step_seconds_total"] > 0
+        assert v["checkpoint_stall_seconds"] == 0.004 and v["recovery_seconds"] == 0
+        stats.generation_started(generation=4, world_size=3, rank=1, step=10)
+        assert read_rank_stats(str(tmp_path))[1]["recovery_seconds"] > 0

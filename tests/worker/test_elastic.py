@@ -4,14 +4,15 @@ spawning real multi-process gloo ranks of a tiny DDP model."""
 from __future__ import annotations
 
 import signal
-from pathlib import Path
+import urllib.request
 from collections import defaultdict
+from pathlib import Path
 
 import pytest
-
 from cluster import AgentProcess, steps
 from fakeplans import assert_replicas_identical
 from sbtest import wait_for
+from springback.service.local import free_port
 from springback.v1 import types_pb2 as pb
 from springback.worker.audit import check_exactly_once, read_records
 
@@ -175,6 +176,47 @@ class TestRankCrash:
 
 CHECKPOINTED = {**SPEC, "min_workers": 1, "max_workers": 1,
                 "checkpoint": {"uri": "set by the fixture", "every_steps": 10}}
+
+
+def _scrape(address: str) -> dict[str, float]:
+    """``name{labels}`` -> value of every sample; {} while nothing answers."""
+    try:
+        with urllib.request.urlopen(f"http://{address}/metrics", timeout=2) as r:
+            text = r.read().decode()
+    except OSError:
+        return {}
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines() if line and not line.startswith("#")}
+
+
+class TestAgentMetrics:
+    @pytest.mark.parametrize("cluster", [CHECKPOINTED], indirect=True)
+    def test_the_agent_serves_its_plan_and_its_ranks_statistics(self, cluster, tmp_path):
+        address = f"127.0.0.1:{free_port()}"
+        cluster.start("a", "--metrics-listen", address, nproc=2, env={
+            "TINY_STEP_SLEEP_S": "0.25", "TINY_CRASH_AT_STEP": "12",
+            "TINY_CRASH_MARKER": str(tmp_path / "crashed")})
+
+        def after_the_crash() -> dict[str, float] | None:
+            m = _scrape(address)
+            rank0 = '{local_rank="0"}'
+            done = (m.get("springback_agent_rank_failures_total") == 1
+                    and m.get(f"springback_rank_steps_total{rank0}", 0) >= 15
+                    and m.get(f"springback_rank_generation{rank0}")
+                    == m.get("springback_agent_generation"))
+            return m if done else None
+
+        m = wait_for(after_the_crash, 60, "metrics after the rank crash")
+        rank0, rank1 = '{local_rank="0"}', '{local_rank="1"}'
+        assert m["springback_agent_world_size"] == 2
+        assert m[f"springback_rank_step{rank0}"] >= 15
+        # rank 0 lived through the crash: it measured the switch to the new generation
+        assert 0 < m[f"springback_rank_recovery_seconds{rank0}"] < 30
+        assert 0.2 < m[f"springback_rank_last_step_seconds{rank0}"] < 5  # the 0.25 s sleep
+        assert 0 < m[f"springback_rank_goodput_ratio{rank0}"] <= 1
+        assert m[f"springback_rank_checkpoint_stall_seconds{rank0}"] > 0  # every 10 steps
+        assert rank1.join(("springback_rank_step", "")) in m  # the restarted rank reports too
+        cluster.wait_succeeded()
 
 
 class TestNoSurvivor:
