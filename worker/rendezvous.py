@@ -99,9 +99,21 @@ def form_group(*, job_id: str, generation: int, rank: int, world_size: int,
                 f"only {prefix.add('arrived', 0)}/{world_size} ranks arrived within "
                 f"{rendezvous_timeout_s:.0f}s")
         time.sleep(0.01)
+    _reset_group_count()
     dist.init_process_group(backend, store=dist.PrefixStore("pg/", prefix), rank=rank,
                             world_size=world_size,
                             timeout=datetime.timedelta(seconds=collective_timeout_s))
+
+
+def _reset_group_count() -> None:
+    """torch names a new group after its process-wide group counter and keys
+    the group's store entries with that name. A failed `init_process_group`
+    (a peer vanished mid-init) leaves the counter raised with no group to
+    destroy, so this rank's next default group would meet its peers under a
+    different name and every rank would time out. The counter is reset (as
+    `destroy_process_group` does) so the default group is group 0 everywhere."""
+    if dist.get_pg_count() != 0 and not dist.is_initialized():
+        dist.distributed_c10d._world.group_count = 0  # no public setter
 
 
 def leave_group(release_timeout_s: float = 5.0) -> None:

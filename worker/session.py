@@ -24,6 +24,9 @@ Failure semantics:
   rank unless all ranks ended the previous generation cleanly at the same step.
   Only when no rank holds state is it loaded from the plan's checkpoint through
   `restore_checkpoint` (the storage hook), or taken fresh from rank 0.
+* A generation that fails to start (its group cannot form) is dropped for the
+  next plan; when none comes within `failure_grace_s` the session raises, so
+  the agent reports the rank's failure and the coordinator plans anew.
 * A new plan (join, drain) is switched to at a step boundary agreed by all
   ranks: every step ends with one small all-reduce that carries the newest
   generation any rank has seen and the step's loss.
@@ -146,10 +149,19 @@ class Session:
                 return m
         return None
 
-    def _next_plan(self, deadline: float | None) -> pb.Plan | None:
+    def _newer_plan_within(self, generation: int, timeout_s: float) -> bool:
+        """Waits until any plan (of whatever action) newer than `generation`
+        was published; False when `timeout_s` passed first."""
+        deadline = time.monotonic() + timeout_s
+        while (latest := self._latest()) is None or latest.generation <= generation:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.02)
+        return True
+
+    def _next_plan(self) -> pb.Plan | None:
         """Waits for a plan newer than the current generation that this rank acts
-        on. Returns None when the job stopped or this member was removed; raises
-        TimeoutError when `deadline` passes first."""
+        on. Returns None when the job stopped or this member was removed."""
         while True:
             plan = self._latest()
             if plan is not None and plan.generation > self._generation:
@@ -167,8 +179,6 @@ class Session:
                     return None
             if self._channel is None:
                 return None  # standalone: the only plan was used
-            if deadline is not None and time.monotonic() >= deadline:
-                raise TimeoutError("no newer plan arrived")
             time.sleep(0.02)
 
     # -- generations ---------------------------------------------------------
@@ -176,14 +186,23 @@ class Session:
     def generations(self) -> Iterator[Generation]:
         """Yields one `Generation` per plan this rank trains in, with the process
         group formed and state agreed. Ends when max_steps is reached, the job
-        stops, or this member is no longer in the plan."""
+        stops, or this member is no longer in the plan.
+
+        A generation that cannot start here (superseded, a peer gone) is
+        skipped for the next plan; if none comes within `failure_grace_s`,
+        RuntimeError is raised, so the rank exits, its agent reports the
+        failure and the coordinator plans again instead of the job hanging."""
         try:
             while not self.finished:
-                plan = self._next_plan(None)
+                plan = self._next_plan()
                 if plan is None:
                     break
                 gen = self._start(plan)
                 if gen is None:
+                    if not self._newer_plan_within(plan.generation, self.failure_grace_s):
+                        raise RuntimeError(
+                            f"generation {plan.generation} could not start and no newer plan "
+                            f"came within {self.failure_grace_s:.0f}s")
                     continue
                 try:
                     yield gen
@@ -416,7 +435,11 @@ class Generation:
         return newer
 
     def _after_step(self, step: int, loss: float) -> None:
+        """Rank 0: the step's local record first, then the report (whoever sees
+        the job finish can read every step's record)."""
         s = self.session
+        metrics.append({"event": "step", "generation": self.generation,
+                        "world_size": self.world_size, "step": step, "loss": loss})
         epoch, offset = self.stream.cursor_after(step)
         if s._reporter is not None:
             s._reporter.submit(generation=self.generation, step=step,
@@ -424,8 +447,6 @@ class Generation:
                                loss=loss, epoch=epoch, offset=offset)
             if step >= self.max_steps:
                 s._reporter.flush()
-        metrics.append({"event": "step", "generation": self.generation, "world_size": self.world_size,
-                 "step": step, "loss": loss})
 
     # -- bookkeeping -----------------------------------------------------------
 
@@ -470,13 +491,8 @@ class Generation:
         log.warning("generation %d broke on rank %d at step %d: %s", self.generation,
                     self.rank, s.step + 1, str(exc).splitlines()[0] if str(exc) else exc)
         leave_group()
-        latest = s._latest()
-        deadline = time.monotonic() + s.failure_grace_s
-        while latest is None or latest.generation <= self.generation:
-            if time.monotonic() >= deadline:
-                log.error("no new generation within %.0fs: the failure is not a "
-                          "membership change", s.failure_grace_s)
-                return False
-            time.sleep(0.02)
-            latest = s._latest()
+        if not s._newer_plan_within(self.generation, s.failure_grace_s):
+            log.error("no new generation within %.0fs: the failure is not a "
+                      "membership change", s.failure_grace_s)
+            return False
         return True

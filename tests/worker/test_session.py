@@ -8,6 +8,7 @@ import time
 import pytest
 
 from fakeplans import assert_replicas_identical
+from springback.worker import env as E
 from springback.worker.audit import check_exactly_once
 
 
@@ -55,3 +56,15 @@ class TestGenerationSwitch:
         assert sorted(r["step"] for r in steps) == list(range(1, 41))
         first_joined = min(r["step"] for r in steps if r["world_size"] == 3)
         assert first_joined > 6
+
+
+@pytest.mark.timeout(90)
+def test_a_generation_that_cannot_start_and_gets_no_newer_plan_fails_the_rank(fake_job):
+    # b never comes: a gives up the rendezvous after 2 s, then waits the grace
+    # (15 s) for a newer plan; none comes, so it exits with an error for its
+    # agent to report, instead of waiting forever
+    proc = fake_job.spawn("a", {E.RENDEZVOUS_TIMEOUT_S: "2"})
+    fake_job.publish(["a", "b"], "b never starts")
+    assert proc.wait(timeout=60) != 0
+    log = (fake_job.root / "a.log").read_text()
+    assert "generation 1 could not start and no newer plan came within 15s" in log, log

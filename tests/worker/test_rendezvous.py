@@ -1,0 +1,37 @@
+"""Forming a generation's process group with real gloo ranks."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+PEER = str(Path(__file__).with_name("rendezvous_peer.py"))
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_whose_previous_init_failed_still_meets_fresh_peers():
+    # torch names groups after a per-process counter that a failed init leaves
+    # raised; the two ranks below start the same generation with different
+    # histories and must still find each other.
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    store.add("springback/rdzv/g1//arrived", 1)  # a phantom peer that never inits
+    survivor = subprocess.Popen([sys.executable, PEER, "0", str(store.port), "1"],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # the fresh peer starts once the survivor's first init has failed
+    seen = []
+    for line in survivor.stdout:  # torch's own warnings come first
+        seen.append(line)
+        if "generation 1 failed as intended" in line:
+            break
+    else:
+        pytest.fail("".join(seen))
+    fresh = subprocess.Popen([sys.executable, PEER, "1", str(store.port), "0"],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out1, _ = fresh.communicate(timeout=40)
+    out0, _ = survivor.communicate(timeout=40)
+    assert survivor.returncode == 0 and "sum 3.0" in out0, out0
+    assert fresh.returncode == 0 and "sum 3.0" in out1, out1
