@@ -161,7 +161,12 @@ def clean_partial(
     save in flight and is kept.
     """
     s = _store(base_uri, store, storage_options)
-    all_ckpts = list_checkpoints(base_uri, store=s)
+    return _delete_partials(list_checkpoints(base_uri, store=s), current_generation, s)
+
+
+def _delete_partials(all_ckpts: list[CheckpointInfo], current_generation: int | None,
+                     s: Store) -> list[str]:
+    """`clean_partial` over a listing already made."""
     newest = max((c.step for c in all_ckpts if c.committed), default=-1)
     deleted = []
     for c in all_ckpts:
@@ -203,7 +208,8 @@ def prune_to_record(
             log.info("deleting checkpoint %s: not recorded by the coordinator", c.uri)
             delete_checkpoint(c.uri, store=s)
             deleted.append(c.uri)
-    return deleted + clean_partial(base_uri, current_generation=current_generation, store=s)
+    remaining = [c for c in all_ckpts if c.uri not in deleted]
+    return deleted + _delete_partials(remaining, current_generation, s)
 
 
 def _name(c: CheckpointInfo) -> str:
