@@ -23,10 +23,10 @@ import time
 
 import grpc
 
+from _local_coordinator import local_coordinator
 from springback.service import keys
-from springback.service.local import EtcdServer
 from springback.service.planner import Progress, make_plan
-from springback.service.server import CoordinatorConfig, CoordinatorServer
+from springback.service.server import CoordinatorServer
 from springback.service.spec import spec_from_dict
 from springback.v1 import types_pb2 as pb
 from springback.v1 import worker_service_pb2 as ws
@@ -44,19 +44,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
 
-    with tempfile.TemporaryDirectory() as state:
-        etcd = EtcdServer(state)
-        etcd.start()
-        server = CoordinatorServer(CoordinatorConfig(etcd=etcd.endpoint, listen="127.0.0.1:0",
-                                                     progress_flush_s=3600))
-        server.start()
-        try:
-            if not server.wait_for_leadership(timeout_s=15):
-                raise TimeoutError("the coordinator did not become leader within 15 s")
-            run(server, args)
-        finally:
-            server.stop(grace_s=0.5)
-            etcd.stop()
+    with tempfile.TemporaryDirectory() as state, \
+            local_coordinator(state, progress_flush_s=3600) as server:
+        run(server, args)
 
 
 def run(server: CoordinatorServer, args: argparse.Namespace) -> None:

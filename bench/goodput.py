@@ -165,51 +165,42 @@ def median_step(steps: list[dict], key: str) -> float:
 
 
 def springback_side(args, work: Path) -> dict:  # noqa: ANN001
+    from _local_coordinator import local_coordinator
     from springback.service.client import Client
-    from springback.service.local import EtcdServer
-    from springback.service.server import CoordinatorConfig, CoordinatorServer
     from springback.v1 import types_pb2 as pb
 
     metrics = work / "metrics.jsonl"
-    etcd = EtcdServer(str(work / "etcd"))
-    etcd.start()
-    server = CoordinatorServer(CoordinatorConfig(
-        etcd=etcd.endpoint, listen="127.0.0.1:0", liveness_timeout_s=args.liveness_timeout_s,
-        leader_ttl_s=2, progress_flush_s=1.0))
-    server.start()
     nodes = Nodes(work)
-    try:
-        if not server.wait_for_leadership(timeout_s=20):
-            raise TimeoutError("coordinator did not lead")
-        client = Client(server.address)
-        job = client.create_job({
-            "name": "bench-goodput", "min_workers": 2, "max_workers": args.nodes,
-            "data": {"num_samples": 4096, "global_batch_size": 24, "seed": 0},
-            "max_steps": args.max_steps})
-        env = dict(os.environ, SPRINGBACK_METRICS_FILE=str(metrics), PYTHONUNBUFFERED="1",
-                   GOODPUT_STEP_SLEEP_S=str(args.step_sleep_s),
-                   GOODPUT_MAX_STEPS=str(args.max_steps), OMP_NUM_THREADS="1")
+    with local_coordinator(work / "etcd", liveness_timeout_s=args.liveness_timeout_s,
+                           leader_ttl_s=2, progress_flush_s=1.0) as server:
+        try:
+            client = Client(server.address)
+            job = client.create_job({
+                "name": "bench-goodput", "min_workers": 2, "max_workers": args.nodes,
+                "data": {"num_samples": 4096, "global_batch_size": 24, "seed": 0},
+                "max_steps": args.max_steps})
+            env = dict(os.environ, SPRINGBACK_METRICS_FILE=str(metrics), PYTHONUNBUFFERED="1",
+                       GOODPUT_STEP_SLEEP_S=str(args.step_sleep_s),
+                       GOODPUT_MAX_STEPS=str(args.max_steps), OMP_NUM_THREADS="1")
 
-        def start_node(name: str) -> None:
-            nodes.start(name, [PY, "-m", "springback.worker.agent", "--job", job.id,
-                               "--coordinator", server.address, "--max-restarts", "100", "--",
-                               PY, str(BENCH / "_springback_train.py")], env)
+            def start_node(name: str) -> None:
+                nodes.start(name, [PY, "-m", "springback.worker.agent", "--job", job.id,
+                                   "--coordinator", server.address, "--max-restarts", "100", "--",
+                                   PY, str(BENCH / "_springback_train.py")], env)
 
-        final = {}
+            final = {}
 
-        def done() -> bool:
-            status = client.get_job(job.id).status
-            state, final["step"] = status.state, status.step
-            if state in (pb.JOB_STATE_FAILED, pb.JOB_STATE_CANCELLED):
-                raise RuntimeError(f"springback job ended {pb.JobState.Name(state)}")
-            return state == pb.JOB_STATE_SUCCEEDED
+            def done() -> bool:
+                status = client.get_job(job.id).status
+                state, final["step"] = status.state, status.step
+                if state in (pb.JOB_STATE_FAILED, pb.JOB_STATE_CANCELLED):
+                    raise RuntimeError(f"springback job ended {pb.JobState.Name(state)}")
+                return state == pb.JOB_STATE_SUCCEEDED
 
-        t0, kills = run_trace(nodes, start_node, done, lambda alive: list(alive), args,
-                              "springback")
-    finally:
-        nodes.stop_all()
-        server.stop(grace_s=0.5)
-        etcd.stop(kill=True)
+            t0, kills = run_trace(nodes, start_node, done, lambda alive: list(alive), args,
+                                  "springback")
+        finally:
+            nodes.stop_all()
     events = _read(metrics)
     steps = [e for e in events if e["event"] == "step"]
     gens = [e for e in events if e["event"] == "generation"]

@@ -104,80 +104,73 @@ def main() -> int:
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
 
+    from _local_coordinator import local_coordinator
     from springback.service.client import Client
-    from springback.service.local import EtcdServer
-    from springback.service.server import CoordinatorConfig, CoordinatorServer
 
     work = Path(tempfile.mkdtemp(prefix="springback-bench-"))
     metrics = work / "metrics.jsonl"
-    etcd = EtcdServer(str(work / "etcd"))
-    etcd.start()
-    server = CoordinatorServer(CoordinatorConfig(
-        etcd=etcd.endpoint, listen="127.0.0.1:0", liveness_timeout_s=args.liveness_timeout_s,
-        leader_ttl_s=2, progress_flush_s=1.0))
-    server.start()
     agents: list[subprocess.Popen] = []
     results: dict[str, list[float]] = {"rank_crash_s": [], "node_loss_s": []}
     lost_steps: list[int] = []
-    try:
-        if not server.wait_for_leadership(timeout_s=20):
-            raise TimeoutError("timed out waiting for the coordinator to lead")
-        client = Client(server.address)
-        job = client.create_job({
-            "name": "bench-recovery", "min_workers": 2, "max_workers": 3,
-            "data": {"num_samples": 5547, "global_batch_size": 24, "seed": 0},
-            "max_steps": 1_000_000})
-        env = dict(os.environ, SPRINGBACK_METRICS_FILE=str(metrics), TINYLM_MAX_STEPS="1000000",
-                   PYTHONUNBUFFERED="1")
+    with local_coordinator(work / "etcd", liveness_timeout_s=args.liveness_timeout_s,
+                           leader_ttl_s=2, progress_flush_s=1.0) as server:
+        try:
+            client = Client(server.address)
+            job = client.create_job({
+                "name": "bench-recovery", "min_workers": 2, "max_workers": 3,
+                "data": {"num_samples": 5547, "global_batch_size": 24, "seed": 0},
+                "max_steps": 1_000_000})
+            env = dict(os.environ, SPRINGBACK_METRICS_FILE=str(metrics),
+                       TINYLM_MAX_STEPS="1000000", PYTHONUNBUFFERED="1")
 
-        def start_agent(name: str) -> subprocess.Popen:
-            log = open(work / f"agent-{name}.log", "ab")  # noqa: SIM115
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "springback.worker.agent", "--job", job.id,
-                 "--coordinator", server.address, "--max-restarts", "100", "--",
-                 sys.executable, str(TRAIN)], env=env, stdout=log, stderr=subprocess.STDOUT)
-            agents.append(proc)
-            return proc
+            def start_agent(name: str) -> subprocess.Popen:
+                log = open(work / f"agent-{name}.log", "ab")  # noqa: SIM115
+                proc = subprocess.Popen(
+                    [sys.executable, "-m", "springback.worker.agent", "--job", job.id,
+                     "--coordinator", server.address, "--max-restarts", "100", "--",
+                     sys.executable, str(TRAIN)],
+                    env=env, stdout=log, stderr=subprocess.STDOUT)
+                agents.append(proc)
+                return proc
 
-        for name in ("a", "b", "c"):
-            start_agent(name)
-        _wait(lambda: any(e["event"] == "step" and e["world_size"] == 3
-                          for e in _events(metrics)), 120, "three workers training")
-        for i in range(args.repeats):
-            # faults a few seconds apart: the standby started after a crash must be
-            # warm (imports done) before the next crash on that node
-            time.sleep(args.gap_s)
-            victim = agents[1 + i % 2]
-            # measure the warm path: the node's standby has finished its set-up
-            # (on a loaded machine that can take longer than the gap)
-            _wait(lambda: _standby_ready(victim.pid), 120, "a warm standby")
-            before = _last_step(metrics)
-            ranks = _active_ranks(victim.pid)
-            t_kill = time.time()
-            for pid in ranks:
-                os.kill(pid, signal.SIGKILL)
-            seconds, first = _recovered_after(metrics, t_kill, before["generation"])
-            results["rank_crash_s"].append(seconds)
-            lost_steps.append(max(0, _last_step_before(metrics, t_kill) + 1 - first["step"]))
-        for i in range(args.repeats):
-            time.sleep(1.0)
-            before = _last_step(metrics)
-            victim = agents[-1]
-            t_kill = time.time()
-            victim.kill()  # the agent; its ranks die with it (parent-death signal)
-            seconds, first = _recovered_after(metrics, t_kill, before["generation"])
-            results["node_loss_s"].append(seconds)
-            lost_steps.append(max(0, _last_step_before(metrics, t_kill) + 1 - first["step"]))
-            start_agent(f"r{i}")  # a replacement joins for the next round
-            _wait(lambda: any(e["event"] == "step" and e["world_size"] == 3 and e["t"] > t_kill
-                              for e in _events(metrics)), 120, "the replacement to join")
-    finally:
-        for proc in agents:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-        server.stop(grace_s=0.5)
-        etcd.stop(kill=True)
+            for name in ("a", "b", "c"):
+                start_agent(name)
+            _wait(lambda: any(e["event"] == "step" and e["world_size"] == 3
+                              for e in _events(metrics)), 120, "three workers training")
+            for i in range(args.repeats):
+                # faults a few seconds apart: the standby started after a crash must be
+                # warm (imports done) before the next crash on that node
+                time.sleep(args.gap_s)
+                victim = agents[1 + i % 2]
+                # measure the warm path: the node's standby has finished its set-up
+                # (on a loaded machine that can take longer than the gap)
+                _wait(lambda: _standby_ready(victim.pid), 120, "a warm standby")
+                before = _last_step(metrics)
+                ranks = _active_ranks(victim.pid)
+                t_kill = time.time()
+                for pid in ranks:
+                    os.kill(pid, signal.SIGKILL)
+                seconds, first = _recovered_after(metrics, t_kill, before["generation"])
+                results["rank_crash_s"].append(seconds)
+                lost_steps.append(max(0, _last_step_before(metrics, t_kill) + 1 - first["step"]))
+            for i in range(args.repeats):
+                time.sleep(1.0)
+                before = _last_step(metrics)
+                victim = agents[-1]
+                t_kill = time.time()
+                victim.kill()  # the agent; its ranks die with it (parent-death signal)
+                seconds, first = _recovered_after(metrics, t_kill, before["generation"])
+                results["node_loss_s"].append(seconds)
+                lost_steps.append(max(0, _last_step_before(metrics, t_kill) + 1 - first["step"]))
+                start_agent(f"r{i}")  # a replacement joins for the next round
+                _wait(lambda: any(e["event"] == "step" and e["world_size"] == 3
+                                  and e["t"] > t_kill for e in _events(metrics)),
+                      120, "the replacement to join")
+        finally:
+            for proc in agents:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
 
     summary = {
         "liveness_timeout_s": args.liveness_timeout_s,
