@@ -163,8 +163,11 @@ def main() -> int:
                 results["node_loss_s"].append(seconds)
                 lost_steps.append(max(0, _last_step_before(metrics, t_kill) + 1 - first["step"]))
                 start_agent(f"r{i}")  # a replacement joins for the next round
+                # a generation after the recovered one: a world-3 step of the old
+                # generation can still be logged just after the kill
                 _wait(lambda: any(e["event"] == "step" and e["world_size"] == 3
-                                  and e["t"] > t_kill for e in _events(metrics)),
+                                  and e["generation"] > first["generation"]
+                                  for e in _events(metrics)),
                       120, "the replacement to join")
         finally:
             for proc in agents:
