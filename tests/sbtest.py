@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -75,3 +76,17 @@ class CoordinatorProcess:
             self.process.stdout.close()
         if self._log is not subprocess.DEVNULL:
             self._log.close()
+
+
+def scrape(address: str) -> dict[str, float]:
+    """``name{labels}`` -> value of every sample a Prometheus endpoint at
+    ``HOST:PORT`` serves on /metrics. Raises OSError while nothing answers."""
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as response:
+        assert response.headers["Content-Type"].startswith("text/plain")
+        text = response.read().decode()
+    samples = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            samples[name] = float(value)
+    return samples

@@ -5,25 +5,12 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import urllib.request
 
 import pytest
 
-from sbtest import wait_for
+from sbtest import scrape, wait_for
 
 pytestmark = pytest.mark.timeout(60)
-
-
-def scrape(address: str) -> dict[str, float]:
-    with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as response:
-        assert response.headers["Content-Type"].startswith("text/plain")
-        text = response.read().decode()
-    samples = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            samples[name] = float(value)
-    return samples
 
 
 def test_metrics_show_leadership_jobs_and_generations(start_coordinator, make_spec):

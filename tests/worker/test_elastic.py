@@ -4,14 +4,13 @@ spawning real multi-process gloo ranks of a tiny DDP model."""
 from __future__ import annotations
 
 import signal
-import urllib.request
 from collections import defaultdict
 from pathlib import Path
 
 import pytest
 from cluster import AgentProcess, steps
 from fakeplans import assert_replicas_identical
-from sbtest import wait_for
+from sbtest import scrape, wait_for
 from springback.service.local import free_port
 from springback.v1 import types_pb2 as pb
 from springback.worker.audit import check_exactly_once, read_records
@@ -178,17 +177,6 @@ CHECKPOINTED = {**SPEC, "min_workers": 1, "max_workers": 1,
                 "checkpoint": {"uri": "set by the fixture", "every_steps": 10}}
 
 
-def _scrape(address: str) -> dict[str, float]:
-    """``name{labels}`` -> value of every sample; {} while nothing answers."""
-    try:
-        with urllib.request.urlopen(f"http://{address}/metrics", timeout=2) as r:
-            text = r.read().decode()
-    except OSError:
-        return {}
-    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
-            for line in text.splitlines() if line and not line.startswith("#")}
-
-
 class TestAgentMetrics:
     @pytest.mark.parametrize("cluster", [CHECKPOINTED], indirect=True)
     def test_the_agent_serves_its_plan_and_its_ranks_statistics(self, cluster, tmp_path):
@@ -198,7 +186,7 @@ class TestAgentMetrics:
             "TINY_CRASH_MARKER": str(tmp_path / "crashed")})
 
         def after_the_crash() -> dict[str, float] | None:
-            m = _scrape(address)
+            m = scrape(address)  # OSError until the agent serves: "not yet"
             rank0 = '{local_rank="0"}'
             done = (m.get("springback_agent_rank_failures_total") == 1
                     and m.get(f"springback_rank_steps_total{rank0}", 0) >= 15
