@@ -11,9 +11,9 @@ Failure semantics:
 * Saving is asynchronous (`Checkpointer.save` returns after a host-memory
   snapshot); the write and the manifest commit run in the background. Rank 0
   records a committed checkpoint with CommitCheckpoint, fenced by generation,
-  then deletes what the coordinator retires and everything else storage holds
-  beyond the coordinator's record (partials that can no longer commit, a
-  retired checkpoint whose delete failed after an earlier commit). A failed
+  then deletes everything storage holds beyond the coordinator's record: what
+  the commit retired, partials that can no longer commit, a retired
+  checkpoint whose delete failed after an earlier commit. A failed
   delete is logged and retried after the next commit. A storage failure of a
   save is reported with ReportCheckpointError and training goes on.
 * A drain checkpoint (any rank's node draining) is saved at the agreed step
@@ -106,7 +106,7 @@ class GenerationCheckpoints:
         return None if reporter is None else reporter.stub
 
     def _on_commit(self, info: Any) -> None:
-        from springback.storage import delete_checkpoint, prune_to_record
+        from springback.storage import prune_to_record
 
         stub = self._stub()
         if stub is None:
@@ -120,9 +120,7 @@ class GenerationCheckpoints:
             log.warning("CommitCheckpoint of step %d rejected: %s %s", info.manifest.step,
                         e.code().name, e.details())
             return
-        try:
-            for ref in resp.retired:
-                delete_checkpoint(ref.uri)
+        try:  # what this commit retired is no longer in the record: pruned too
             prune_to_record(self._plan.spec.checkpoint.uri, [r.uri for r in resp.retained],
                             current_generation=self._plan.generation)
         except Exception as e:  # noqa: BLE001 - the next commit's prune retries
