@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 
 import grpc
 import torch.distributed as dist
+
 from springback.service.channel import connect, parse_addresses
 from springback.service.metrics import Registry
 from springback.service.metrics import serve as serve_metrics

@@ -48,6 +48,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
 from springback.v1 import types_pb2 as pb
 from springback.worker import metrics
 from springback.worker.audit import AuditLog

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 import pytest
+
 from springback.v1 import types_pb2 as pb
 from springback.worker.agent import AgentConfig
 from springback.worker.control import (
