@@ -30,6 +30,9 @@ Failure semantics:
 * A new plan (join, drain) is switched to at a step boundary agreed by all
   ranks: every step ends with one small all-reduce that carries the newest
   generation any rank has seen and the step's loss.
+* Every registered module's and optimizer's gradients are cleared when a
+  generation starts: a step that broke mid-backward is run again from zero
+  gradients, so its samples are applied once.
 * Do the optimizer step last in the loop body: a failure after it would leave
   this rank's state one step ahead of the step it claims.
 """
@@ -219,6 +222,7 @@ class Session:
         self._was_member = True
         rank = me.first_rank + self.env.local_rank
         t0 = time.monotonic()
+        self._clear_gradients()
 
         def superseded() -> bool:
             latest = self._latest()
@@ -244,6 +248,17 @@ class Session:
             self._stats.generation_started(generation=plan.generation,
                                            world_size=plan.world_size, rank=rank, step=self.step)
         return gen
+
+    def _clear_gradients(self) -> None:
+        """Drops the gradients every registered module and optimizer holds.
+
+        A generation that broke mid-step (a peer died during DDP's all-reduce)
+        leaves this rank's local, un-reduced gradients of that step in
+        ``.grad``; the step is run again in the next generation and backward
+        would accumulate onto them, applying those samples twice."""
+        for obj in self.state.values():
+            if isinstance(obj, (torch.nn.Module, torch.optim.Optimizer)):
+                obj.zero_grad(set_to_none=True)
 
     def _agree_state(self, plan: pb.Plan, rank: int) -> int | None:
         """Makes every rank's state identical; returns the source rank or None."""

@@ -8,6 +8,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
+from applied import check_applied
 from cluster import AgentProcess, steps
 from fakeplans import assert_replicas_identical
 from sbtest import scrape, wait_for
@@ -54,8 +55,14 @@ def cluster(request, tmp_path, client, coordinator_address):
                             and j, timeout_s, "the job to succeed")
 
         def audit(self):
+            """Exactly once, from the sampler's records *and* from what the
+            finished ranks' optimizers applied (their sample counters)."""
+            applied = check_applied(tmp_path / "audit", num_samples=NUM_SAMPLES,
+                                    global_batch_size=BATCH, seed=spec["data"]["seed"],
+                                    last_step=spec["max_steps"])
+            assert applied.ok, applied
             return check_exactly_once(str(tmp_path / "audit"), num_samples=NUM_SAMPLES,
-                                      global_batch_size=BATCH, last_step=MAX_STEPS)
+                                      global_batch_size=BATCH, last_step=spec["max_steps"])
 
     yield Cluster()
     for agent in agents:
@@ -160,9 +167,13 @@ class TestJoin:
 
 
 class TestRankCrash:
+    @pytest.mark.parametrize("where", ["before", "backward"])
     def test_a_crashed_local_rank_is_reported_restarted_and_gets_state_from_peers(
-            self, cluster, tmp_path):
-        env = {"TINY_CRASH_AT_STEP": "20", "TINY_CRASH_MARKER": str(tmp_path / "crashed")}
+            self, cluster, tmp_path, where):
+        # "backward": the peers are inside DDP's all-reduce when the rank dies;
+        # the gradients of that broken step must not be applied with the re-run
+        env = {"TINY_CRASH_AT_STEP": "20", "TINY_CRASH_MARKER": str(tmp_path / "crashed"),
+               "TINY_CRASH_IN": where}
         agents = [cluster.start(n, env=env) for n in ("a", "b", "c")]
         job = cluster.wait_succeeded()
         assert job.status.step == MAX_STEPS

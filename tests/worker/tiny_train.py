@@ -1,12 +1,27 @@
 """A tiny DDP training script for the worker tests: a linear regression whose
 samples are a fixed function of their index, so any rank can build any batch.
 
+The model also carries a *sample counter*: a float64 parameter with one entry
+per sample, trained by plain SGD on the loss ``-counter[i]`` for each sample
+``i`` of a batch. With the batch's loss scale and learning rate equal to the
+global batch size, one applied update adds exactly 1 to the entry of every
+sample whose gradient reached the optimizer, through DDP's all-reduce, state
+hand-overs and checkpoint restores alike. At the end each rank writes its
+counter to the audit directory (``applied-*.json``), so a test proves from
+the model's own state that every sample was applied exactly once
+(tests/worker/applied.py), not only that the sampler handed it out.
+
 Environment knobs (test-only): TINY_STEP_SLEEP_S slows each step so faults land
-mid-run; TINY_CRASH_AT_STEP=N makes global rank 1 exit(3) before step N, once
-per marker file TINY_CRASH_MARKER.
+mid-run; TINY_CRASH_AT_STEP=N makes global rank 1 exit(3) at step N, once
+per marker file TINY_CRASH_MARKER: before the step, or with
+TINY_CRASH_IN=backward in the middle of its backward pass (its peers are then
+inside DDP's gradient all-reduce); TINY_CRASH_RANKS=all makes every rank crash
+that way (a bad batch), TINY_CRASH_TIMES=K lets the crash repeat K times
+(one marker file per time).
 """
 
 import faulthandler
+import json
 import os
 import signal
 import sys
@@ -16,6 +31,9 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from springback.worker import Session
+from springback.worker.env import AUDIT_DIR
+
+NUM_SAMPLES, GLOBAL_BATCH = 256, 12
 
 
 def features(indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -24,33 +42,84 @@ def features(indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return x, x @ w_true + 0.5
 
 
+class TinyModel(torch.nn.Module):
+    def __init__(self, num_samples: int) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 1)
+        self.counter = torch.nn.Parameter(torch.zeros(num_samples, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.linear(x).squeeze(1), self.counter[indices]
+
+
+class Crash:
+    """The crash injection configured by the TINY_CRASH_* variables."""
+
+    def __init__(self) -> None:
+        self.at = int(os.environ.get("TINY_CRASH_AT_STEP", "0"))
+        self.marker = os.environ.get("TINY_CRASH_MARKER", "")
+        self.where = os.environ.get("TINY_CRASH_IN", "before")
+        self.every_rank = os.environ.get("TINY_CRASH_RANKS", "") == "all"
+        self.times = int(os.environ.get("TINY_CRASH_TIMES", "1"))
+
+    def due(self, step: int, rank: int) -> bool:
+        if not (self.at and step == self.at and self.marker):
+            return False
+        if not (self.every_rank or rank == 1):
+            return False
+        return any(not os.path.exists(self._marker(k, rank)) for k in range(self.times))
+
+    def now(self, rank: int) -> None:
+        k = next(k for k in range(self.times) if not os.path.exists(self._marker(k, rank)))
+        open(self._marker(k, rank), "w").close()
+        print(f"tiny_train: injected crash of rank {rank} ({self.where})", flush=True)
+        os._exit(3)
+
+    def _marker(self, k: int, rank: int) -> str:
+        suffix = f"-r{rank}" if self.every_rank else ""
+        return f"{self.marker}{suffix}" + (f".{k}" if k else "")
+
+
 def main() -> int:
     faulthandler.register(signal.SIGUSR1)  # stack dump of a hung rank, for debugging
     torch.manual_seed(0)
     torch.set_num_threads(1)
-    model = torch.nn.Linear(8, 1)
-    opt = torch.optim.Adam(model.parameters(), lr=0.05)
-    session = Session(model=model, optimizer=opt, num_samples=256, global_batch_size=12,
-                      max_steps=40)
+    model = TinyModel(NUM_SAMPLES)
+    opt = torch.optim.Adam(model.linear.parameters(), lr=0.05)
+    counter_opt = torch.optim.SGD([model.counter], lr=GLOBAL_BATCH)  # stateless
+    session = Session(model=model, optimizer=opt, num_samples=NUM_SAMPLES,
+                      global_batch_size=GLOBAL_BATCH, max_steps=40)
     sleep_s = float(os.environ.get("TINY_STEP_SLEEP_S", "0"))
-    crash_at = int(os.environ.get("TINY_CRASH_AT_STEP", "0"))
-    marker = os.environ.get("TINY_CRASH_MARKER", "")
+    crash = Crash()
     for gen in session.generations():
         with gen:
+            assert gen.stream.num_samples == NUM_SAMPLES
+            assert gen.stream.global_batch_size == GLOBAL_BATCH
             ddp = DDP(model, process_group=gen.group)
             for batch in gen.batches():
-                if (crash_at and batch.step == crash_at and gen.rank == 1 and marker
-                        and not os.path.exists(marker)):
-                    open(marker, "w").close()
-                    os._exit(3)
-                x, y = features(torch.as_tensor(batch.indices, dtype=torch.float32))
-                per_sample = (ddp(x).squeeze(1) - y) ** 2
-                (per_sample.sum() * batch.loss_scale).backward()
+                crashing = crash.due(batch.step, gen.rank)
+                if crashing and crash.where == "before":
+                    crash.now(gen.rank)
+                indices = torch.as_tensor(batch.indices)
+                x, y = features(indices.to(torch.float32))
+                prediction, counted = ddp(x, indices)
+                per_sample = (prediction - y) ** 2
+                loss = (per_sample.sum() - counted.sum()) * batch.loss_scale
+                if crashing:  # in backward: after the local gradients, inside DDP's all-reduce
+                    model.linear.weight.register_hook(lambda g: crash.now(gen.rank))
+                loss.backward()
                 opt.step()
+                counter_opt.step()
                 opt.zero_grad()
+                counter_opt.zero_grad()
                 gen.report(loss=per_sample.mean().item() if len(per_sample) else 0.0)
                 if sleep_s:
                     time.sleep(sleep_s)
+    audit_dir = os.environ.get(AUDIT_DIR)
+    if audit_dir and session.finished:
+        path = os.path.join(audit_dir, f"applied-p{os.getpid()}.json")
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump({"step": session.step, "counter": model.counter.detach().tolist()}, f)
     return 0
 
 
