@@ -51,6 +51,9 @@ def job_summary(job: pb.Job) -> dict[str, Any]:
         "loss": status.loss,
         "last_checkpoint": checkpoint,
         "checkpoint_error": status.checkpoint_error or None,
+        "restores": status.num_restores,
+        "steps_redone": status.steps_redone,
+        "failures": status.num_failures,
         "message": status.message,
         "spec": MessageToDict(job.spec, preserving_proto_field_name=True),
     }
@@ -68,6 +71,8 @@ def _human_job(job: pb.Job) -> str:
         f"progress   step {s['step']}/{s['max_steps']}   samples {s['samples_consumed']}"
         f"   loss {s['loss']:.4f}",
         f"checkpoint {'step %d at %s' % (ckpt['step'], ckpt['uri']) if ckpt else '-'}",
+        f"recovery   {s['restores']} restores from checkpoints   {s['steps_redone']} steps "
+        f"redone   {s['failures']} rank failures",
     ]
     if s["checkpoint_error"]:
         lines.append(f"ckpt error {s['checkpoint_error']}")

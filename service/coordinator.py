@@ -191,8 +191,10 @@ class Coordinator:
         """Applies `mutate` to the job, replans, and writes both atomically.
 
         A new generation is written when the plan's signature changes (or when
-        forced: a rank crashed, an operator restore). `draining` members are
-        planned as if their draining flag (written by `extra_ops`) were set.
+        forced: a rank crashed, an operator restore). `stateless` members lost
+        their in-memory state (a rank crashed) and stop being state holders.
+        `draining` members are planned as if their draining flag (written by
+        `extra_ops`) were set.
         Raises `Conflict` if a concurrent writer won (nothing is written),
         `NotLeader` if this replica does not lead, and whatever `mutate` raises
         (nothing is written).
@@ -208,6 +210,10 @@ class Coordinator:
             members = self.members(job_id)
             for m in members:
                 m.draining = m.draining or m.id in draining
+            live = {m.id for m in members}
+            holders = [h for h in job.status.state_holders if h in live and h not in stateless]
+            del job.status.state_holders[:]
+            job.status.state_holders.extend(holders)
             checkpoints = self.list_checkpoints(job_id)
             requested = None
             if job.status.restore_step:
@@ -221,7 +227,7 @@ class Coordinator:
                 ),
                 newest_checkpoint=checkpoints[0] if checkpoints else None,
                 requested_checkpoint=requested,
-                stateless=stateless,
+                holders=holders,
                 reason=reason,
             )
             self.last_replan_s = time.perf_counter() - started
@@ -233,15 +239,11 @@ class Coordinator:
             if new_generation:
                 plan.generation = (previous.generation if previous else 0) + 1
                 plan.created_at.CopyFrom(timestamp_now())
-                if plan.restore.kind in (pb.RESTORE_KIND_CHECKPOINT, pb.RESTORE_KIND_NONE):
-                    # Training rewinds to the restored state: progress follows it.
-                    if requested is not None:
-                        status.restore_step = 0
-                    status.step = plan.step
-                    status.cursor.CopyFrom(plan.cursor)
-                    if plan.restore.kind == pb.RESTORE_KIND_NONE:
-                        status.samples_consumed = 0
-                    self._progress.pop(job_id, None)
+                if requested is not None and plan.restore.kind == pb.RESTORE_KIND_CHECKPOINT:
+                    status.restore_step = 0  # the operator's restore is planned
+                # Progress rewinds when the ranks report the state they
+                # actually started from (record_generation_start), not here:
+                # this plan may never start.
                 status.generation = plan.generation
                 status.world_size = plan.world_size
                 del status.members[:]
@@ -337,6 +339,46 @@ class Coordinator:
                 job.status.state = pb.JOB_STATE_SUCCEEDED
             self.change_with_retry(job_id, f"reached max_steps {job.spec.max_steps}", succeed)
         return self.current_generation(job_id)
+
+    def record_generation_start(self, job_id: str, member_id: str, generation: int,
+                                progress: planner.Progress, restored_from: int) -> None:
+        """Rank 0's word that generation `generation` agreed on the state of
+        `progress.step`, taken from `restored_from` (memory, a checkpoint, or
+        nothing).
+
+        This is what proves state holders: every member of the generation
+        holds that state now. A start behind the reported progress rewinds it
+        and counts the steps redone; a restore from a checkpoint is counted.
+        One etcd write per generation. Raises `StaleGeneration` for an old
+        generation (nothing changes); idempotent for a repeated report.
+        """
+        self.require_leader()
+        with self._changed:
+            self.check_generation(job_id, generation)
+            if member_id not in self._plans[job_id].members:
+                raise StaleGeneration(job_id, generation, self.current_generation(job_id))
+            holders = sorted(self._plans[job_id].members)
+
+        def started(job: pb.Job) -> None:
+            status = job.status
+            if status.holders_step == progress.step and list(status.state_holders) == holders:
+                return  # a repeated report
+            if progress.step < status.step:
+                status.steps_redone += status.step - progress.step
+            if restored_from == pb.RESTORE_KIND_CHECKPOINT:
+                status.num_restores += 1
+            status.step = progress.step
+            status.samples_consumed = progress.samples_consumed
+            status.cursor.CopyFrom(progress.cursor)
+            del status.state_holders[:]
+            status.state_holders.extend(holders)
+            status.holders_step = progress.step
+            with self._changed:  # reports of the new generation count from here
+                self._progress[job_id] = progress
+
+        source = pb.RestoreKind.Name(restored_from).removeprefix("RESTORE_KIND_").lower()
+        self.change_with_retry(job_id, f"generation {generation} started at step "
+                                       f"{progress.step} (state from {source})", started)
 
     # -- watching -----------------------------------------------------------------
 

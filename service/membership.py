@@ -12,17 +12,22 @@ join again as a new member.
 from __future__ import annotations
 
 import math
+import time
 import uuid
 
 from springback.service import keys, planner
 from springback.service.coordinator import Coordinator, timestamp_now
-from springback.service.errors import FailedPrecondition, InvalidArgument, NotFound
+from springback.service.errors import (
+    FailedPrecondition, InvalidArgument, NotFound, StaleGeneration,
+)
+from springback.service.failures import DEFAULT_MAX_PER_STEP, DEFAULT_WINDOW_S, FailureStreaks
 from springback.v1 import types_pb2 as pb
 
 
 class Membership:
     def __init__(self, coordinator: Coordinator) -> None:
         self.coordinator = coordinator
+        self._streaks = FailureStreaks()
 
     @property
     def liveness_timeout_s(self) -> float:
@@ -90,10 +95,11 @@ class Membership:
     def drain(self, job_id: str, member_id: str, reason: str) -> bool:
         """Announces that a member is leaving soon (preemption, SIGTERM).
 
-        When other members of the plan will still hold the state, the member is
-        marked draining and a generation without it is made at once: returns
-        False (no checkpoint needed). When it is the last holder, nothing
-        changes and True is returned: the member must checkpoint, then leave.
+        When other members will still hold the state, or this one holds none
+        (its ranks never proved any), the member is marked draining and a
+        generation without it is made at once: returns False (no checkpoint
+        needed). When it is the last proven holder, nothing changes and True
+        is returned: the member must checkpoint, then leave.
         """
         coordinator = self.coordinator
         coordinator.require_leader()
@@ -101,13 +107,12 @@ class Membership:
         entry = coordinator.store.get(key, pb.Member)
         if entry is None:
             raise NotFound(f"member {member_id!r} of job {job_id!r} is not registered")
-        plan = coordinator.current_plan(job_id)
-        holders = {m.member_id for m in plan.members} if plan else set()
+        holders = set(coordinator.get_job(job_id).status.state_holders)
         others = [
             m for m in coordinator.members(job_id)
             if m.id != member_id and m.id in holders and not m.draining
         ]
-        if not others:
+        if member_id in holders and not others:
             return True
         member = entry.value
         member.draining = True
@@ -123,13 +128,41 @@ class Membership:
         return False
 
     def report_failure(self, job_id: str, member_id: str, generation: int, reason: str) -> int:
-        """A local rank died: new generation at once; that member's ranks hold no state."""
+        """A local rank died: that member's ranks no longer hold the state, and
+        a new generation is made at once.
+
+        A report of an older generation is accepted too (every rank crashing
+        together: the second agent reports after the first one's replan); it
+        makes no new generation unless the member is in the current plan.
+        A fenced member gets NOT_FOUND. When failures repeat without
+        progress (`failures.FailureStreaks`), the job ends FAILED with the
+        reason instead; returns the job's generation.
+        """
         coordinator = self.coordinator
         coordinator.require_leader()
-        coordinator.check_generation(job_id, generation)
+        current = coordinator.current_generation(job_id)
+        if generation > current:
+            raise StaleGeneration(job_id, generation, current)
         coordinator.lease_of(job_id, member_id)  # NOT_FOUND for a fenced member
+        job = coordinator.get_job(job_id)
+        policy = job.spec.failures
+        limit = policy.max_per_step or DEFAULT_MAX_PER_STEP
+        streak = self._streaks.record(
+            job_id, step=job.status.step, generation=generation, now=time.monotonic(),
+            max_per_step=limit, window_s=policy.window_s or DEFAULT_WINDOW_S)
+        what = reason or "rank exited"
+
+        def count(job: pb.Job) -> None:
+            job.status.num_failures += 1
+            if streak >= limit and not planner.is_terminal(job.status.state):
+                job.status.state = pb.JOB_STATE_FAILED
+
+        if streak >= limit:
+            message = (f"failed: {streak} generations broke by rank failures at step "
+                       f"{job.status.step} without progress; last: {member_id}: {what}")
+        else:
+            message = f"{member_id} reported a failure: {what}"
         job = coordinator.change_with_retry(
-            job_id, f"{member_id} reported a failure: {reason or 'rank exited'}",
-            stateless={member_id}, force_generation=True,
-        )
+            job_id, message, count, stateless={member_id},
+            force_generation=generation == current)
         return job.status.generation

@@ -17,9 +17,16 @@ Rules, in order:
 * Survivors keep their node rank when it is still in range; the others fill
   the vacant ranks in candidate order. Global ranks are contiguous in
   node-rank order, so with equal ranks per node a survivor keeps its ranks.
+* State holders are *proven*, never assumed: the members whose ranks
+  reported, at the start of a generation, the state they agreed on
+  (`JobStatus.state_holders`), less those whose ranks crashed since. Being
+  in the previous plan proves nothing (that generation may never have
+  started).
 * State comes from an operator-chosen checkpoint if one is pending, else from
-  surviving holders (PEERS, the lowest new rank among them broadcasts), else
-  from the newest committed checkpoint, else from scratch.
+  surviving holders (PEERS, the lowest new rank among them broadcasts; the
+  plan also names the newest commit, which the ranks restore when none of
+  them turns out to hold state), else from the newest committed checkpoint,
+  else from scratch (only while nothing was ever committed).
 """
 
 from __future__ import annotations
@@ -122,13 +129,13 @@ def make_plan(
     progress: Progress,
     newest_checkpoint: pb.CheckpointRef | None,
     requested_checkpoint: pb.CheckpointRef | None = None,
-    stateless: Collection[str] = (),
+    holders: Collection[str] = (),
     reason: str = "",
 ) -> pb.Plan:
     """The plan for the next generation (its generation number is left 0).
 
-    `stateless` names members whose ranks lost their in-memory state (a rank
-    crashed): they are planned but are not state sources.
+    `holders` names the members proven to hold the state in memory (see the
+    module docstring); only live ones among them are state sources.
     """
     spec = job.spec
     plan = pb.Plan(job_id=job.id, spec=spec, reason=reason)
@@ -136,7 +143,8 @@ def make_plan(
         plan.action = pb.PLAN_ACTION_STOP
         return plan
     candidates, old_rank = _ordered_candidates(members, previous)
-    holders = {m.id for m in candidates if m.id in old_rank and m.id not in stateless}
+    proven = set(holders)
+    holders = {m.id for m in candidates if m.id in proven}
     n = 0 if job.status.state == pb.JOB_STATE_PAUSED else _active_count(candidates, spec)
     if n == 0:
         # Hold: keep the state holders listed (with their old ranks) so the
@@ -166,6 +174,8 @@ def make_plan(
     elif source is not None:
         plan.restore.kind = pb.RESTORE_KIND_PEERS
         plan.restore.source_rank = source.first_rank
+        if newest_checkpoint is not None:  # if the holders turn out to hold nothing
+            plan.restore.checkpoint.CopyFrom(newest_checkpoint)
         plan.step = progress.step
         plan.cursor.CopyFrom(progress.cursor)
     elif newest_checkpoint is not None:

@@ -162,6 +162,12 @@ class WorkerServicer(ws_grpc.WorkerServiceServicer):
                    context: grpc.ServicerContext) -> ws.ReportStepResponse:
         progress = Progress(step=request.step, samples_consumed=request.samples_consumed,
                             loss=request.loss, cursor=request.cursor)
+        if request.generation_start:
+            self.coordinator.record_generation_start(
+                request.job_id, request.member_id, request.generation, progress,
+                request.restored_from)
+            return ws.ReportStepResponse(
+                generation=self.coordinator.current_generation(request.job_id))
         generation = self.coordinator.record_progress(
             request.job_id, request.member_id, request.generation, progress)
         return ws.ReportStepResponse(generation=generation)

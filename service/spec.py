@@ -14,6 +14,7 @@ from typing import Any
 
 import yaml
 
+from springback.service import failures
 from springback.service.errors import InvalidArgument
 from springback.v1 import types_pb2
 
@@ -40,6 +41,10 @@ _SCHEMA: dict[str, Any] = {
         False,
     ),
     "max_steps": (int, True),
+    "failures": (
+        {"max_per_step": (int, False), "window_s": (int, False), "plan_wait_s": (int, False)},
+        False,
+    ),
 }
 
 
@@ -76,7 +81,7 @@ def spec_from_dict(value: Mapping[str, Any]) -> types_pb2.JobSpec:
     fields = [(spec, key, key) for key in ("name", "min_workers", "max_workers", "max_steps")]
     fields += [
         (getattr(spec, section), key, f"{section}.{key}")
-        for section in ("layout", "data", "checkpoint")
+        for section in ("layout", "data", "checkpoint", "failures")
         for key in (value.get(section) or {})
     ]
     for message, key, where in fields:
@@ -112,7 +117,9 @@ def validate(spec: types_pb2.JobSpec) -> types_pb2.JobSpec:
     """A copy of `spec` with defaults filled in; raises on the first bad field.
 
     Defaults: min_workers 1, max_workers = min_workers, layout degrees 1,
-    (checkpoint.keep_last 0 keeps every checkpoint; spec files default it to 3).
+    failures as in `service.failures` (3 per step in 600 s, plans awaited
+    300 s), (checkpoint.keep_last 0 keeps every checkpoint; spec files default
+    it to 3).
     """
     out = types_pb2.JobSpec()
     out.CopyFrom(spec)
@@ -129,6 +136,9 @@ def validate(spec: types_pb2.JobSpec) -> types_pb2.JobSpec:
         )
     for degree in ("tp", "pp", "ep"):
         setattr(out.layout, degree, getattr(out.layout, degree) or 1)
+    out.failures.max_per_step = out.failures.max_per_step or failures.DEFAULT_MAX_PER_STEP
+    out.failures.window_s = out.failures.window_s or failures.DEFAULT_WINDOW_S
+    out.failures.plan_wait_s = out.failures.plan_wait_s or failures.DEFAULT_PLAN_WAIT_S
     if out.data.num_samples == 0:
         raise InvalidArgument("data.num_samples", "must be positive")
     if out.data.global_batch_size == 0:

@@ -129,3 +129,23 @@ def leave_group(release_timeout_s: float = 5.0) -> None:
         dist.destroy_process_group()
     except Exception as e:  # noqa: BLE001 - a broken group must not stop recovery
         log.warning("destroying a broken process group: %s", e)
+
+
+# What gloo's transport (and NCCL, the store) put in the errors they raise
+# when a peer dies, resets or times out. torch raises most of them as plain
+# RuntimeError, so the message is all there is to tell them from a user's own.
+_COLLECTIVE_ERROR_MARKERS = (
+    "gloo/transport", "Connection reset by peer", "Connection closed by peer",
+    "Timed out waiting", "NCCL", "Socket Timeout", "Broken pipe",
+)
+
+
+def is_collective_failure(exc: BaseException) -> bool:
+    """True when `exc` is what a collective or the store raises because a peer
+    died, hung or was cut off: the generation broke, not the user's code."""
+    if isinstance(exc, dist.DistError):
+        return True
+    if not isinstance(exc, RuntimeError):
+        return False
+    text = str(exc)
+    return any(marker in text for marker in _COLLECTIVE_ERROR_MARKERS)

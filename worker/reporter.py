@@ -4,7 +4,13 @@
 newest matters: the coordinator keeps the last step) and a background thread
 sends it with a deadline. A coordinator that is down or slow costs nothing but
 staleness of `springback job get`; failures are logged, counted and retried
-with the next report. A FAILED_PRECONDITION reply means this rank's generation
+with the next report.
+
+`start` reports the state a generation agreed on (once per generation). It
+is not replaced by later step reports: it is sent first and retried every
+`START_RETRY_S` until the coordinator takes it or fences it, because the
+coordinator learns from it which members hold state and how far training
+rewound. A FAILED_PRECONDITION reply means this rank's generation
 is no longer current (it was fenced or a new plan exists): `stale` turns true
 and the training loop moves to the next plan at its next step boundary.
 """
@@ -25,6 +31,7 @@ from springback.v1 import worker_service_pb2_grpc as wgrpc
 log = logging.getLogger(__name__)
 
 REPORT_TIMEOUT_S = 5.0
+START_RETRY_S = 0.5
 
 
 class StepReporter:
@@ -38,6 +45,7 @@ class StepReporter:
         self._member_id = member_id
         self._cond = threading.Condition()
         self._pending: wpb.ReportStepRequest | None = None
+        self._pending_start: wpb.ReportStepRequest | None = None
         self._in_flight = False
         self._closed = False
         self.stale = False
@@ -57,11 +65,23 @@ class StepReporter:
             self._pending = req
             self._cond.notify_all()
 
+    def start(self, *, generation: int, step: int, samples_consumed: int, restored_from: int,
+              epoch: int, offset: int) -> None:
+        """Queues the generation-start report (see the module docstring)."""
+        req = wpb.ReportStepRequest(
+            job_id=self._job_id, member_id=self._member_id, generation=generation, step=step,
+            samples_consumed=samples_consumed, cursor=pb.DataCursor(epoch=epoch, offset=offset),
+            generation_start=True, restored_from=restored_from)
+        with self._cond:
+            self._pending_start = req
+            self._pending = None  # reports of an older generation are moot
+            self._cond.notify_all()
+
     def flush(self, timeout_s: float = REPORT_TIMEOUT_S) -> bool:
         """Waits until the pending report was sent (or failed); False on timeout."""
         deadline = time.monotonic() + timeout_s
         with self._cond:
-            while self._pending is not None or self._in_flight:
+            while self._pending is not None or self._pending_start is not None or self._in_flight:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
@@ -76,24 +96,41 @@ class StepReporter:
         self._thread.join(timeout=1)
         self._channel.close()
 
+    def _next(self) -> wpb.ReportStepRequest | None:
+        """The report to send next (the start report first); None once closed."""
+        with self._cond:
+            while self._pending is None and self._pending_start is None and not self._closed:
+                self._cond.wait()
+            if self._closed:
+                return None
+            self._in_flight = True
+            if self._pending_start is not None:
+                return self._pending_start
+            req, self._pending = self._pending, None
+            return req
+
     def _loop(self) -> None:
-        while True:
-            with self._cond:
-                while self._pending is None and not self._closed:
-                    self._cond.wait()
-                if self._closed:
-                    return
-                req, self._pending, self._in_flight = self._pending, None, True
+        while (req := self._next()) is not None:
+            retry = False
             try:
                 resp = self._stub.ReportStep(req, timeout=REPORT_TIMEOUT_S)
                 self.coordinator_generation = resp.generation
             except grpc.RpcError as e:
-                if e.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND):
+                fenced = e.code() in (grpc.StatusCode.FAILED_PRECONDITION,
+                                      grpc.StatusCode.NOT_FOUND)
+                if fenced:
                     self.stale = True
+                retry = req.generation_start and not fenced
                 self.num_failures += 1
-                log.warning("ReportStep(step=%d, generation=%d) failed: %s %s", req.step,
-                            req.generation, e.code().name, e.details())
+                log.warning("ReportStep(step=%d, generation=%d%s) failed: %s %s", req.step,
+                            req.generation, ", start" if req.generation_start else "",
+                            e.code().name, e.details())
             finally:
                 with self._cond:
+                    if req is self._pending_start and not retry:
+                        self._pending_start = None
                     self._in_flight = False
                     self._cond.notify_all()
+            if retry:
+                with self._cond:
+                    self._cond.wait_for(lambda: self._closed, timeout=START_RETRY_S)

@@ -15,18 +15,31 @@ Failure semantics:
 
 * A collective that fails inside ``with gen:`` (a peer was killed: connection
   reset at once; a peer stopped: the collective timeout, which the agent sets to
-  the liveness timeout) ends the generation. The session waits up to
-  `failure_grace_s` for the coordinator's next plan and re-raises the error if
-  none comes (then it was not a membership change but a bug).
+  the liveness timeout) ends the generation. The session keeps its state and
+  waits for the coordinator's next plan up to the job's
+  ``failures.plan_wait_s`` (300 s by default; a coordinator or etcd outage is
+  exactly when the state is needed), then re-raises the error. Any other
+  exception (the user's own, a RuntimeError included) is never taken for a
+  membership change: it propagates at once, and the agent reports the rank's
+  failure.
 * At the start of every generation the ranks agree on the state: each reports
   the step its in-memory state holds (-1 for a fresh process). The state of the
   highest step (the plan's source rank when it holds it) is broadcast to every
   rank unless all ranks ended the previous generation cleanly at the same step.
-  Only when no rank holds state is it loaded from the plan's checkpoint through
-  `restore_checkpoint` (the storage hook), or taken fresh from rank 0.
+  When the plan's checkpoint is newer than any rank's state (no rank holds
+  any: every rank crashed, or the holders the plan counted on are gone) it is
+  loaded through `restore_checkpoint` (the storage hook), also when the plan
+  expected peers; only with no checkpoint at all is the state taken fresh
+  from rank 0. Rank 0 then reports the agreed step and its source to the
+  coordinator, which proves the state holders and counts steps redone.
 * A generation that fails to start (its group cannot form) is dropped for the
-  next plan; when none comes within `failure_grace_s` the session raises, so
+  next plan; when none comes within the plan wait the session raises, so
   the agent reports the rank's failure and the coordinator plans anew.
+* Reaching ``max_steps`` does not end the session by itself: the ranks wait
+  (up to the plan wait, rank 0 re-sending the final step report) until the
+  coordinator confirms with a STOP plan, or moves the job to a newer
+  generation, in which the final step is reported again. A final report that
+  a flaky network lost therefore never leaves a "finished" job pending.
 * A new plan (join, drain) is switched to at a step boundary agreed by all
   ranks: every step ends with one small all-reduce that carries the newest
   generation any rank has seen and the step's loss.
@@ -62,11 +75,16 @@ from springback.worker.rendezvous import (
     RendezvousAborted,
     form_group,
     handed_to_gloo,
+    is_collective_failure,
     leave_group,
 )
 from springback.worker.sampler import Batch, SampleStream
 
 log = logging.getLogger(__name__)
+
+DEFAULT_PLAN_WAIT_S = 300.0
+"""The plan wait when neither the job (failures.plan_wait_s) nor Session sets one."""
+FINAL_RESEND_S = 1.0
 
 RestoreHook = Callable[[pb.CheckpointRef, dict[str, Any]], int]
 """Loads a committed checkpoint into the registered state; returns its step."""
@@ -81,7 +99,7 @@ class Session:
                  num_samples: int | None = None, global_batch_size: int | None = None,
                  seed: int | None = None, max_steps: int | None = None,
                  backend: str = "gloo", restore_checkpoint: RestoreHook | None = None,
-                 failure_grace_s: float | None = None, env: RankEnv | None = None) -> None:
+                 plan_wait_s: float | None = None, env: RankEnv | None = None) -> None:
         """`model`/`optimizer`/`state` (objects with state_dict/load_state_dict)
         are what survivors hand to joiners. Data and max_steps come from the job
         spec in the plan; the keyword arguments are fallbacks for standalone runs
@@ -97,12 +115,15 @@ class Session:
             from springback.worker.checkpointing import restore_from_checkpoint
             restore_checkpoint = restore_from_checkpoint
         self.restore_checkpoint = restore_checkpoint
-        self.failure_grace_s = failure_grace_s or max(15.0, 3 * self.env.collective_timeout_s)
+        self._plan_wait_override_s = plan_wait_s  # else the job's failures.plan_wait_s
         self._fallback = (num_samples, global_batch_size, seed, max_steps)
         self._state_step = -1  # step the in-memory state holds; -1: none yet
         self._clean = False    # the last generation ended at an agreed boundary
         self._generation = 0
         self._was_member = False
+        self._wait_s = plan_wait_s or DEFAULT_PLAN_WAIT_S  # the plan wait, from the job
+        self._final: Callable[[], None] | None = None  # resends the final step report
+        self._last_loss = float("nan")
         self.finished = False
         self._standalone_store: dist.TCPStore | None = None
         self._stats: RankStats | None = None
@@ -165,7 +186,13 @@ class Session:
 
     def _next_plan(self) -> pb.Plan | None:
         """Waits for a plan newer than the current generation that this rank acts
-        on. Returns None when the job stopped or this member was removed."""
+        on. Returns None when the job stopped or this member was removed.
+
+        After max_steps the wait is bounded by the plan wait (RuntimeError:
+        the coordinator never confirmed the end), and rank 0 re-sends the
+        final step report every second meanwhile."""
+        deadline = time.monotonic() + self._wait_s
+        resent = 0.0
         while True:
             plan = self._latest()
             if plan is not None and plan.generation > self._generation:
@@ -183,6 +210,15 @@ class Session:
                     return None
             if self._channel is None:
                 return None  # standalone: the only plan was used
+            if self._final is not None:
+                now = time.monotonic()
+                if now >= deadline:
+                    raise RuntimeError(
+                        f"max_steps reached in generation {self._generation} but the "
+                        f"coordinator confirmed no end within {self._wait_s:.0f}s")
+                if now - resent >= FINAL_RESEND_S:
+                    self._final()
+                    resent = now
             time.sleep(0.02)
 
     # -- generations ---------------------------------------------------------
@@ -193,20 +229,24 @@ class Session:
         stops, or this member is no longer in the plan.
 
         A generation that cannot start here (superseded, a peer gone) is
-        skipped for the next plan; if none comes within `failure_grace_s`,
+        skipped for the next plan; if none comes within the plan wait,
         RuntimeError is raised, so the rank exits, its agent reports the
         failure and the coordinator plans again instead of the job hanging."""
         try:
             while not self.finished:
                 plan = self._next_plan()
                 if plan is None:
+                    self.finished = self.finished or self._final is not None
                     break
+                self._final = None
+                self._wait_s = (self._plan_wait_override_s or plan.spec.failures.plan_wait_s
+                                or DEFAULT_PLAN_WAIT_S)
                 gen = self._start(plan)
                 if gen is None:
-                    if not self._newer_plan_within(plan.generation, self.failure_grace_s):
+                    if not self._newer_plan_within(plan.generation, self._wait_s):
                         raise RuntimeError(
                             f"generation {plan.generation} could not start and no newer plan "
-                            f"came within {self.failure_grace_s:.0f}s")
+                            f"came within {self._wait_s:.0f}s")
                     continue
                 try:
                     yield gen
@@ -235,7 +275,7 @@ class Session:
                        collective_timeout_s=self.env.collective_timeout_s,
                        rendezvous_timeout_s=self.env.rendezvous_timeout_s,
                        superseded=superseded)
-            source = self._agree_state(plan, rank)
+            source, restored_from = self._agree_state(plan, rank)
         except (RendezvousAborted, RuntimeError) as e:
             log.warning("generation %d could not start on rank %d: %s", plan.generation,
                         rank, e)
@@ -243,7 +283,7 @@ class Session:
             self._clean = False
             return None
         gen = Generation(self, plan, rank)
-        gen._record_start(source, time.monotonic() - t0)
+        gen._record_start(source, restored_from, time.monotonic() - t0)
         if self._stats is not None:
             self._stats.generation_started(generation=plan.generation,
                                            world_size=plan.world_size, rank=rank, step=self.step)
@@ -260,8 +300,15 @@ class Session:
             if isinstance(obj, (torch.nn.Module, torch.optim.Optimizer)):
                 obj.zero_grad(set_to_none=True)
 
-    def _agree_state(self, plan: pb.Plan, rank: int) -> int | None:
-        """Makes every rank's state identical; returns the source rank or None."""
+    def _agree_state(self, plan: pb.Plan, rank: int) -> tuple[int | None, int]:
+        """Makes every rank's state identical; returns (source rank or None,
+        where the state came from: a `RestoreKind`).
+
+        The newest state any rank holds wins, unless the plan's checkpoint is
+        newer: with no rank holding state (every rank crashed, all holders
+        lost) the plan's checkpoint is restored even when the plan expected
+        peers to serve it, so a job never starts from scratch while a
+        commit exists."""
         world = plan.world_size
         mine = torch.tensor([self._state_step, int(self._clean)], dtype=torch.int64)
         gathered = [torch.zeros_like(mine) for _ in range(world)]
@@ -270,29 +317,35 @@ class Session:
         steps = [int(t[0]) for t in gathered]
         clean = all(int(t[1]) for t in gathered)
         best = max(steps)
-        if best < 0 and plan.restore.kind == pb.RESTORE_KIND_CHECKPOINT:
+        ref = plan.restore.checkpoint if plan.restore.checkpoint.uri else None
+        if ref is not None and best < int(ref.step) and plan.restore.kind in (
+                pb.RESTORE_KIND_CHECKPOINT, pb.RESTORE_KIND_PEERS):
             if self.restore_checkpoint is None:
-                raise RuntimeError("plan says restore from checkpoint "
-                                   f"{plan.restore.checkpoint.uri} but no restore hook is set")
-            self._state_step = self.restore_checkpoint(plan.restore.checkpoint, self.state)
+                raise RuntimeError(f"plan says restore from checkpoint {ref.uri} "
+                                   "but no restore hook is set")
+            if plan.restore.kind == pb.RESTORE_KIND_PEERS:
+                log.warning("no rank holds the state the plan expected (best step %d): "
+                            "restoring checkpoint step %d", best, ref.step)
+            self._state_step = self.restore_checkpoint(ref, self.state)
             self._clean = False
-            return None
+            return None, pb.RESTORE_KIND_CHECKPOINT
         if best >= 0 and clean and all(s == best for s in steps):
-            return None  # every rank already holds the same state
+            return None, pb.RESTORE_KIND_PEERS  # every rank already holds the same state
         if best < 0:
             source, best = 0, 0  # fresh start: rank 0's initialisation wins
+            kind = pb.RESTORE_KIND_NONE
         elif (plan.restore.kind == pb.RESTORE_KIND_PEERS and plan.restore.source_rank < world
               and steps[plan.restore.source_rank] == best):
-            source = plan.restore.source_rank
+            source, kind = plan.restore.source_rank, pb.RESTORE_KIND_PEERS
         else:
-            source = steps.index(best)
+            source, kind = steps.index(best), pb.RESTORE_KIND_PEERS
         mine_state = {k: v.state_dict() for k, v in self.state.items()} if rank == source else None
         received = _broadcast_object(mine_state, source, rank)
         if rank != source:
             for k, v in self.state.items():
                 v.load_state_dict(received[k])
         self._state_step = best
-        return source
+        return source, kind
 
     def close(self) -> None:
         """Flushes the last step report and drops the process group. Idempotent."""
@@ -400,8 +453,11 @@ class Generation:
                 break
         s._clean = True
         if s._state_step >= self.max_steps and not s.finished:
-            s.finished = True
             self._record_state("end")
+            if s._channel is None or s._reporter is None:
+                s.finished = True  # no coordinator to confirm the end
+            else:  # wait for the coordinator's word (see _next_plan)
+                s._final = self._report_final if self.rank == 0 else (lambda: None)
 
     def report(self, *, loss: float) -> None:
         """Attaches this rank's mean loss over its batch to the current step."""
@@ -450,6 +506,16 @@ class Generation:
             self._record_state("switch")
         return newer
 
+    def _report_final(self) -> None:
+        """Rank 0, after max_steps: (re)sends the final step report."""
+        s = self.session
+        if s._reporter is None:
+            return
+        epoch, offset = self.stream.cursor_after(s.step)
+        s._reporter.submit(generation=self.generation, step=s.step,
+                           samples_consumed=s.step * self.stream.global_batch_size,
+                           loss=s._last_loss, epoch=epoch, offset=offset)
+
     def _after_step(self, step: int, loss: float) -> None:
         """Rank 0: the step's local record first, then the report (whoever sees
         the job finish can read every step's record)."""
@@ -457,6 +523,7 @@ class Generation:
         metrics.append({"event": "step", "generation": self.generation,
                         "world_size": self.world_size, "step": step, "loss": loss})
         epoch, offset = self.stream.cursor_after(step)
+        s._last_loss = loss
         if s._reporter is not None:
             s._reporter.submit(generation=self.generation, step=step,
                                samples_consumed=step * self.stream.global_batch_size,
@@ -466,7 +533,13 @@ class Generation:
 
     # -- bookkeeping -----------------------------------------------------------
 
-    def _record_start(self, source: int | None, formed_s: float) -> None:
+    def _record_start(self, source: int | None, restored_from: int, formed_s: float) -> None:
+        s = self.session
+        if self.rank == 0 and s._reporter is not None:
+            epoch, offset = self.stream.cursor_after(s.step)
+            s._reporter.start(generation=self.generation, step=s.step,
+                              samples_consumed=s.step * self.stream.global_batch_size,
+                              restored_from=restored_from, epoch=epoch, offset=offset)
         if self.rank == 0:
             metrics.append({"event": "generation", "generation": self.generation,
                      "world_size": self.world_size, "step": self.session.step,
@@ -500,15 +573,18 @@ class Generation:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:  # noqa: ANN001
-        if exc is None or not isinstance(exc, RuntimeError):
+        """A failed collective ends the generation quietly once a newer plan
+        comes (the state is kept meanwhile, up to the plan wait); anything
+        else, and a collective failure that no plan follows, propagates."""
+        if exc is None or not is_collective_failure(exc):
             return False
         s = self.session
         s._clean = False
         log.warning("generation %d broke on rank %d at step %d: %s", self.generation,
                     self.rank, s.step + 1, str(exc).splitlines()[0] if str(exc) else exc)
         leave_group()
-        if not s._newer_plan_within(self.generation, s.failure_grace_s):
-            log.error("no new generation within %.0fs: the failure is not a "
-                      "membership change", s.failure_grace_s)
+        if not s._newer_plan_within(self.generation, s._wait_s):
+            log.error("no new generation within %.0fs of a failed collective: giving up "
+                      "the state", s._wait_s)
             return False
         return True

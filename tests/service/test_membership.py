@@ -31,6 +31,15 @@ def plan_of(coordinator, job_id: str) -> pb.Plan:
     return coordinator.coordinator.current_plan(job_id)
 
 
+def started(workers, coordinator, job_id: str, member_id: str, step: int = 0) -> None:
+    """What rank 0 reports once its generation agreed on the state: it proves
+    that every member of that generation holds the state of `step`."""
+    generation = plan_of(coordinator, job_id).generation
+    workers.ReportStep(ws.ReportStepRequest(
+        job_id=job_id, member_id=member_id, generation=generation, step=step,
+        generation_start=True, restored_from=pb.RESTORE_KIND_PEERS), timeout=5)
+
+
 def keep_alive(workers, job_id: str, *members: str) -> None:
     for member in members:
         workers.Heartbeat(ws.HeartbeatRequest(job_id=job_id, member_id=member), timeout=5)
@@ -47,6 +56,7 @@ class TestGenerations:
         assert plan.action == pb.PLAN_ACTION_RUN and plan.world_size == 2
         assert [m.member_id for m in plan.members] == [a, b]
         assert (plan.master_addr, plan.master_port) == ("127.0.0.1", 5001)
+        started(workers, coordinator, job.id, a)
         c = join(workers, job.id, 5003)
         newer = plan_of(coordinator, job.id)
         assert newer.generation == plan.generation + 1 and newer.world_size == 3
@@ -60,6 +70,7 @@ class TestGenerations:
     ):
         job = client.create_job(make_spec(min_workers=1, max_workers=3))
         a, b, c = (join(workers, job.id, 6000 + i) for i in range(3))
+        started(workers, coordinator, job.id, a)
         before = plan_of(coordinator, job.id)
 
         def b_gone() -> bool:
@@ -94,6 +105,7 @@ class TestGenerations:
     ):
         job = client.create_job(make_spec(min_workers=1, max_workers=3))
         a, b = join(workers, job.id, 8001), join(workers, job.id, 8002)
+        started(workers, coordinator, job.id, a)
         drained = workers.DrainMember(ws.DrainMemberRequest(job_id=job.id, member_id=b, reason="spot"),
                                       timeout=10)
         assert drained.checkpoint is False  # a still holds the state
@@ -124,12 +136,13 @@ class TestFencing:
             (workers.CommitCheckpoint, ws.CommitCheckpointRequest(
                 job_id=job.id, member_id=a, generation=old,
                 checkpoint=pb.CheckpointRef(step=3, uri="file:///tmp/x"))),
-            (workers.ReportFailure, ws.ReportFailureRequest(job_id=job.id, member_id=a, generation=old)),
+            (workers.ReportFailure, ws.ReportFailureRequest(job_id=job.id, member_id=a,
+                                                            generation=old + 5)),
         ):
             with pytest.raises(grpc.RpcError) as e:
                 call(request, timeout=5)
             assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-            assert f"generation {old}" in e.value.details()
+            assert f"generation {request.generation}" in e.value.details()
         status = client.get_job(job.id).status
         assert status.step == 3 and not status.last_checkpoint.step
         assert status.generation == old + 1
@@ -137,6 +150,7 @@ class TestFencing:
     def test_a_rank_failure_makes_a_new_generation_at_once(self, coordinator, client, workers, make_spec):
         job = client.create_job(make_spec(max_workers=2))
         a, b = join(workers, job.id, 9101), join(workers, job.id, 9102)
+        started(workers, coordinator, job.id, a)
         plan = plan_of(coordinator, job.id)
         response = workers.ReportFailure(ws.ReportFailureRequest(
             job_id=job.id, member_id=a, generation=plan.generation, reason="rank 0 exited 1"), timeout=5)
@@ -145,6 +159,49 @@ class TestFencing:
         assert [m.member_id for m in after.members] == [a, b]  # same ranks
         # a's ranks lost their state: b (rank 1) is the source.
         assert after.restore.kind == pb.RESTORE_KIND_PEERS and after.restore.source_rank == 1
+        assert list(client.get_job(job.id).status.state_holders) == [b]
+        # b's ranks crashed in the same generation; its agent reports after the
+        # replan: accepted, b holds nothing either, no further generation
+        workers.ReportFailure(ws.ReportFailureRequest(
+            job_id=job.id, member_id=b, generation=plan.generation, reason="rank 0 exited 1"),
+            timeout=5)
+        status = client.get_job(job.id).status
+        assert not status.state_holders and status.num_failures == 2
+        assert plan_of(coordinator, job.id).generation == after.generation
+
+
+class TestStateHolders:
+    def test_members_of_a_generation_that_never_started_hold_no_state(
+            self, coordinator, client, workers, make_spec):
+        job = client.create_job(make_spec(max_workers=2))
+        a, b = join(workers, job.id, 9151), join(workers, job.id, 9152)
+        workers.ReportFailure(ws.ReportFailureRequest(
+            job_id=job.id, member_id=a, generation=plan_of(coordinator, job.id).generation),
+            timeout=5)
+        # b was planned but no rank of it ever reported a started generation
+        assert plan_of(coordinator, job.id).restore.kind == pb.RESTORE_KIND_NONE
+
+    def test_a_generation_start_behind_the_progress_counts_the_steps_redone(
+            self, coordinator, client, workers, make_spec):
+        job = client.create_job(make_spec(max_workers=1))
+        a = join(workers, job.id, 9161)
+        started(workers, coordinator, job.id, a)
+        generation = plan_of(coordinator, job.id).generation
+        workers.ReportStep(ws.ReportStepRequest(job_id=job.id, member_id=a,
+                                                generation=generation, step=14), timeout=5)
+        workers.ReportFailure(ws.ReportFailureRequest(
+            job_id=job.id, member_id=a, generation=generation), timeout=5)
+        generation = plan_of(coordinator, job.id).generation
+        for _ in range(2):  # a retried report counts once
+            workers.ReportStep(ws.ReportStepRequest(
+                job_id=job.id, member_id=a, generation=generation, step=10,
+                generation_start=True, restored_from=pb.RESTORE_KIND_CHECKPOINT), timeout=5)
+        status = client.get_job(job.id).status
+        assert (status.step, status.steps_redone, status.num_restores) == (10, 4, 1)
+        assert list(status.state_holders) == [a] and status.holders_step == 10
+        workers.ReportStep(ws.ReportStepRequest(job_id=job.id, member_id=a,
+                                                generation=generation, step=11), timeout=5)
+        assert client.get_job(job.id).status.step == 11
 
 
 class TestCommits:

@@ -74,9 +74,10 @@ class TestLayoutAndLimits:
 
     def test_a_paused_job_waits_and_keeps_its_state_holders(self):
         first = plan(job(), members("a", "b"))
-        paused = plan(job(state=pb.JOB_STATE_PAUSED), members("a", "b"), first)
+        paused = plan(job(state=pb.JOB_STATE_PAUSED), members("a", "b"), first,
+                      holders={"a", "b"})
         assert paused.action == pb.PLAN_ACTION_WAIT and [m.member_id for m in paused.members] == ["a", "b"]
-        resumed = plan(job(), members("a", "b"), paused)
+        resumed = plan(job(), members("a", "b"), paused, holders={"a", "b"})
         assert resumed.restore.kind == pb.RESTORE_KIND_PEERS
 
     def test_a_terminal_job_stops(self):
@@ -92,10 +93,19 @@ class TestRestoreChoice:
 
     def test_survivors_serve_state_from_the_lowest_new_rank(self):
         first = plan(job(), members("a", "b", "c"))
-        p = plan(job(), members("b", "c", "d"), first, stateless={"b"}, newest_checkpoint=self.ref)
+        p = plan(job(), members("b", "c", "d"), first, holders={"a", "c"},
+                 newest_checkpoint=self.ref)
         assert p.restore.kind == pb.RESTORE_KIND_PEERS
-        assert p.restore.source_rank == 2  # c kept node rank 2; b lost its state
+        assert p.restore.source_rank == 2  # c kept node rank 2; b holds no state, a is gone
         assert (p.step, p.cursor.offset) == (7, 70)
+        # the ranks fall back to the newest commit if c turns out to hold nothing
+        assert p.restore.checkpoint.uri == self.ref.uri
+
+    def test_members_of_the_previous_plan_are_not_holders_until_proven(self):
+        # the previous generation never started: being planned proves nothing
+        first = plan(job(), members("a", "b"))
+        p = plan(job(), members("a", "b"), first, newest_checkpoint=self.ref)
+        assert p.restore.kind == pb.RESTORE_KIND_CHECKPOINT and p.step == 5
 
     def test_without_survivors_the_newest_checkpoint_is_restored(self):
         first = plan(job(), members("a"))

@@ -1,4 +1,6 @@
-"""Bearer tokens, TLS and mTLS on a real coordinator; health and reflection."""
+"""Bearer tokens, TLS and mTLS on a real coordinator; health and reflection; wire
+faults (oversized and malformed messages, a client trusting the wrong CA), each
+refused with a clear status, changing nothing, the server serving on."""
 
 from __future__ import annotations
 
@@ -98,3 +100,56 @@ class TestTls:
         plaintext = js_grpc.JobServiceStub(grpc.insecure_channel(server.address))
         with pytest.raises(grpc.RpcError):
             plaintext.ListJobs(js.ListJobsRequest(), timeout=3)
+
+
+CREATE_JOB = "/springback.v1.JobService/CreateJob"
+
+
+def _raw_call(address: str, payload: bytes) -> grpc.RpcError:
+    with grpc.insecure_channel(address) as channel:
+        call = channel.unary_unary(CREATE_JOB, request_serializer=None,
+                                   response_deserializer=None)
+        with pytest.raises(grpc.RpcError) as e:
+            call(payload, timeout=10)
+    return e.value
+
+
+class TestMessages:
+    def test_an_oversized_message_is_refused_and_creates_nothing(self, coordinator, client,
+                                                                 make_spec):
+        spec = make_spec()
+        request = js.CreateJobRequest()
+        request.spec.name = "x" * (17 * 1024 * 1024)  # above the 16 MiB limit
+        error = _raw_call(coordinator.address, request.SerializeToString())
+        assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert client.list_jobs() == []
+        assert client.create_job(spec).id  # still serving
+
+    @pytest.mark.parametrize("payload", [b"\xff\xff\xff\xff\x0f", b"\x0a\x05abc", b"\x12"])
+    def test_malformed_bytes_are_refused_and_create_nothing(self, coordinator, client,
+                                                           make_spec, payload):
+        error = _raw_call(coordinator.address, payload)
+        # grpc's own deserialisation failure: never a crash of the server
+        assert error.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.INTERNAL)
+        assert client.list_jobs() == []
+        assert client.create_job(make_spec()).id
+
+
+class TestWrongCa:
+    def test_a_client_trusting_another_ca_is_refused(self, start_coordinator, pki, tmp_path,
+                                                     make_spec):
+        server = start_coordinator(tls_cert=str(pki / "server.pem"),
+                                   tls_key=str(pki / "server.key"), token=TOKEN)
+        wait_for(server.election.is_leader, 10, "leadership")
+        other = tmp_path / "other"
+        other.mkdir()
+        _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                 "-subj", "/CN=other-ca", "-keyout", str(other / "ca.key"),
+                 "-out", str(other / "ca.pem"))
+        with Client(server.address, token=TOKEN, tls_ca=str(other / "ca.pem"),
+                    timeout_s=3) as wrong:
+            with pytest.raises(ApiError) as e:
+                wrong.create_job(make_spec())
+            assert e.value.code == grpc.StatusCode.UNAVAILABLE  # the handshake fails
+        with Client(server.address, token=TOKEN, tls_ca=str(pki / "ca.pem")) as right:
+            assert right.list_jobs() == []  # nothing was created

@@ -26,7 +26,7 @@ TOLERANCE = 1e-6
 @dataclass
 class AppliedReport:
     ranks: int
-    """Finished ranks whose counters were compared."""
+    """Ranks whose counters were compared (finished, or drained and left)."""
     doubled: list[int] = field(default_factory=list)
     """Sample indices applied more often than the stream holds them."""
     skipped: list[int] = field(default_factory=list)
@@ -34,9 +34,11 @@ class AppliedReport:
     steps: list[int] = field(default_factory=list)
     """The step each rank's state ended at."""
 
+    last_step: int = 0
+
     @property
     def ok(self) -> bool:
-        return self.ranks > 0 and not self.doubled and not self.skipped
+        return (self.last_step in self.steps and not self.doubled and not self.skipped)
 
 
 def expected_counts(*, num_samples: int, global_batch_size: int, seed: int,
@@ -52,10 +54,10 @@ def expected_counts(*, num_samples: int, global_batch_size: int, seed: int,
 
 def check_applied(audit_dir: str | Path, *, num_samples: int, global_batch_size: int,
                   seed: int, last_step: int) -> AppliedReport:
-    """Compares every ``applied-*.json`` counter under `audit_dir` with the stream."""
-    want = expected_counts(num_samples=num_samples, global_batch_size=global_batch_size,
-                           seed=seed, last_step=last_step)
-    report = AppliedReport(ranks=0)
+    """Compares every ``applied-*.json`` counter under `audit_dir` with the
+    stream up to the step that rank's state ended at; at least one rank must
+    have ended at `last_step`."""
+    report = AppliedReport(ranks=0, last_step=last_step)
     doubled: set[int] = set()
     skipped: set[int] = set()
     for path in sorted(Path(audit_dir).glob("applied-*.json")):
@@ -63,6 +65,8 @@ def check_applied(audit_dir: str | Path, *, num_samples: int, global_batch_size:
         got = np.asarray(record["counter"], dtype=np.float64)
         report.ranks += 1
         report.steps.append(int(record["step"]))
+        want = expected_counts(num_samples=num_samples, global_batch_size=global_batch_size,
+                               seed=seed, last_step=int(record["step"]))
         off = got - want
         if np.abs(off - np.round(off)).max() > TOLERANCE:
             raise AssertionError(f"{path.name}: counter is not integral: {got}")

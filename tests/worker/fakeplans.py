@@ -32,6 +32,7 @@ class FakeJob:
         self.metrics = str(root / "metrics.jsonl")
         self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         self.spec = pb.JobSpec(name="fake", max_steps=max_steps)
+        self.spec.failures.plan_wait_s = 15
         self.spec.data.num_samples = num_samples
         self.spec.data.global_batch_size = global_batch_size
         self.generation = 0

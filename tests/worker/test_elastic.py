@@ -56,7 +56,10 @@ def cluster(request, tmp_path, client, coordinator_address):
 
         def audit(self):
             """Exactly once, from the sampler's records *and* from what the
-            finished ranks' optimizers applied (their sample counters)."""
+            finished ranks' optimizers applied (their sample counters, written
+            when a rank ends: after the coordinator's STOP plan)."""
+            wait_for(lambda: all(a.process.poll() is not None for a in agents), 60,
+                     "every agent to end")
             applied = check_applied(tmp_path / "audit", num_samples=NUM_SAMPLES,
                                     global_batch_size=BATCH, seed=spec["data"]["seed"],
                                     last_step=spec["max_steps"])
@@ -186,6 +189,48 @@ class TestRankCrash:
 
 CHECKPOINTED = {**SPEC, "min_workers": 1, "max_workers": 1,
                 "checkpoint": {"uri": "set by the fixture", "every_steps": 10}}
+
+
+TWO_CHECKPOINTED = {**SPEC, "min_workers": 2, "max_workers": 2,
+                    "checkpoint": {"uri": "set by the fixture", "every_steps": 10}}
+
+
+class TestEveryRankCrashes:
+    @pytest.mark.parametrize("cluster", [TWO_CHECKPOINTED], indirect=True)
+    def test_when_every_rank_crashes_at_once_training_resumes_from_the_newest_commit(
+            self, cluster, tmp_path):
+        # a bad batch at step 25: both ranks die while their agents live on, so
+        # the warm standbys take over holding nothing; step 20 is committed
+        env = {"TINY_CRASH_AT_STEP": "25", "TINY_CRASH_MARKER": str(tmp_path / "crashed"),
+               "TINY_CRASH_RANKS": "all", "TINY_STEP_SLEEP_S": "0.15"}
+        agents = [cluster.start(n, env=env) for n in ("a", "b")]
+        job = cluster.wait_succeeded()
+        assert job.status.step == MAX_STEPS
+        assert sum("reporting failure" in a.log() for a in agents) == 2
+        records = steps(cluster.root)
+        crashed_in = min(r["generation"] for r in records if r["step"] == 24)
+        resumed = [r for r in records if r["generation"] > crashed_in]
+        assert min(r["step"] for r in resumed) == 21, "not resumed from the step-20 commit"
+        assert job.status.num_restores == 1
+        assert 1 <= job.status.steps_redone <= 4  # steps 21..24, as far as they were reported
+        assert job.status.num_failures == 2
+        report = cluster.audit()
+        assert report.ok, report
+
+    @pytest.mark.parametrize("cluster", [{**TWO_CHECKPOINTED, "failures": {"max_per_step": 2}}],
+                             indirect=True)
+    def test_a_crash_that_repeats_at_the_same_step_fails_the_job_with_its_reason(
+            self, cluster, tmp_path):
+        env = {"TINY_CRASH_AT_STEP": "15", "TINY_CRASH_MARKER": str(tmp_path / "crashed"),
+               "TINY_CRASH_RANKS": "all", "TINY_CRASH_TIMES": "5"}
+        agents = [cluster.start(n, env=env) for n in ("a", "b")]
+        job = wait_for(lambda: (j := cluster.job()).status.state == pb.JOB_STATE_FAILED and j,
+                       90, "the job to fail")
+        assert "without progress" in job.status.message
+        assert "exited with status 3" in job.status.message
+        assert job.status.step < 15
+        for agent in agents:  # the STOP plan ends the agents
+            agent.wait(60)
 
 
 class TestAgentMetrics:

@@ -7,7 +7,9 @@ import time
 
 import pytest
 
+from applied import check_applied
 from fakeplans import assert_replicas_identical
+from sbtest import wait_for
 from springback.worker import env as E
 from springback.worker.audit import check_exactly_once
 
@@ -68,3 +70,41 @@ def test_a_generation_that_cannot_start_and_gets_no_newer_plan_fails_the_rank(fa
     assert proc.wait(timeout=60) != 0
     log = (fake_job.root / "a.log").read_text()
     assert "generation 1 could not start and no newer plan came within 15s" in log, log
+
+
+class TestFailureSemantics:
+    @pytest.mark.timeout(120)
+    def test_a_survivor_keeps_its_state_through_a_long_wait_for_the_next_plan(self, fake_job):
+        # the coordinator is out for longer than the old fixed 15 s grace; the
+        # job's failures.plan_wait_s says how long the state is kept
+        fake_job.spec.failures.plan_wait_s = 60
+        for m in ("a", "b"):
+            fake_job.spawn(m)
+        fake_job.publish(["a", "b"], "start")
+        fake_job.wait_step(8)
+        fake_job.procs["b"].send_signal(signal.SIGKILL)
+        log = fake_job.root / "a.log"
+        wait_for(lambda: "generation 1 broke" in log.read_text(), 30, "a to see b die")
+        outage_end = time.monotonic() + 18
+        while time.monotonic() < outage_end:  # no plan for 18 s: a must hold on
+            assert fake_job.procs["a"].poll() is None, log.read_text()
+            time.sleep(0.2)
+        fake_job.publish(["a"], "b died, late plan")
+        _finish(fake_job, ["a"])
+        records = [r for r in fake_job.steps() if r["generation"] == 2]
+        assert min(r["step"] for r in records) > 8, "a started again instead of going on"
+        applied = check_applied(fake_job.audit_dir, num_samples=256, global_batch_size=12,
+                                seed=0, last_step=40)
+        assert applied.ok, applied
+
+    @pytest.mark.timeout(60)
+    def test_the_users_own_runtime_error_is_raised_not_taken_for_a_membership_change(
+            self, fake_job):
+        fake_job.spec.failures.plan_wait_s = 60
+        proc = fake_job.spawn("a", {"TINY_RAISE_AT_STEP": "5"})
+        fake_job.publish(["a"], "start")
+        fake_job.wait_step(4)
+        assert proc.wait(timeout=10) != 0  # at once, not after the plan wait
+        log = (fake_job.root / "a.log").read_text()
+        assert "RuntimeError: tiny_train: bad batch at step 5" in log, log
+        assert "broke on rank" not in log

@@ -17,7 +17,9 @@ per marker file TINY_CRASH_MARKER: before the step, or with
 TINY_CRASH_IN=backward in the middle of its backward pass (its peers are then
 inside DDP's gradient all-reduce); TINY_CRASH_RANKS=all makes every rank crash
 that way (a bad batch), TINY_CRASH_TIMES=K lets the crash repeat K times
-(one marker file per time).
+(one marker file per time). TINY_RAISE_AT_STEP=N raises the script's own
+RuntimeError at step N on every rank (a bug in the user's code, not a
+membership change).
 """
 
 import faulthandler
@@ -91,12 +93,15 @@ def main() -> int:
                       global_batch_size=GLOBAL_BATCH, max_steps=40)
     sleep_s = float(os.environ.get("TINY_STEP_SLEEP_S", "0"))
     crash = Crash()
+    raise_at = int(os.environ.get("TINY_RAISE_AT_STEP", "0"))
     for gen in session.generations():
         with gen:
             assert gen.stream.num_samples == NUM_SAMPLES
             assert gen.stream.global_batch_size == GLOBAL_BATCH
             ddp = DDP(model, process_group=gen.group)
             for batch in gen.batches():
+                if batch.step == raise_at:
+                    raise RuntimeError(f"tiny_train: bad batch at step {raise_at}")
                 crashing = crash.due(batch.step, gen.rank)
                 if crashing and crash.where == "before":
                     crash.now(gen.rank)
@@ -118,8 +123,9 @@ def main() -> int:
     audit_dir = os.environ.get(AUDIT_DIR)
     if audit_dir and session.finished:
         path = os.path.join(audit_dir, f"applied-p{os.getpid()}.json")
-        with open(path, "w", encoding="utf-8") as f:
+        with open(path + ".tmp", "w", encoding="utf-8") as f:
             json.dump({"step": session.step, "counter": model.counter.detach().tolist()}, f)
+        os.replace(path + ".tmp", path)  # whole or absent for a reader
     return 0
 
 

@@ -81,8 +81,18 @@ class CheckpointSpec(_message.Message):
     keep_every: int
     def __init__(self, uri: _Optional[str] = ..., every_steps: _Optional[int] = ..., keep_last: _Optional[int] = ..., keep_every: _Optional[int] = ...) -> None: ...
 
+class FailurePolicy(_message.Message):
+    __slots__ = ("max_per_step", "window_s", "plan_wait_s")
+    MAX_PER_STEP_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_S_FIELD_NUMBER: _ClassVar[int]
+    PLAN_WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    max_per_step: int
+    window_s: int
+    plan_wait_s: int
+    def __init__(self, max_per_step: _Optional[int] = ..., window_s: _Optional[int] = ..., plan_wait_s: _Optional[int] = ...) -> None: ...
+
 class JobSpec(_message.Message):
-    __slots__ = ("name", "min_workers", "max_workers", "layout", "data", "checkpoint", "max_steps")
+    __slots__ = ("name", "min_workers", "max_workers", "layout", "data", "checkpoint", "max_steps", "failures")
     NAME_FIELD_NUMBER: _ClassVar[int]
     MIN_WORKERS_FIELD_NUMBER: _ClassVar[int]
     MAX_WORKERS_FIELD_NUMBER: _ClassVar[int]
@@ -90,6 +100,7 @@ class JobSpec(_message.Message):
     DATA_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     MAX_STEPS_FIELD_NUMBER: _ClassVar[int]
+    FAILURES_FIELD_NUMBER: _ClassVar[int]
     name: str
     min_workers: int
     max_workers: int
@@ -97,7 +108,8 @@ class JobSpec(_message.Message):
     data: DataSpec
     checkpoint: CheckpointSpec
     max_steps: int
-    def __init__(self, name: _Optional[str] = ..., min_workers: _Optional[int] = ..., max_workers: _Optional[int] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., data: _Optional[_Union[DataSpec, _Mapping]] = ..., checkpoint: _Optional[_Union[CheckpointSpec, _Mapping]] = ..., max_steps: _Optional[int] = ...) -> None: ...
+    failures: FailurePolicy
+    def __init__(self, name: _Optional[str] = ..., min_workers: _Optional[int] = ..., max_workers: _Optional[int] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., data: _Optional[_Union[DataSpec, _Mapping]] = ..., checkpoint: _Optional[_Union[CheckpointSpec, _Mapping]] = ..., max_steps: _Optional[int] = ..., failures: _Optional[_Union[FailurePolicy, _Mapping]] = ...) -> None: ...
 
 class DataCursor(_message.Message):
     __slots__ = ("epoch", "offset")
@@ -126,7 +138,7 @@ class CheckpointRef(_message.Message):
     def __init__(self, step: _Optional[int] = ..., uri: _Optional[str] = ..., generation: _Optional[int] = ..., world_size: _Optional[int] = ..., size_bytes: _Optional[int] = ..., cursor: _Optional[_Union[DataCursor, _Mapping]] = ..., committed_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
 class JobStatus(_message.Message):
-    __slots__ = ("state", "generation", "world_size", "members", "spares", "step", "samples_consumed", "loss", "last_checkpoint", "message", "checkpoint_error", "restore_step", "updated_at", "cursor")
+    __slots__ = ("state", "generation", "world_size", "members", "spares", "step", "samples_consumed", "loss", "last_checkpoint", "message", "checkpoint_error", "restore_step", "updated_at", "cursor", "num_restores", "steps_redone", "num_failures", "state_holders", "holders_step")
     STATE_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -141,6 +153,11 @@ class JobStatus(_message.Message):
     RESTORE_STEP_FIELD_NUMBER: _ClassVar[int]
     UPDATED_AT_FIELD_NUMBER: _ClassVar[int]
     CURSOR_FIELD_NUMBER: _ClassVar[int]
+    NUM_RESTORES_FIELD_NUMBER: _ClassVar[int]
+    STEPS_REDONE_FIELD_NUMBER: _ClassVar[int]
+    NUM_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    STATE_HOLDERS_FIELD_NUMBER: _ClassVar[int]
+    HOLDERS_STEP_FIELD_NUMBER: _ClassVar[int]
     state: JobState
     generation: int
     world_size: int
@@ -155,7 +172,12 @@ class JobStatus(_message.Message):
     restore_step: int
     updated_at: _timestamp_pb2.Timestamp
     cursor: DataCursor
-    def __init__(self, state: _Optional[_Union[JobState, str]] = ..., generation: _Optional[int] = ..., world_size: _Optional[int] = ..., members: _Optional[_Iterable[str]] = ..., spares: _Optional[_Iterable[str]] = ..., step: _Optional[int] = ..., samples_consumed: _Optional[int] = ..., loss: _Optional[float] = ..., last_checkpoint: _Optional[_Union[CheckpointRef, _Mapping]] = ..., message: _Optional[str] = ..., checkpoint_error: _Optional[str] = ..., restore_step: _Optional[int] = ..., updated_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., cursor: _Optional[_Union[DataCursor, _Mapping]] = ...) -> None: ...
+    num_restores: int
+    steps_redone: int
+    num_failures: int
+    state_holders: _containers.RepeatedScalarFieldContainer[str]
+    holders_step: int
+    def __init__(self, state: _Optional[_Union[JobState, str]] = ..., generation: _Optional[int] = ..., world_size: _Optional[int] = ..., members: _Optional[_Iterable[str]] = ..., spares: _Optional[_Iterable[str]] = ..., step: _Optional[int] = ..., samples_consumed: _Optional[int] = ..., loss: _Optional[float] = ..., last_checkpoint: _Optional[_Union[CheckpointRef, _Mapping]] = ..., message: _Optional[str] = ..., checkpoint_error: _Optional[str] = ..., restore_step: _Optional[int] = ..., updated_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., cursor: _Optional[_Union[DataCursor, _Mapping]] = ..., num_restores: _Optional[int] = ..., steps_redone: _Optional[int] = ..., num_failures: _Optional[int] = ..., state_holders: _Optional[_Iterable[str]] = ..., holders_step: _Optional[int] = ...) -> None: ...
 
 class Job(_message.Message):
     __slots__ = ("id", "spec", "status", "created_at")

@@ -91,7 +91,7 @@ class WatchPlansResponse(_message.Message):
     def __init__(self, plan: _Optional[_Union[_types_pb2.Plan, _Mapping]] = ...) -> None: ...
 
 class ReportStepRequest(_message.Message):
-    __slots__ = ("job_id", "member_id", "generation", "step", "samples_consumed", "loss", "cursor")
+    __slots__ = ("job_id", "member_id", "generation", "step", "samples_consumed", "loss", "cursor", "generation_start", "restored_from")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
@@ -99,6 +99,8 @@ class ReportStepRequest(_message.Message):
     SAMPLES_CONSUMED_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
     CURSOR_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_START_FIELD_NUMBER: _ClassVar[int]
+    RESTORED_FROM_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     member_id: str
     generation: int
@@ -106,7 +108,9 @@ class ReportStepRequest(_message.Message):
     samples_consumed: int
     loss: float
     cursor: _types_pb2.DataCursor
-    def __init__(self, job_id: _Optional[str] = ..., member_id: _Optional[str] = ..., generation: _Optional[int] = ..., step: _Optional[int] = ..., samples_consumed: _Optional[int] = ..., loss: _Optional[float] = ..., cursor: _Optional[_Union[_types_pb2.DataCursor, _Mapping]] = ...) -> None: ...
+    generation_start: bool
+    restored_from: _types_pb2.RestoreKind
+    def __init__(self, job_id: _Optional[str] = ..., member_id: _Optional[str] = ..., generation: _Optional[int] = ..., step: _Optional[int] = ..., samples_consumed: _Optional[int] = ..., loss: _Optional[float] = ..., cursor: _Optional[_Union[_types_pb2.DataCursor, _Mapping]] = ..., generation_start: _Optional[bool] = ..., restored_from: _Optional[_Union[_types_pb2.RestoreKind, str]] = ...) -> None: ...
 
 class ReportStepResponse(_message.Message):
     __slots__ = ("generation",)

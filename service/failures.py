@@ -1,0 +1,50 @@
+"""The stop rule for repeated rank failures (a pure policy, kept in leader memory).
+
+A rank that crashes is restarted and the job goes on. A rank that crashes
+*again at the same place* — a bad batch, a deterministic OOM, a bug hit at a
+fixed step — would loop forever, so the job ends FAILED once
+``failures.max_per_step`` generations have broken by rank failures without
+the job getting past the step of the first of them, all within
+``failures.window_s`` seconds.
+
+Several failure reports of one generation (every rank crashing at once, one
+report per agent) count once. Progress beyond the streak's step, or a gap
+longer than the window, starts a new streak. The streaks live in the
+leader's memory: a leader change forgets them (the job may then take up to
+``max_per_step`` more failures before it is failed).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+DEFAULT_MAX_PER_STEP = 3
+DEFAULT_WINDOW_S = 600
+DEFAULT_PLAN_WAIT_S = 300
+
+
+@dataclass
+class _Streak:
+    step: int
+    started_at: float
+    generations: set[int] = field(default_factory=set)
+
+
+class FailureStreaks:
+    """Per job: the current streak of failures that made no progress."""
+
+    def __init__(self) -> None:
+        self._streaks: dict[str, _Streak] = {}
+
+    def record(self, job_id: str, *, step: int, generation: int, now: float,
+               max_per_step: int, window_s: float) -> int:
+        """Counts a failure reported at progress `step` in `generation`;
+        returns the streak's length (stop the job when >= `max_per_step`)."""
+        streak = self._streaks.get(job_id)
+        if streak is None or step > streak.step or now - streak.started_at > window_s:
+            streak = self._streaks[job_id] = _Streak(step=step, started_at=now)
+        streak.generations.add(generation)
+        return len(streak.generations)
+
+    def forget(self, job_id: str) -> None:
+        self._streaks.pop(job_id, None)
