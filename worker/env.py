@@ -15,8 +15,6 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from springback.storage.resume import ENV_CHECKPOINT_URI
-
 # torchrun-compatible (values of the generation the rank was spawned in)
 RANK = "RANK"
 LOCAL_RANK = "LOCAL_RANK"
@@ -68,8 +66,9 @@ of a crashed rank. The script's set-up before `Session()` (imports, data, model)
 is then already done, which is most of a rank's start-up time."""
 METRICS_FILE = "SPRINGBACK_METRICS_FILE"
 """When set, global rank 0 appends one JSON line per step and per generation here."""
-CHECKPOINT_URI = ENV_CHECKPOINT_URI
-"""Restart mode: the job spec's ``checkpoint.uri``, read by `springback.storage.resume`."""
+CHECKPOINT_URI = "SPRINGBACK_CHECKPOINT_URI"
+"""Restart mode: the job spec's ``checkpoint.uri``, read by `springback.storage.resume`
+(which names it ``ENV_CHECKPOINT_URI``; storage does not import the worker)."""
 
 
 def _float(name: str, default: float) -> float:

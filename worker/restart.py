@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING
 import grpc
 import torch.distributed as dist
 
-from springback.storage.resume import ENV_CHECKPOINT_URI, read_progress
+from springback.storage.resume import read_progress
 from springback.v1 import types_pb2 as pb
 from springback.v1 import worker_service_pb2 as wpb
 from springback.worker import env as E
@@ -223,7 +223,7 @@ class RestartRanks:
                                         max_restarts=self.agent.config.max_restarts,
                                         error_file=error_file, environ=environ))
             if plan.spec.checkpoint.uri:
-                environ[ENV_CHECKPOINT_URI] = plan.spec.checkpoint.uri
+                environ[E.CHECKPOINT_URI] = plan.spec.checkpoint.uri
             self.ranks[lr] = self.agent._launch_rank(lr, environ, attempt=restart_count)
         log.info("generation %d: started ranks %d..%d of %d (restart %d)", plan.generation,
                  me.first_rank, me.first_rank + me.num_local_ranks - 1, plan.world_size,
