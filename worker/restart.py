@@ -50,7 +50,6 @@ from typing import TYPE_CHECKING
 import grpc
 import torch.distributed as dist
 
-from springback.storage.resume import read_progress
 from springback.v1 import types_pb2 as pb
 from springback.v1 import worker_service_pb2 as wpb
 from springback.worker import env as E
@@ -276,6 +275,10 @@ class RestartRanks:
         if not final and now < self._next_relay:
             return
         self._next_relay = now + RELAY_INTERVAL_S
+        # imported here: springback.storage costs a second at import, and the
+        # agent of a library-mode job (and every CLI call) never needs it
+        from springback.storage.resume import read_progress
+
         try:
             progress = read_progress(self.agent._publisher.directory)
         except (OSError, ValueError, TypeError) as e:
