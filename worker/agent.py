@@ -57,8 +57,6 @@ import torch.distributed as dist
 from springback.service.channel import connect, parse_addresses
 from springback.service.metrics import Registry
 from springback.service.metrics import serve as serve_metrics
-from springback.v1 import job_service_pb2 as js
-from springback.v1 import job_service_pb2_grpc as js_grpc
 from springback.v1 import types_pb2 as pb
 from springback.v1 import worker_service_pb2 as wpb
 from springback.v1 import worker_service_pb2_grpc as wgrpc
@@ -79,6 +77,7 @@ from springback.worker.ranks import LocalRanks, with_parent_death
 from springback.worker.rankstats import read_all as read_rank_stats
 from springback.worker.restart import RestartRanks
 from springback.worker.standalone import run_standalone
+from springback.worker.startup import DrainedBeforeJoin, JobFinished, StartupRefused, check_job
 
 log = logging.getLogger("springback.agent")
 
@@ -153,19 +152,6 @@ class AgentConfig:
                 raise ValueError(f"--metrics-listen must be HOST:PORT, got {self.metrics_listen!r}")
 
 
-class DrainedBeforeJoin(Exception):
-    """SIGTERM or a preemption notice arrived before the node joined."""
-
-
-class _Finished(Exception):
-    """The job already ended: nothing to join (exit status 0)."""
-
-
-class StartupRefused(Exception):
-    """The start-up check failed: unknown job, bad token, unreachable
-    coordinator, or --nnodes not matching the job. The message says why."""
-
-
 class Agent:
     """One node's agent; `run` blocks until the job ends, the node drained, or
     the agent gives up, and returns the process exit status."""
@@ -193,49 +179,11 @@ class Agent:
     # -- membership ------------------------------------------------------------
 
     def _check_job(self) -> None:
-        """GetJob before anything starts: NOT_FOUND, UNAUTHENTICATED and the
-        like raise StartupRefused at once; UNAVAILABLE is retried (one log
-        line per attempt) until `connect_timeout_s`. A finished job raises
-        RpcError FAILED_PRECONDITION (nothing to join, exit status 0)."""
-        stub = js_grpc.JobServiceStub(self._channel)
-        target = self.config.coordinator or ",".join(parse_addresses(None))
-        deadline = time.monotonic() + self.config.connect_timeout_s
-        while True:
-            if self._drain_reason is not None:
-                raise DrainedBeforeJoin(self._drain_reason)
-            left = deadline - time.monotonic()
-            try:
-                job = stub.GetJob(js.GetJobRequest(job_id=self.config.job_id),
-                                  timeout=max(min(left, 2.0), 0.1), wait_for_ready=True).job
-                break
-            except grpc.RpcError as e:
-                code = e.code()
-                if code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                    raise StartupRefused(f"job {self.config.job_id!r} at {target}: "
-                                         f"{code.name}: {e.details()}") from None
-                if time.monotonic() >= deadline:
-                    raise StartupRefused(
-                        f"no coordinator answered at {target} within "
-                        f"{self.config.connect_timeout_s:.0f}s ({code.name}: {e.details()}); "
-                        "is it running? (--coordinator / SPRINGBACK_COORDINATOR)") from None
-                log.warning("coordinator %s not answering (%s); retrying for %.0fs more",
-                            target, code.name, max(deadline - time.monotonic(), 0))
-        self._check_spec(job)
-
-    def _check_spec(self, job: pb.Job) -> None:
-        from springback.service.planner import is_terminal
-
-        if is_terminal(job.status.state):
-            raise _Finished(f"job {job.id} is {pb.JobState.Name(job.status.state)}: "
-                            "nothing to join")
-        if self.config.nnodes is not None:
-            want = (job.spec.min_workers, job.spec.max_workers)
-            if tuple(self.config.nnodes) != want:
-                lo, hi = self.config.nnodes
-                raise StartupRefused(
-                    f"--nnodes {lo}:{hi} does not match job {job.id} (min_workers "
-                    f"{want[0]}, max_workers {want[1]}): change the job with "
-                    f"`springback job scale {job.id} --min {lo} --max {hi}` or drop --nnodes")
+        """The start-up check (`startup.check_job`), before any rank starts."""
+        check_job(self._channel, job_id=self.config.job_id,
+                  target=self.config.coordinator or ",".join(parse_addresses(None)),
+                  connect_timeout_s=self.config.connect_timeout_s, nnodes=self.config.nnodes,
+                  drain_reason=lambda: self._drain_reason)
 
     def _join(self) -> None:
         """JoinJob, retried on UNAVAILABLE until the drain timeout; raises RpcError
@@ -423,7 +371,7 @@ class Agent:
             self._check_job()
             self._start_ranks()
             return self._supervise()
-        except _Finished as e:
+        except JobFinished as e:
             log.warning("%s", e)
             return EXIT_OK
         except StartupRefused as e:
