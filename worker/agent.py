@@ -371,22 +371,16 @@ class Agent:
             self._check_job()
             self._start_ranks()
             return self._supervise()
-        except JobFinished as e:
-            log.warning("%s", e)
+        except (JobFinished, DrainedBeforeJoin) as e:
+            log.warning("not joining: %s", e)
             return EXIT_OK
-        except StartupRefused as e:
-            log.error("not starting: %s", e)
-            return EXIT_ERROR
         except grpc.RpcError as e:
             if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
                 log.warning("not joining job %s: %s", self.config.job_id, e.details())
                 return EXIT_OK
             log.error("cannot join job %s: %s %s", self.config.job_id, e.code().name, e.details())
             return EXIT_ERROR
-        except DrainedBeforeJoin as e:
-            log.warning("drained before joining: %s", e)
-            return EXIT_OK
-        except RuntimeError as e:
+        except (StartupRefused, RuntimeError) as e:
             log.error("%s", e)
             return EXIT_ERROR
         except OSError as e:

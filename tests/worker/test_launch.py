@@ -174,3 +174,29 @@ class TestLibraryModeLocalRanks:
         for r in records:
             assert r["LOCAL_RANK"] == str(r["session_local_rank"])
             assert r["ranks"] == [r["session_local_rank"]]  # one node: rank = local rank
+
+
+class TestRankOutput:
+    def test_tee_writes_the_file_and_the_console_redirect_only_the_file(self, tmp_path, capfd):
+        from springback.worker.launch import RankOutput
+
+        output = RankOutput(log_dir=str(tmp_path), redirects={1: 1}, tee={0: 1})
+        code = "import sys; print('out'); print('err', file=sys.stderr)"
+        for lr in (0, 1):
+            proc = output.launch([sys.executable, "-c", code], dict(os.environ), local_rank=lr,
+                                 attempt="attempt_0")
+            assert proc.wait(30) == 0
+        for pump in output._pumps:
+            pump.join(10)
+        assert (tmp_path / "attempt_0" / "0" / "stdout.log").read_text() == "out\n"
+        assert (tmp_path / "attempt_0" / "1" / "stdout.log").read_text() == "out\n"
+        assert not (tmp_path / "attempt_0" / "0" / "stderr.log").exists()
+        console = capfd.readouterr()
+        assert console.out.count("out") == 1  # rank 0's tee; rank 1's went to its file only
+        assert console.err.count("err") == 2  # neither redirected stderr
+
+    def test_redirects_without_a_log_dir_are_refused(self):
+        from springback.worker.launch import RankOutput
+
+        with pytest.raises(ValueError, match="--log-dir"):
+            RankOutput(redirects=3)

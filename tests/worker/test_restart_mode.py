@@ -127,7 +127,8 @@ class TestUnmodifiedTorchrunScript:
         starts = [int(s) for s in re.findall(r"starting at step (\d+)", logs())]
         assert starts[0] == 0 and len(starts) >= 2, logs()
         resumed = starts[-1]
-        assert EVERY <= resumed <= step_at_kill, (resumed, step_at_kill)  # the script's checkpoint
+        # from the script's own checkpoint, not from scratch (commits land every EVERY steps)
+        assert EVERY <= resumed < STEPS and resumed % EVERY == 0, (resumed, step_at_kill)
         assert logs().count("reporting failure") >= 1
         later = [r["env"] for r in rank_envs(dump, env) if r["pid"] not in {f["pid"] for f in first}]
         restarted = [e for e in later if e["TORCHELASTIC_RESTART_COUNT"] == "1"]
@@ -137,3 +138,40 @@ class TestUnmodifiedTorchrunScript:
         reference = torchrun_reference(tmp_path, run_id=job.id)
         assert_same_as_torchrun([r["env"] for r in first], reference, restart=0)
         assert_same_as_torchrun(restarted, reference, restart=1)
+
+
+class TestRestartModeDrain:
+    def test_a_drained_agent_leaves_and_the_other_restarts_its_ranks_from_the_checkpoint(
+            self, tmp_path, client, coordinator_address):
+        job = client.create_job({
+            "name": "ddp", "min_workers": 1, "max_workers": 2,
+            "data": {"num_samples": 64, "global_batch_size": 8},
+            "checkpoint": {"uri": f"file://{tmp_path}/ckpt"}, "max_steps": STEPS})
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        agents = {n: subprocess.Popen(
+            [sys.executable, "-m", "springback.service.cli", "run", "--job", job.id,
+             "--coordinator", coordinator_address, "--mode", "restart", "--drain-timeout-s", "30",
+             "--", sys.executable, EXAMPLE, "--steps", str(STEPS), "--checkpoint-every",
+             str(EVERY), "--step-sleep-s", "0.05"],
+            env=env, stdout=open(tmp_path / f"agent-{n}.log", "wb"), stderr=subprocess.STDOUT)
+            for n in ("a", "b")}
+        log = lambda n: (tmp_path / f"agent-{n}.log").read_text()  # noqa: E731
+        try:
+            wait_for(lambda: (s := client.get_job(job.id).status).world_size == 2
+                     and s.last_checkpoint.step >= EVERY and s.step >= EVERY + 5, 120,
+                     "world 2 with a commit")
+            agents["b"].send_signal(signal.SIGTERM)
+            assert agents["b"].wait(60) == 0, log("b")
+            done = wait_for(lambda: (j := client.get_job(job.id)).status.state
+                            == pb.JOB_STATE_SUCCEEDED and j, 150, "the job to succeed")
+            assert agents["a"].wait(60) == 0, log("a")
+        finally:
+            for agent in agents.values():
+                if agent.poll() is None:
+                    agent.kill()
+                    agent.wait()
+        assert "draining: signal SIGTERM" in log("b")
+        assert done.status.step == STEPS and done.status.world_size in (0, 1)
+        starts = [int(s) for s in re.findall(r"starting at step (\d+)", log("a") + log("b"))]
+        assert starts[0] == 0 and starts[-1] >= EVERY, starts  # resumed from a commit
+        assert "rank 0/1: starting at step" in log("a")  # restarted alone at world 1
