@@ -54,6 +54,10 @@ log = logging.getLogger(__name__)
 # The same names as in springback.worker.env (storage does not import the worker).
 ENV_CHECKPOINT_URI = "SPRINGBACK_CHECKPOINT_URI"
 """Set by the agent in restart mode: the job spec's ``checkpoint.uri``."""
+ENV_RESTORE_MAX_STEP = "SPRINGBACK_RESTORE_MAX_STEP"
+"""Set by the agent when the generation's plan names a checkpoint (an
+operator's ``job restore --step N``, or the newest commit): `restore` takes
+the newest intact commit at or below that step."""
 ENV_CONTROL_DIR = "SPRINGBACK_CONTROL_DIR"
 ENV_GENERATION = "SPRINGBACK_GENERATION"
 PROGRESS_FILE = "progress.json"
@@ -141,11 +145,14 @@ class RestartCheckpoints:
 
     def restore(self, model: torch.nn.Module,
                 optimizer: torch.optim.Optimizer | None = None) -> int:
-        """Loads the newest intact commit into `model` (and `optimizer`) and
-        returns its step; 0 (state untouched) when nothing is committed.
-        Collective; raises `CorruptCheckpoint` when every commit is damaged."""
+        """Loads the newest intact commit (at most $SPRINGBACK_RESTORE_MAX_STEP
+        when the agent set it) into `model` (and `optimizer`) and returns its
+        step; 0 (state untouched) when nothing is committed. Collective;
+        raises `CorruptCheckpoint` when every candidate is damaged."""
+        max_step = int(os.environ[ENV_RESTORE_MAX_STEP]) if os.environ.get(
+            ENV_RESTORE_MAX_STEP) else None
         try:
-            result = restore_model(self.uri, model, optimizer,
+            result = restore_model(self.uri, model, optimizer, max_step=max_step,
                                    storage_options=self._storage_options)
         except CheckpointNotFound:
             log.info("no committed checkpoint under %s: starting at step 0", self.uri)

@@ -69,6 +69,8 @@ METRICS_FILE = "SPRINGBACK_METRICS_FILE"
 CHECKPOINT_URI = "SPRINGBACK_CHECKPOINT_URI"
 """Restart mode: the job spec's ``checkpoint.uri``, read by `springback.storage.resume`
 (which names it ``ENV_CHECKPOINT_URI``; storage does not import the worker)."""
+RESTORE_MAX_STEP = "SPRINGBACK_RESTORE_MAX_STEP"
+"""Restart mode, when the plan names a checkpoint: the newest step the helper may restore."""
 
 
 def _float(name: str, default: float) -> float:

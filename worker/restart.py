@@ -201,7 +201,7 @@ class RestartRanks:
         def abandon() -> bool:
             latest = self.agent._plan
             return (latest is not None and latest.generation > plan.generation
-                    or self.agent._drain_reason is not None)
+                    or self.agent._drain_reason is not None or self.agent._fenced.is_set())
 
         port = self._stores.master_port(plan, me, abandon)
         if port is None:
@@ -223,6 +223,8 @@ class RestartRanks:
                                         error_file=error_file, environ=environ))
             if plan.spec.checkpoint.uri:
                 environ[E.CHECKPOINT_URI] = plan.spec.checkpoint.uri
+            if plan.restore.kind == pb.RESTORE_KIND_CHECKPOINT:  # e.g. `job restore --step N`
+                environ[E.RESTORE_MAX_STEP] = str(plan.restore.checkpoint.step)
             self.ranks[lr] = self.agent._launch_rank(lr, environ, attempt=restart_count)
         log.info("generation %d: started ranks %d..%d of %d (restart %d)", plan.generation,
                  me.first_rank, me.first_rank + me.num_local_ranks - 1, plan.world_size,
