@@ -11,7 +11,7 @@ shell wrapper, a binary) is refused with a message asking for ``--mode``.
 
 torchrun's flags, mapped where they make sense here (`check_torchrun_flags`
 refuses the others with the reason): ``--nnodes N`` / ``MIN:MAX`` (checked
-against the job's min/max workers; with ``--standalone`` it sets them),
+against the job's min/max workers; with ``--standalone`` it must be 1),
 ``--nproc-per-node N|cpu|gpu|auto``, ``--standalone``, ``--log-dir``,
 ``--redirects`` and ``--tee`` (``0`` none, ``1`` stdout, ``2`` stderr, ``3``
 both; or per local rank ``0:1,1:3``), ``--max-restarts``.
@@ -19,6 +19,7 @@ both; or per local rank ``0:1,1:3``), ``--max-restarts``.
 
 from __future__ import annotations
 
+import argparse
 import ast
 import importlib.util
 import os
@@ -46,13 +47,13 @@ UNSUPPORTED = {
 """torchrun flags that have no meaning under springback, with what to do instead."""
 
 
-def add_torchrun_arguments(p: object) -> None:
+def add_torchrun_arguments(p: argparse.ArgumentParser) -> None:
     """Adds torchrun's flags (with torchrun's ``_`` spellings) to the `run` parser."""
-    add = p.add_argument  # type: ignore[attr-defined]
+    add = p.add_argument
     add("--mode", choices=MODES, default="auto",
         help="library (Session), restart (unmodified torchrun script) or auto (default)")
     add("--nnodes", default=None, metavar="N|MIN:MAX",
-        help="must match the job's min/max workers (with --standalone: sets them)")
+        help="must equal the job's min:max workers (with --standalone: 1)")
     add("--standalone", action="store_true",
         help="start a local etcd + coordinator, submit a job, run one agent")
     add("--log-dir", "--log_dir", dest="log_dir", default=None,
@@ -62,16 +63,10 @@ def add_torchrun_arguments(p: object) -> None:
     for name in UNSUPPORTED:
         flag = "--" + name.replace("_", "-")
         add(flag, "--" + name, dest=f"unsupported_{name}", default=None, nargs="?", const=True,
-            help=argparse_suppress())
+            help=argparse.SUPPRESS)
 
 
-def argparse_suppress() -> str:
-    import argparse
-
-    return argparse.SUPPRESS
-
-
-def check_torchrun_flags(args: object) -> None:
+def check_torchrun_flags(args: argparse.Namespace) -> None:
     """Raises ValueError naming the first torchrun flag that makes no sense here."""
     for name, why in UNSUPPORTED.items():
         if getattr(args, f"unsupported_{name}", None) is not None:

@@ -125,10 +125,12 @@ class TestUnmodifiedTorchrunScript:
         assert done.status.step == STEPS
         assert done.status.last_checkpoint.step == STEPS
         starts = [int(s) for s in re.findall(r"starting at step (\d+)", logs())]
-        assert starts[0] == 0 and len(starts) >= 2, logs()
-        resumed = starts[-1]
-        # from the script's own checkpoint, not from scratch (commits land every EVERY steps)
-        assert EVERY <= resumed < STEPS and resumed % EVERY == 0, (resumed, step_at_kill)
+        # rank 0 printed step 0 once (in either agent's log), then resumed from the
+        # script's own checkpoint, not from scratch (commits land every EVERY steps)
+        assert starts.count(0) == 1, logs()
+        resumed = [s for s in starts if s > 0]
+        assert resumed and all(EVERY <= r < STEPS and r % EVERY == 0 for r in resumed), (
+            starts, step_at_kill)
         assert logs().count("reporting failure") >= 1
         later = [r["env"] for r in rank_envs(dump, env) if r["pid"] not in {f["pid"] for f in first}]
         restarted = [e for e in later if e["TORCHELASTIC_RESTART_COUNT"] == "1"]
@@ -172,6 +174,8 @@ class TestRestartModeDrain:
                     agent.wait()
         assert "draining: signal SIGTERM" in log("b")
         assert done.status.step == STEPS and done.status.world_size in (0, 1)
-        starts = [int(s) for s in re.findall(r"starting at step (\d+)", log("a") + log("b"))]
-        assert starts[0] == 0 and starts[-1] >= EVERY, starts  # resumed from a commit
-        assert "rank 0/1: starting at step" in log("a")  # restarted alone at world 1
+        # whichever agent hosted rank 0 first printed step 0; a restarted alone at
+        # world 1 from a commit
+        assert "rank 0/2: starting at step 0" in log("a") + log("b")
+        resumed = [int(s) for s in re.findall(r"rank 0/1: starting at step (\d+)", log("a"))]
+        assert resumed and resumed[0] >= EVERY and resumed[0] % EVERY == 0, log("a")
