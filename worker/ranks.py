@@ -14,6 +14,7 @@ are in its docstring; nothing here talks to the coordinator.
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -24,6 +25,11 @@ from dataclasses import dataclass
 from springback.worker import env as E
 from springback.worker.control import activate_standby, ready_path
 from springback.worker.launch import RankOutput
+
+log = logging.getLogger("springback.agent")
+
+NOTE_EVERY_S = 30.0
+"""While ranks are still in their set-up, a log line this often."""
 
 # Ranks are started through this snippet rather than with subprocess's
 # preexec_fn: preexec_fn runs Python in a fork() of a process with live gRPC
@@ -89,7 +95,13 @@ class LocalRanks:
         standbys = [self.start_standby(environ) for _ in range(num)]
         self.ranks = {lr: s.proc for lr, s in enumerate(standbys)}
         deadline = time.monotonic() + timeout_s
+        next_note = time.monotonic() + NOTE_EVERY_S
         while not all(s.ready() for s in standbys):
+            if time.monotonic() > next_note:  # say why the node has not joined yet
+                next_note += NOTE_EVERY_S
+                log.warning("%d of %d ranks have not reached Session() yet; a script "
+                            "without Session (torchrun style) needs --mode restart",
+                            sum(not s.ready() for s in standbys), len(standbys))
             for s in standbys:
                 if s.proc.poll() is not None:
                     raise RuntimeError(f"a rank exited with status {s.proc.returncode} before "
