@@ -75,6 +75,8 @@ class Progress:
     loss: float = math.nan
     checkpoint: dict[str, Any] | None = None
     """The newest commit: step, uri, world_size, size_bytes, epoch, offset."""
+    restored_step: int = 0
+    """The step `restore` loaded in this generation (0: none)."""
 
 
 def write_progress(directory: str, progress: Progress) -> None:
@@ -159,7 +161,7 @@ class RestartCheckpoints:
             return 0
         self.restored_step = result.step
         log.info("rank %d restored step %d from %s", self.rank, result.step, result.uri)
-        self._report(step=result.step)
+        self._report(step=result.step, restored_step=result.step)
         return result.step
 
     def step_done(self, step: int, model: torch.nn.Module,

@@ -288,6 +288,8 @@ class RestartRanks:
             return
         if progress is None or progress.generation != self.generation:
             return
+        if progress.restored_step and not self._relayed_step:
+            self._send_step(progress.restored_step, float("nan"))  # where this generation resumed
         ckpt = progress.checkpoint
         if ckpt and ckpt["step"] > self._relayed_checkpoint:
             self._relayed_checkpoint = ckpt["step"]

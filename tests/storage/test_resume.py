@@ -45,7 +45,8 @@ class TestRestartCheckpoints:
         fresh, fresh_opt = _model(1)
         again = RestartCheckpoints(uri)
         assert again.restore(fresh, fresh_opt) == 10
-        assert read_progress(str(control)).step == 10  # the step redone from
+        resumed = read_progress(str(control))
+        assert (resumed.generation, resumed.step, resumed.restored_step) == (5, 10, 10)
         again.close()
 
     def test_the_plans_checkpoint_bounds_the_restore(self, tmp_path, monkeypatch):
