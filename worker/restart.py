@@ -207,8 +207,9 @@ class RestartRanks:
         if port is None:
             if not abandon():
                 self._failure_reported = True
-                self.agent._report_failure(-1, f"master port of generation {plan.generation} "
-                                           f"not published within {MASTER_PORT_TIMEOUT_S:.0f}s")
+                self.agent._report_failure(
+                    -1, 0, reason=f"master port of generation {plan.generation} not "
+                                  f"published within {MASTER_PORT_TIMEOUT_S:.0f}s")
             return
         restart_count = self._num_starts
         self._num_starts += 1
