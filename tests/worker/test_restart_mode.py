@@ -87,23 +87,32 @@ def assert_same_as_torchrun(ours: list[dict], theirs: list[dict], restart: int) 
     assert len(ports) == 1  # one rendezvous store per generation
 
 
+def ddp_job(client, tmp_path: Path, min_workers: int):
+    return client.create_job({
+        "name": "ddp", "min_workers": min_workers, "max_workers": 2,
+        "data": {"num_samples": 64, "global_batch_size": 8},
+        "checkpoint": {"uri": f"file://{tmp_path}/ckpt"}, "max_steps": STEPS})
+
+
+def start_agent(tmp_path: Path, name: str, job_id: str, coordinator: str, env: dict[str, str],
+                *extra: str) -> subprocess.Popen:
+    """`springback run` of the unmodified example, its output in agent-<name>.log."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "springback.service.cli", "run", "--job", job_id,
+         "--coordinator", coordinator, *extra, "--", sys.executable, EXAMPLE,
+         "--steps", str(STEPS), "--checkpoint-every", str(EVERY), "--step-sleep-s", "0.05"],
+        env=env, stdout=open(tmp_path / f"agent-{name}.log", "wb"), stderr=subprocess.STDOUT)
+
+
 class TestUnmodifiedTorchrunScript:
     def test_runs_on_two_agents_survives_a_killed_rank_and_resumes_from_its_checkpoint(
             self, tmp_path, client, coordinator_address):
-        job = client.create_job({
-            "name": "ddp", "min_workers": 2, "max_workers": 2,
-            "data": {"num_samples": 64, "global_batch_size": 8},
-            "checkpoint": {"uri": f"file://{tmp_path}/ckpt"}, "max_steps": STEPS})
+        job = ddp_job(client, tmp_path, min_workers=2)
         dump = tmp_path / "env"
         dump.mkdir()
         env = base_env(dump)
-        agents = [subprocess.Popen(
-            [sys.executable, "-m", "springback.service.cli", "run", "--job", job.id,
-             "--coordinator", coordinator_address, "--nproc-per-node", "2", "--max-restarts", "3",
-             "--", sys.executable, EXAMPLE, "--steps", str(STEPS), "--checkpoint-every",
-             str(EVERY), "--step-sleep-s", "0.05"],
-            env=env, stdout=open(tmp_path / f"agent-{n}.log", "wb"), stderr=subprocess.STDOUT)
-            for n in ("a", "b")]
+        agents = [start_agent(tmp_path, n, job.id, coordinator_address, env,
+                              "--nproc-per-node", "2", "--max-restarts", "3") for n in ("a", "b")]
         logs = lambda: "".join(p.read_text() for p in sorted(tmp_path.glob("agent-*.log")))  # noqa: E731
         try:
             wait_for(lambda: (s := client.get_job(job.id).status).last_checkpoint.step >= EVERY
@@ -145,18 +154,10 @@ class TestUnmodifiedTorchrunScript:
 class TestRestartModeDrain:
     def test_a_drained_agent_leaves_and_the_other_restarts_its_ranks_from_the_checkpoint(
             self, tmp_path, client, coordinator_address):
-        job = client.create_job({
-            "name": "ddp", "min_workers": 1, "max_workers": 2,
-            "data": {"num_samples": 64, "global_batch_size": 8},
-            "checkpoint": {"uri": f"file://{tmp_path}/ckpt"}, "max_steps": STEPS})
+        job = ddp_job(client, tmp_path, min_workers=1)
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        agents = {n: subprocess.Popen(
-            [sys.executable, "-m", "springback.service.cli", "run", "--job", job.id,
-             "--coordinator", coordinator_address, "--mode", "restart", "--drain-timeout-s", "30",
-             "--", sys.executable, EXAMPLE, "--steps", str(STEPS), "--checkpoint-every",
-             str(EVERY), "--step-sleep-s", "0.05"],
-            env=env, stdout=open(tmp_path / f"agent-{n}.log", "wb"), stderr=subprocess.STDOUT)
-            for n in ("a", "b")}
+        agents = {n: start_agent(tmp_path, n, job.id, coordinator_address, env, "--mode",
+                                 "restart", "--drain-timeout-s", "30") for n in ("a", "b")}
         log = lambda n: (tmp_path / f"agent-{n}.log").read_text()  # noqa: E731
         try:
             wait_for(lambda: (s := client.get_job(job.id).status).world_size == 2
