@@ -16,6 +16,7 @@ import grpc
 
 from springback.service import spec as specs
 from springback.service.channel import DEFAULT_TIMEOUT_S, connect
+from springback.service.errors import InvalidArgument
 from springback.v1 import job_service_pb2 as js
 from springback.v1 import job_service_pb2_grpc as js_grpc
 from springback.v1 import types_pb2 as pb
@@ -28,6 +29,14 @@ class ApiError(Exception):
         super().__init__(f"{code.name}: {details}")
         self.code = code
         self.details = details
+
+
+class InvalidSpec(ApiError, ValueError):
+    """A spec refused before sending (INVALID_ARGUMENT); `field` names the bad field."""
+
+    def __init__(self, field: str, details: str) -> None:
+        super().__init__(grpc.StatusCode.INVALID_ARGUMENT, details)
+        self.field = field
 
 
 def _call(fn: Any, request: Any, timeout_s: float) -> Any:
@@ -67,12 +76,17 @@ class Client:
     def create_job(self, spec: pb.JobSpec | Mapping[str, Any] | str) -> pb.Job:
         """Submits a job: a `JobSpec`, a spec mapping, or a YAML/JSON file path.
 
-        A local spec is validated before sending (ValueError naming the field).
+        A local spec is validated before sending: a bad one raises `InvalidSpec`
+        (an `ApiError` with code INVALID_ARGUMENT, the message naming the field)
+        and sends nothing.
         """
-        if isinstance(spec, str):
-            spec = specs.load_spec_file(spec)
-        elif not isinstance(spec, pb.JobSpec):
-            spec = specs.spec_from_dict(spec)
+        try:
+            if isinstance(spec, str):
+                spec = specs.load_spec_file(spec)
+            elif not isinstance(spec, pb.JobSpec):
+                spec = specs.spec_from_dict(spec)
+        except InvalidArgument as e:
+            raise InvalidSpec(e.field, str(e)) from None
         return _call(self._stub.CreateJob, js.CreateJobRequest(spec=spec), self.timeout_s).job
 
     def get_job(self, job_id: str) -> pb.Job:

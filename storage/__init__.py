@@ -64,6 +64,7 @@ from springback.storage.restore import (
     restore,
     restore_model,
 )
+from springback.storage.resume import RestartCheckpoints  # noqa: F401 (restart mode's helper)
 from springback.storage.retry import RetryPolicy
 from springback.storage.store import ENV_S3_ENDPOINT_URL, Store
 

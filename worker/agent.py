@@ -1,7 +1,10 @@
 """The node agent: ``springback run --job JOB -- python train.py …``.
 
-One agent per node. It starts its ranks first and joins once their set-up is
-done (`ranks.py`). It hosts the node's rendezvous store (a TCPStore server on
+One agent per node. It first checks that the job exists and the token is
+accepted (GetJob, within ``--connect-timeout-s``), so a typo fails before any
+rank starts. In library mode it then starts its ranks and joins once their
+set-up is done (`ranks.py`); in restart mode (`restart.py`) it joins and
+(re)starts the ranks on every generation. It hosts the node's rendezvous store (a TCPStore server on
 port 0, named in JoinJob), joins the job as a *member*, keeps the member alive
 with heartbeats, relays every plan to its ranks through the control directory
 (`control.py`), and spawns ``--nproc-per-node`` local ranks with the torchrun
@@ -24,17 +27,23 @@ Failure semantics:
   member (``--on-fenced rejoin``, the default) or exits with status 3.
 * Ranks get the parent-death signal SIGKILL, so an agent killed with SIGKILL
   takes its ranks with it and its peers see the failure at once.
-* Coordinator unavailable: heartbeats and the plan stream retry with backoff;
-  if the outage outlasts the liveness timeout the member is fenced as above.
+* Coordinator unavailable: at start-up the check is retried, with a log line
+  per attempt, until ``--connect-timeout-s`` (then exit status 1 naming the
+  addresses); later, heartbeats and the plan stream retry with backoff; if the
+  outage outlasts the liveness timeout the member is fenced as above.
+* A drain before this node ever trained (no plan ran it yet) stops the ranks
+  at once: they hold nothing to hand over.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import threading
@@ -53,9 +62,22 @@ from springback.v1 import worker_service_pb2 as wpb
 from springback.v1 import worker_service_pb2_grpc as wgrpc
 from springback.worker import env as E
 from springback.worker.control import PlanPublisher
+from springback.worker.launch import (
+    RankOutput,
+    add_torchrun_arguments,
+    check_torchrun_flags,
+    choose_mode,
+    command_for,
+    parse_nnodes,
+    parse_nproc,
+    parse_streams,
+)
 from springback.worker.preemption import FileNotice, PreemptionSource
-from springback.worker.ranks import LocalRanks
+from springback.worker.ranks import LocalRanks, with_parent_death
 from springback.worker.rankstats import read_all as read_rank_stats
+from springback.worker.restart import RestartRanks
+from springback.worker.standalone import run_standalone
+from springback.worker.startup import DrainedBeforeJoin, JobFinished, StartupRefused, check_job
 
 log = logging.getLogger("springback.agent")
 
@@ -99,6 +121,15 @@ class AgentConfig:
     metrics_listen: str | None = None
     """``HOST:PORT`` for a Prometheus endpoint (``/metrics``) of this node's
     plan and its ranks' statistics (`rankstats.py`); None serves none."""
+    mode: str = "library"
+    """``library`` (a Session script) or ``restart`` (an unmodified torchrun
+    script); `launch.choose_mode` resolves ``--mode auto``."""
+    output: RankOutput = field(default_factory=RankOutput)
+    """Where the ranks' stdout/stderr go (--log-dir, --redirects, --tee)."""
+    connect_timeout_s: float = 10.0
+    """How long the start-up check may wait for a coordinator to answer."""
+    nnodes: tuple[int, int] | None = None
+    """torchrun's --nnodes: must equal the job's (min_workers, max_workers)."""
 
     def __post_init__(self) -> None:
         if not self.job_id:
@@ -109,16 +140,16 @@ class AgentConfig:
             raise ValueError(f"--nproc-per-node must be >= 1, got {self.nproc_per_node}")
         if self.on_fenced not in ("rejoin", "exit"):
             raise ValueError(f"--on-fenced must be rejoin or exit, got {self.on_fenced!r}")
+        if self.mode not in ("library", "restart"):
+            raise ValueError(f"--mode must be library or restart, got {self.mode!r}")
+        if self.connect_timeout_s <= 0:
+            raise ValueError(f"--connect-timeout-s must be positive, got {self.connect_timeout_s}")
         if self.drain_timeout_s <= 0:
             raise ValueError(f"--drain-timeout-s must be positive, got {self.drain_timeout_s}")
         if self.metrics_listen is not None:
             host, sep, port = self.metrics_listen.rpartition(":")
             if not sep or not host or not port.isdigit() or int(port) > 65535:
                 raise ValueError(f"--metrics-listen must be HOST:PORT, got {self.metrics_listen!r}")
-
-
-class DrainedBeforeJoin(Exception):
-    """SIGTERM or a preemption notice arrived before the node joined."""
 
 
 class Agent:
@@ -136,7 +167,10 @@ class Agent:
         self._plan: pb.Plan | None = None
         self._fenced = threading.Event()
         self._stop = threading.Event()
-        self._local = LocalRanks(config.command, self._workdir, keep_spare=config.standby)
+        self._local = LocalRanks(config.command, self._workdir, keep_spare=config.standby,
+                                 output=config.output)
+        self._restart = RestartRanks(self) if config.mode == "restart" else None
+        self._ran = False  # a RUN plan included this member: its ranks may hold state
         self._num_restarts = 0
         self._stop_deadline: float | None = None
         self.member: pb.Member | None = None
@@ -144,13 +178,20 @@ class Agent:
 
     # -- membership ------------------------------------------------------------
 
+    def _check_job(self) -> None:
+        """The start-up check (`startup.check_job`), before any rank starts."""
+        check_job(self._channel, job_id=self.config.job_id,
+                  target=self.config.coordinator or ",".join(parse_addresses(None)),
+                  connect_timeout_s=self.config.connect_timeout_s, nnodes=self.config.nnodes,
+                  drain_reason=lambda: self._drain_reason)
+
     def _join(self) -> None:
         """JoinJob, retried on UNAVAILABLE until the drain timeout; raises RpcError
         for a permanent error (unknown job, bad token)."""
         req = wpb.JoinJobRequest(job_id=self.config.job_id, host=self.config.host,
                                  rendezvous_port=self._store.port,
                                  num_local_ranks=self.config.nproc_per_node)
-        deadline = time.monotonic() + self.config.drain_timeout_s
+        deadline = time.monotonic() + self.config.connect_timeout_s
         while True:
             try:
                 resp = self._stub.JoinJob(req, timeout=RPC_TIMEOUT_S)
@@ -158,6 +199,9 @@ class Agent:
             except grpc.RpcError as e:
                 if e.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
                     raise
+                if self._drain_reason is not None:
+                    raise DrainedBeforeJoin(self._drain_reason) from None
+                log.warning("JoinJob: %s %s; retrying", e.code().name, e.details())
                 time.sleep(0.5)
         self.member = resp.member
         self.liveness_timeout_s = resp.liveness_timeout.ToTimedelta().total_seconds() or 5.0
@@ -215,6 +259,9 @@ class Agent:
                 return
             self._plan = plan
             self._publisher.publish(plan)
+            if plan.action == pb.PLAN_ACTION_RUN and self.member is not None and any(
+                    m.member_id == self.member.id for m in plan.members):
+                self._ran = True
         log.info("generation %d: %s, world %d (%s)", plan.generation,
                  pb.PlanAction.Name(plan.action), plan.world_size, plan.reason)
 
@@ -263,7 +310,11 @@ class Agent:
         its set-up (up to `ready_timeout_s`), and only then joins: the
         generation that admits this node does not wait for a cold start.
         Raises RuntimeError if a rank exits during set-up, DrainedBeforeJoin
-        on a drain request meanwhile."""
+        on a drain request meanwhile. In restart mode only joins: ranks start
+        with the first plan that runs this node."""
+        if self._restart is not None:
+            self._join()
+            return
         standbys = self._local.start_all(
             self.config.nproc_per_node, self._rank_env(0), timeout_s=self.config.ready_timeout_s,
             abort=lambda: self._drain_reason is not None)
@@ -276,13 +327,25 @@ class Agent:
             standby.activate(lr, self._identity())
         self._local.ensure_spare(self._rank_env(0))
 
+    def _launch_rank(self, local_rank: int, environ: dict[str, str], *,
+                     attempt: int) -> subprocess.Popen:
+        """Starts one restart-mode rank (dies with the agent, output as configured)."""
+        return self.config.output.launch(with_parent_death(self.config.command), environ,
+                                         local_rank=local_rank, attempt=f"attempt_{attempt}")
+
+    def _running_ranks(self) -> list[subprocess.Popen]:
+        ranks = self._restart.ranks if self._restart is not None else self._local.ranks
+        return list(ranks.values())
+
     def _kill_ranks(self) -> None:
+        if self._restart is not None:
+            self._restart.kill_all()
         self._local.kill_all()
 
-    def _report_failure(self, local_rank: int, code: int) -> None:
+    def _report_failure(self, local_rank: int, code: int, reason: str | None = None) -> None:
         assert self.member is not None
         generation = self._plan.generation if self._plan else 0
-        reason = f"local rank {local_rank} of {self.member.id} exited with status {code}"
+        reason = reason or f"local rank {local_rank} of {self.member.id} exited with status {code}"
         log.warning("%s; reporting failure", reason)
         try:
             self._stub.ReportFailure(wpb.ReportFailureRequest(
@@ -305,18 +368,19 @@ class Agent:
                 metrics_server = serve_metrics(self._metrics_registry(), self.config.metrics_listen)
                 host, port = metrics_server.server_address[:2]
                 log.info("metrics on http://%s:%d/metrics", host, port)
+            self._check_job()
             self._start_ranks()
             return self._supervise()
+        except (JobFinished, DrainedBeforeJoin) as e:
+            log.warning("not joining: %s", e)
+            return EXIT_OK
         except grpc.RpcError as e:
             if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
                 log.warning("not joining job %s: %s", self.config.job_id, e.details())
                 return EXIT_OK
             log.error("cannot join job %s: %s %s", self.config.job_id, e.code().name, e.details())
             return EXIT_ERROR
-        except DrainedBeforeJoin as e:
-            log.warning("drained before joining: %s", e)
-            return EXIT_OK
-        except RuntimeError as e:
+        except (StartupRefused, RuntimeError) as e:
             log.error("%s", e)
             return EXIT_ERROR
         except OSError as e:
@@ -376,7 +440,8 @@ class Agent:
                         break
             if self._drain_reason is not None:
                 return self._drain()
-            status = self._check_ranks()
+            status = (self._restart.check() if self._restart is not None
+                      else self._check_ranks())
             if status is not None:
                 return status
             time.sleep(0.05)
@@ -422,6 +487,11 @@ class Agent:
         assert self.member is not None
         reason = self._drain_reason or "drain"
         log.warning("draining: %s", reason)
+        if not self._ran:
+            log.warning("this node never trained: stopping its ranks at once")
+            self._kill_ranks()
+            self._leave(reason)
+            return EXIT_OK
         deadline = time.monotonic() + self.config.drain_timeout_s
         # Before DrainMember: the plan that leaves this node out may arrive at
         # once, and ranks with checkpointing save at the boundary where they
@@ -438,8 +508,10 @@ class Agent:
         except grpc.RpcError as e:
             log.warning("DrainMember failed (%s); leaving without handing over",
                         e.code().name)
+        if self._restart is not None:  # as torchrun: the ranks get the signal
+            self._restart.signal_all(signal.SIGTERM)
         while time.monotonic() < deadline:
-            if all(p.poll() is not None for p in self._local.ranks.values()):
+            if all(p.poll() is not None for p in self._running_ranks()):
                 break
             if self._fenced.is_set():
                 break
@@ -485,12 +557,16 @@ RANK_METRICS = [  # (rankstats key, metric, kind, help)
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
     """Adds the `run` options to `p` (the CLI's ``run`` sub-command, whose parent
     parser already defines --coordinator and --token); dispatch to `run_main`."""
-    p.add_argument("--job", required=True, help="job id to join")
-    p.add_argument("--nproc-per-node", type=int, default=1)
+    p.add_argument("--job", default=None, help="job id to join (not with --standalone)")
+    p.add_argument("--nproc-per-node", "--nproc_per_node", dest="nproc_per_node", default="1",
+                   help="local ranks: N, cpu, gpu or auto (as torchrun)")
     p.add_argument("--host", default=os.environ.get("SPRINGBACK_HOST", "127.0.0.1"),
                    help="address peers reach this node at (default 127.0.0.1)")
     p.add_argument("--drain-timeout-s", type=float, default=60.0)
-    p.add_argument("--max-restarts", type=int, default=10)
+    p.add_argument("--max-restarts", "--max_restarts", dest="max_restarts", type=int,
+                   default=10)
+    p.add_argument("--connect-timeout-s", type=float, default=10.0,
+                   help="start-up: how long to wait for a coordinator to answer (default 10)")
     p.add_argument("--no-standby", dest="standby", action="store_false",
                    help="do not keep a warm standby rank for fast crash recovery")
     p.add_argument("--on-fenced", choices=["rejoin", "exit"], default="rejoin")
@@ -500,28 +576,33 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    help="drain when this file appears (a preemption notice)")
     p.add_argument("--metrics-listen", default=None, metavar="HOST:PORT",
                    help="serve Prometheus metrics of this node and its ranks at /metrics")
+    add_torchrun_arguments(p)
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- the rank command")
 
 
-def run_main(args: argparse.Namespace) -> int:
-    """Runs the agent for parsed `run` arguments; returns the exit status."""
-    cmd = list(args.cmd)
-    if cmd and cmd[0] == "--":
-        cmd = cmd[1:]
-    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    log.setLevel(logging.INFO)
-    try:
-        config = AgentConfig(
-            job_id=args.job, command=cmd, coordinator=getattr(args, "coordinator", None),
-            token=getattr(args, "token", None), nproc_per_node=args.nproc_per_node,
-            host=args.host, drain_timeout_s=args.drain_timeout_s,
-            max_restarts=args.max_restarts, standby=args.standby, on_fenced=args.on_fenced,
-            collective_timeout_s=args.collective_timeout_s, metrics_listen=args.metrics_listen,
-            preemption=[FileNotice(args.preemption_file)] if args.preemption_file else [])
-        agent = Agent(config)
-    except ValueError as e:
-        print(f"springback run: {e}", file=sys.stderr)
-        return 2
+def _config_from_args(args: argparse.Namespace, job_id: str,
+                      coordinator: str | None) -> AgentConfig:
+    """The AgentConfig of parsed `run` arguments; ValueError names a bad flag."""
+    check_torchrun_flags(args)
+    cmd = command_for(list(args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd))
+    return AgentConfig(
+        job_id=job_id, command=cmd, coordinator=coordinator,
+        token=getattr(args, "token", None), nproc_per_node=parse_nproc(args.nproc_per_node),
+        host=args.host, drain_timeout_s=args.drain_timeout_s,
+        max_restarts=args.max_restarts, standby=args.standby, on_fenced=args.on_fenced,
+        collective_timeout_s=args.collective_timeout_s, metrics_listen=args.metrics_listen,
+        preemption=[FileNotice(args.preemption_file)] if args.preemption_file else [],
+        mode=choose_mode(args.mode, cmd) if cmd else "library",
+        output=RankOutput(log_dir=args.log_dir,
+                          redirects=parse_streams("--redirects", args.redirects),
+                          tee=parse_streams("--tee", args.tee)),
+        connect_timeout_s=args.connect_timeout_s,
+        nnodes=None if args.standalone else parse_nnodes(args.nnodes))
+
+
+def _run_agent(config: AgentConfig) -> int:
+    agent = Agent(config)
+    log.info("mode %s: %s", config.mode, " ".join(config.command))
 
     def on_signal(signum: int, _frame: object) -> None:
         agent.request_drain(f"signal {signal.Signals(signum).name}")
@@ -529,6 +610,31 @@ def run_main(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     return agent.run()
+
+
+def run_main(args: argparse.Namespace) -> int:
+    """Runs the agent for parsed `run` arguments; returns the exit status
+    (2 for bad arguments, with the flag named on stderr)."""
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log.setLevel(logging.INFO)
+    coordinator = getattr(args, "coordinator", None)
+    try:
+        if args.standalone and (args.job or coordinator):
+            raise ValueError("--standalone starts its own coordinator and job: "
+                             "drop --job and --coordinator")
+        if not args.standalone and not args.job:
+            raise ValueError("--job is required (or --standalone)")
+        config = _config_from_args(args, args.job or "standalone", coordinator)
+        if not args.standalone:
+            return _run_agent(config)
+        nnodes = parse_nnodes(args.nnodes)
+    except ValueError as e:
+        print(f"springback run: {e}", file=sys.stderr)
+        return 2
+    name = os.path.splitext(os.path.basename(config.command[-1]))[0].lower()
+    name = "".join(c if c.isalnum() else "-" for c in name).strip("-") or "standalone"
+    return run_standalone(name, nnodes, lambda address, job_id: _run_agent(
+        dataclasses.replace(config, coordinator=address, job_id=job_id)))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,9 +3,11 @@
 The agent (`springback run`) sets these for every local rank it spawns; the
 library (`springback.worker.Session`) reads them. They are the only contract
 between the two processes besides the control directory (see `control.py`).
-The torchrun-compatible ones describe the generation a rank was *spawned* in;
-a rank that lives through several generations takes its current rank and world
-size from the plan, not from these.
+In restart mode (`restart.py`) a rank lives for one generation and gets
+torchrun's full set. In library mode a rank lives through generations: only
+LOCAL_RANK, LOCAL_WORLD_SIZE (stable on a node) and the SPRINGBACK_* ones are
+set (a warm standby learns its LOCAL_RANK when activated, inside `Session()`);
+the current rank and world size are `gen.rank` / `gen.world_size`.
 """
 
 from __future__ import annotations
@@ -20,6 +22,23 @@ WORLD_SIZE = "WORLD_SIZE"
 LOCAL_WORLD_SIZE = "LOCAL_WORLD_SIZE"
 MASTER_ADDR = "MASTER_ADDR"
 MASTER_PORT = "MASTER_PORT"
+# set in restart mode only, as torchrun does (one role, "default")
+GROUP_RANK = "GROUP_RANK"
+"""The node's rank in the generation (the plan's node rank)."""
+GROUP_WORLD_SIZE = "GROUP_WORLD_SIZE"
+"""Nodes in the generation."""
+ROLE_NAME = "ROLE_NAME"
+ROLE_RANK = "ROLE_RANK"
+ROLE_WORLD_SIZE = "ROLE_WORLD_SIZE"
+TORCHELASTIC_RUN_ID = "TORCHELASTIC_RUN_ID"
+"""The job id."""
+TORCHELASTIC_RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
+"""How many times this agent restarted its ranks (0 on the first start)."""
+TORCHELASTIC_MAX_RESTARTS = "TORCHELASTIC_MAX_RESTARTS"
+TORCHELASTIC_USE_AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"
+""""True": MASTER_ADDR:MASTER_PORT is a store the agent hosts (connect as a client)."""
+TORCHELASTIC_ERROR_FILE = "TORCHELASTIC_ERROR_FILE"
+TORCHELASTIC_SIGNALS_TO_HANDLE = "TORCHELASTIC_SIGNALS_TO_HANDLE"
 
 JOB_ID = "SPRINGBACK_JOB_ID"
 """Job the rank trains for."""
@@ -47,6 +66,11 @@ of a crashed rank. The script's set-up before `Session()` (imports, data, model)
 is then already done, which is most of a rank's start-up time."""
 METRICS_FILE = "SPRINGBACK_METRICS_FILE"
 """When set, global rank 0 appends one JSON line per step and per generation here."""
+CHECKPOINT_URI = "SPRINGBACK_CHECKPOINT_URI"
+"""Restart mode: the job spec's ``checkpoint.uri``, read by `springback.storage.resume`
+(which names it ``ENV_CHECKPOINT_URI``; storage does not import the worker)."""
+RESTORE_MAX_STEP = "SPRINGBACK_RESTORE_MAX_STEP"
+"""Restart mode, when the plan names a checkpoint: the newest step the helper may restore."""
 
 
 def _float(name: str, default: float) -> float:

@@ -14,6 +14,7 @@ are in its docstring; nothing here talks to the coordinator.
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -23,6 +24,12 @@ from dataclasses import dataclass
 
 from springback.worker import env as E
 from springback.worker.control import activate_standby, ready_path
+from springback.worker.launch import RankOutput
+
+log = logging.getLogger("springback.agent")
+
+NOTE_EVERY_S = 30.0
+"""While ranks are still in their set-up, a log line this often."""
 
 # Ranks are started through this snippet rather than with subprocess's
 # preexec_fn: preexec_fn runs Python in a fork() of a process with live gRPC
@@ -35,6 +42,11 @@ _PDEATH_LAUNCHER = (
     "if os.getppid() != int(sys.argv[1]): sys.exit(1)\n"
     "os.execvp(sys.argv[2], sys.argv[2:])\n"
 )
+
+
+def with_parent_death(command: list[str]) -> list[str]:
+    """`command` behind the launcher that ties its life to this process's."""
+    return [sys.executable, "-S", "-c", _PDEATH_LAUNCHER, str(os.getpid()), *command]
 
 
 @dataclass
@@ -55,21 +67,24 @@ class Standby:
 class LocalRanks:
     """The rank processes of one agent. `ranks` maps local rank -> process."""
 
-    def __init__(self, command: list[str], workdir: str, *, keep_spare: bool) -> None:
+    def __init__(self, command: list[str], workdir: str, *, keep_spare: bool,
+                 output: RankOutput | None = None) -> None:
         self.command = command
         self.workdir = workdir
         self.keep_spare = keep_spare
+        self.output = output or RankOutput()
         self.ranks: dict[int, subprocess.Popen] = {}
         self.spare: Standby | None = None
         self._num_started = 0
 
-    def _launch(self, environ: dict[str, str]) -> subprocess.Popen:
-        launcher = [sys.executable, "-S", "-c", _PDEATH_LAUNCHER, str(os.getpid())]
-        return subprocess.Popen(launcher + self.command, env=environ, start_new_session=True)
+    def _launch(self, environ: dict[str, str], local_rank: int = 0) -> subprocess.Popen:
+        self._num_started += 1
+        # a standby's local rank is not known yet: its log folder is its process number
+        return self.output.launch(with_parent_death(self.command), environ,
+                                  local_rank=local_rank, attempt=f"proc_{self._num_started}")
 
     def start_standby(self, environ: dict[str, str]) -> Standby:
-        self._num_started += 1
-        path = os.path.join(self.workdir, f"standby-{self._num_started}.json")
+        path = os.path.join(self.workdir, f"standby-{self._num_started + 1}.json")
         return Standby(self._launch({**environ, E.STANDBY_FILE: path}), path)
 
     def start_all(self, num: int, environ: dict[str, str], *, timeout_s: float,
@@ -80,7 +95,13 @@ class LocalRanks:
         standbys = [self.start_standby(environ) for _ in range(num)]
         self.ranks = {lr: s.proc for lr, s in enumerate(standbys)}
         deadline = time.monotonic() + timeout_s
+        next_note = time.monotonic() + NOTE_EVERY_S
         while not all(s.ready() for s in standbys):
+            if time.monotonic() > next_note:  # say why the node has not joined yet
+                next_note += NOTE_EVERY_S
+                log.warning("%d of %d ranks have not reached Session() yet; a script "
+                            "without Session (torchrun style) needs --mode restart",
+                            sum(not s.ready() for s in standbys), len(standbys))
             for s in standbys:
                 if s.proc.poll() is not None:
                     raise RuntimeError(f"a rank exited with status {s.proc.returncode} before "
@@ -104,7 +125,8 @@ class LocalRanks:
             spare.activate(local_rank, identity)
             self.ranks[local_rank] = spare.proc
         else:
-            self.ranks[local_rank] = self._launch({**environ, E.LOCAL_RANK: str(local_rank)})
+            self.ranks[local_rank] = self._launch({**environ, E.LOCAL_RANK: str(local_rank)},
+                                                  local_rank)
         self.ensure_spare(environ)
         return warm
 

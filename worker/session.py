@@ -69,7 +69,7 @@ from springback.v1 import types_pb2 as pb
 from springback.worker import metrics
 from springback.worker.audit import AuditLog
 from springback.worker.control import PlanChannel, await_activation
-from springback.worker.env import STANDBY_FILE, RankEnv
+from springback.worker.env import LOCAL_RANK, STANDBY_FILE, RankEnv
 from springback.worker.rankstats import RankStats
 from springback.worker.rendezvous import (
     RendezvousAborted,
@@ -103,14 +103,19 @@ class Session:
         """`model`/`optimizer`/`state` (objects with state_dict/load_state_dict)
         are what survivors hand to joiners. Data and max_steps come from the job
         spec in the plan; the keyword arguments are fallbacks for standalone runs
-        (``python train.py`` without an agent: one rank, world size 1)."""
+        (``python train.py`` without an agent: one rank, world size 1).
+        ``backend="nccl"`` makes ``cuda:<local rank>`` current (`self.device`)
+        and forms every generation's group as ``cpu:gloo,cuda:nccl``: CUDA
+        tensors (DDP, FSDP) go over NCCL, the library's own collectives over
+        gloo; RuntimeError when no CUDA device is visible."""
         self.env = env or _activated(RankEnv.from_environ())
         self.state: dict[str, Any] = dict(state or {})
         if model is not None:
             self.state["model"] = model
         if optimizer is not None:
             self.state["optimizer"] = optimizer
-        self.backend = backend
+        self.backend = group_backend(backend)
+        self.device = rank_device(backend, self.env.local_rank)
         if restore_checkpoint is None and "model" in self.state:
             from springback.worker.checkpointing import restore_from_checkpoint
             restore_checkpoint = restore_from_checkpoint
@@ -362,10 +367,31 @@ def _activated(rank_env: RankEnv) -> RankEnv:
         return rank_env
     identity = await_activation(path)
     log.info("standby activated as local rank %d", identity["local_rank"])
+    # the script reads LOCAL_RANK after Session() like under torchrun; a standby
+    # was started before its local rank was known
+    os.environ[LOCAL_RANK] = str(identity["local_rank"])
     return dataclasses.replace(rank_env, local_rank=int(identity["local_rank"]),
                                member_id=identity["member_id"],
                                control_dir=identity["control_dir"],
                                collective_timeout_s=float(identity["collective_timeout_s"]))
+
+
+def group_backend(backend: str) -> str:
+    """The process-group backend for `backend`: with NCCL the library's own
+    small collectives (CPU tensors) run on a gloo side of the same group."""
+    if backend == "nccl":
+        return "cpu:gloo,cuda:nccl"
+    return backend
+
+
+def rank_device(backend: str, local_rank: int) -> torch.device:
+    """This rank's device: ``cuda:<local_rank>`` (made current) with NCCL."""
+    if "nccl" not in backend:
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"Session(backend={backend!r}) needs CUDA; no device is visible")
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
 
 
 def _broadcast_object(obj: Any, source: int, rank: int) -> Any:
@@ -386,7 +412,10 @@ def _broadcast_object(obj: Any, source: int, rank: int) -> Any:
     handed_to_gloo(size, data)
     if rank == source:
         return obj
-    return torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=False)
+    # to host memory: the source's CUDA device index may not exist here;
+    # load_state_dict copies onto this rank's own device
+    return torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=False,
+                      map_location="cpu")
 
 
 def state_digest(state: dict[str, Any]) -> str:

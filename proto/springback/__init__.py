@@ -1,6 +1,8 @@
 """Springback: fault-tolerant, elastic training for PyTorch.
 
-The package root re-exports the Python client; the generated API lives in
+The package root re-exports the Python client (`Client`, and `ApiError`, which
+every failed call raises; `InvalidSpec` is the ApiError of a spec refused
+before sending); the generated API lives in
 ``springback.v1``, the coordinator in ``springback.service``, the node agent
 and training library in ``springback.worker`` and checkpoints in
 ``springback.storage``.
@@ -10,14 +12,14 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-__all__ = ["Client", "__version__"]
+__all__ = ["ApiError", "Client", "InvalidSpec", "__version__"]
 
 
 def __getattr__(name: str):
     # Imported lazily so `import springback.worker` in a training script does not
     # pull the whole client in.
-    if name == "Client":
-        from springback.service.client import Client
+    if name in ("ApiError", "Client", "InvalidSpec"):
+        from springback.service import client
 
-        return Client
-    raise AttributeError(name)
+        return getattr(client, name)
+    raise AttributeError(f"module 'springback' has no attribute {name!r}")

@@ -1,0 +1,210 @@
+"""Checkpoints for restart mode: a torchrun script resumes from its newest commit.
+
+In restart mode (`springback run --mode restart`) every generation starts the
+script's ranks afresh, so its state comes from storage. This helper is the
+small part such a script adds (it works the same under plain ``torchrun``)::
+
+    from springback.storage.resume import RestartCheckpoints
+
+    ckpt = RestartCheckpoints("file:///tmp/ckpt", every_steps=20)  # or $SPRINGBACK_CHECKPOINT_URI
+    start = ckpt.restore(model, optimizer)     # collective; 0 when nothing is committed
+    for step in range(start + 1, total_steps + 1):
+        ...                                    # forward, backward, optimizer.step()
+        ckpt.step_done(step, model, optimizer, loss=loss.item())   # saves every 20th step
+    ckpt.close()                               # waits for the last checkpoint's commit
+
+Checkpoints are `springback.storage`'s own (DCP shards, a manifest with
+checksums written last): a restore takes the newest *intact* committed one
+and any world size can read it.
+
+Progress reaches the coordinator through the node agent: under `springback
+run`, global rank 0 writes `PROGRESS_FILE` (atomic rename) in the control
+directory after every step and commit; the agent relays the step as
+ReportStep and each commit as CommitCheckpoint, fenced by its generation
+(`springback.worker.restart`). So ``job get`` shows the script's step and
+last checkpoint, the job succeeds when the step reaches the spec's
+``max_steps``, and the coordinator can count the steps a restart redid (last
+reported step minus the restored one). Outside an agent nothing is reported.
+
+Failure semantics: `restore` and `save` are collectives (every rank calls
+them). A rank killed mid-save leaves a partial checkpoint that is never
+restored (no manifest) and is cleaned up by a later commit. A storage failure
+of a save is logged and training goes on; `close` waits for the last one
+and raises what its write raised.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import threading
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from springback.storage.checkpointer import Checkpointer, CommitInfo
+from springback.storage.errors import CheckpointNotFound
+from springback.storage.restore import model_state_dict, restore_model
+
+log = logging.getLogger(__name__)
+
+# The same names as in springback.worker.env (storage does not import the worker).
+ENV_CHECKPOINT_URI = "SPRINGBACK_CHECKPOINT_URI"
+"""Set by the agent in restart mode: the job spec's ``checkpoint.uri``."""
+ENV_RESTORE_MAX_STEP = "SPRINGBACK_RESTORE_MAX_STEP"
+"""Set by the agent when the generation's plan names a checkpoint (an
+operator's ``job restore --step N``, or the newest commit): `restore` takes
+the newest intact commit at or below that step."""
+ENV_CONTROL_DIR = "SPRINGBACK_CONTROL_DIR"
+ENV_GENERATION = "SPRINGBACK_GENERATION"
+PROGRESS_FILE = "progress.json"
+CLOSE_TIMEOUT_S = 120.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class Progress:
+    """What global rank 0 tells its agent: the newest step and commit."""
+
+    generation: int
+    """Generation the ranks were started in (the agent drops older ones)."""
+    step: int
+    """Last step the script finished."""
+    loss: float = math.nan
+    checkpoint: dict[str, Any] | None = None
+    """The newest commit: step, uri, world_size, size_bytes, epoch, offset."""
+    restored_step: int = 0
+    """The step `restore` loaded in this generation (0: none)."""
+
+
+def write_progress(directory: str, progress: Progress) -> None:
+    """Replaces `PROGRESS_FILE` in `directory` atomically (never a torn file)."""
+    path = os.path.join(directory, PROGRESS_FILE)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(asdict(progress), f)
+    os.replace(tmp, path)
+
+
+def read_progress(directory: str) -> Progress | None:
+    """The last progress written in `directory`; None when there is none."""
+    try:
+        with open(os.path.join(directory, PROGRESS_FILE), encoding="utf-8") as f:
+            raw = json.load(f)
+    except FileNotFoundError:
+        return None
+    return Progress(**raw)
+
+
+def _rank_world() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def current_generation() -> int:
+    """The agent's generation, else torchrun's restart count + 1, else 1: a
+    restarted run never writes into the directories of an earlier attempt."""
+    if os.environ.get(ENV_GENERATION):
+        return int(os.environ[ENV_GENERATION])
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) + 1
+
+
+class RestartCheckpoints:
+    """One rank's checkpoints of a restart-mode script; see the module docstring.
+
+    `uri` defaults to $SPRINGBACK_CHECKPOINT_URI (ValueError naming both when
+    neither is set). `every_steps` (0: only explicit `save` calls) and
+    `keep_last` (retention applied by rank 0 after each commit) as in the job
+    spec. Create it after ``init_process_group``."""
+
+    def __init__(self, uri: str | None = None, *, every_steps: int = 0,
+                 keep_last: int | None = 3,
+                 storage_options: dict[str, Any] | None = None) -> None:
+        uri = uri or os.environ.get(ENV_CHECKPOINT_URI, "")
+        if not uri:
+            raise ValueError(f"RestartCheckpoints: pass uri= or set ${ENV_CHECKPOINT_URI} "
+                             "(the agent sets it from the job spec's checkpoint.uri)")
+        if every_steps < 0:
+            raise ValueError(f"RestartCheckpoints: every_steps must be >= 0, got {every_steps}")
+        self.uri = uri
+        self.every_steps = every_steps
+        self.rank, self.world_size = _rank_world()
+        self.generation = current_generation()
+        self._storage_options = storage_options
+        self._control_dir = os.environ.get(ENV_CONTROL_DIR, "") if self.rank == 0 else ""
+        self._progress = Progress(generation=self.generation, step=0)
+        self._lock = threading.Lock()  # the commit thread reports too
+        self._ckpt = Checkpointer(uri, rank=self.rank, world_size=self.world_size,
+                                  storage_options=storage_options, keep_last=keep_last,
+                                  on_commit=self._on_commit if self.rank == 0 else None,
+                                  on_error=self._on_error)
+        self.restored_step = 0
+
+    def restore(self, model: torch.nn.Module,
+                optimizer: torch.optim.Optimizer | None = None) -> int:
+        """Loads the newest intact commit (at most $SPRINGBACK_RESTORE_MAX_STEP
+        when the agent set it) into `model` (and `optimizer`) and returns its
+        step; 0 (state untouched) when nothing is committed. Collective;
+        raises `CorruptCheckpoint` when every candidate is damaged."""
+        max_step = int(os.environ[ENV_RESTORE_MAX_STEP]) if os.environ.get(
+            ENV_RESTORE_MAX_STEP) else None
+        try:
+            result = restore_model(self.uri, model, optimizer, max_step=max_step,
+                                   storage_options=self._storage_options)
+        except CheckpointNotFound:
+            log.info("no committed checkpoint under %s: starting at step 0", self.uri)
+            return 0
+        self.restored_step = result.step
+        log.info("rank %d restored step %d from %s", self.rank, result.step, result.uri)
+        self._report(step=result.step, restored_step=result.step)
+        return result.step
+
+    def step_done(self, step: int, model: torch.nn.Module,
+                  optimizer: torch.optim.Optimizer | None = None, *,
+                  loss: float = math.nan) -> None:
+        """Records `step` as finished (rank 0 reports it) and saves when it is
+        a multiple of `every_steps`. Collective when a save is due."""
+        self._report(step=step, loss=float(loss))
+        if self.every_steps and step % self.every_steps == 0:
+            self.save(step, model, optimizer)
+
+    def save(self, step: int, model: torch.nn.Module,
+             optimizer: torch.optim.Optimizer | None = None, *, wait: bool = False) -> None:
+        """Checkpoints `step` in the background (collective). With `optimizer`
+        its next ``step()`` waits for the copy of the state to host memory."""
+        self._ckpt.save(step, model_state_dict(model, optimizer), generation=self.generation,
+                        layout={"dp": self.world_size}, optimizer=optimizer)
+        if wait:
+            self._ckpt.wait(CLOSE_TIMEOUT_S)
+
+    def close(self, timeout_s: float = CLOSE_TIMEOUT_S) -> None:
+        """Waits up to `timeout_s` for the in-flight checkpoint (its commit
+        included); raises what its background write raised, or TimeoutError."""
+        try:
+            self._ckpt.wait(timeout_s)
+        finally:
+            self._ckpt.close(0.0)
+
+    def _report(self, **changes: Any) -> None:
+        if not self._control_dir:
+            return
+        with self._lock:
+            current = asdict(self._progress)
+            current.update(changes)
+            self._progress = Progress(**current)
+            write_progress(self._control_dir, self._progress)
+
+    def _on_commit(self, info: CommitInfo) -> None:
+        m = info.manifest
+        log.info("checkpoint of step %d committed: %s", m.step, info.uri)
+        self._report(checkpoint={"step": m.step, "uri": info.uri, "world_size": m.world_size,
+                                 "size_bytes": m.size_bytes, "epoch": m.cursor.epoch,
+                                 "offset": m.cursor.offset})
+
+    def _on_error(self, error: BaseException) -> None:
+        log.error("checkpoint failed on rank %d: %s", self.rank, error)

@@ -1,0 +1,1 @@
+"""A rank that does nothing: for capturing torchrun's environment (envdump)."""

@@ -1,0 +1,356 @@
+"""Restart mode: an unmodified torchrun script, restarted on every generation.
+
+A script that never creates a `Session` (it reads RANK, WORLD_SIZE,
+LOCAL_RANK, MASTER_ADDR, MASTER_PORT and calls ``init_process_group``) runs
+under `springback run --mode restart` with torchrun's semantics: on every
+generation whose plan includes this node, the agent stops the ranks it runs
+(SIGTERM, then SIGKILL after `STOP_GRACE_S`) and starts ``--nproc-per-node``
+new ones with the environment ``torchrun`` gives its workers (`torchrun_env`).
+Springback's coordinator, etcd membership, fencing, drains and job API stay
+around it; the state comes back through the script's own checkpoint (see
+`springback.storage.resume`).
+
+Like torchrun's c10d rendezvous (``TORCHELASTIC_USE_AGENT_STORE=True``),
+each generation gets a fresh TCPStore server, hosted by the agent of node
+rank 0: MASTER_ADDR:MASTER_PORT name it, and ``init_process_group`` connects
+to it as a client. That agent publishes the port under
+``springback/<job>/g<generation>/restart-master-port`` of its long-lived
+rendezvous store (the plan's master address), where the other agents read it.
+
+Failure semantics:
+
+* A rank exiting non-zero: the agent reports the failure once per generation
+  (ReportFailure, fenced by the generation the ranks were started in, so the
+  crash of peers that follows is rejected as stale), stops its other ranks
+  (torchrun stops the whole local group) and waits for the next plan. More
+  than ``--max-restarts`` failures end the agent with status 1.
+* Every local rank exiting 0: the job is done (torchrun's rule). The agent of
+  global rank 0 relays the last progress and reports the final step; every
+  agent then waits for the STOP plan (at most the drain timeout) and leaves.
+* The master port not published within `MASTER_PORT_TIMEOUT_S` (node rank 0
+  died before publishing it, and no newer plan came): reported as a failure.
+* Progress: global rank 0's `springback.storage.resume` helper writes its
+  step and commits to the control directory; the agent relays them with
+  ReportStep / CommitCheckpoint (a rejected relay is logged and dropped).
+  While ranks run, the relayed step stays below ``max_steps``: the job
+  succeeds when the ranks exit 0, after their last checkpoint was committed.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import grpc
+import torch.distributed as dist
+
+from springback.v1 import types_pb2 as pb
+from springback.v1 import worker_service_pb2 as wpb
+from springback.worker import env as E
+
+if TYPE_CHECKING:
+    from springback.worker.agent import Agent
+
+log = logging.getLogger("springback.agent")
+
+STOP_GRACE_S = 5.0
+"""SIGTERM to SIGKILL when a generation's ranks are stopped."""
+MASTER_PORT_TIMEOUT_S = 60.0
+RELAY_INTERVAL_S = 0.5
+RPC_TIMEOUT_S = 5.0
+TORCHRUN_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
+
+
+def torchrun_env(*, plan: pb.Plan, me: pb.PlanMember, local_rank: int, master_port: int,
+                 restart_count: int, max_restarts: int, error_file: str,
+                 environ: dict[str, str]) -> dict[str, str]:
+    """The variables torchrun sets for one worker, for this plan (torch 2.x
+    ``LocalElasticAgent``; one role, ``default``). `environ` is the agent's
+    environment, for the variables torchrun passes through or defaults."""
+    rank = me.first_rank + local_rank
+    out = {
+        E.RANK: str(rank), E.LOCAL_RANK: str(local_rank), E.WORLD_SIZE: str(plan.world_size),
+        E.LOCAL_WORLD_SIZE: str(me.num_local_ranks),
+        E.GROUP_RANK: str(me.node_rank), E.GROUP_WORLD_SIZE: str(len(plan.members)),
+        E.ROLE_NAME: "default", E.ROLE_RANK: str(rank), E.ROLE_WORLD_SIZE: str(plan.world_size),
+        E.MASTER_ADDR: plan.master_addr, E.MASTER_PORT: str(master_port),
+        E.TORCHELASTIC_RUN_ID: plan.job_id,
+        E.TORCHELASTIC_RESTART_COUNT: str(restart_count),
+        E.TORCHELASTIC_MAX_RESTARTS: str(max_restarts),
+        E.TORCHELASTIC_USE_AGENT_STORE: "True",
+        E.TORCHELASTIC_ERROR_FILE: error_file,
+        E.TORCHELASTIC_SIGNALS_TO_HANDLE: environ.get(E.TORCHELASTIC_SIGNALS_TO_HANDLE,
+                                                      TORCHRUN_SIGNALS),
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+    }
+    # torchrun's default for more than one local worker, unless the user set it
+    out["OMP_NUM_THREADS"] = environ.get("OMP_NUM_THREADS") or (
+        "1" if me.num_local_ranks > 1 else "")
+    if not out["OMP_NUM_THREADS"]:
+        del out["OMP_NUM_THREADS"]
+    return out
+
+
+class GenerationStores:
+    """The per-generation TCPStore of the ranks' ``init_process_group``; see
+    the module docstring. Not thread-safe: used by the supervising thread."""
+
+    def __init__(self, agent_store: dist.TCPStore, job_id: str) -> None:
+        self._agent_store = agent_store
+        self._job_id = job_id
+        self._hosted: dist.TCPStore | None = None  # node rank 0: this generation's server
+        self._clients: dict[tuple[str, int], dist.TCPStore] = {}
+
+    def _key(self, generation: int) -> str:
+        return f"springback/{self._job_id}/g{generation}/restart-master-port"
+
+    def master_port(self, plan: pb.Plan, me: pb.PlanMember,
+                    abandon: Callable[[], bool]) -> int | None:
+        """Node rank 0: starts a new store server and publishes its port.
+        Others: waits for that port up to `MASTER_PORT_TIMEOUT_S`; None when
+        `abandon()` turned true (a newer plan, a drain) or the time ran out."""
+        if me.node_rank == 0:
+            self._hosted = None  # the previous generation's server stops with it
+            self._hosted = dist.TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False)
+            self._agent_store.set(self._key(plan.generation), str(self._hosted.port))
+            return self._hosted.port
+        deadline = time.monotonic() + MASTER_PORT_TIMEOUT_S
+        key = self._key(plan.generation)
+        while time.monotonic() < deadline and not abandon():
+            try:
+                client = self._client(plan.master_addr, plan.master_port)
+                if client.check([key]):
+                    return int(client.get(key))
+            except (RuntimeError, dist.DistError) as e:  # master not reachable (yet)
+                log.debug("master store %s:%d: %s", plan.master_addr, plan.master_port, e)
+                self._clients.pop((plan.master_addr, plan.master_port), None)
+            time.sleep(0.05)
+        return None
+
+    def _client(self, host: str, port: int) -> dist.TCPStore:
+        if (host, port) not in self._clients:
+            self._clients[(host, port)] = dist.TCPStore(
+                host, port, is_master=False, wait_for_workers=False,
+                timeout=datetime.timedelta(seconds=5))
+        return self._clients[(host, port)]
+
+
+class RestartRanks:
+    """The restart-mode supervisor of one agent's ranks; `check` is polled by
+    the agent's main loop and returns an exit status once the agent is done."""
+
+    def __init__(self, agent: Agent) -> None:
+        self.agent = agent
+        self.ranks: dict[int, subprocess.Popen] = {}
+        self.generation = 0        # generation of the running ranks (0: none yet)
+        self._me: pb.PlanMember | None = None
+        self._num_starts = 0
+        self._failure_reported = False
+        self._finished = False     # every rank of this generation exited 0
+        self._finish_deadline: float | None = None
+        self._stores = GenerationStores(agent._store, agent.config.job_id)
+        self._relayed_step = 0
+        self._relayed_checkpoint = 0
+        self._next_relay = 0.0
+
+    # -- the loop ------------------------------------------------------------------
+
+    def check(self) -> int | None:
+        plan = self.agent._plan
+        if plan is None:
+            return None
+        if plan.action == pb.PLAN_ACTION_STOP:
+            return self._on_stop()
+        if plan.generation != self.generation:
+            self._switch(plan)
+            return None
+        self._relay()
+        codes = {lr: p.poll() for lr, p in self.ranks.items()}
+        failed = [(lr, c) for lr, c in codes.items() if c not in (None, 0)]
+        if failed and not self._failure_reported:
+            return self._on_failure(*failed[0])
+        if self.ranks and not self._finished and all(c == 0 for c in codes.values()):
+            self._on_finished(plan)
+        if self._finished and self._finish_deadline and time.monotonic() > self._finish_deadline:
+            log.warning("ranks finished but no STOP plan within %.0fs: leaving",
+                        self.agent.config.drain_timeout_s)
+            self.agent._leave("ranks finished")
+            return 0
+        return None
+
+    def _switch(self, plan: pb.Plan) -> None:
+        """Stops this generation's ranks and starts the next one's (if this node is in it)."""
+        self.stop_all()
+        self.generation = plan.generation
+        self._failure_reported = self._finished = False
+        self._finish_deadline = None
+        self._relayed_step = self._relayed_checkpoint = 0
+        me = next((m for m in plan.members if m.member_id == self.agent.member.id), None)
+        self._me = me
+        if plan.action != pb.PLAN_ACTION_RUN or me is None:
+            log.info("generation %d: this node runs no ranks (%s)", plan.generation,
+                     pb.PlanAction.Name(plan.action))
+            return
+
+        def abandon() -> bool:
+            latest = self.agent._plan
+            return (latest is not None and latest.generation > plan.generation
+                    or self.agent._drain_reason is not None or self.agent._fenced.is_set())
+
+        port = self._stores.master_port(plan, me, abandon)
+        if port is None:
+            if not abandon():
+                self._failure_reported = True
+                self.agent._report_failure(
+                    -1, 0, reason=f"master port of generation {plan.generation} not "
+                                  f"published within {MASTER_PORT_TIMEOUT_S:.0f}s")
+            return
+        restart_count = self._num_starts
+        self._num_starts += 1
+        for lr in range(me.num_local_ranks):
+            environ = self.agent._rank_env(lr)
+            error_file = os.path.join(self.agent._workdir, f"attempt_{restart_count}", str(lr),
+                                      "error.json")
+            os.makedirs(os.path.dirname(error_file), exist_ok=True)
+            environ.update(torchrun_env(plan=plan, me=me, local_rank=lr, master_port=port,
+                                        restart_count=restart_count,
+                                        max_restarts=self.agent.config.max_restarts,
+                                        error_file=error_file, environ=environ))
+            if plan.spec.checkpoint.uri:
+                environ[E.CHECKPOINT_URI] = plan.spec.checkpoint.uri
+            if plan.restore.kind == pb.RESTORE_KIND_CHECKPOINT:  # e.g. `job restore --step N`
+                environ[E.RESTORE_MAX_STEP] = str(plan.restore.checkpoint.step)
+            self.ranks[lr] = self.agent._launch_rank(lr, environ, attempt=restart_count)
+        log.info("generation %d: started ranks %d..%d of %d (restart %d)", plan.generation,
+                 me.first_rank, me.first_rank + me.num_local_ranks - 1, plan.world_size,
+                 restart_count)
+
+    def _on_failure(self, local_rank: int, code: int) -> int | None:
+        self._failure_reported = True
+        self.agent._report_failure(local_rank, code)
+        self.agent._num_restarts += 1
+        self.stop_all()  # like torchrun: one failed worker stops the node's group
+        if self.agent._num_restarts > self.agent.config.max_restarts:
+            log.error("more than %d rank failures: giving up", self.agent.config.max_restarts)
+            self.agent._leave("too many rank failures")
+            return 1
+        return None
+
+    def _on_finished(self, plan: pb.Plan) -> None:
+        self._finished = True
+        self._finish_deadline = time.monotonic() + self.agent.config.drain_timeout_s
+        self._relay(final=True)
+        if self._me is None or self._me.first_rank != 0:
+            log.info("all local ranks exited 0; waiting for the job to stop")
+            return
+        step = max(plan.spec.max_steps, self._relayed_step)
+        log.info("all local ranks exited 0: reporting the job done (step %d)", step)
+        self._send_step(step, loss=float("nan"))
+
+    def _on_stop(self) -> int | None:
+        """STOP plan (finished or cancelled): ranks still running get the
+        drain timeout, then are killed; then the member leaves."""
+        if any(p.poll() is None for p in self.ranks.values()):
+            if self._finish_deadline is None:
+                self._finish_deadline = time.monotonic() + self.agent.config.drain_timeout_s
+            if time.monotonic() < self._finish_deadline:
+                return None
+            log.warning("job stopped but ranks still running after %.0fs: killing them",
+                        self.agent.config.drain_timeout_s)
+        self.stop_all()
+        self.agent._leave("job stopped")
+        return 0
+
+    # -- progress relay ------------------------------------------------------------
+
+    def _relay(self, final: bool = False) -> None:
+        """Relays global rank 0's progress file (see `springback.storage.resume`)."""
+        me = self._me
+        if me is None or me.first_rank != 0 or not hasattr(self.agent, "_publisher"):
+            return
+        now = time.monotonic()
+        if not final and now < self._next_relay:
+            return
+        self._next_relay = now + RELAY_INTERVAL_S
+        # imported here: springback.storage costs a second at import, and the
+        # agent of a library-mode job (and every CLI call) never needs it
+        from springback.storage.resume import read_progress
+
+        try:
+            progress = read_progress(self.agent._publisher.directory)
+        except (OSError, ValueError, TypeError) as e:
+            log.warning("unreadable rank progress: %s", e)
+            return
+        if progress is None or progress.generation != self.generation:
+            return
+        if progress.restored_step and not self._relayed_step:
+            self._send_step(progress.restored_step, float("nan"))  # where this generation resumed
+        ckpt = progress.checkpoint
+        if ckpt and ckpt["step"] > self._relayed_checkpoint:
+            self._relayed_checkpoint = ckpt["step"]
+            self._commit(ckpt)
+        plan = self.agent._plan
+        cap = plan.spec.max_steps - 1 if plan is not None and plan.spec.max_steps else progress.step
+        step = min(progress.step, cap)
+        if step > self._relayed_step:
+            self._send_step(step, progress.loss)
+
+    def _send_step(self, step: int, loss: float) -> None:
+        agent = self.agent
+        self._relayed_step = max(self._relayed_step, step)
+        try:
+            agent._stub.ReportStep(wpb.ReportStepRequest(
+                job_id=agent.config.job_id, member_id=agent.member.id, generation=self.generation,
+                step=step, loss=loss), timeout=RPC_TIMEOUT_S)
+        except grpc.RpcError as e:
+            log.warning("ReportStep(step=%d) failed: %s %s", step, e.code().name, e.details())
+
+    def _commit(self, ckpt: dict) -> None:
+        agent = self.agent
+        ref = pb.CheckpointRef(step=ckpt["step"], uri=ckpt["uri"], world_size=ckpt["world_size"],
+                               size_bytes=ckpt["size_bytes"],
+                               cursor=pb.DataCursor(epoch=ckpt["epoch"], offset=ckpt["offset"]))
+        try:
+            agent._stub.CommitCheckpoint(wpb.CommitCheckpointRequest(
+                job_id=agent.config.job_id, member_id=agent.member.id,
+                generation=self.generation, checkpoint=ref), timeout=RPC_TIMEOUT_S)
+            log.info("checkpoint of step %d recorded", ref.step)
+        except grpc.RpcError as e:
+            log.warning("CommitCheckpoint(step=%d) failed: %s %s", ref.step, e.code().name,
+                        e.details())
+
+    # -- stopping ----------------------------------------------------------------
+
+    def signal_all(self, sig: int) -> None:
+        """Sends `sig` to every running rank (a drain forwards SIGTERM)."""
+        for p in self.ranks.values():
+            if p.poll() is None:
+                try:
+                    p.send_signal(sig)
+                except ProcessLookupError:
+                    pass
+
+    def stop_all(self, grace_s: float = STOP_GRACE_S) -> None:
+        """SIGTERM, then SIGKILL after `grace_s`, and reap. Idempotent."""
+        self.signal_all(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while any(p.poll() is None for p in self.ranks.values()):
+            if time.monotonic() > deadline:
+                self.kill_all()
+                break
+            time.sleep(0.02)
+        self.ranks.clear()
+
+    def kill_all(self) -> None:
+        for p in self.ranks.values():
+            if p.poll() is None:
+                p.kill()
+        for p in self.ranks.values():
+            p.wait()
+        self.ranks.clear()

@@ -1,0 +1,90 @@
+"""The node agent's start-up check: is there a job to join, and may we?
+
+`check_job` runs before any rank starts, so a typo in ``--job``, a wrong
+token or a coordinator that is not running is reported in seconds, not after
+the script's own start-up (imports, data, model), and never as a silent wait.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import grpc
+
+from springback.v1 import job_service_pb2 as js
+from springback.v1 import job_service_pb2_grpc as js_grpc
+from springback.v1 import types_pb2 as pb
+
+log = logging.getLogger("springback.agent")
+
+ATTEMPT_TIMEOUT_S = 2.0
+_RETRIED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+_TERMINAL = (pb.JOB_STATE_SUCCEEDED, pb.JOB_STATE_FAILED, pb.JOB_STATE_CANCELLED)
+
+
+class DrainedBeforeJoin(Exception):
+    """SIGTERM or a preemption notice arrived before the node joined."""
+
+
+class JobFinished(Exception):
+    """The job already ended: nothing to join (the agent exits 0)."""
+
+
+class StartupRefused(Exception):
+    """The start-up check failed: unknown job, bad token, unreachable
+    coordinator, or --nnodes not matching the job. The message says why."""
+
+
+def check_job(channel: grpc.Channel, *, job_id: str, target: str, connect_timeout_s: float,
+              nnodes: tuple[int, int] | None,
+              drain_reason: Callable[[], str | None]) -> pb.Job:
+    """GetJob with a deadline of `connect_timeout_s` overall; returns the job.
+
+    NOT_FOUND, UNAUTHENTICATED and any other refusal raise StartupRefused at
+    once (the message carries the status); UNAVAILABLE is retried every
+    `ATTEMPT_TIMEOUT_S` with a log line per attempt, then StartupRefused
+    naming `target`. A terminal job raises JobFinished, a drain requested
+    meanwhile DrainedBeforeJoin. Read-only: safe to repeat."""
+    stub = js_grpc.JobServiceStub(channel)
+    deadline = time.monotonic() + connect_timeout_s
+    while True:
+        reason = drain_reason()
+        if reason is not None:
+            raise DrainedBeforeJoin(reason)
+        left = deadline - time.monotonic()
+        try:
+            job = stub.GetJob(js.GetJobRequest(job_id=job_id),
+                              timeout=max(min(left, ATTEMPT_TIMEOUT_S), 0.1),
+                              wait_for_ready=True).job
+            break
+        except grpc.RpcError as e:
+            if e.code() not in _RETRIED:
+                raise StartupRefused(f"job {job_id!r} at {target}: {e.code().name}: "
+                                     f"{e.details()}") from None
+            if time.monotonic() >= deadline:
+                raise StartupRefused(
+                    f"no coordinator answered at {target} within {connect_timeout_s:.0f}s "
+                    f"({e.code().name}: {e.details()}); is it running? "
+                    "(--coordinator / SPRINGBACK_COORDINATOR)") from None
+            log.warning("coordinator %s not answering (%s); retrying for %.0fs more",
+                        target, e.code().name, max(deadline - time.monotonic(), 0))
+    if job.status.state in _TERMINAL:
+        raise JobFinished(f"job {job.id} is {pb.JobState.Name(job.status.state)}: "
+                          "nothing to join")
+    check_nnodes(job, nnodes)
+    return job
+
+
+def check_nnodes(job: pb.Job, nnodes: tuple[int, int] | None) -> None:
+    """torchrun's --nnodes MIN:MAX must be the job's (min_workers, max_workers)."""
+    if nnodes is None:
+        return
+    want = (job.spec.min_workers, job.spec.max_workers)
+    if tuple(nnodes) != want:
+        lo, hi = nnodes
+        raise StartupRefused(
+            f"--nnodes {lo}:{hi} does not match job {job.id} (min_workers {want[0]}, "
+            f"max_workers {want[1]}): change the job with "
+            f"`springback job scale {job.id} --min {lo} --max {hi}` or drop --nnodes")
