@@ -156,6 +156,7 @@ class RestartRanks:
         self._finish_deadline: float | None = None
         self._stores = GenerationStores(agent._store, agent.config.job_id)
         self._relayed_step = 0
+        self._start_sent = False
         self._relayed_checkpoint = 0
         self._next_relay = 0.0
 
@@ -191,6 +192,7 @@ class RestartRanks:
         self._failure_reported = self._finished = False
         self._finish_deadline = None
         self._relayed_step = self._relayed_checkpoint = 0
+        self._start_sent = False
         me = next((m for m in plan.members if m.member_id == self.agent.member.id), None)
         self._me = me
         if plan.action != pb.PLAN_ACTION_RUN or me is None:
@@ -289,8 +291,8 @@ class RestartRanks:
             return
         if progress is None or progress.generation != self.generation:
             return
-        if progress.restored_step and not self._relayed_step:
-            self._send_step(progress.restored_step, float("nan"))  # where this generation resumed
+        if not self._start_sent:  # where this generation resumed: steps redone, restores
+            self._send_step(progress.restored_step, float("nan"), start=True)
         ckpt = progress.checkpoint
         if ckpt and ckpt["step"] > self._relayed_checkpoint:
             self._relayed_checkpoint = ckpt["step"]
@@ -301,13 +303,19 @@ class RestartRanks:
         if step > self._relayed_step:
             self._send_step(step, progress.loss)
 
-    def _send_step(self, step: int, loss: float) -> None:
+    def _send_step(self, step: int, loss: float, *, start: bool = False) -> None:
+        """Relays a step report; `start`: the generation-start report (the step
+        the script restored, 0 for a fresh start)."""
         agent = self.agent
         self._relayed_step = max(self._relayed_step, step)
+        self._start_sent = self._start_sent or start
+        restored = pb.RESTORE_KIND_CHECKPOINT if step else pb.RESTORE_KIND_NONE
         try:
             agent._stub.ReportStep(wpb.ReportStepRequest(
                 job_id=agent.config.job_id, member_id=agent.member.id, generation=self.generation,
-                step=step, loss=loss), timeout=RPC_TIMEOUT_S)
+                step=step, loss=loss, generation_start=start,
+                restored_from=restored if start else pb.RESTORE_KIND_UNSPECIFIED),
+                timeout=RPC_TIMEOUT_S)
         except grpc.RpcError as e:
             log.warning("ReportStep(step=%d) failed: %s %s", step, e.code().name, e.details())
 

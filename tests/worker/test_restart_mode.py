@@ -141,6 +141,9 @@ class TestUnmodifiedTorchrunScript:
         assert resumed and all(EVERY <= r < STEPS and r % EVERY == 0 for r in resumed), (
             starts, step_at_kill)
         assert logs().count("reporting failure") >= 1
+        # the job's status tells the truth: it restored a commit and redid steps
+        assert done.status.num_restores >= 1
+        assert done.status.steps_redone >= step_at_kill - max(resumed), done.status
         later = [r["env"] for r in rank_envs(dump, env) if r["pid"] not in {f["pid"] for f in first}]
         restarted = [e for e in later if e["TORCHELASTIC_RESTART_COUNT"] == "1"]
         assert sorted(e["RANK"] for e in restarted) == ["0", "1", "2", "3"]
