@@ -20,6 +20,7 @@ from typing import Any
 
 from google.protobuf.json_format import MessageToDict
 
+from springback import __version__
 from springback.service import logs
 from springback.service.channel import ENV_COORDINATOR, ENV_TOKEN
 from springback.service.client import ApiError, Client
@@ -249,6 +250,7 @@ def _add_global(parser: argparse.ArgumentParser, suppress: bool) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="springback", description=__doc__.split("\n")[0])
+    parser.add_argument("--version", action="version", version=f"springback {__version__}")
     _add_global(parser, suppress=False)
     common = argparse.ArgumentParser(add_help=False)
     _add_global(common, suppress=True)

@@ -500,6 +500,9 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    help="drain when this file appears (a preemption notice)")
     p.add_argument("--metrics-listen", default=None, metavar="HOST:PORT",
                    help="serve Prometheus metrics of this node and its ranks at /metrics")
+    p.add_argument("--drained-exit-code", type=int, default=EXIT_OK, metavar="N",
+                   help="exit status after a drain (SIGTERM, preemption notice); e.g. 143 lets "
+                        "a Kubernetes Job replace a drained pod (default 0)")
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- the rank command")
 
 
@@ -528,7 +531,9 @@ def run_main(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    return agent.run()
+    status = agent.run()
+    drained = agent._drain_reason is not None  # noqa: SLF001 (set by on_signal or a notice)
+    return args.drained_exit_code if status == EXIT_OK and drained else status
 
 
 def main(argv: list[str] | None = None) -> int:
