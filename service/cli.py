@@ -23,6 +23,7 @@ from google.protobuf.json_format import MessageToDict
 from springback import __version__
 from springback.service import logs
 from springback.service.channel import ENV_COORDINATOR, ENV_TOKEN
+from springback.service.cli_history import add_job_commands, history_if_finished
 from springback.service.client import ApiError, Client
 from springback.service.errors import InvalidArgument
 from springback.v1 import types_pb2 as pb
@@ -122,6 +123,8 @@ def _job_command(args: argparse.Namespace) -> int:
 
 
 def _watch(client: Client, args: argparse.Namespace) -> None:
+    if history_if_finished(client, args):
+        return
     live = sys.stdout.isatty() and not args.json
     last_generation = None
     for job, event in client.watch_job(args.job):
@@ -289,6 +292,7 @@ def build_parser() -> argparse.ArgumentParser:
     restore.add_argument("job")
     restore.add_argument("--step", type=int, default=0, help="committed step (default newest)")
     job.set_defaults(handler=_job_command)
+    add_job_commands(actions, common)
 
     ckpt = commands.add_parser("ckpt", parents=[common], help="checkpoints")
     ckpt_actions = ckpt.add_subparsers(dest="ckpt_action", required=True)
