@@ -222,7 +222,7 @@ def _up_command(args: argparse.Namespace) -> int:
     etcd.start()
     server = CoordinatorServer(CoordinatorConfig(
         etcd=etcd.endpoint, listen=args.listen, token=args.token,
-        liveness_timeout_s=args.liveness_timeout_s,
+        liveness_timeout_s=args.liveness_timeout_s, metrics_listen=args.metrics_listen,
     ))
     server.start()
     if not server.wait_for_leadership(timeout_s=15):
@@ -231,6 +231,8 @@ def _up_command(args: argparse.Namespace) -> int:
         raise RuntimeError("the local coordinator did not become leader within 15 s")
     print(f"etcd        {etcd.endpoint} (data in {etcd.data_dir})")
     print(f"coordinator {server.address}")
+    if server.metrics_address:
+        print(f"metrics     http://{server.metrics_address}/metrics")
     print(f"export {ENV_COORDINATOR}={server.address}", flush=True)
 
     def stop() -> None:
@@ -264,6 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--listen", default="127.0.0.1:7070")
     up.add_argument("--etcd-port", type=int, default=2379)
     up.add_argument("--liveness-timeout-s", type=float, default=5.0)
+    up.add_argument("--metrics-listen", help="HOST:PORT for Prometheus /metrics")
     up.set_defaults(handler=_up_command)
 
     coord = commands.add_parser("coordinator", parents=[common], help="run a coordinator replica")

@@ -77,7 +77,8 @@ class History:
         self._lock = threading.Lock()
         self._last_step_at: dict[str, float] = {}  # job -> wall time of its newest step report
         self._awaiting: dict[str, js.GenerationEvent] = {}  # job -> its generation's first step
-        self._unflushed: dict[str, js.GenerationEvent] = {}  # job -> record to write again
+        # (job, generation) -> record to write again, with its recovery time
+        self._unflushed: dict[tuple[str, int], js.GenerationEvent] = {}
 
     def forget(self) -> None:
         """Drops what this replica remembers (on a leadership change)."""
@@ -124,7 +125,7 @@ class History:
                 started = self._last_step_at.get(job_id, event.created_at.ToNanoseconds() / 1e9)
                 event.recovery.FromNanoseconds(int(max(now - started, 0.0) * 1e9))
                 event.first_step_at.FromNanoseconds(int(now * 1e9))
-                self._unflushed[job_id] = self._awaiting.pop(job_id)
+                self._unflushed[(job_id, generation)] = self._awaiting.pop(job_id)
             self._last_step_at[job_id] = now
 
     def flush(self) -> None:
@@ -136,7 +137,7 @@ class History:
         """
         with self._lock:
             pending = list(self._unflushed.items())
-        for job_id, event in pending:
+        for (job_id, generation), event in pending:
             key = keys.history_event(job_id, event.generation)
             txn = self._store.txn
             written = self._store.transaction(
@@ -145,18 +146,16 @@ class History:
                 log.info("history of %s generation %d not updated (record gone or not leader)",
                          job_id, event.generation)
             with self._lock:
-                if self._unflushed.get(job_id) is event:
-                    del self._unflushed[job_id]
+                if self._unflushed.get((job_id, generation)) is event:
+                    del self._unflushed[(job_id, generation)]
 
     def events(self, job_id: str) -> list[js.GenerationEvent]:
         """Every generation of the job, oldest first, with recovery times
         measured but not yet flushed."""
         events = [e.value for e in self._store.get_prefix(keys.history(job_id), js.GenerationEvent)]
         with self._lock:
-            pending = self._unflushed.get(job_id)
-        if pending is not None:
-            events = [pending if e.generation == pending.generation else e for e in events]
-        return events
+            pending = {g: e for (j, g), e in self._unflushed.items() if j == job_id}
+        return [pending.get(e.generation, e) for e in events]
 
 
 def delete_job(store: Store, fence: Callable[[], list], job_id: str) -> pb.Job:

@@ -23,6 +23,7 @@ from springback.service import metrics
 from springback.service.channel import MAX_MESSAGE_BYTES, read_file
 from springback.service.coordinator import Coordinator
 from springback.service.election import Election
+from springback.service.jobmetrics import JobMetrics
 from springback.service.interceptors import BearerAuth, CallCounter, LeaderForwarding
 from springback.service.servicers import JobServicer, WorkerServicer
 from springback.service.store import Store
@@ -145,18 +146,7 @@ class CoordinatorServer:
                      "failed reconcile iterations", lambda: c.num_loop_errors)
         registry.add("springback_coordinator_rpc_total", "counter", "calls received, by method",
                      lambda: [({"method": m}, n) for m, n in self.counter.calls.items()])
-
-        def per_job(field: str):  # noqa: ANN202
-            def collect() -> list:
-                if not self.election.is_leader():
-                    return []
-                return [({"job": j.id}, getattr(j.status, field)) for j in c.list_jobs()]
-            return collect
-
-        registry.add("springback_job_generation", "gauge", "current generation", per_job("generation"))
-        registry.add("springback_job_world_size", "gauge", "ranks in the current plan",
-                     per_job("world_size"))
-        registry.add("springback_job_step", "gauge", "last completed step", per_job("step"))
+        registry.add_collector(JobMetrics(c))
         return registry
 
     def start(self) -> None:
@@ -167,6 +157,14 @@ class CoordinatorServer:
         if self.config.metrics_listen:
             self._metrics_server = metrics.serve(self.registry, self.config.metrics_listen)
         log.info("coordinator replica serving on %s", self.address)
+
+    @property
+    def metrics_address(self) -> str | None:
+        """``HOST:PORT`` of the metrics (and dashboard) HTTP listener, once started."""
+        if self._metrics_server is None:
+            return None
+        host, port = self._metrics_server.server_address[:2]
+        return f"{host}:{port}"
 
     def wait_for_leadership(self, timeout_s: float) -> bool:
         """Blocks until this replica leads (True) or `timeout_s` passes (False)."""

@@ -52,6 +52,7 @@ from springback.v1 import types_pb2 as pb
 from springback.v1 import worker_service_pb2 as wpb
 from springback.v1 import worker_service_pb2_grpc as wgrpc
 from springback.worker import env as E
+from springback.worker.agentmetrics import RankRecoveries
 from springback.worker.control import PlanPublisher
 from springback.worker.preemption import FileNotice, PreemptionSource
 from springback.worker.ranks import LocalRanks
@@ -357,6 +358,8 @@ class Agent:
 
         for key, name, kind, help_text in RANK_METRICS:
             registry.add(name, kind, help_text, per_rank(key))
+        registry.add_collector(RankRecoveries(
+            lambda: read_rank_stats(self._publisher.directory) if hasattr(self, "_publisher") else {}))
         return registry
 
     def _supervise(self) -> int:

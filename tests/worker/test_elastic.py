@@ -208,6 +208,11 @@ class TestAgentMetrics:
         assert 0.2 < m[f"springback_rank_last_step_seconds{rank0}"] < 5  # the 0.25 s sleep
         assert 0 < m[f"springback_rank_goodput_ratio{rank0}"] <= 1
         assert m[f"springback_rank_checkpoint_stall_seconds{rank0}"] > 0  # every 10 steps
+        # the recovery histogram (prometheus-client's parser read it): one recovery, bucketed
+        assert m['springback_rank_recovery_duration_seconds_count{local_rank="0"}'] == 1
+        assert m['springback_rank_recovery_duration_seconds_bucket{le="+Inf",local_rank="0"}'] == 1
+        assert m['springback_rank_recovery_duration_seconds_sum{local_rank="0"}'] == (
+            m[f"springback_rank_recovery_seconds{rank0}"])
         assert rank1.join(("springback_rank_step", "")) in m  # the restarted rank reports too
         cluster.wait_succeeded()
 
