@@ -4,7 +4,7 @@
 #   docker build -t springback:cuda --build-arg TORCH_VARIANT=cuda .      # CUDA torch
 #
 # The steps are those of deploy/local/setup.sh (the README's install), minus
-# the test extras and etcd (which runs in its own image): a virtual
+# the test extras, the browser the tests use, and etcd (which runs in its own image): a virtual
 # environment, the pinned torch, then this package. tests/deploy checks that
 # the pin and the steps stay in step with setup.sh.
 # The CUDA variant installs torch's CUDA wheels, which bundle the CUDA

@@ -17,9 +17,11 @@ a scrape never fails because one source did.
 from __future__ import annotations
 
 import hmac
+import http.cookies
 import http.server
 import logging
 import threading
+import urllib.parse
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -30,6 +32,7 @@ from prometheus_client.registry import Collector
 log = logging.getLogger(__name__)
 
 Sample = tuple[dict[str, str], float]
+COOKIE = "springback_token"
 Page = Callable[[str], tuple[int, str, bytes]]
 """A page handler: request path (with query) -> (status, content type, body)."""
 
@@ -97,8 +100,11 @@ def serve(registry: Registry, listen: str, *, pages: dict[str, Page] | None = No
     """Starts the endpoint; returns the server (``server_address`` has the port).
 
     ``/metrics`` is always open (Prometheus scrapers rarely carry tokens);
-    `pages` (path prefix -> handler) require ``Authorization: Bearer <token>``
-    when `token` is set (401 otherwise). Raises OSError if `listen` cannot be bound.
+    `pages` (path prefix -> handler) require the token when `token` is set:
+    ``Authorization: Bearer <token>``, or for a browser the cookie that
+    opening any page with ``?token=<token>`` sets (HttpOnly, SameSite=Strict;
+    the reply redirects to the page without the token in its address).
+    Anything else gets 401. Raises OSError if `listen` cannot be bound.
     """
     host, _, port = listen.rpartition(":")
     routes = dict(pages or {})
@@ -114,10 +120,7 @@ def serve(registry: Registry, listen: str, *, pages: dict[str, Page] | None = No
             if handler is None:
                 self._reply(404, "text/plain", b"not found: /metrics and the dashboard are served\n")
                 return
-            if token and not hmac.compare_digest(
-                    self.headers.get("Authorization", ""), f"Bearer {token}"):
-                self._reply(401, "text/plain", b"missing or wrong bearer token\n",
-                            {"WWW-Authenticate": "Bearer"})
+            if token and not self._authorized(token):
                 return
             try:
                 status, content_type, body = handler(self.path)
@@ -125,6 +128,27 @@ def serve(registry: Registry, listen: str, *, pages: dict[str, Page] | None = No
                 log.exception("page %s failed", self.path)
                 status, content_type, body = 500, "text/plain", f"internal error: {e}\n".encode()
             self._reply(status, content_type, body)
+
+        def _authorized(self, token: str) -> bool:
+            """True for a request carrying the token; otherwise replies (401 or
+            the redirect that sets the cookie) and returns False."""
+            def same(given: str) -> bool:
+                return hmac.compare_digest(given.encode(), token.encode())
+
+            query = urllib.parse.parse_qs(urllib.parse.urlsplit(self.path).query)
+            if same(query.get("token", [""])[0]):
+                self._reply(303, "text/plain", b"", {
+                    "Location": urllib.parse.urlsplit(self.path).path,
+                    "Set-Cookie": f"{COOKIE}={token}; HttpOnly; SameSite=Strict; Path=/"})
+                return False
+            cookies = http.cookies.SimpleCookie(self.headers.get("Cookie", ""))
+            if same(self.headers.get("Authorization", "").removeprefix("Bearer ")) or (
+                    COOKIE in cookies and same(cookies[COOKIE].value)):
+                return True
+            self._reply(401, "text/plain",
+                        b"missing or wrong bearer token (browsers: open the page with ?token=...)\n",
+                        {"WWW-Authenticate": "Bearer"})
+            return False
 
         def _reply(self, status: int, content_type: str, body: bytes,
                    headers: dict[str, Any] | None = None) -> None:

@@ -22,6 +22,7 @@ from grpc_reflection.v1alpha import reflection
 from springback.service import metrics
 from springback.service.channel import MAX_MESSAGE_BYTES, read_file
 from springback.service.coordinator import Coordinator
+from springback.service.dashboard import Dashboard
 from springback.service.election import Election
 from springback.service.jobmetrics import JobMetrics
 from springback.service.interceptors import BearerAuth, CallCounter, LeaderForwarding
@@ -55,7 +56,8 @@ class CoordinatorConfig:
     progress_flush_s: float = 5.0
     """Reported progress is written to etcd at most this often."""
     metrics_listen: str | None = None
-    """HOST:PORT for the Prometheus endpoint (None: off)."""
+    """HOST:PORT for the Prometheus endpoint (/metrics, open) and the dashboard
+    (/, behind `token`); None: off."""
     max_workers: int = 256
     """gRPC server threads; each open watch stream holds one."""
 
@@ -129,6 +131,7 @@ class CoordinatorServer:
         ), self._server)
         self.registry = self._metrics()
         self._metrics_server = None
+        self.dashboard = Dashboard(self.coordinator)
 
     def _on_leadership(self) -> None:
         self.coordinator.leadership_changed()
@@ -155,7 +158,9 @@ class CoordinatorServer:
         self.coordinator.start()
         self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         if self.config.metrics_listen:
-            self._metrics_server = metrics.serve(self.registry, self.config.metrics_listen)
+            self._metrics_server = metrics.serve(self.registry, self.config.metrics_listen,
+                                                 pages=self.dashboard.pages(), token=self.config.token)
+            self.dashboard.start()
         log.info("coordinator replica serving on %s", self.address)
 
     @property
@@ -185,6 +190,7 @@ class CoordinatorServer:
         self.election.resign()
         self._server.stop(grace_s).wait(grace_s + 1)
         if self._metrics_server is not None:
+            self.dashboard.stop()
             self._metrics_server.shutdown()
         self._forwarding.close()
         self.store.close()
