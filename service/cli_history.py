@@ -1,6 +1,6 @@
 """The history commands of the `springback` CLI: ``job events JOB``,
-``job delete JOB [--checkpoints]``, and the history that ``job watch`` shows
-for a job that has already finished.
+``job logs JOB [--member M] [--follow]``, ``job delete JOB [--checkpoints]``,
+and the history that ``job watch`` shows for a job that has already finished.
 
 Exit codes as in `cli`: 0 success, 1 the API refused (e.g. deleting a live
 job is FAILED_PRECONDITION), 2 bad usage.
@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from typing import Any
 
 from google.protobuf.timestamp_pb2 import Timestamp
@@ -19,6 +20,10 @@ from springback.service import planner
 from springback.service.client import Client
 from springback.v1 import job_service_pb2 as js
 from springback.v1 import types_pb2 as pb
+
+
+FOLLOW_POLL_S = 1.0
+FOLLOW_GRACE_S = 5.0
 
 
 def _time(ts: Timestamp) -> str | None:
@@ -118,6 +123,11 @@ def _delete_command(args: argparse.Namespace) -> int:
             for row in _checkpoint_rows(client, args.job):
                 delete_checkpoint(row["uri"])
                 deleted.append(row["uri"])
+            if job.spec.checkpoint.uri:
+                from springback.storage.ranklogs import delete_logs
+                from springback.storage.store import Store
+
+                delete_logs(Store(job.spec.checkpoint.uri), job.spec.checkpoint.uri)
         client.delete_job(args.job)
     if args.json:
         print(json.dumps({"id": args.job, "deleted": True, "checkpoints_deleted": deleted}))
@@ -129,8 +139,52 @@ def _delete_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _logs_command(args: argparse.Namespace) -> int:
+    """Prints the shipped rank logs (merged by time), then with --follow the
+    chunks that arrive, until the job has ended and nothing new came."""
+    from springback.storage.ranklogs import list_chunks, members
+    from springback.storage.store import Store
+
+    with Client(args.coordinator, token=args.token) as client:
+        job = client.get_job(args.job)
+        base = job.spec.checkpoint.uri
+        if not base:
+            print(f"error: job {args.job} has no checkpoint.uri, so its agents ship no rank "
+                  "logs (they are only in each agent's own output)", file=sys.stderr)
+            return 1
+        store = Store(base)
+        if args.member and args.member not in members(store, base):
+            known = ", ".join(members(store, base)) or "none yet"
+            print(f"error: --member {args.member}: no logs of that member (members with logs: "
+                  f"{known})", file=sys.stderr)
+            return 1
+        printed: set[str] = set()
+        ended_at: float | None = None
+        while True:
+            if ended_at is None and planner.is_terminal(client.get_job(args.job).status.state):
+                ended_at = time.monotonic()
+            new = [c for c in list_chunks(store, base, args.member) if c.uri not in printed]
+            for chunk in new:
+                printed.add(chunk.uri)
+                sys.stdout.write(store.get_bytes(chunk.uri).decode(errors="replace"))
+            sys.stdout.flush()
+            # After the end, agents ship their last lines as they exit: keep
+            # polling until a quiet poll after FOLLOW_GRACE_S.
+            if not args.follow or (ended_at is not None and not new
+                                   and time.monotonic() - ended_at > FOLLOW_GRACE_S):
+                return 0
+            time.sleep(FOLLOW_POLL_S)  # polling storage, ended by the job's end
+
+
 def add_job_commands(actions: Any, common: argparse.ArgumentParser) -> None:
-    """Adds ``events`` and ``delete`` to the `job` sub-commands."""
+    """Adds ``events``, ``logs`` and ``delete`` to the `job` sub-commands."""
+    logs = actions.add_parser("logs", parents=[common],
+                              help="rank logs the job's agents shipped beside its checkpoints")
+    logs.add_argument("job")
+    logs.add_argument("--member", help="only this member's ranks")
+    logs.add_argument("--follow", "-f", action="store_true",
+                      help="keep printing new lines until the job ends")
+    logs.set_defaults(handler=_logs_command)
     events = actions.add_parser("events", parents=[common],
                                 help="a job's history: timestamps and every generation")
     events.add_argument("job")

@@ -55,6 +55,7 @@ from springback.worker import env as E
 from springback.worker.agentmetrics import RankRecoveries
 from springback.worker.control import PlanPublisher
 from springback.worker.preemption import FileNotice, PreemptionSource
+from springback.worker.ranklogs import RankLogs, rank_label
 from springback.worker.ranks import LocalRanks
 from springback.worker.rankstats import read_all as read_rank_stats
 
@@ -137,7 +138,13 @@ class Agent:
         self._plan: pb.Plan | None = None
         self._fenced = threading.Event()
         self._stop = threading.Event()
-        self._local = LocalRanks(config.command, self._workdir, keep_spare=config.standby)
+        self._rank_logs = RankLogs(
+            label_of=lambda p: rank_label(p, self._local.ranks, self._plan,
+                                          self.member.id if self.member else None),
+            member_of=lambda: self.member.id if self.member else None,
+            base_uri_of=lambda: self._plan.spec.checkpoint.uri if self._plan else None)
+        self._local = LocalRanks(config.command, self._workdir, keep_spare=config.standby,
+                                 output=self._rank_logs.attach)
         self._num_restarts = 0
         self._stop_deadline: float | None = None
         self.member: pb.Member | None = None
@@ -306,6 +313,7 @@ class Agent:
                 metrics_server = serve_metrics(self._metrics_registry(), self.config.metrics_listen)
                 host, port = metrics_server.server_address[:2]
                 log.info("metrics on http://%s:%d/metrics", host, port)
+            self._rank_logs.start()
             self._start_ranks()
             return self._supervise()
         except grpc.RpcError as e:
@@ -328,6 +336,7 @@ class Agent:
                 metrics_server.shutdown()
             self._stop.set()
             self._kill_ranks()
+            self._rank_logs.close()
             self._store = None
             shutil.rmtree(self._workdir, ignore_errors=True)
 

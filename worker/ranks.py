@@ -55,8 +55,12 @@ class Standby:
 class LocalRanks:
     """The rank processes of one agent. `ranks` maps local rank -> process."""
 
-    def __init__(self, command: list[str], workdir: str, *, keep_spare: bool) -> None:
+    def __init__(self, command: list[str], workdir: str, *, keep_spare: bool,
+                 output: Callable[[subprocess.Popen], None] | None = None) -> None:
+        """`output`, when given, receives every started process with its stdout
+        and stderr merged into a pipe it must drain (`ranklogs.RankLogs.attach`)."""
         self.command = command
+        self.output = output
         self.workdir = workdir
         self.keep_spare = keep_spare
         self.ranks: dict[int, subprocess.Popen] = {}
@@ -65,7 +69,12 @@ class LocalRanks:
 
     def _launch(self, environ: dict[str, str]) -> subprocess.Popen:
         launcher = [sys.executable, "-S", "-c", _PDEATH_LAUNCHER, str(os.getpid())]
-        return subprocess.Popen(launcher + self.command, env=environ, start_new_session=True)
+        if self.output is None:
+            return subprocess.Popen(launcher + self.command, env=environ, start_new_session=True)
+        proc = subprocess.Popen(launcher + self.command, env=environ, start_new_session=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        self.output(proc)
+        return proc
 
     def start_standby(self, environ: dict[str, str]) -> Standby:
         self._num_started += 1

@@ -3,7 +3,8 @@ samples are a fixed function of their index, so any rank can build any batch.
 
 Environment knobs (test-only): TINY_STEP_SLEEP_S slows each step so faults land
 mid-run; TINY_CRASH_AT_STEP=N makes global rank 1 exit(3) before step N, once
-per marker file TINY_CRASH_MARKER.
+per marker file TINY_CRASH_MARKER; TINY_PRINT_STEPS=1 prints a line per step
+(for the rank-log tests).
 """
 
 import faulthandler
@@ -35,6 +36,7 @@ def main() -> int:
     sleep_s = float(os.environ.get("TINY_STEP_SLEEP_S", "0"))
     crash_at = int(os.environ.get("TINY_CRASH_AT_STEP", "0"))
     marker = os.environ.get("TINY_CRASH_MARKER", "")
+    say_steps = os.environ.get("TINY_PRINT_STEPS") == "1"
     for gen in session.generations():
         with gen:
             ddp = DDP(model, process_group=gen.group)
@@ -49,6 +51,8 @@ def main() -> int:
                 opt.step()
                 opt.zero_grad()
                 gen.report(loss=per_sample.mean().item() if len(per_sample) else 0.0)
+                if say_steps:
+                    print(f"trained step {batch.step} in generation {gen.generation}", flush=True)
                 if sleep_s:
                     time.sleep(sleep_s)
     return 0
