@@ -15,7 +15,8 @@ changes). The step rate comes from samples of the job's step that the
 dashboard takes every ``sample_interval_s`` while this replica leads (kept in
 memory, at most ``max_samples`` per job; a new leader starts empty). Access
 needs the coordinator's bearer token when it has one (see `metrics.serve`).
-Served by every replica; a non-leader's pages say so and link nowhere else.
+Served by every replica (a Service may route to any): a non-leader reads the
+same records from etcd, with progress as of the leader's last flush, and says so.
 """
 
 from __future__ import annotations
@@ -131,10 +132,11 @@ class Dashboard:
     def _leader_note(self) -> str:
         if self._coordinator.election.is_leader():
             return ""
-        return "<p><b>This replica does not lead: job details are served by the leader.</b></p>"
+        return ("<p><b>This replica does not lead: progress is as of the leader's last write "
+                "to etcd (at most a few seconds old), and the step rate is not sampled.</b></p>")
 
     def jobs_page(self) -> bytes:
-        jobs = self._coordinator.list_jobs() if self._coordinator.election.is_leader() else []
+        jobs = self._coordinator.list_jobs()
         rows = []
         for job in sorted(jobs, key=lambda j: j.created_at.seconds, reverse=True):
             s = job_summary(job)
@@ -178,7 +180,7 @@ class Dashboard:
             [[str(r.step), str(r.generation), str(r.world_size), f"{r.size_bytes / 1e6:.1f} MB",
               _ts(r.committed_at), html.escape(r.uri)] for r in c.list_checkpoints(job_id)],
             "checkpoints")
-        body = (f"<p><a href='/'>all jobs</a></p><h1>Job {html.escape(job_id)} "
+        body = (f"<p><a href='/'>all jobs</a></p>{self._leader_note()}<h1>Job {html.escape(job_id)} "
                 f"({html.escape(s['name'])})</h1>{meta}"
                 f"<h2>World size and step rate</h2><div class='plots'>"
                 f"<img id='world-plot' alt='world size over time' src='/jobs/{job_id}/world.svg'>"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import urllib.error
 import urllib.request
 
 import pytest
@@ -110,3 +111,27 @@ def test_json_logs_are_one_object_per_line():
     record = json.loads(out.stderr.strip())
     assert record["message"] == "hello world" and record["level"] == "WARNING"
     assert record["logger"] == "springback.test"
+
+
+def test_a_non_leader_s_dashboard_lists_the_jobs_from_etcd_and_says_it_does_not_lead(
+        start_coordinator, make_spec):
+    from springback.service.client import Client
+
+    leader = start_coordinator(token="t0k")
+    wait_for(leader.election.is_leader, 10, "leadership")
+    follower = start_coordinator(token="t0k", metrics_listen="127.0.0.1:0")
+    with Client(leader.address, token="t0k") as client:
+        job = client.create_job(make_spec())
+    request = urllib.request.Request(f"http://{follower.metrics_address}/",
+                                     headers={"Authorization": "Bearer t0k"})
+    with urllib.request.urlopen(request, timeout=10) as response:
+        page = response.read().decode()
+    assert not follower.election.is_leader()
+    assert f"<a href='/jobs/{job.id}'>{job.id}</a>" in page and "does not lead" in page
+    wrong = urllib.request.Request(f"http://{follower.metrics_address}/jobs/{job.id}",
+                                   headers={"Authorization": "Bearer nope"})
+    try:
+        urllib.request.urlopen(wrong, timeout=10)
+        raise AssertionError("a wrong token was accepted")
+    except urllib.error.HTTPError as e:
+        assert e.code == 401
