@@ -98,7 +98,8 @@ class RankLogs:
             self._seq += 1
             seq = self._seq
         if dropped:
-            lines.insert(0, f"[agent] {dropped} line(s) dropped: the buffer filled before they could be shipped\n".encode())
+            lines.insert(0, f"[agent] {dropped} line(s) dropped: the buffer filled before "
+                            "they could be shipped\n".encode())
         try:
             from springback.storage.ranklogs import write_chunk
             from springback.storage.store import Store
