@@ -20,8 +20,10 @@ from typing import Any
 
 from google.protobuf.json_format import MessageToDict
 
+from springback import __version__
 from springback.service import logs
 from springback.service.channel import ENV_COORDINATOR, ENV_TOKEN
+from springback.service.cli_history import add_job_commands, history_if_finished
 from springback.service.client import ApiError, Client
 from springback.service.errors import InvalidArgument
 from springback.v1 import types_pb2 as pb
@@ -126,6 +128,8 @@ def _job_command(args: argparse.Namespace) -> int:
 
 
 def _watch(client: Client, args: argparse.Namespace) -> None:
+    if history_if_finished(client, args):
+        return
     live = sys.stdout.isatty() and not args.json
     last_generation = None
     for job, event in client.watch_job(args.job):
@@ -223,7 +227,7 @@ def _up_command(args: argparse.Namespace) -> int:
     etcd.start()
     server = CoordinatorServer(CoordinatorConfig(
         etcd=etcd.endpoint, listen=args.listen, token=args.token,
-        liveness_timeout_s=args.liveness_timeout_s,
+        liveness_timeout_s=args.liveness_timeout_s, metrics_listen=args.metrics_listen,
     ))
     server.start()
     if not server.wait_for_leadership(timeout_s=15):
@@ -232,6 +236,8 @@ def _up_command(args: argparse.Namespace) -> int:
         raise RuntimeError("the local coordinator did not become leader within 15 s")
     print(f"etcd        {etcd.endpoint} (data in {etcd.data_dir})")
     print(f"coordinator {server.address}")
+    if server.metrics_address:
+        print(f"metrics     http://{server.metrics_address}/metrics")
     print(f"export {ENV_COORDINATOR}={server.address}", flush=True)
 
     def stop() -> None:
@@ -254,6 +260,7 @@ def _add_global(parser: argparse.ArgumentParser, suppress: bool) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="springback", description=__doc__.split("\n")[0])
+    parser.add_argument("--version", action="version", version=f"springback {__version__}")
     _add_global(parser, suppress=False)
     common = argparse.ArgumentParser(add_help=False)
     _add_global(common, suppress=True)
@@ -264,6 +271,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--listen", default="127.0.0.1:7070")
     up.add_argument("--etcd-port", type=int, default=2379)
     up.add_argument("--liveness-timeout-s", type=float, default=5.0)
+    up.add_argument("--metrics-listen", help="HOST:PORT for Prometheus /metrics")
     up.set_defaults(handler=_up_command)
 
     coord = commands.add_parser("coordinator", parents=[common], help="run a coordinator replica")
@@ -292,6 +300,7 @@ def build_parser() -> argparse.ArgumentParser:
     restore.add_argument("job")
     restore.add_argument("--step", type=int, default=0, help="committed step (default newest)")
     job.set_defaults(handler=_job_command)
+    add_job_commands(actions, common)
 
     ckpt = commands.add_parser("ckpt", parents=[common], help="checkpoints")
     ckpt_actions = ckpt.add_subparsers(dest="ckpt_action", required=True)

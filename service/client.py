@@ -117,6 +117,18 @@ class Client:
         request = js.RestoreJobRequest(job_id=job_id, step=step)
         return _call(self._stub.RestoreJob, request, self.timeout_s).job
 
+    def list_job_events(self, job_id: str) -> tuple[pb.Job, list[js.GenerationEvent]]:
+        """The job and its generations, oldest first (finished jobs too)."""
+        response = _call(self._stub.ListJobEvents, js.ListJobEventsRequest(job_id=job_id),
+                         self.timeout_s)
+        return response.job, list(response.generations)
+
+    def delete_job(self, job_id: str) -> pb.Job:
+        """Forgets a finished job (not its checkpoint files); returns its last record.
+        FAILED_PRECONDITION while it is live; NOT_FOUND once deleted."""
+        request = js.DeleteJobRequest(job_id=job_id)
+        return _call(self._stub.DeleteJob, request, self.timeout_s).job
+
     def watch_job(self, job_id: str, timeout_s: float | None = None) -> Iterator[tuple[pb.Job, str]]:
         """(job, event) now and after each change, until the job ends or `timeout_s`."""
         stream = self._stub.WatchJob(js.WatchJobRequest(job_id=job_id), timeout=timeout_s)

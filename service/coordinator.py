@@ -26,6 +26,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 from springback.service import keys, planner
 from springback.service.election import Election
+from springback.service.history import History
 from springback.service.errors import (
     Conflict, FailedPrecondition, NotFound, NotLeader, SpringbackError, StaleGeneration,
 )
@@ -83,6 +84,7 @@ class Coordinator:
         self.num_loop_errors = 0
         self.num_generations = 0
         self.last_replan_s = 0.0
+        self.history = History(store, election.fence)
 
     # -- lifecycle ------------------------------------------------------------
 
@@ -102,6 +104,7 @@ class Coordinator:
             self._plans.clear()
             self._lease_of.clear()
             self._fingerprints.clear()
+            self.history.forget()
             self._version += 1
             self._changed.notify_all()
 
@@ -257,6 +260,7 @@ class Coordinator:
             status.spares.extend(plan.spares)
             status.message = reason
             status.updated_at.CopyFrom(timestamp_now())
+            history_ops = self.history.on_change(job, plan if new_generation else None)
 
             txn = self.store.txn
             compare = self.election.fence() + [
@@ -274,6 +278,7 @@ class Coordinator:
                 ops.append(txn.put(keys.plan(job_id), previous.SerializeToString()))
             if extra_ops is not None:
                 ops.extend(extra_ops())
+            ops.extend(history_ops)
             if not self.store.transaction(compare, ops):
                 raise Conflict(f"job {job_id}: concurrent update, retry")
             self._dirty.discard(job_id)
@@ -332,6 +337,7 @@ class Coordinator:
             if previous is None or progress.step >= previous.step:
                 self._progress[job_id] = progress
                 self._dirty.add(job_id)
+                self.history.on_progress(job_id, generation)
                 self._notify(job_id, f"step {progress.step}")
         job = self.get_job(job_id)
         if progress.step >= job.spec.max_steps and job.status.state == pb.JOB_STATE_RUNNING:
@@ -363,8 +369,10 @@ class Coordinator:
             status = job.status
             if status.holders_step == progress.step and list(status.state_holders) == holders:
                 return  # a repeated report
-            if progress.step < status.step:
-                status.steps_redone += status.step - progress.step
+            redone = max(status.step - progress.step, 0)
+            status.steps_redone += redone
+            self.history.on_start(job_id, generation, step=progress.step, steps_redone=redone,
+                                  restored_from=restored_from)
             if restored_from == pb.RESTORE_KIND_CHECKPOINT:
                 status.num_restores += 1
             status.step = progress.step
@@ -434,6 +442,7 @@ class Coordinator:
                 continue
             try:
                 self.reconcile()
+                self.history.flush()
                 if time.monotonic() - last_flush >= self.progress_flush_s:
                     self.flush_progress()
                     last_flush = time.monotonic()

@@ -16,6 +16,7 @@ JOBS = PREFIX + "jobs/"
 PLANS = PREFIX + "plans/"
 MEMBERS = PREFIX + "members/"
 CHECKPOINTS = PREFIX + "checkpoints/"
+HISTORY = PREFIX + "history/"
 
 
 def job(job_id: str) -> str:
@@ -46,6 +47,16 @@ def checkpoints(job_id: str) -> str:
 def checkpoint(job_id: str, step: int) -> str:
     """A committed `CheckpointRef`; zero-padded so keys sort by step."""
     return f"{CHECKPOINTS}{job_id}/{step:020d}"
+
+
+def history(job_id: str) -> str:
+    """Prefix of a job's `GenerationEvent`s (its history, `service/history.py`)."""
+    return f"{HISTORY}{job_id}/"
+
+
+def history_event(job_id: str, generation: int) -> str:
+    """The `GenerationEvent` of one generation; zero-padded so keys sort by generation."""
+    return f"{HISTORY}{job_id}/{generation:012d}"
 
 
 def member_job_and_id(key: str) -> tuple[str, str]:

@@ -22,7 +22,9 @@ from grpc_reflection.v1alpha import reflection
 from springback.service import metrics
 from springback.service.channel import MAX_MESSAGE_BYTES, read_file
 from springback.service.coordinator import Coordinator
+from springback.service.dashboard import Dashboard
 from springback.service.election import Election
+from springback.service.jobmetrics import JobMetrics
 from springback.service.interceptors import BearerAuth, CallCounter, LeaderForwarding
 from springback.service.servicers import JobServicer, WorkerServicer
 from springback.service.store import Store
@@ -54,7 +56,8 @@ class CoordinatorConfig:
     progress_flush_s: float = 5.0
     """Reported progress is written to etcd at most this often."""
     metrics_listen: str | None = None
-    """HOST:PORT for the Prometheus endpoint (None: off)."""
+    """HOST:PORT for the Prometheus endpoint (/metrics, open) and the dashboard
+    (/, behind `token`); None: off."""
     max_workers: int = 256
     """gRPC server threads; each open watch stream holds one."""
 
@@ -128,6 +131,7 @@ class CoordinatorServer:
         ), self._server)
         self.registry = self._metrics()
         self._metrics_server = None
+        self.dashboard = Dashboard(self.coordinator)
 
     def _on_leadership(self) -> None:
         self.coordinator.leadership_changed()
@@ -145,18 +149,7 @@ class CoordinatorServer:
                      "failed reconcile iterations", lambda: c.num_loop_errors)
         registry.add("springback_coordinator_rpc_total", "counter", "calls received, by method",
                      lambda: [({"method": m}, n) for m, n in self.counter.calls.items()])
-
-        def per_job(field: str):  # noqa: ANN202
-            def collect() -> list:
-                if not self.election.is_leader():
-                    return []
-                return [({"job": j.id}, getattr(j.status, field)) for j in c.list_jobs()]
-            return collect
-
-        registry.add("springback_job_generation", "gauge", "current generation", per_job("generation"))
-        registry.add("springback_job_world_size", "gauge", "ranks in the current plan",
-                     per_job("world_size"))
-        registry.add("springback_job_step", "gauge", "last completed step", per_job("step"))
+        registry.add_collector(JobMetrics(c))
         return registry
 
     def start(self) -> None:
@@ -165,8 +158,18 @@ class CoordinatorServer:
         self.coordinator.start()
         self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         if self.config.metrics_listen:
-            self._metrics_server = metrics.serve(self.registry, self.config.metrics_listen)
+            self._metrics_server = metrics.serve(self.registry, self.config.metrics_listen,
+                                                 pages=self.dashboard.pages(), token=self.config.token)
+            self.dashboard.start()
         log.info("coordinator replica serving on %s", self.address)
+
+    @property
+    def metrics_address(self) -> str | None:
+        """``HOST:PORT`` of the metrics (and dashboard) HTTP listener, once started."""
+        if self._metrics_server is None:
+            return None
+        host, port = self._metrics_server.server_address[:2]
+        return f"{host}:{port}"
 
     def wait_for_leadership(self, timeout_s: float) -> bool:
         """Blocks until this replica leads (True) or `timeout_s` passes (False)."""
@@ -187,6 +190,7 @@ class CoordinatorServer:
         self.election.resign()
         self._server.stop(grace_s).wait(grace_s + 1)
         if self._metrics_server is not None:
+            self.dashboard.stop()
             self._metrics_server.shutdown()
         self._forwarding.close()
         self.store.close()

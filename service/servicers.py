@@ -18,6 +18,7 @@ from google.protobuf.duration_pb2 import Duration
 from springback.service.commits import Commits
 from springback.service.coordinator import Coordinator
 from springback.service.errors import SpringbackError, grpc_code
+from springback.service.history import delete_job
 from springback.service.jobs import JobControl
 from springback.service.membership import Membership
 from springback.service.planner import Progress
@@ -111,6 +112,21 @@ class JobServicer(js_grpc.JobServiceServicer):
     def RestoreJob(self, request: js.RestoreJobRequest,
                    context: grpc.ServicerContext) -> js.RestoreJobResponse:
         return js.RestoreJobResponse(job=self.jobs.restore(request.job_id, request.step))
+
+    @_handle
+    def ListJobEvents(self, request: js.ListJobEventsRequest,
+                      context: grpc.ServicerContext) -> js.ListJobEventsResponse:
+        job = self.coordinator.get_job(request.job_id)
+        return js.ListJobEventsResponse(
+            job=job, generations=self.coordinator.history.events(request.job_id))
+
+    @_handle
+    def DeleteJob(self, request: js.DeleteJobRequest,
+                  context: grpc.ServicerContext) -> js.DeleteJobResponse:
+        self.coordinator.require_leader()
+        store = self.coordinator.store
+        return js.DeleteJobResponse(
+            job=delete_job(store, self.coordinator.election.fence, request.job_id))
 
 
 def _duration(seconds: float) -> Duration:

@@ -80,13 +80,17 @@ class CoordinatorProcess:
 
 def scrape(address: str) -> dict[str, float]:
     """``name{labels}`` -> value of every sample a Prometheus endpoint at
-    ``HOST:PORT`` serves on /metrics. Raises OSError while nothing answers."""
+    ``HOST:PORT`` serves on /metrics, parsed with prometheus-client's own
+    parser (so the exposition must be valid). Labels are sorted by name.
+    Raises OSError while nothing answers."""
+    from prometheus_client.parser import text_string_to_metric_families
+
     with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as response:
         assert response.headers["Content-Type"].startswith("text/plain")
         text = response.read().decode()
     samples = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            samples[name] = float(value)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+            samples[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
     return samples

@@ -61,6 +61,7 @@ from springback.v1 import types_pb2 as pb
 from springback.v1 import worker_service_pb2 as wpb
 from springback.v1 import worker_service_pb2_grpc as wgrpc
 from springback.worker import env as E
+from springback.worker.agentmetrics import RankRecoveries
 from springback.worker.control import PlanPublisher
 from springback.worker.launch import (
     RankOutput,
@@ -73,6 +74,7 @@ from springback.worker.launch import (
     parse_streams,
 )
 from springback.worker.preemption import FileNotice, PreemptionSource
+from springback.worker.ranklogs import RankLogs, rank_label
 from springback.worker.ranks import LocalRanks, with_parent_death
 from springback.worker.rankstats import read_all as read_rank_stats
 from springback.worker.restart import RestartRanks
@@ -167,8 +169,13 @@ class Agent:
         self._plan: pb.Plan | None = None
         self._fenced = threading.Event()
         self._stop = threading.Event()
+        self._rank_logs = RankLogs(
+            label_of=lambda p: rank_label(p, self._local.ranks, self._plan,
+                                          self.member.id if self.member else None),
+            member_of=lambda: self.member.id if self.member else None,
+            base_uri_of=lambda: self._plan.spec.checkpoint.uri if self._plan else None)
         self._local = LocalRanks(config.command, self._workdir, keep_spare=config.standby,
-                                 output=config.output)
+                                 output=config.output, rank_logs=self._rank_logs.attach)
         self._restart = RestartRanks(self) if config.mode == "restart" else None
         self._ran = False  # a RUN plan included this member: its ranks may hold state
         self._num_restarts = 0
@@ -369,6 +376,7 @@ class Agent:
                 host, port = metrics_server.server_address[:2]
                 log.info("metrics on http://%s:%d/metrics", host, port)
             self._check_job()
+            self._rank_logs.start()
             self._start_ranks()
             return self._supervise()
         except (JobFinished, DrainedBeforeJoin) as e:
@@ -391,6 +399,7 @@ class Agent:
                 metrics_server.shutdown()
             self._stop.set()
             self._kill_ranks()
+            self._rank_logs.close()
             self._store = None
             shutil.rmtree(self._workdir, ignore_errors=True)
 
@@ -421,6 +430,8 @@ class Agent:
 
         for key, name, kind, help_text in RANK_METRICS:
             registry.add(name, kind, help_text, per_rank(key))
+        registry.add_collector(RankRecoveries(
+            lambda: read_rank_stats(self._publisher.directory) if hasattr(self, "_publisher") else {}))
         return registry
 
     def _supervise(self) -> int:
@@ -576,6 +587,9 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    help="drain when this file appears (a preemption notice)")
     p.add_argument("--metrics-listen", default=None, metavar="HOST:PORT",
                    help="serve Prometheus metrics of this node and its ranks at /metrics")
+    p.add_argument("--drained-exit-code", type=int, default=EXIT_OK, metavar="N",
+                   help="exit status after a drain (SIGTERM, preemption notice); e.g. 143 lets "
+                        "a Kubernetes Job replace a drained pod (default 0)")
     add_torchrun_arguments(p)
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- the rank command")
 
@@ -600,7 +614,9 @@ def _config_from_args(args: argparse.Namespace, job_id: str,
         nnodes=None if args.standalone else parse_nnodes(args.nnodes))
 
 
-def _run_agent(config: AgentConfig) -> int:
+def _run_agent(config: AgentConfig, drained_exit_code: int = EXIT_OK) -> int:
+    """Runs one agent with signal handling; a drained agent that ended
+    cleanly exits with `drained_exit_code`."""
     agent = Agent(config)
     log.info("mode %s: %s", config.mode, " ".join(config.command))
 
@@ -609,7 +625,9 @@ def _run_agent(config: AgentConfig) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    return agent.run()
+    status = agent.run()
+    drained = agent._drain_reason is not None  # noqa: SLF001 (set by on_signal or a notice)
+    return drained_exit_code if status == EXIT_OK and drained else status
 
 
 def run_main(args: argparse.Namespace) -> int:
@@ -626,7 +644,7 @@ def run_main(args: argparse.Namespace) -> int:
             raise ValueError("--job is required (or --standalone)")
         config = _config_from_args(args, args.job or "standalone", coordinator)
         if not args.standalone:
-            return _run_agent(config)
+            return _run_agent(config, args.drained_exit_code)
         nnodes = parse_nnodes(args.nnodes)
     except ValueError as e:
         print(f"springback run: {e}", file=sys.stderr)

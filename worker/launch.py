@@ -203,6 +203,12 @@ class RankOutput:
     def _code(self, which: dict[int, int] | int, local_rank: int) -> int:
         return which.get(local_rank, 0) if isinstance(which, dict) else which
 
+    def to_files(self, local_rank: int) -> bool:
+        """Whether `local_rank`'s output goes to files (then it is not shipped
+        as rank logs)."""
+        return bool(self.log_dir and (self._code(self.redirects, local_rank)
+                                      or self._code(self.tee, local_rank)))
+
     def launch(self, argv: list[str], environ: dict[str, str], *, local_rank: int,
                attempt: str) -> subprocess.Popen:
         """Starts `argv` with its output placed as configured."""

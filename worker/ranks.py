@@ -68,8 +68,14 @@ class LocalRanks:
     """The rank processes of one agent. `ranks` maps local rank -> process."""
 
     def __init__(self, command: list[str], workdir: str, *, keep_spare: bool,
-                 output: RankOutput | None = None) -> None:
+                 output: RankOutput | None = None,
+                 rank_logs: Callable[[subprocess.Popen], None] | None = None) -> None:
+        """`output` places ranks' output in files (--log-dir/--redirects/--tee);
+        `rank_logs`, when given, receives every other started process with its
+        stdout and stderr merged into a pipe it must drain
+        (`ranklogs.RankLogs.attach`: rank-prefixed echo and shipping)."""
         self.command = command
+        self.rank_logs = rank_logs
         self.workdir = workdir
         self.keep_spare = keep_spare
         self.output = output or RankOutput()
@@ -79,9 +85,15 @@ class LocalRanks:
 
     def _launch(self, environ: dict[str, str], local_rank: int = 0) -> subprocess.Popen:
         self._num_started += 1
+        argv = with_parent_death(self.command)
+        if self.rank_logs is not None and not self.output.to_files(local_rank):
+            proc = subprocess.Popen(argv, env=environ, start_new_session=True,
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+            self.rank_logs(proc)
+            return proc
         # a standby's local rank is not known yet: its log folder is its process number
-        return self.output.launch(with_parent_death(self.command), environ,
-                                  local_rank=local_rank, attempt=f"proc_{self._num_started}")
+        return self.output.launch(argv, environ, local_rank=local_rank,
+                                  attempt=f"proc_{self._num_started}")
 
     def start_standby(self, environ: dict[str, str]) -> Standby:
         path = os.path.join(self.workdir, f"standby-{self._num_started + 1}.json")

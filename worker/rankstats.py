@@ -16,6 +16,9 @@ The numbers, all from this rank process's point of view:
 * ``last_step_seconds``: the latest such step time.
 * ``recovery_seconds``: from its last step in an earlier generation to the
   start of the current one (0 until a generation change happened).
+* ``recoveries_total``, ``recovery_seconds_sum`` and ``recovery_buckets``
+  (cumulative counts of recoveries at most ``RECOVERY_BUCKETS_S[i]``): every
+  recovery this rank measured, for the agent's histogram.
 * ``checkpoint_stall_seconds``: how long the latest checkpoint blocked
   training (`save()` plus the optimizer step that waited for the copy).
 * ``goodput``: ``step_seconds_total`` over the time since `Session()`.
@@ -30,10 +33,12 @@ import logging
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 log = logging.getLogger(__name__)
 
 FLUSH_INTERVAL_S = 1.0
+RECOVERY_BUCKETS_S = (0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 300.0)
 _PREFIX, _SUFFIX = "stats-", ".json"
 
 
@@ -46,16 +51,21 @@ class RankStats:
         self._last_flush = float("-inf")
         self._last_step_end: float | None = None
         self._step_generation = 0
-        self.values: dict[str, float] = {
+        self.values: dict[str, Any] = {
             "generation": 0, "world_size": 0, "rank": -1, "step": 0, "steps_total": 0,
             "step_seconds_total": 0.0, "last_step_seconds": 0.0, "recovery_seconds": 0.0,
-            "checkpoint_stall_seconds": 0.0, "goodput": 0.0}
+            "checkpoint_stall_seconds": 0.0, "goodput": 0.0, "recoveries_total": 0,
+            "recovery_seconds_sum": 0.0, "recovery_buckets": [0] * len(RECOVERY_BUCKETS_S)}
 
     def generation_started(self, *, generation: int, world_size: int, rank: int,
                            step: int) -> None:
         v = self.values
         if self._last_step_end is not None:
-            v["recovery_seconds"] = time.monotonic() - self._last_step_end
+            v["recovery_seconds"] = recovery = time.monotonic() - self._last_step_end
+            v["recoveries_total"] += 1
+            v["recovery_seconds_sum"] += recovery
+            v["recovery_buckets"] = [n + (recovery <= bound) for n, bound in
+                                     zip(v["recovery_buckets"], RECOVERY_BUCKETS_S)]
         v.update(generation=generation, world_size=world_size, rank=rank, step=step)
         self.flush(force=True)
 
@@ -87,7 +97,7 @@ class RankStats:
             log.debug("writing rank statistics failed: %s", e)
 
 
-def read_all(control_dir: str) -> dict[int, dict[str, float]]:
+def read_all(control_dir: str) -> dict[int, dict[str, Any]]:
     """Agent side: the latest statistics of every local rank, by local rank."""
     out: dict[int, dict[str, float]] = {}
     for path in Path(control_dir).glob(f"{_PREFIX}*{_SUFFIX}"):

@@ -10,7 +10,12 @@ and training library in ``springback.worker`` and checkpoints in
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
+from importlib import metadata as _metadata
+
+try:  # one version, the installed distribution's (pyproject.toml)
+    __version__ = _metadata.version("springback")
+except _metadata.PackageNotFoundError:  # a source tree on sys.path, not installed
+    __version__ = "0+unknown"
 
 __all__ = ["ApiError", "Client", "InvalidSpec", "__version__"]
 

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from sbtest import scrape
 from springback.service.client import Client
 from springback.service.local import free_port
 
@@ -31,6 +32,28 @@ def test_up_serves_jobs_and_stops_cleanly_on_sigterm(tmp_path, make_spec):
             job = client.create_job(make_spec())
             assert client.get_job(job.id).id == job.id
         assert (tmp_path / "etcd" / "data").is_dir()
+    finally:
+        up.send_signal(signal.SIGTERM)
+        assert up.wait(timeout=30) == 0
+
+
+def test_up_serves_metrics_when_asked(tmp_path, make_spec):
+    up = subprocess.Popen(
+        [sys.executable, "-m", "springback.service.cli", "up", "--state-dir", str(tmp_path),
+         "--etcd-port", str(free_port()), "--listen", "127.0.0.1:0",
+         "--metrics-listen", "127.0.0.1:0"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        lines = [up.stdout.readline().strip() for _ in range(4)]
+        assert lines[2].startswith("metrics     http://"), lines
+        metrics = lines[2].split("http://", 1)[1].removesuffix("/metrics")
+        with Client(lines[3].split("=", 1)[1]) as client:
+            job = client.create_job(make_spec())
+        samples = scrape(metrics)
+        assert samples["springback_coordinator_is_leader"] == 1
+        assert samples[f'springback_job_generations_total{{job="{job.id}"}}'] == 1
+        assert samples[f'springback_job_recovery_seconds_count{{job="{job.id}"}}'] == 0
     finally:
         up.send_signal(signal.SIGTERM)
         assert up.wait(timeout=30) == 0

@@ -102,17 +102,22 @@ class TestNodeLoss:
 class TestDrain:
     @pytest.mark.parametrize("notice", ["sigterm", "preemption-file"])
     def test_a_drained_worker_leaves_and_no_step_is_lost_or_redone(self, cluster, notice):
-        agents = [cluster.start(n, "--preemption-file", str(cluster.root / f"preempted-{n}"))
+        # With SIGTERM, b exits with the status a Kubernetes Job's pod failure
+        # policy ignores (deploy/kubernetes/workers.yaml); by default 0.
+        drained_status = 143 if notice == "sigterm" else 0
+        agents = [cluster.start(n, "--preemption-file", str(cluster.root / f"preempted-{n}"),
+                                *(["--drained-exit-code", "143"] if drained_status else []))
                   for n in ("a", "b", "c")]
         cluster.wait_world(3, min_step=5)
         if notice == "sigterm":
             agents[1].process.send_signal(signal.SIGTERM)
         else:  # what a node-termination handler would write on node b
             (cluster.root / "preempted-b").write_text("spot interruption in 2 minutes")
-        assert agents[1].wait(30) == 0, agents[1].log()
+        assert agents[1].wait(30) == drained_status, agents[1].log()
         assert "draining" in agents[1].log()
         job = cluster.wait_succeeded()
         assert job.status.step == MAX_STEPS
+        assert [a.wait(30) for a in (agents[0], agents[2])] == [0, 0]  # ended with the job
         report = cluster.audit()
         assert report.ok, report
         # no step was started by two generations: the hand-over was at a step boundary
@@ -259,6 +264,11 @@ class TestAgentMetrics:
         assert 0.2 < m[f"springback_rank_last_step_seconds{rank0}"] < 5  # the 0.25 s sleep
         assert 0 < m[f"springback_rank_goodput_ratio{rank0}"] <= 1
         assert m[f"springback_rank_checkpoint_stall_seconds{rank0}"] > 0  # every 10 steps
+        # the recovery histogram (prometheus-client's parser read it): one recovery, bucketed
+        assert m['springback_rank_recovery_duration_seconds_count{local_rank="0"}'] == 1
+        assert m['springback_rank_recovery_duration_seconds_bucket{le="+Inf",local_rank="0"}'] == 1
+        assert m['springback_rank_recovery_duration_seconds_sum{local_rank="0"}'] == (
+            m[f"springback_rank_recovery_seconds{rank0}"])
         assert rank1.join(("springback_rank_step", "")) in m  # the restarted rank reports too
         cluster.wait_succeeded()
 

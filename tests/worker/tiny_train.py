@@ -19,7 +19,8 @@ inside DDP's gradient all-reduce); TINY_CRASH_RANKS=all makes every rank crash
 that way (a bad batch), TINY_CRASH_TIMES=K lets the crash repeat K times
 (one marker file per time). TINY_RAISE_AT_STEP=N raises the script's own
 RuntimeError at step N on every rank (a bug in the user's code, not a
-membership change).
+membership change). TINY_PRINT_STEPS=1 prints a line per step (for the
+rank-log tests).
 """
 
 import faulthandler
@@ -94,6 +95,7 @@ def main() -> int:
     sleep_s = float(os.environ.get("TINY_STEP_SLEEP_S", "0"))
     crash = Crash()
     raise_at = int(os.environ.get("TINY_RAISE_AT_STEP", "0"))
+    say_steps = os.environ.get("TINY_PRINT_STEPS") == "1"
     for gen in session.generations():
         with gen:
             assert gen.stream.num_samples == NUM_SAMPLES
@@ -118,6 +120,8 @@ def main() -> int:
                 opt.zero_grad()
                 counter_opt.zero_grad()
                 gen.report(loss=per_sample.mean().item() if len(per_sample) else 0.0)
+                if say_steps:
+                    print(f"trained step {batch.step} in generation {gen.generation}", flush=True)
                 if sleep_s:
                     time.sleep(sleep_s)
     audit_dir = os.environ.get(AUDIT_DIR)

@@ -22,56 +22,70 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from google.protobuf import duration_pb2 as google_dot_protobuf_dot_duration__pb2
+from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 from springback.v1 import types_pb2 as springback_dot_v1_dot_types__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fspringback/v1/job_service.proto\x12\rspringback.v1\x1a\x19springback/v1/types.proto\"8\n\x10\x43reateJobRequest\x12$\n\x04spec\x18\x01 \x01(\x0b\x32\x16.springback.v1.JobSpec\"4\n\x11\x43reateJobResponse\x12\x1f\n\x03job\x18\x01 \x01(\x0b\x32\x12.springback.v1.Job\"\x1f\n\rGetJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"1\n\x0eGetJobResponse\x12\x1f\n\x03job\x18\x01 \x01(\x0b\x32\x12.springback.v1.Job\"\x11\n\x0fListJobsRequest\"4\n\x10ListJobsResponse\x12 \n\x04jobs\x18\x01 \x03(\x0b\x32\x12.springback.v1.Job\"K\n\x0fScaleJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x13\n\x0bmin_workers\x18\x02 \x01(\r\x12\x13\n\x0bmax_workers\x18\x03 \x01(\r\"3\n\x10ScaleJobResponse\x12\x1f\n\x03job\x18\x01 \x01(\x0b\x32\x12.springback.v1.Job\"!\n\x0fPauseJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"3\n\x10PauseJobResponse\x12\x1f\n\x03job\x18\x01 \x01(\x0b\x32\x12.springback.v1.Job\"\"\n\x10ResumeJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"4\n\x11ResumeJobResponse\x12\x1f\n\x03job\x18\x01 \x01(\x0b\x32\x12.springback.v1.Job\"\"\n\x10\x43\x61ncelJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"4\n\x11\x43\x61ncelJobResponse\x12\x1f\n\x03job\x18\x01 \x01(\x0b\x32\x12.springback.v1.Job\"!\n\x0fWatchJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"B\n\x10WatchJobResponse\x12\x1f\n\x03job\x18\x01 \x01(\x0b\x32\x12.springback.v1.Job\x12\r\n\x05\x65vent\x18\x02 \x01(\t\"(\n\x16ListCheckpointsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"L\n\x17ListCheckpointsResponse\x12\x31\n\x0b\x63heckpoints\x18\x01 \x03(\x0b\x32\x1c.springback.v1.CheckpointRef\"1\n\x11RestoreJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\"5\n\x12RestoreJobResponse\x12\x1f\n\x03job\x18\x01 \x01(\x0b\x32\x12.springback.v1.Job2\xae\x06\n\nJobService\x12N\n\tCreateJob\x12\x1f.springback.v1.CreateJobRequest\x1a .springback.v1.CreateJobResponse\x12\x45\n\x06GetJob\x12\x1c.springback.v1.GetJobRequest\x1a\x1d.springback.v1.GetJobResponse\x12K\n\x08ListJobs\x12\x1e.springback.v1.ListJobsRequest\x1a\x1f.springback.v1.ListJobsResponse\x12K\n\x08ScaleJob\x12\x1e.springback.v1.ScaleJobRequest\x1a\x1f.springback.v1.ScaleJobResponse\x12K\n\x08PauseJob\x12\x1e.springback.v1.PauseJobRequest\x1a\x1f.springback.v1.PauseJobResponse\x12N\n\tResumeJob\x12\x1f.springback.v1.ResumeJobRequest\x1a .springback.v1.ResumeJobResponse\x12N\n\tCancelJob\x12\x1f.springback.v1.CancelJobRequest\x1a .springback.v1.CancelJobResponse\x12M\n\x08WatchJob\x12\x1e.springback.v1.WatchJobRequest\x1a\x1f.springback.v1.WatchJobResponse0\x01\x12`\n\x0fListCheckpoints\x12%.springback.v1.ListCheckpointsRequest\x1a&.springback.v1.ListCheckpointsResponse\x12Q\n\nRestoreJob\x12 .springback.v1.RestoreJobRequest\x1a!.springback.v1.RestoreJobResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fspringback/v1/job_service.proto\x12\rspringback.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x19springback/v1/types.proto\"\x95\x03\n\x0fGenerationEvent\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12.\n\ncreated_at\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\'\n\x04kind\x18\x04 \x01(\x0e\x32\x19.springback.v1.ChangeKind\x12)\n\x06\x61\x63tion\x18\x05 \x01(\x0e\x32\x19.springback.v1.PlanAction\x12\x12\n\nworld_size\x18\x06 \x01(\r\x12\x0f\n\x07members\x18\x07 \x03(\t\x12+\n\x07restore\x18\x08 \x01(\x0e\x32\x1a.springback.v1.RestoreKind\x12\x12\n\nstart_step\x18\t \x01(\x04\x12\x14\n\x0csteps_redone\x18\n \x01(\x04\x12+\n\x08recovery\x18\x0b \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x31\n\rfirst_step_at\x18\x0c \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"&\n\x14ListJobEventsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"m\n\x15ListJobEventsResponse\x12\x1f\n\x03job\x18\x01 \x01(\x0b\x32\x12.springback.v1.Job\x12\x33\n\x0bgenerations\x18\x02 \x03(\x0b\x32\x1e.springback.v1.GenerationEvent\"\"\n\x10\x44\x65leteJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"4\n\x11\x44\x65leteJobResponse\x12\x1f\n\x03job\x18\x01 \x01(\x0b\x32\x12.springback.v1.Job\"8\n\x10\x43reateJobRequest\x12$\n\x04spec\x18\x01 \x01(\x0b\x32\x16.springback.v1.JobSpec\"4\n\x11\x43reateJobResponse\x12\x1f\n\x03job\x18\x01 \x01(\x0b\x32\x12.springback.v1.Job\"\x1f\n\rGetJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"1\n\x0eGetJobResponse\x12\x1f\n\x03job\x18\x01 \x01(\x0b\x32\x12.springback.v1.Job\"\x11\n\x0fListJobsRequest\"4\n\x10ListJobsResponse\x12 \n\x04jobs\x18\x01 \x03(\x0b\x32\x12.springback.v1.Job\"K\n\x0fScaleJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x13\n\x0bmin_workers\x18\x02 \x01(\r\x12\x13\n\x0bmax_workers\x18\x03 \x01(\r\"3\n\x10ScaleJobResponse\x12\x1f\n\x03job\x18\x01 \x01(\x0b\x32\x12.springback.v1.Job\"!\n\x0fPauseJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"3\n\x10PauseJobResponse\x12\x1f\n\x03job\x18\x01 \x01(\x0b\x32\x12.springback.v1.Job\"\"\n\x10ResumeJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"4\n\x11ResumeJobResponse\x12\x1f\n\x03job\x18\x01 \x01(\x0b\x32\x12.springback.v1.Job\"\"\n\x10\x43\x61ncelJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"4\n\x11\x43\x61ncelJobResponse\x12\x1f\n\x03job\x18\x01 \x01(\x0b\x32\x12.springback.v1.Job\"!\n\x0fWatchJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"B\n\x10WatchJobResponse\x12\x1f\n\x03job\x18\x01 \x01(\x0b\x32\x12.springback.v1.Job\x12\r\n\x05\x65vent\x18\x02 \x01(\t\"(\n\x16ListCheckpointsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"L\n\x17ListCheckpointsResponse\x12\x31\n\x0b\x63heckpoints\x18\x01 \x03(\x0b\x32\x1c.springback.v1.CheckpointRef\"1\n\x11RestoreJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\"5\n\x12RestoreJobResponse\x12\x1f\n\x03job\x18\x01 \x01(\x0b\x32\x12.springback.v1.Job*\x86\x02\n\nChangeKind\x12\x1b\n\x17\x43HANGE_KIND_UNSPECIFIED\x10\x00\x12\x15\n\x11\x43HANGE_KIND_START\x10\x01\x12\x14\n\x10\x43HANGE_KIND_JOIN\x10\x02\x12\x19\n\x15\x43HANGE_KIND_NODE_LOST\x10\x03\x12\x1c\n\x18\x43HANGE_KIND_RANK_FAILURE\x10\x04\x12\x15\n\x11\x43HANGE_KIND_DRAIN\x10\x05\x12\x15\n\x11\x43HANGE_KIND_LEAVE\x10\x06\x12\x18\n\x14\x43HANGE_KIND_OPERATOR\x10\x07\x12\x16\n\x12\x43HANGE_KIND_FINISH\x10\x08\x12\x15\n\x11\x43HANGE_KIND_OTHER\x10\t2\xda\x07\n\nJobService\x12N\n\tCreateJob\x12\x1f.springback.v1.CreateJobRequest\x1a .springback.v1.CreateJobResponse\x12\x45\n\x06GetJob\x12\x1c.springback.v1.GetJobRequest\x1a\x1d.springback.v1.GetJobResponse\x12K\n\x08ListJobs\x12\x1e.springback.v1.ListJobsRequest\x1a\x1f.springback.v1.ListJobsResponse\x12K\n\x08ScaleJob\x12\x1e.springback.v1.ScaleJobRequest\x1a\x1f.springback.v1.ScaleJobResponse\x12K\n\x08PauseJob\x12\x1e.springback.v1.PauseJobRequest\x1a\x1f.springback.v1.PauseJobResponse\x12N\n\tResumeJob\x12\x1f.springback.v1.ResumeJobRequest\x1a .springback.v1.ResumeJobResponse\x12N\n\tCancelJob\x12\x1f.springback.v1.CancelJobRequest\x1a .springback.v1.CancelJobResponse\x12M\n\x08WatchJob\x12\x1e.springback.v1.WatchJobRequest\x1a\x1f.springback.v1.WatchJobResponse0\x01\x12`\n\x0fListCheckpoints\x12%.springback.v1.ListCheckpointsRequest\x1a&.springback.v1.ListCheckpointsResponse\x12Q\n\nRestoreJob\x12 .springback.v1.RestoreJobRequest\x1a!.springback.v1.RestoreJobResponse\x12Z\n\rListJobEvents\x12#.springback.v1.ListJobEventsRequest\x1a$.springback.v1.ListJobEventsResponse\x12N\n\tDeleteJob\x12\x1f.springback.v1.DeleteJobRequest\x1a .springback.v1.DeleteJobResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'springback.v1.job_service_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_CREATEJOBREQUEST']._serialized_start=77
-  _globals['_CREATEJOBREQUEST']._serialized_end=133
-  _globals['_CREATEJOBRESPONSE']._serialized_start=135
-  _globals['_CREATEJOBRESPONSE']._serialized_end=187
-  _globals['_GETJOBREQUEST']._serialized_start=189
-  _globals['_GETJOBREQUEST']._serialized_end=220
-  _globals['_GETJOBRESPONSE']._serialized_start=222
-  _globals['_GETJOBRESPONSE']._serialized_end=271
-  _globals['_LISTJOBSREQUEST']._serialized_start=273
-  _globals['_LISTJOBSREQUEST']._serialized_end=290
-  _globals['_LISTJOBSRESPONSE']._serialized_start=292
-  _globals['_LISTJOBSRESPONSE']._serialized_end=344
-  _globals['_SCALEJOBREQUEST']._serialized_start=346
-  _globals['_SCALEJOBREQUEST']._serialized_end=421
-  _globals['_SCALEJOBRESPONSE']._serialized_start=423
-  _globals['_SCALEJOBRESPONSE']._serialized_end=474
-  _globals['_PAUSEJOBREQUEST']._serialized_start=476
-  _globals['_PAUSEJOBREQUEST']._serialized_end=509
-  _globals['_PAUSEJOBRESPONSE']._serialized_start=511
-  _globals['_PAUSEJOBRESPONSE']._serialized_end=562
-  _globals['_RESUMEJOBREQUEST']._serialized_start=564
-  _globals['_RESUMEJOBREQUEST']._serialized_end=598
-  _globals['_RESUMEJOBRESPONSE']._serialized_start=600
-  _globals['_RESUMEJOBRESPONSE']._serialized_end=652
-  _globals['_CANCELJOBREQUEST']._serialized_start=654
-  _globals['_CANCELJOBREQUEST']._serialized_end=688
-  _globals['_CANCELJOBRESPONSE']._serialized_start=690
-  _globals['_CANCELJOBRESPONSE']._serialized_end=742
-  _globals['_WATCHJOBREQUEST']._serialized_start=744
-  _globals['_WATCHJOBREQUEST']._serialized_end=777
-  _globals['_WATCHJOBRESPONSE']._serialized_start=779
-  _globals['_WATCHJOBRESPONSE']._serialized_end=845
-  _globals['_LISTCHECKPOINTSREQUEST']._serialized_start=847
-  _globals['_LISTCHECKPOINTSREQUEST']._serialized_end=887
-  _globals['_LISTCHECKPOINTSRESPONSE']._serialized_start=889
-  _globals['_LISTCHECKPOINTSRESPONSE']._serialized_end=965
-  _globals['_RESTOREJOBREQUEST']._serialized_start=967
-  _globals['_RESTOREJOBREQUEST']._serialized_end=1016
-  _globals['_RESTOREJOBRESPONSE']._serialized_start=1018
-  _globals['_RESTOREJOBRESPONSE']._serialized_end=1071
-  _globals['_JOBSERVICE']._serialized_start=1074
-  _globals['_JOBSERVICE']._serialized_end=1888
+  _globals['_CHANGEKIND']._serialized_start=1788
+  _globals['_CHANGEKIND']._serialized_end=2050
+  _globals['_GENERATIONEVENT']._serialized_start=143
+  _globals['_GENERATIONEVENT']._serialized_end=548
+  _globals['_LISTJOBEVENTSREQUEST']._serialized_start=550
+  _globals['_LISTJOBEVENTSREQUEST']._serialized_end=588
+  _globals['_LISTJOBEVENTSRESPONSE']._serialized_start=590
+  _globals['_LISTJOBEVENTSRESPONSE']._serialized_end=699
+  _globals['_DELETEJOBREQUEST']._serialized_start=701
+  _globals['_DELETEJOBREQUEST']._serialized_end=735
+  _globals['_DELETEJOBRESPONSE']._serialized_start=737
+  _globals['_DELETEJOBRESPONSE']._serialized_end=789
+  _globals['_CREATEJOBREQUEST']._serialized_start=791
+  _globals['_CREATEJOBREQUEST']._serialized_end=847
+  _globals['_CREATEJOBRESPONSE']._serialized_start=849
+  _globals['_CREATEJOBRESPONSE']._serialized_end=901
+  _globals['_GETJOBREQUEST']._serialized_start=903
+  _globals['_GETJOBREQUEST']._serialized_end=934
+  _globals['_GETJOBRESPONSE']._serialized_start=936
+  _globals['_GETJOBRESPONSE']._serialized_end=985
+  _globals['_LISTJOBSREQUEST']._serialized_start=987
+  _globals['_LISTJOBSREQUEST']._serialized_end=1004
+  _globals['_LISTJOBSRESPONSE']._serialized_start=1006
+  _globals['_LISTJOBSRESPONSE']._serialized_end=1058
+  _globals['_SCALEJOBREQUEST']._serialized_start=1060
+  _globals['_SCALEJOBREQUEST']._serialized_end=1135
+  _globals['_SCALEJOBRESPONSE']._serialized_start=1137
+  _globals['_SCALEJOBRESPONSE']._serialized_end=1188
+  _globals['_PAUSEJOBREQUEST']._serialized_start=1190
+  _globals['_PAUSEJOBREQUEST']._serialized_end=1223
+  _globals['_PAUSEJOBRESPONSE']._serialized_start=1225
+  _globals['_PAUSEJOBRESPONSE']._serialized_end=1276
+  _globals['_RESUMEJOBREQUEST']._serialized_start=1278
+  _globals['_RESUMEJOBREQUEST']._serialized_end=1312
+  _globals['_RESUMEJOBRESPONSE']._serialized_start=1314
+  _globals['_RESUMEJOBRESPONSE']._serialized_end=1366
+  _globals['_CANCELJOBREQUEST']._serialized_start=1368
+  _globals['_CANCELJOBREQUEST']._serialized_end=1402
+  _globals['_CANCELJOBRESPONSE']._serialized_start=1404
+  _globals['_CANCELJOBRESPONSE']._serialized_end=1456
+  _globals['_WATCHJOBREQUEST']._serialized_start=1458
+  _globals['_WATCHJOBREQUEST']._serialized_end=1491
+  _globals['_WATCHJOBRESPONSE']._serialized_start=1493
+  _globals['_WATCHJOBRESPONSE']._serialized_end=1559
+  _globals['_LISTCHECKPOINTSREQUEST']._serialized_start=1561
+  _globals['_LISTCHECKPOINTSREQUEST']._serialized_end=1601
+  _globals['_LISTCHECKPOINTSRESPONSE']._serialized_start=1603
+  _globals['_LISTCHECKPOINTSRESPONSE']._serialized_end=1679
+  _globals['_RESTOREJOBREQUEST']._serialized_start=1681
+  _globals['_RESTOREJOBREQUEST']._serialized_end=1730
+  _globals['_RESTOREJOBRESPONSE']._serialized_start=1732
+  _globals['_RESTOREJOBRESPONSE']._serialized_end=1785
+  _globals['_JOBSERVICE']._serialized_start=2053
+  _globals['_JOBSERVICE']._serialized_end=3039
 # @@protoc_insertion_point(module_scope)

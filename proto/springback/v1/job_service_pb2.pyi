@@ -1,11 +1,93 @@
+import datetime
+
+from google.protobuf import duration_pb2 as _duration_pb2
+from google.protobuf import timestamp_pb2 as _timestamp_pb2
 from springback.v1 import types_pb2 as _types_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class ChangeKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CHANGE_KIND_UNSPECIFIED: _ClassVar[ChangeKind]
+    CHANGE_KIND_START: _ClassVar[ChangeKind]
+    CHANGE_KIND_JOIN: _ClassVar[ChangeKind]
+    CHANGE_KIND_NODE_LOST: _ClassVar[ChangeKind]
+    CHANGE_KIND_RANK_FAILURE: _ClassVar[ChangeKind]
+    CHANGE_KIND_DRAIN: _ClassVar[ChangeKind]
+    CHANGE_KIND_LEAVE: _ClassVar[ChangeKind]
+    CHANGE_KIND_OPERATOR: _ClassVar[ChangeKind]
+    CHANGE_KIND_FINISH: _ClassVar[ChangeKind]
+    CHANGE_KIND_OTHER: _ClassVar[ChangeKind]
+CHANGE_KIND_UNSPECIFIED: ChangeKind
+CHANGE_KIND_START: ChangeKind
+CHANGE_KIND_JOIN: ChangeKind
+CHANGE_KIND_NODE_LOST: ChangeKind
+CHANGE_KIND_RANK_FAILURE: ChangeKind
+CHANGE_KIND_DRAIN: ChangeKind
+CHANGE_KIND_LEAVE: ChangeKind
+CHANGE_KIND_OPERATOR: ChangeKind
+CHANGE_KIND_FINISH: ChangeKind
+CHANGE_KIND_OTHER: ChangeKind
+
+class GenerationEvent(_message.Message):
+    __slots__ = ("generation", "created_at", "reason", "kind", "action", "world_size", "members", "restore", "start_step", "steps_redone", "recovery", "first_step_at")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    ACTION_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    RESTORE_FIELD_NUMBER: _ClassVar[int]
+    START_STEP_FIELD_NUMBER: _ClassVar[int]
+    STEPS_REDONE_FIELD_NUMBER: _ClassVar[int]
+    RECOVERY_FIELD_NUMBER: _ClassVar[int]
+    FIRST_STEP_AT_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    created_at: _timestamp_pb2.Timestamp
+    reason: str
+    kind: ChangeKind
+    action: _types_pb2.PlanAction
+    world_size: int
+    members: _containers.RepeatedScalarFieldContainer[str]
+    restore: _types_pb2.RestoreKind
+    start_step: int
+    steps_redone: int
+    recovery: _duration_pb2.Duration
+    first_step_at: _timestamp_pb2.Timestamp
+    def __init__(self, generation: _Optional[int] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., reason: _Optional[str] = ..., kind: _Optional[_Union[ChangeKind, str]] = ..., action: _Optional[_Union[_types_pb2.PlanAction, str]] = ..., world_size: _Optional[int] = ..., members: _Optional[_Iterable[str]] = ..., restore: _Optional[_Union[_types_pb2.RestoreKind, str]] = ..., start_step: _Optional[int] = ..., steps_redone: _Optional[int] = ..., recovery: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., first_step_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+
+class ListJobEventsRequest(_message.Message):
+    __slots__ = ("job_id",)
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    def __init__(self, job_id: _Optional[str] = ...) -> None: ...
+
+class ListJobEventsResponse(_message.Message):
+    __slots__ = ("job", "generations")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    GENERATIONS_FIELD_NUMBER: _ClassVar[int]
+    job: _types_pb2.Job
+    generations: _containers.RepeatedCompositeFieldContainer[GenerationEvent]
+    def __init__(self, job: _Optional[_Union[_types_pb2.Job, _Mapping]] = ..., generations: _Optional[_Iterable[_Union[GenerationEvent, _Mapping]]] = ...) -> None: ...
+
+class DeleteJobRequest(_message.Message):
+    __slots__ = ("job_id",)
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    def __init__(self, job_id: _Optional[str] = ...) -> None: ...
+
+class DeleteJobResponse(_message.Message):
+    __slots__ = ("job",)
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    job: _types_pb2.Job
+    def __init__(self, job: _Optional[_Union[_types_pb2.Job, _Mapping]] = ...) -> None: ...
 
 class CreateJobRequest(_message.Message):
     __slots__ = ("spec",)

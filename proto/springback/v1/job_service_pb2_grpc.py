@@ -84,6 +84,16 @@ class JobServiceStub:
                 request_serializer=springback_dot_v1_dot_job__service__pb2.RestoreJobRequest.SerializeToString,
                 response_deserializer=springback_dot_v1_dot_job__service__pb2.RestoreJobResponse.FromString,
                 _registered_method=True)
+        self.ListJobEvents = channel.unary_unary(
+                '/springback.v1.JobService/ListJobEvents',
+                request_serializer=springback_dot_v1_dot_job__service__pb2.ListJobEventsRequest.SerializeToString,
+                response_deserializer=springback_dot_v1_dot_job__service__pb2.ListJobEventsResponse.FromString,
+                _registered_method=True)
+        self.DeleteJob = channel.unary_unary(
+                '/springback.v1.JobService/DeleteJob',
+                request_serializer=springback_dot_v1_dot_job__service__pb2.DeleteJobRequest.SerializeToString,
+                response_deserializer=springback_dot_v1_dot_job__service__pb2.DeleteJobResponse.FromString,
+                _registered_method=True)
 
 
 class JobServiceServicer:
@@ -156,6 +166,23 @@ class JobServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListJobEvents(self, request, context):
+        """The job's history: its timestamps and every generation, oldest first.
+        Served for finished jobs too (until DeleteJob).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteJob(self, request, context):
+        """Forgets a finished job: its record, plan, history and checkpoint index in
+        etcd (not the checkpoint files; `springback job delete --checkpoints`
+        deletes those first). FAILED_PRECONDITION unless the job is terminal.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_JobServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -208,6 +235,16 @@ def add_JobServiceServicer_to_server(servicer, server):
                     servicer.RestoreJob,
                     request_deserializer=springback_dot_v1_dot_job__service__pb2.RestoreJobRequest.FromString,
                     response_serializer=springback_dot_v1_dot_job__service__pb2.RestoreJobResponse.SerializeToString,
+            ),
+            'ListJobEvents': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListJobEvents,
+                    request_deserializer=springback_dot_v1_dot_job__service__pb2.ListJobEventsRequest.FromString,
+                    response_serializer=springback_dot_v1_dot_job__service__pb2.ListJobEventsResponse.SerializeToString,
+            ),
+            'DeleteJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteJob,
+                    request_deserializer=springback_dot_v1_dot_job__service__pb2.DeleteJobRequest.FromString,
+                    response_serializer=springback_dot_v1_dot_job__service__pb2.DeleteJobResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -480,6 +517,60 @@ class JobService:
             '/springback.v1.JobService/RestoreJob',
             springback_dot_v1_dot_job__service__pb2.RestoreJobRequest.SerializeToString,
             springback_dot_v1_dot_job__service__pb2.RestoreJobResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListJobEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/springback.v1.JobService/ListJobEvents',
+            springback_dot_v1_dot_job__service__pb2.ListJobEventsRequest.SerializeToString,
+            springback_dot_v1_dot_job__service__pb2.ListJobEventsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/springback.v1.JobService/DeleteJob',
+            springback_dot_v1_dot_job__service__pb2.DeleteJobRequest.SerializeToString,
+            springback_dot_v1_dot_job__service__pb2.DeleteJobResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,45 @@
+# The Springback image: coordinator, node agent and CLI (`springback ...`).
+#
+#   docker build -t springback:latest .                                   # CPU torch
+#   docker build -t springback:cuda --build-arg TORCH_VARIANT=cuda .      # CUDA torch
+#
+# The steps are those of deploy/local/setup.sh (the README's install), minus
+# the test extras, the browser the tests use, and etcd (which runs in its own image): a virtual
+# environment, the pinned torch, then this package. tests/deploy checks that
+# the pin and the steps stay in step with setup.sh.
+# The CUDA variant installs torch's CUDA wheels, which bundle the CUDA
+# runtime; the node needs only the NVIDIA driver and container toolkit.
+# Put your training script at /app/train.py (a derived image, or a volume).
+ARG PYTHON_IMAGE=python:3.11-slim-bookworm
+FROM ${PYTHON_IMAGE}
+
+ARG TORCH_VARIANT=cpu
+ARG TORCH_VERSION=2.13.0
+ARG TORCH_CPU_INDEX=https://download.pytorch.org/whl/cpu
+
+ENV PATH=/opt/springback/.venv/bin:$PATH \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1
+
+WORKDIR /opt/springback
+RUN python3 -m venv .venv
+RUN pip install -q --upgrade pip
+RUN case "$TORCH_VARIANT" in \
+      cpu)  pip install -q --index-url "$TORCH_CPU_INDEX" "torch==$TORCH_VERSION" ;; \
+      cuda) pip install -q "torch==$TORCH_VERSION" ;; \
+      *)    echo "TORCH_VARIANT must be cpu or cuda, got '$TORCH_VARIANT'" >&2; exit 2 ;; \
+    esac
+COPY pyproject.toml README.md ./
+COPY proto proto
+COPY service service
+COPY worker worker
+COPY storage storage
+RUN pip install -q . && springback --version
+
+RUN useradd --create-home --uid 1000 springback && mkdir -p /app /var/lib/springback \
+    && chown springback /var/lib/springback
+USER springback
+WORKDIR /app
+EXPOSE 7070 9090
+ENTRYPOINT ["springback"]
+CMD ["--help"]

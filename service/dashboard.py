@@ -1,0 +1,227 @@
+"""A read-only web dashboard of the coordinator, on its metrics HTTP listener.
+
+Pages (plain HTML rendered on the server, no JavaScript):
+
+* ``/`` — every job: state, generation, world size, progress, loss, newest
+  checkpoint, timestamps.
+* ``/jobs/{id}`` — one job: its summary, goodput, the generation timeline
+  (`service/history.py`), its committed checkpoints, and plots of the world
+  size and the step rate over time.
+* ``/jobs/{id}/world.svg``, ``/jobs/{id}/steps.svg`` — those plots, drawn by
+  matplotlib (SVG, Agg-free object API, so no display is needed).
+
+The world size comes from the history in etcd (exact, survives leader
+changes). The step rate comes from samples of the job's step that the
+dashboard takes every ``sample_interval_s`` while this replica leads (kept in
+memory, at most ``max_samples`` per job; a new leader starts empty). Access
+needs the coordinator's bearer token when it has one (see `metrics.serve`).
+Served by every replica (a Service may route to any): a non-leader reads the
+same records from etcd, with progress as of the leader's last flush, and says so.
+"""
+
+from __future__ import annotations
+
+import html
+import io
+import re
+import threading
+import time
+from collections import deque
+
+from springback.service import planner
+from springback.service.cli import job_summary
+from springback.service.cli_history import event_summary
+from springback.service.coordinator import Coordinator
+from springback.service.errors import NotFound
+from springback.service.jobmetrics import goodput
+from springback.v1 import types_pb2 as pb
+
+_JOB_PAGE = re.compile(r"^/jobs/([a-z0-9-]+)(/world\.svg|/steps\.svg)?$")
+_STYLE = """body{font-family:sans-serif;margin:2em;color:#222}table{border-collapse:collapse}
+td,th{border:1px solid #ccc;padding:3px 8px;text-align:left;font-size:14px}
+th{background:#f0f0f0}.plots img{width:560px;margin-right:1em;border:1px solid #ddd}
+.state-running{color:#070}.state-failed{color:#b00}.meta td:first-child{font-weight:bold}"""
+
+
+def _page(title: str, body: str) -> bytes:
+    return (f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
+            f"<style>{_STYLE}</style></head><body>{body}</body></html>").encode()
+
+
+def _table(headers: list[str], rows: list[list[str]], table_id: str) -> str:
+    """A table; `rows` hold HTML (escaped by the caller), `headers` text."""
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in headers)
+    thead = f"<thead><tr>{head}</tr></thead>" if headers else ""
+    body = "".join("<tr>" + "".join(f"<td>{c}</td>" for c in row) + "</tr>" for row in rows)
+    return f"<table id='{table_id}'>{thead}<tbody>{body}</tbody></table>"
+
+
+def _ts(job_ts) -> str:  # noqa: ANN001 (a protobuf Timestamp)
+    return job_ts.ToDatetime().strftime("%Y-%m-%d %H:%M:%S") if job_ts.seconds else "-"
+
+
+class Dashboard:
+    """The pages, and the step sampler behind the step-rate plot."""
+
+    def __init__(self, coordinator: Coordinator, *, sample_interval_s: float = 2.0,
+                 max_samples: int = 1800) -> None:
+        self._coordinator = coordinator
+        self._interval_s = sample_interval_s
+        self._max_samples = max_samples
+        self._samples: dict[str, deque[tuple[float, int]]] = {}
+        self._lock = threading.Lock()
+        self._plot_lock = threading.Lock()  # matplotlib's font cache is shared state
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample_loop, name="dashboard", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Ends the sampler (idempotent; fine if it never started)."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+
+    def pages(self) -> dict[str, object]:
+        """The routes for `metrics.serve`."""
+        return {"/": self._route}
+
+    # -- sampling ------------------------------------------------------------------
+
+    def _sample_loop(self) -> None:
+        while not self._stop.wait(self._interval_s):
+            try:
+                self.sample()
+            except Exception:  # noqa: BLE001 (etcd down, not leader: the next sample retries)
+                continue
+
+    def sample(self) -> None:
+        """Records (time, step) of every live job (leader only; one etcd read)."""
+        if not self._coordinator.election.is_leader():
+            with self._lock:
+                self._samples.clear()
+            return
+        now = time.time()
+        for job in self._coordinator.list_jobs():
+            if planner.is_terminal(job.status.state):
+                continue  # its samples stay (until this replica stops leading)
+            with self._lock:
+                samples = self._samples.setdefault(job.id, deque(maxlen=self._max_samples))
+                samples.append((now, job.status.step))
+
+    # -- routing -------------------------------------------------------------------
+
+    def _route(self, path: str) -> tuple[int, str, bytes]:
+        path = path.split("?")[0]
+        if path in ("/", "/jobs", "/jobs/"):
+            return 200, "text/html; charset=utf-8", self.jobs_page()
+        match = _JOB_PAGE.match(path)
+        if match is None:
+            return 404, "text/plain", b"no such page\n"
+        job_id, plot = match.groups()
+        try:
+            if plot is None:
+                return 200, "text/html; charset=utf-8", self.job_page(job_id)
+            return 200, "image/svg+xml", self.plot(job_id, plot.strip("/").removesuffix(".svg"))
+        except NotFound as e:
+            return 404, "text/plain", f"{e}\n".encode()
+
+    # -- pages -----------------------------------------------------------------------
+
+    def _leader_note(self) -> str:
+        if self._coordinator.election.is_leader():
+            return ""
+        return ("<p><b>This replica does not lead: progress is as of the leader's last write "
+                "to etcd (at most a few seconds old), and the step rate is not sampled.</b></p>")
+
+    def jobs_page(self) -> bytes:
+        jobs = self._coordinator.list_jobs()
+        rows = []
+        for job in sorted(jobs, key=lambda j: j.created_at.seconds, reverse=True):
+            s = job_summary(job)
+            ckpt = s["last_checkpoint"]
+            rows.append([
+                f"<a href='/jobs/{s['id']}'>{s['id']}</a>", html.escape(s["name"]),
+                f"<span class='state-{s['state']}'>{s['state']}</span>", str(s["generation"]),
+                str(s["world_size"]), f"{s['step']}/{s['max_steps']}", f"{s['loss']:.4f}",
+                f"step {ckpt['step']}" if ckpt else "-", _ts(job.created_at), _ts(job.finished_at),
+            ])
+        table = _table(["job", "name", "state", "generation", "world", "step", "loss",
+                        "checkpoint", "created", "finished"], rows, "jobs")
+        return _page("Springback jobs", f"<h1>Springback jobs</h1>{self._leader_note()}"
+                     f"<p>{len(rows)} job(s)</p>{table}")
+
+    def job_page(self, job_id: str) -> bytes:
+        c = self._coordinator
+        job = c.get_job(job_id)
+        events = c.history.events(job_id)
+        s = job_summary(job)
+        ratio = goodput(job, events, time.time())
+        meta = _table([], [
+            ["state", f"<span class='state-{s['state']}'>{s['state']}</span> "
+                      f"{html.escape(s['message'])}"],
+            ["generation", f"{s['generation']} (world size {s['world_size']})"],
+            ["members", html.escape(", ".join(s["members"]) or "-")],
+            ["progress", f"step {s['step']}/{s['max_steps']}, loss {s['loss']:.4f}"],
+            ["goodput", f"<span id='goodput'>{ratio:.1%}</span>" if ratio is not None else "-"],
+            ["created / started / finished",
+             f"{_ts(job.created_at)} / {_ts(job.started_at)} / {_ts(job.finished_at)}"],
+        ], "summary").replace("<table", "<table class='meta'", 1)
+        timeline = _table(
+            ["gen", "time", "kind", "world", "restore", "from step", "redone", "recovery", "reason"],
+            [[str(g["generation"]), html.escape(g["time"] or "-"), g["kind"], str(g["world_size"]),
+              g["restore"].replace("unspecified", "-"), str(g["start_step"]), str(g["steps_redone"]),
+              f"{g['recovery_s']:.2f} s" if g["recovery_s"] is not None else "-",
+              html.escape(g["reason"])] for g in map(event_summary, reversed(events))],
+            "generations")
+        checkpoints = _table(
+            ["step", "generation", "world", "size", "committed", "uri"],
+            [[str(r.step), str(r.generation), str(r.world_size), f"{r.size_bytes / 1e6:.1f} MB",
+              _ts(r.committed_at), html.escape(r.uri)] for r in c.list_checkpoints(job_id)],
+            "checkpoints")
+        body = (f"<p><a href='/'>all jobs</a></p>{self._leader_note()}<h1>Job {html.escape(job_id)} "
+                f"({html.escape(s['name'])})</h1>{meta}"
+                f"<h2>World size and step rate</h2><div class='plots'>"
+                f"<img id='world-plot' alt='world size over time' src='/jobs/{job_id}/world.svg'>"
+                f"<img id='steps-plot' alt='step rate over time' src='/jobs/{job_id}/steps.svg'>"
+                f"</div><h2>Generations</h2>{timeline}<h2>Checkpoints</h2>{checkpoints}")
+        return _page(f"Springback job {job_id}", body)
+
+    # -- plots -----------------------------------------------------------------------
+
+    def plot(self, job_id: str, which: str) -> bytes:
+        """An SVG plot of the job: ``world`` (size over time) or ``steps`` (rate)."""
+        from matplotlib.figure import Figure  # imported on first use: it is slow to load
+
+        job = self._coordinator.get_job(job_id)
+        figure = Figure(figsize=(6, 2.6), dpi=100)
+        ax = figure.add_subplot()
+        now = time.time()
+        if which == "world":
+            events = self._coordinator.history.events(job_id)
+            times = [e.created_at.ToNanoseconds() / 1e9 for e in events]
+            sizes = [e.world_size for e in events]
+            end = job.finished_at.ToNanoseconds() / 1e9 if job.finished_at.seconds else now
+            if times:
+                ax.step([t - times[0] for t in times] + [end - times[0]], sizes + sizes[-1:],
+                        where="post")
+            ax.set_ylabel("world size (ranks)")
+            ax.set_title("world size by generation")
+        else:
+            with self._lock:
+                samples = list(self._samples.get(job_id, ()))
+            if len(samples) >= 2:
+                t0 = samples[0][0]
+                ax.plot([(a[0] + b[0]) / 2 - t0 for a, b in zip(samples, samples[1:])],
+                        [max(b[1] - a[1], 0) / max(b[0] - a[0], 1e-9)
+                         for a, b in zip(samples, samples[1:])], marker=".")
+            ax.set_ylabel("steps / s")
+            ax.set_title("step rate (sampled by this replica)")
+        ax.set_xlabel("seconds")
+        ax.grid(alpha=0.3)
+        figure.tight_layout()
+        out = io.BytesIO()
+        with self._plot_lock:
+            figure.savefig(out, format="svg")
+        return out.getvalue()

@@ -1,0 +1,194 @@
+"""Job history: timestamps and one record per generation, kept in etcd.
+
+The coordinator's one write path (`Coordinator.change`) calls `on_change`
+for every job write: it stamps ``Job.started_at`` / ``finished_at`` the first
+time the job runs / ends, and for a new generation returns the put of its
+`GenerationEvent` (``/springback/v1/history/{job}/{generation}``), which joins
+the same fenced transaction as the plan, so a record exists exactly for the
+generations that were issued. Step reports (`on_progress`) touch memory only;
+the first step of a generation fills in its recovery time, written once by
+`flush` (from the leader's reconcile loop). So history costs one write per
+generation plus one when it first steps, never one per step.
+
+Failure semantics: `flush` is a fenced put guarded by the record existing;
+after a lost compare (leadership moved, record deleted) nothing is written
+and the pending update is dropped: the record then keeps no recovery time. A
+new leader knows no earlier step times: the first generation it makes measures
+recovery from the plan's creation instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from etcd3.utils import prefix_range_end
+
+from springback.service import keys, planner
+from springback.service.errors import FailedPrecondition, NotFound
+from springback.service.store import Store
+from springback.v1 import job_service_pb2 as js
+from springback.v1 import types_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+# Reason texts of the coordinator's callers (membership, job control, the
+# reconcile loop), most specific first.
+_KINDS: list[tuple[str, int]] = [
+    ("reported a failure", js.CHANGE_KIND_RANK_FAILURE),
+    ("(liveness timeout)", js.CHANGE_KIND_NODE_LOST),
+    (" draining: ", js.CHANGE_KIND_DRAIN),
+    (" left: ", js.CHANGE_KIND_LEAVE),
+    (" joined ", js.CHANGE_KIND_JOIN),
+    ("admitted ", js.CHANGE_KIND_JOIN),
+    ("reached max_steps", js.CHANGE_KIND_FINISH),
+    ("cancelled", js.CHANGE_KIND_FINISH),
+    ("scaled to", js.CHANGE_KIND_OPERATOR),
+    ("paused", js.CHANGE_KIND_OPERATOR),
+    ("resumed", js.CHANGE_KIND_OPERATOR),
+    ("restore from checkpoint", js.CHANGE_KIND_OPERATOR),
+    ("created", js.CHANGE_KIND_START),
+    ("initial plan", js.CHANGE_KIND_START),
+]
+
+FAILURE_KINDS = {
+    js.CHANGE_KIND_NODE_LOST: "node_lost",
+    js.CHANGE_KIND_RANK_FAILURE: "rank_failure",
+    js.CHANGE_KIND_DRAIN: "drain",
+}
+"""Change kinds counted as failures (`springback_job_failures_total{kind}`)."""
+
+
+def change_kind(reason: str, state: int) -> int:
+    """The `ChangeKind` of a generation made for `reason` with the job in `state`."""
+    if planner.is_terminal(state):
+        return js.CHANGE_KIND_FINISH
+    return next((kind for text, kind in _KINDS if text in reason), js.CHANGE_KIND_OTHER)
+
+
+class History:
+    """The leader's side of job history (see the module docstring)."""
+
+    def __init__(self, store: Store, fence: Callable[[], list]) -> None:
+        self._store = store
+        self._fence = fence
+        self._lock = threading.Lock()
+        self._last_step_at: dict[str, float] = {}  # job -> wall time of its newest step report
+        self._awaiting: dict[str, js.GenerationEvent] = {}  # job -> its generation's first step
+        # (job, generation) -> record to write again, with its recovery time
+        self._unflushed: dict[tuple[str, int], js.GenerationEvent] = {}
+
+    def forget(self) -> None:
+        """Drops what this replica remembers (on a leadership change)."""
+        with self._lock:
+            self._last_step_at.clear()
+            self._awaiting.clear()
+            self._unflushed.clear()
+
+    def on_change(self, job: pb.Job, plan: pb.Plan | None) -> list:
+        """Stamps `job`'s timestamps; for a new generation (`plan` not None),
+        returns the transaction ops that record it. Where its state really
+        came from, and the steps redone, arrive with its start (`on_start`)."""
+        now = time.time()
+        status = job.status
+        if status.state == pb.JOB_STATE_RUNNING and not job.started_at.seconds:
+            job.started_at.FromSeconds(int(now))
+        if planner.is_terminal(status.state) and not job.finished_at.seconds:
+            job.finished_at.FromSeconds(int(now))
+        if plan is None:
+            return []
+        event = js.GenerationEvent(
+            generation=plan.generation, reason=plan.reason or status.message,
+            kind=change_kind(status.message, status.state), action=plan.action,
+            world_size=plan.world_size, members=[m.member_id for m in plan.members],
+            restore=plan.restore.kind, start_step=plan.step,
+        )
+        event.created_at.CopyFrom(plan.created_at)
+        with self._lock:
+            if plan.action == pb.PLAN_ACTION_RUN:
+                self._awaiting[job.id] = event
+            else:
+                self._awaiting.pop(job.id, None)
+        return [self._store.txn.put(keys.history_event(job.id, plan.generation), event.SerializeToString())]
+
+    def on_start(self, job_id: str, generation: int, *, step: int, steps_redone: int,
+                 restored_from: int) -> None:
+        """The ranks of `generation` agreed on the state of `step`, taken from
+        `restored_from`: what the plan only expected becomes what happened
+        (memory only until the generation's first step is flushed)."""
+        with self._lock:
+            event = self._awaiting.get(job_id)
+            if event is not None and event.generation == generation:
+                event.start_step = step
+                event.steps_redone = steps_redone
+                event.restore = restored_from
+
+    def on_progress(self, job_id: str, generation: int) -> None:
+        """A step of `generation` was accepted (memory only; cheap)."""
+        now = time.time()
+        with self._lock:
+            event = self._awaiting.get(job_id)
+            if event is not None and event.generation == generation:
+                started = self._last_step_at.get(job_id, event.created_at.ToNanoseconds() / 1e9)
+                event.recovery.FromNanoseconds(int(max(now - started, 0.0) * 1e9))
+                event.first_step_at.FromNanoseconds(int(now * 1e9))
+                self._unflushed[(job_id, generation)] = self._awaiting.pop(job_id)
+            self._last_step_at[job_id] = now
+
+    def flush(self) -> None:
+        """Writes the recovery times measured since the last flush (leader only).
+
+        One fenced put per record; a record that no longer exists (the job was
+        deleted) or a lost fence drops the update. Raises `StoreUnavailable`
+        when etcd is unreachable (the updates are kept for the next call).
+        """
+        with self._lock:
+            pending = list(self._unflushed.items())
+        for (job_id, generation), event in pending:
+            key = keys.history_event(job_id, event.generation)
+            txn = self._store.txn
+            written = self._store.transaction(
+                self._fence() + [txn.version(key) > 0], [txn.put(key, event.SerializeToString())])
+            if not written:
+                log.info("history of %s generation %d not updated (record gone or not leader)",
+                         job_id, event.generation)
+            with self._lock:
+                if self._unflushed.get((job_id, generation)) is event:
+                    del self._unflushed[(job_id, generation)]
+
+    def events(self, job_id: str) -> list[js.GenerationEvent]:
+        """Every generation of the job, oldest first, with recovery times
+        measured but not yet flushed."""
+        events = [e.value for e in self._store.get_prefix(keys.history(job_id), js.GenerationEvent)]
+        with self._lock:
+            pending = {g: e for (j, g), e in self._unflushed.items() if j == job_id}
+        return [pending.get(e.generation, e) for e in events]
+
+
+def delete_job(store: Store, fence: Callable[[], list], job_id: str) -> pb.Job:
+    """Deletes a terminal job's record, plan, history, members and checkpoint
+    index in one fenced transaction, and returns the record as it was.
+
+    NOT_FOUND for an unknown job, FAILED_PRECONDITION for one still live
+    (cancel it first); `Conflict`-free: a concurrent change makes the compare
+    fail and nothing is deleted (FAILED_PRECONDITION, retry). Checkpoint files
+    are not touched (the coordinator never reads storage).
+    """
+    entry = store.get(keys.job(job_id), pb.Job)
+    if entry is None:
+        raise NotFound(f"job {job_id!r} not found")
+    job = entry.value
+    if not planner.is_terminal(job.status.state):
+        raise FailedPrecondition(
+            f"cannot delete job {job_id}: it is {pb.JobState.Name(job.status.state)} "
+            "(cancel it first)")
+    txn = store.txn
+    ops = [txn.delete(keys.job(job_id)), txn.delete(keys.plan(job_id))]
+    for prefix in (keys.history(job_id), keys.members(job_id), keys.checkpoints(job_id)):
+        ops.append(txn.delete(prefix, range_end=prefix_range_end(prefix.encode())))
+    if not store.transaction(fence() + [txn.mod(keys.job(job_id)) == entry.mod_revision], ops):
+        raise FailedPrecondition(f"job {job_id} changed while being deleted; retry")
+    log.info("job %s deleted", job_id)
+    return job

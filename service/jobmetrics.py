@@ -1,0 +1,109 @@
+"""Per-job Prometheus metrics of the coordinator, from job records and history.
+
+Collected at scrape time on the leader (other replicas export none, so a
+Prometheus scraping every replica sees each job once): one read of the job
+records and one of each job's history (`service/history.py`) per scrape.
+Counters (recoveries, failures, restores, steps redone) are derived from the
+history in etcd, so they survive leader changes and never go backwards while
+the job exists.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+from prometheus_client.core import (
+    CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric,
+)
+from prometheus_client.registry import Collector
+
+from springback.service.coordinator import Coordinator
+from springback.service.history import FAILURE_KINDS
+from springback.v1 import job_service_pb2 as js
+from springback.v1 import types_pb2 as pb
+
+RECOVERY_BUCKETS_S = (0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 300.0)
+
+
+def recovery_times(events: list[js.GenerationEvent]) -> list[float]:
+    """Recovery time of every generation after the job's first training one
+    (that one is start-up, not recovery)."""
+    runs = [e for e in events if e.HasField("recovery")]
+    return [e.recovery.ToNanoseconds() / 1e9 for e in runs[1:]]
+
+
+def goodput(job: pb.Job, events: list[js.GenerationEvent], now: float) -> float | None:
+    """Share of the wall time since the first step (until the job finished,
+    or now) not spent recovering; None before the first step."""
+    firsts = [e.first_step_at.ToNanoseconds() / 1e9 for e in events if e.HasField("first_step_at")]
+    if not firsts:
+        return None
+    end = job.finished_at.ToNanoseconds() / 1e9 if job.finished_at.seconds else now
+    elapsed = end - firsts[0]
+    if elapsed <= 0:
+        return None
+    return max(0.0, 1.0 - sum(recovery_times(events)) / elapsed)
+
+
+class JobMetrics(Collector):
+    """The `springback_job_*` families (see docs/worker.md, "Metrics")."""
+
+    def __init__(self, coordinator: Coordinator) -> None:
+        self._coordinator = coordinator
+
+    def collect(self) -> Iterator[Metric]:
+        c = self._coordinator
+        jobs = c.list_jobs() if c.election.is_leader() else []
+        now = time.time()
+        gauges = {name: GaugeMetricFamily(f"springback_job_{name}", text, labels=["job"])
+                  for name, text in (
+                      ("generation", "Current generation."),
+                      ("world_size", "Ranks in the current plan."),
+                      ("step", "Last completed step."),
+                      ("loss", "Loss of the last reported step."),
+                      ("samples_consumed", "Samples consumed over all epochs."),
+                      ("running", "1 while the job trains."),
+                      ("checkpoint_step", "Step of the newest committed checkpoint."),
+                      ("checkpoint_age_seconds", "Time since the newest checkpoint was committed."),
+                      ("goodput_ratio",
+                       "Share of the time since the first step not spent recovering."))}
+        counters = {name: CounterMetricFamily(f"springback_job_{name}", text, labels=labels)
+                    for name, text, labels in (
+                        ("generations", "Generations made.", ["job"]),
+                        ("restores", "Generations that restored a committed checkpoint.", ["job"]),
+                        ("steps_redone", "Steps trained again after a restore.", ["job"]),
+                        ("failures", "Generations made because of a failure, by kind.",
+                         ["job", "kind"]))}
+        recoveries = HistogramMetricFamily(
+            "springback_job_recovery_seconds",
+            "From the last step before a generation to its first step (start-up excluded).",
+            labels=["job"])
+        for job in jobs:
+            s, label = job.status, [job.id]
+            events = c.history.events(job.id)
+            for name, value in (("generation", s.generation), ("world_size", s.world_size),
+                                ("step", s.step), ("loss", s.loss),
+                                ("samples_consumed", s.samples_consumed),
+                                ("running", float(s.state == pb.JOB_STATE_RUNNING))):
+                gauges[name].add_metric(label, value)
+            if s.last_checkpoint.step:
+                gauges["checkpoint_step"].add_metric(label, s.last_checkpoint.step)
+                committed = s.last_checkpoint.committed_at.ToNanoseconds() / 1e9
+                gauges["checkpoint_age_seconds"].add_metric(label, max(now - committed, 0.0))
+            ratio = goodput(job, events, now)
+            if ratio is not None:
+                gauges["goodput_ratio"].add_metric(label, ratio)
+            counters["generations"].add_metric(label, len(events))
+            counters["restores"].add_metric(
+                label, sum(e.restore == pb.RESTORE_KIND_CHECKPOINT for e in events))
+            counters["steps_redone"].add_metric(label, sum(e.steps_redone for e in events))
+            for kind, kind_name in FAILURE_KINDS.items():
+                counters["failures"].add_metric(
+                    [job.id, kind_name], sum(e.kind == kind for e in events))
+            times = recovery_times(events)
+            buckets = [(str(b), sum(t <= b for t in times)) for b in RECOVERY_BUCKETS_S]
+            recoveries.add_metric(label, buckets + [("+Inf", len(times))], sum(times))
+        yield from gauges.values()
+        yield from counters.values()
+        yield recoveries

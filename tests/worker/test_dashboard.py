@@ -1,0 +1,111 @@
+"""The coordinator's web dashboard, in a real headless Chromium (Debian's
+`chromium` and `chromedriver`, installed by deploy/local/setup.sh), driven by
+selenium, on a real job trained by a real node agent."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import urllib.error
+import urllib.request
+
+import pytest
+from cluster import AgentProcess, steps
+from sbtest import wait_for
+from springback.v1 import types_pb2 as pb
+
+pytestmark = pytest.mark.timeout(180)
+
+CHROMEDRIVER = "/usr/bin/chromedriver"
+TOKEN = "dashboard-test-token"
+SPEC = {"name": "dash", "min_workers": 1, "max_workers": 2,
+        "data": {"num_samples": 240, "global_batch_size": 12, "seed": 5}, "max_steps": 400}
+SCREENSHOT = "SPRINGBACK_DASHBOARD_SCREENSHOT"
+"""When set, the test saves the job page's screenshot there (docs/dashboard.png)."""
+
+
+@pytest.fixture
+def browser(tmp_path):
+    if not os.path.exists(CHROMEDRIVER):
+        pytest.fail(f"{CHROMEDRIVER} is missing: run deploy/local/setup.sh (apt chromium-driver)")
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--no-first-run",
+                 "--window-size=1300,1400", f"--user-data-dir={tmp_path / 'chromium-profile'}"):
+        options.add_argument(flag)
+    options.binary_location = shutil.which("chromium") or "/usr/bin/chromium"
+    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+    driver.set_page_load_timeout(30)
+    yield driver
+    driver.quit()
+
+
+@pytest.fixture
+def running_job(tmp_path, start_coordinator):
+    """A coordinator with a token and a dashboard, and a job that is training
+    after a rank crash and a restore from its checkpoint."""
+    from springback.service.client import Client
+
+    server = start_coordinator(metrics_listen="127.0.0.1:0", token=TOKEN)
+    wait_for(server.election.is_leader, 10, "leadership")
+    server.dashboard._interval_s = 0.5  # noqa: SLF001 (denser step-rate samples for the plot)
+    with Client(server.address, token=TOKEN) as client:
+        job = client.create_job({**SPEC, "checkpoint": {"uri": f"file://{tmp_path}/ckpt",
+                                                         "every_steps": 10}})
+        agent = AgentProcess(tmp_path, "a", job.id, server.address, nproc=2, env={
+            "SPRINGBACK_TOKEN": TOKEN, "TINY_STEP_SLEEP_S": "0.15", "TINY_CRASH_AT_STEP": "14",
+            "TINY_CRASH_MARKER": str(tmp_path / "crashed")})
+        try:
+            wait_for(lambda: any(r["step"] >= 16 and r["generation"] >= 3 for r in steps(tmp_path)),
+                     60, "training after the crash")
+            yield server, client, job.id
+        finally:
+            agent.stop()
+
+
+def test_the_dashboard_shows_a_running_job_its_generations_and_plots(browser, running_job):
+    from selenium.webdriver.common.by import By
+
+    server, client, job_id = running_job
+    base = f"http://{server.metrics_address}"
+    with pytest.raises(urllib.error.HTTPError) as refused:  # same auth as the API
+        urllib.request.urlopen(f"{base}/", timeout=5)
+    assert refused.value.code == 401
+
+    browser.get(f"{base}/?token={TOKEN}")  # sets the cookie, redirects to /
+    assert browser.current_url == f"{base}/"
+    assert browser.find_element(By.TAG_NAME, "h1").text == "Springback jobs"
+    (row,) = browser.find_elements(By.CSS_SELECTOR, "#jobs tbody tr")
+    cells = [c.text for c in row.find_elements(By.TAG_NAME, "td")]
+    assert cells[:3] == [job_id, "dash", "running"] and cells[4] == "2", cells
+
+    row.find_element(By.LINK_TEXT, job_id).click()
+    assert browser.current_url == f"{base}/jobs/{job_id}"
+    assert browser.find_element(By.TAG_NAME, "h1").text == f"Job {job_id} (dash)"
+    wait_for(lambda: client.get_job(job_id).status.step >= 24, 60, "more steps")
+    browser.refresh()  # a few step samples later
+    generations = browser.find_elements(By.CSS_SELECTOR, "#generations tbody tr")
+    kinds = [r.find_elements(By.TAG_NAME, "td")[2].text for r in generations]
+    assert kinds[-1] == "start" and kinds[:2] == ["rank_failure", "join"], kinds  # newest first
+    crash = [td.text for td in generations[0].find_elements(By.TAG_NAME, "td")]
+    assert crash[3:6] == ["2", "checkpoint", "10"], crash  # world, restore, from step
+    assert 1 <= int(crash[6]) <= 3, crash  # steps 11..13 were reported before the crash, or fewer
+    checkpoints = browser.find_elements(By.CSS_SELECTOR, "#checkpoints tbody tr")
+    newest = int(checkpoints[0].find_elements(By.TAG_NAME, "td")[0].text)
+    assert newest >= 10 and newest % 10 == 0  # every_steps 10, newest first
+    goodput = browser.find_element(By.ID, "goodput").text
+    assert goodput.endswith("%") and 0 <= float(goodput[:-1]) <= 100
+    for plot in ("world-plot", "steps-plot"):
+        image = browser.find_element(By.ID, plot)
+        wait_for(lambda image=image: browser.execute_script(
+            "return arguments[0].complete && arguments[0].naturalWidth", image), 20, f"{plot} drawn")
+        assert image.size["width"] > 300 and image.size["height"] > 100
+    svg = urllib.request.urlopen(urllib.request.Request(
+        f"{base}/jobs/{job_id}/world.svg", headers={"Authorization": f"Bearer {TOKEN}"}), timeout=10)
+    assert svg.headers["Content-Type"] == "image/svg+xml" and b"world size" in svg.read()
+    if os.environ.get(SCREENSHOT):
+        browser.save_screenshot(os.environ[SCREENSHOT])
+    assert client.get_job(job_id).status.state == pb.JOB_STATE_RUNNING

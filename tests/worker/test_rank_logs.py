@@ -1,0 +1,112 @@
+"""Rank logs: prefixed by rank, shipped beside the checkpoints by real node
+agents, read back through `springback job logs` against a real coordinator."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+from cluster import AgentProcess, steps
+from sbtest import wait_for
+from springback.v1 import types_pb2 as pb
+
+pytestmark = pytest.mark.timeout(180)
+
+SPEC = {"name": "logs", "min_workers": 2, "max_workers": 2,
+        "data": {"num_samples": 240, "global_batch_size": 12, "seed": 4}, "max_steps": 20}
+LINE = re.compile(r"^\[rank(\d)\] trained step (\d+) in generation \d+$")
+
+
+def cli(address: str, *args: str, **kw) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "springback.service.cli", "--coordinator",
+                             address, "job", "logs", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, **kw)
+
+
+def test_job_logs_show_every_rank_s_lines_with_its_rank(tmp_path, client, coordinator_address):
+    job = client.create_job({**SPEC, "checkpoint": {"uri": f"file://{tmp_path}/ckpt",
+                                                     "every_steps": 20}})
+    env = {"TINY_PRINT_STEPS": "1", "TINY_STEP_SLEEP_S": "0.1"}
+    agents = [AgentProcess(tmp_path, "a", job.id, coordinator_address, "--no-standby", nproc=2,
+                           env=env),
+              AgentProcess(tmp_path, "b", job.id, coordinator_address, "--no-standby", env=env)]
+    try:
+        wait_for(lambda: any(r["step"] >= 3 for r in steps(tmp_path)), 60, "training")
+        follow = cli(coordinator_address, "--follow", job.id)  # started mid-run
+        wait_for(lambda: client.get_job(job.id).status.state == pb.JOB_STATE_SUCCEEDED, 90,
+                 "the job to succeed")
+        assert [a.wait(30) for a in agents] == [0, 0]
+        followed, err = follow.communicate(timeout=60)
+        assert follow.returncode == 0, err
+    finally:
+        for agent in agents:
+            agent.stop()
+
+    # every rank's every step, with its global rank, exactly once
+    lines = [m.groups() for m in map(LINE.match, followed.splitlines()) if m]
+    assert len(lines) == len(followed.splitlines()), followed  # nothing but prefixed lines
+    assert sorted(set(lines)) == sorted((str(r), str(s)) for r in range(3) for s in range(1, 21))
+    assert len(lines) == 3 * 20
+    echoed = [LINE.match(line) for line in agents[0].log().splitlines()]  # the agent's output
+    assert len({m[1] for m in echoed if m}) == 2  # a's two ranks, prefixed there too
+
+    members = sorted(p.name for p in (tmp_path / "ckpt" / "logs").iterdir())
+    assert len(members) == 2
+    out = subprocess.run([sys.executable, "-m", "springback.service.cli", "--coordinator",
+                          coordinator_address, "job", "logs", "--member", members[0], job.id],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    ranks = {m[1] for m in map(LINE.match, out.stdout.splitlines()) if m}
+    assert len(ranks) in (1, 2) and len(out.stdout.splitlines()) == 20 * len(ranks)  # one node's
+
+    wrong = subprocess.run([sys.executable, "-m", "springback.service.cli", "--coordinator",
+                            coordinator_address, "job", "logs", "--member", "m-nope", job.id],
+                           capture_output=True, text=True, timeout=60)
+    assert wrong.returncode == 1 and "m-nope" in wrong.stderr and members[0] in wrong.stderr
+
+
+class TestShipping:
+    @staticmethod
+    def rank_logs(tmp_path, base: str, **kw):  # noqa: ANN205
+        import io
+
+        from springback.worker.ranklogs import RankLogs
+
+        return RankLogs(label_of=lambda proc: "rank0", member_of=lambda: "m-1",
+                        base_uri_of=lambda: base, echo=io.BytesIO(), flush_interval_s=60, **kw)
+
+    @staticmethod
+    def run_rank(logs, *lines: str) -> None:
+        proc = subprocess.Popen([sys.executable, "-c", "\n".join(f"print({x!r})" for x in lines)],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        logs.attach(proc)
+        proc.wait(timeout=30)
+
+    @staticmethod
+    def shipped(base: str) -> str:
+        from springback.storage.ranklogs import list_chunks
+        from springback.storage.store import Store
+
+        store = Store(base)
+        return "".join(store.get_bytes(c.uri).decode() for c in list_chunks(store, base))
+
+    def test_a_failed_upload_keeps_the_lines_for_the_next_flush(self, tmp_path):
+        blocked = tmp_path / "ckpt"
+        blocked.write_text("a file where the log directory should be")
+        logs = self.rank_logs(tmp_path, f"file://{blocked}")
+        self.run_rank(logs, "first", "second")
+        logs.close()  # the readers are done; its last ship fails
+        assert logs.ship() is False
+        blocked.unlink()
+        assert logs.ship() is True
+        assert self.shipped(f"file://{blocked}") == "[rank0] first\n[rank0] second\n"
+
+    def test_past_the_buffer_cap_the_oldest_lines_are_dropped_and_counted(self, tmp_path):
+        logs = self.rank_logs(tmp_path, f"file://{tmp_path}/ckpt", max_buffer_bytes=40)
+        self.run_rank(logs, "line-1", "line-2", "line-3", "line-4")  # 16 bytes each, prefixed
+        logs.close()
+        assert self.shipped(f"file://{tmp_path}/ckpt") == (
+            "[agent] 2 line(s) dropped: the buffer filled before they could be shipped\n"
+            "[rank0] line-3\n[rank0] line-4\n")

@@ -1,0 +1,140 @@
+"""The node agent's rank logs: each rank's output, prefixed and shipped.
+
+Every rank process the agent starts writes its stdout and stderr into a pipe
+(`ranks.LocalRanks(output=...)`); a reader thread per process prefixes each
+line with the rank it is now (``[rank3]``, from the agent's current plan;
+``[standby]`` before a warm standby is given an identity), echoes it to the
+agent's own stdout (so `kubectl logs` or journald see it), and buffers it.
+Every ``flush_interval_s`` the buffer is shipped as one chunk beside the job's
+checkpoints (`springback.storage.ranklogs`: ``{checkpoint.uri}/logs/{member}/``)
+for ``springback job logs``; a job without a checkpoint URI keeps only the
+echo.
+
+Failure semantics: shipping never blocks a rank (the pipe is drained by the
+reader whatever happens to storage). A failed upload is logged and retried
+with the next flush; the buffer is capped at ``max_buffer_bytes``, past which
+the oldest lines are dropped and a line saying so is shipped instead. `close`
+ships what is left, once, within the store's retry budget.
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import IO, Any
+
+log = logging.getLogger("springback.agent.logs")
+
+
+class RankLogs:
+    def __init__(self, *, label_of: Callable[[subprocess.Popen], str],
+                 member_of: Callable[[], str | None], base_uri_of: Callable[[], str | None],
+                 echo: IO[bytes] | None = None, flush_interval_s: float = 2.0,
+                 max_buffer_bytes: int = 8 << 20) -> None:
+        self._label_of = label_of
+        self._member_of = member_of
+        self._base_uri_of = base_uri_of
+        self._echo = echo if echo is not None else sys.stdout.buffer
+        self._flush_interval_s = flush_interval_s
+        self._max_buffer = max_buffer_bytes
+        self._lock = threading.Lock()
+        self._buffer: list[bytes] = []
+        self._buffered = 0
+        self._dropped = 0
+        self._seq = 0
+        self._readers: list[threading.Thread] = []
+        self._stop = threading.Event()
+        self._shipper = threading.Thread(target=self._ship_loop, name="rank-logs", daemon=True)
+        self._stores: dict[str, Any] = {}
+
+    def start(self) -> None:
+        self._shipper.start()
+
+    def attach(self, proc: subprocess.Popen) -> None:
+        """Starts reading `proc.stdout` (a pipe); returns at once."""
+        reader = threading.Thread(target=self._read, args=(proc,), name=f"rank-log-{proc.pid}",
+                                  daemon=True)
+        self._readers.append(reader)
+        reader.start()
+
+    def _read(self, proc: subprocess.Popen) -> None:
+        assert proc.stdout is not None
+        for line in iter(proc.stdout.readline, b""):
+            prefixed = f"[{self._label_of(proc)}] ".encode() + line
+            if not prefixed.endswith(b"\n"):
+                prefixed += b"\n"
+            try:
+                self._echo.write(prefixed)
+                self._echo.flush()
+            except (OSError, ValueError):
+                pass  # the agent's stdout is gone: keep draining the pipe
+            with self._lock:
+                self._buffer.append(prefixed)
+                self._buffered += len(prefixed)
+                while self._buffered > self._max_buffer and self._buffer:
+                    self._buffered -= len(self._buffer.pop(0))
+                    self._dropped += 1
+        proc.stdout.close()
+
+    def _ship_loop(self) -> None:
+        while not self._stop.wait(self._flush_interval_s):
+            self.ship()
+
+    def ship(self) -> bool:
+        """Writes the buffered lines as one chunk; False if they stay buffered
+        (no member or checkpoint URI yet, or the upload failed)."""
+        member, base = self._member_of(), self._base_uri_of()
+        if not member or not base:
+            return False
+        with self._lock:
+            lines, dropped = self._buffer, self._dropped
+            if not lines and not dropped:
+                return True
+            self._buffer, self._buffered, self._dropped = [], 0, 0
+            self._seq += 1
+            seq = self._seq
+        if dropped:
+            lines.insert(0, f"[agent] {dropped} line(s) dropped: the buffer filled before "
+                            "they could be shipped\n".encode())
+        try:
+            from springback.storage.ranklogs import write_chunk
+            from springback.storage.store import Store
+
+            store = self._stores.get(base) or self._stores.setdefault(base, Store(base))
+            write_chunk(store, base, member, int(time.time() * 1000), seq, b"".join(lines))
+            return True
+        except Exception as e:  # noqa: BLE001 (storage trouble must never stop the ranks)
+            log.warning("shipping rank logs to %s failed (%s); retrying with the next flush",
+                        base, e)
+            with self._lock:
+                self._buffer[:0] = lines
+                self._buffered += sum(len(line) for line in lines)
+            return False
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Waits (up to `timeout_s`) for the readers of exited ranks, then ships
+        what is left. Idempotent."""
+        deadline = time.monotonic() + timeout_s
+        for reader in self._readers:
+            reader.join(timeout=max(deadline - time.monotonic(), 0))
+        self._stop.set()
+        if self._shipper.is_alive():
+            self._shipper.join(timeout=max(deadline - time.monotonic(), 0.1))
+        self.ship()
+
+
+def rank_label(proc: subprocess.Popen, ranks: dict[int, subprocess.Popen], plan: Any,
+               member_id: str | None) -> str:
+    """``rankN`` for a process that is local rank ``lr`` of `member_id` in `plan`,
+    ``local-rankL`` when the plan does not place this member, else ``standby``."""
+    local_rank = next((lr for lr, p in ranks.items() if p is proc), None)
+    if local_rank is None:
+        return "standby"
+    placed = next((m for m in getattr(plan, "members", ()) if m.member_id == member_id), None)
+    if placed is None:
+        return f"local-rank{local_rank}"
+    return f"rank{placed.first_rank + local_rank}"
