@@ -187,12 +187,15 @@ class Coordinator:
         draining: Collection[str] = (),
         force_generation: bool = False,
         extra_ops: Callable[[], list] | None = None,
+        extra_compare: Collection = (),
     ) -> pb.Job:
         """Applies `mutate` to the job, replans, and writes both atomically.
 
         A new generation is written when the plan's signature changes (or when
         forced: a rank crashed, an operator restore). `draining` members are
         planned as if their draining flag (written by `extra_ops`) were set.
+        `extra_compare` joins the transaction's comparisons (a caller's own
+        reads that must still hold when the write lands, see `fencing`).
         Raises `Conflict` if a concurrent writer won (nothing is written),
         `NotLeader` if this replica does not lead, and whatever `mutate` raises
         (nothing is written).
@@ -261,6 +264,7 @@ class Coordinator:
                 txn.mod(keys.job(job_id)) == job_entry.mod_revision,
                 (txn.mod(keys.plan(job_id)) == plan_entry.mod_revision) if plan_entry
                 else (txn.version(keys.plan(job_id)) == 0),
+                *extra_compare,
             ]
             ops = [txn.put(keys.job(job_id), job.SerializeToString())]
             if new_generation:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import uuid
 
-from springback.service import keys, planner
+from springback.service import fencing, keys, planner
 from springback.service.coordinator import Coordinator, timestamp_now
 from springback.service.errors import FailedPrecondition, InvalidArgument, NotFound
 from springback.v1 import types_pb2 as pb
@@ -123,13 +123,13 @@ class Membership:
         return False
 
     def report_failure(self, job_id: str, member_id: str, generation: int, reason: str) -> int:
-        """A local rank died: new generation at once; that member's ranks hold no state."""
-        coordinator = self.coordinator
-        coordinator.require_leader()
-        coordinator.check_generation(job_id, generation)
-        coordinator.lease_of(job_id, member_id)  # NOT_FOUND for a fenced member
-        job = coordinator.change_with_retry(
-            job_id, f"{member_id} reported a failure: {reason or 'rank exited'}",
+        """A local rank died: new generation at once; that member's ranks hold no state.
+
+        Fenced in the transaction (`fencing.change_as_member`): a stale
+        generation is FAILED_PRECONDITION, an expired member NOT_FOUND."""
+        job = fencing.change_as_member(
+            self.coordinator, job_id, member_id, generation,
+            f"{member_id} reported a failure: {reason or 'rank exited'}",
             stateless={member_id}, force_generation=True,
         )
         return job.status.generation
