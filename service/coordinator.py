@@ -198,9 +198,11 @@ class Coordinator:
         reads that must still hold when the write lands, see `fencing`).
         Raises `Conflict` if a concurrent writer won (nothing is written),
         `NotLeader` if this replica does not lead, and whatever `mutate` raises
-        (nothing is written).
+        (nothing is written). The fencing token is taken *before* anything is
+        read: a decision made while this replica led is written only if it
+        still leads when the transaction lands.
         """
-        self.require_leader()
+        fence = self.election.fence()  # NotLeader unless leading now
         with self._changed:
             job_entry = self._job_entry(job_id)
             job = self._with_progress(job_entry.value)
@@ -260,7 +262,7 @@ class Coordinator:
             status.updated_at.CopyFrom(timestamp_now())
 
             txn = self.store.txn
-            compare = self.election.fence() + [
+            compare = fence + [
                 txn.mod(keys.job(job_id)) == job_entry.mod_revision,
                 (txn.mod(keys.plan(job_id)) == plan_entry.mod_revision) if plan_entry
                 else (txn.version(keys.plan(job_id)) == 0),

@@ -37,7 +37,7 @@ class Membership:
         if num_local_ranks == 0:
             raise InvalidArgument("num_local_ranks", "must be positive")
         coordinator = self.coordinator
-        coordinator.require_leader()
+        fence = coordinator.election.fence()  # taken first: see Coordinator.change
         job = coordinator.get_job(job_id)
         if planner.is_terminal(job.status.state):
             raise FailedPrecondition(
@@ -53,7 +53,7 @@ class Membership:
         key = keys.member(job_id, member.id)
         txn = store.txn
         if not store.transaction(
-            coordinator.election.fence() + [txn.version(key) == 0],
+            fence + [txn.version(key) == 0],
             [txn.put(key, member.SerializeToString(), lease=lease)],
         ):
             store.revoke_lease(lease.id)
