@@ -76,6 +76,7 @@ class Coordinator:
         self._dirty: set[str] = set()  # jobs whose progress is not yet in etcd
         self._plans: dict[str, _PlanView] = {}  # job id -> what matters of its current plan
         self._lease_of: dict[str, int] = {}  # member id -> lease id
+        self._live: dict[str, frozenset[str]] = {}  # job id -> registered member ids, last read
         # job id -> members' (count, newest revision) when last found in line with the plan
         self._fingerprints: dict[str, tuple[int, int]] = {}
         self._stop = threading.Event()
@@ -101,6 +102,7 @@ class Coordinator:
             self._dirty.clear()
             self._plans.clear()
             self._lease_of.clear()
+            self._live.clear()
             self._fingerprints.clear()
             self._version += 1
             self._changed.notify_all()
@@ -173,6 +175,7 @@ class Coordinator:
         for e in entries:
             e.value.join_order = e.create_revision
         self._lease_of.update((e.value.id, e.lease_id) for e in entries)
+        self._live[job_id] = frozenset(e.value.id for e in entries)
         return [e.value for e in entries]
 
     # -- the one write path -----------------------------------------------------
@@ -367,13 +370,21 @@ class Coordinator:
             if planner.is_terminal(job.status.state):
                 return
 
-    def watch_plans(self, job_id: str, alive: Callable[[], bool],
-                    poll_s: float = 1.0) -> Iterator[pb.Plan]:
-        """The current plan, then each newer one; ends after a STOP plan."""
+    def watch_plans(self, job_id: str, alive: Callable[[], bool], poll_s: float = 1.0,
+                    member_id: str = "") -> Iterator[pb.Plan]:
+        """The current plan, then each newer one; ends after a STOP plan.
+
+        With `member_id`, raises `NotFound` when that member is not registered
+        (expired, left: it is fenced), checked before the first plan and after
+        every change, so a fenced member learns it on its stream as soon as
+        the leader notices the expiry (the same pass that replans without it).
+        """
         self._job_entry(job_id)
         sent = -1
         while alive():
             self.require_leader()
+            if member_id:
+                self._require_registered(job_id, member_id)
             with self._changed:
                 generation = self.current_generation(job_id)
                 if generation == sent:
@@ -388,6 +399,17 @@ class Coordinator:
             yield plan
             if plan.action == pb.PLAN_ACTION_STOP:
                 return
+
+    def _require_registered(self, job_id: str, member_id: str) -> None:
+        live = self._live.get(job_id)
+        if live is None:
+            self.members(job_id)
+            live = self._live.get(job_id, frozenset())
+        if member_id not in live:
+            raise NotFound(
+                f"member {member_id!r} of job {job_id!r} is not registered (expired or left): "
+                "stop local ranks and join again"
+            )
 
     # -- background loop ------------------------------------------------------------
 

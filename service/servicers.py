@@ -154,7 +154,8 @@ class WorkerServicer(ws_grpc.WorkerServiceServicer):
     @_handle_stream
     def WatchPlans(self, request: ws.WatchPlansRequest,
                    context: grpc.ServicerContext) -> Iterator[ws.WatchPlansResponse]:
-        for plan in self.coordinator.watch_plans(request.job_id, context.is_active):
+        for plan in self.coordinator.watch_plans(request.job_id, context.is_active,
+                                                 member_id=request.member_id):
             yield ws.WatchPlansResponse(plan=plan)
 
     @_handle
