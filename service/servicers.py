@@ -128,7 +128,8 @@ class WorkerServicer(ws_grpc.WorkerServiceServicer):
     @_handle
     def JoinJob(self, request: ws.JoinJobRequest, context: grpc.ServicerContext) -> ws.JoinJobResponse:
         member = self.membership.join(
-            request.job_id, request.host, request.rendezvous_port, request.num_local_ranks)
+            request.job_id, request.host, request.rendezvous_port, request.num_local_ranks,
+            request.join_token)
         timeout = self.membership.liveness_timeout_s
         return ws.JoinJobResponse(
             member=member, liveness_timeout=_duration(timeout),
