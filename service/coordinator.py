@@ -478,10 +478,11 @@ class Coordinator:
     def forget_member(self, member_id: str) -> None:
         self._lease_of.pop(member_id, None)
 
-    def lease_of(self, job_id: str, member_id: str) -> int:
+    def lease_of(self, job_id: str, member_id: str, store: Store | None = None) -> int:
+        """The member's lease id (cached), read with `store` (default: ours) on a miss."""
         lease = self._lease_of.get(member_id)
         if lease is None:
-            entry = self.store.get(keys.member(job_id, member_id))
+            entry = (store or self.store).get(keys.member(job_id, member_id))
             if entry is None:
                 raise NotFound(
                     f"member {member_id!r} of job {job_id!r} is not registered (expired or "

@@ -18,6 +18,8 @@ import uuid
 from springback.service import fencing, keys, planner
 from springback.service.coordinator import Coordinator, timestamp_now
 from springback.service.errors import FailedPrecondition, InvalidArgument, NotFound
+from springback.service.liveness import EtcdReachability
+from springback.service.store import Store
 from springback.v1 import types_pb2 as pb
 
 
@@ -43,8 +45,10 @@ def _member_id(job_id: str, join_token: str) -> str:
 
 
 class Membership:
-    def __init__(self, coordinator: Coordinator) -> None:
+    def __init__(self, coordinator: Coordinator,
+                 liveness: EtcdReachability | None = None) -> None:
         self.coordinator = coordinator
+        self.liveness = liveness
 
     @property
     def liveness_timeout_s(self) -> float:
@@ -114,16 +118,29 @@ class Membership:
     def heartbeat(self, job_id: str, member_id: str) -> int:
         """Renews the member's lease; returns the current generation.
 
-        NOT_FOUND when the member expired or left (it is fenced).
+        NOT_FOUND when the member expired or left (it is fenced). With a
+        `liveness` gate (every server has one): UNAVAILABLE at once while this
+        replica cannot reach etcd, and every etcd call here has the gate's
+        short deadline, so the client can still retry on another replica.
+        Idempotent.
         """
         coordinator = self.coordinator
-        lease = coordinator.lease_of(job_id, member_id)
-        if coordinator.store.refresh_lease(lease) <= 0:
+        if self.liveness is None:
+            return self._renew(coordinator.store, job_id, member_id)
+        return self.liveness.call(lambda store: self._renew(store, job_id, member_id))
+
+    def _renew(self, store: Store, job_id: str, member_id: str) -> int:
+        coordinator = self.coordinator
+        lease = coordinator.lease_of(job_id, member_id, store=store)
+        if store.refresh_lease(lease) <= 0:
             coordinator.forget_member(member_id)
             raise NotFound(
                 f"member {member_id!r} of job {job_id!r} expired: stop local ranks and join again"
             )
-        return coordinator.current_generation(job_id)
+        if coordinator.election.is_leader():
+            return coordinator.current_generation(job_id)
+        entry = store.get(keys.plan(job_id), pb.Plan)
+        return entry.value.generation if entry else 0
 
     def leave(self, job_id: str, member_id: str, reason: str) -> None:
         """Removes the member and replans. Idempotent: leaving twice is fine."""

@@ -24,6 +24,7 @@ from springback.service.channel import MAX_MESSAGE_BYTES, read_file
 from springback.service.coordinator import Coordinator
 from springback.service.election import Election
 from springback.service.interceptors import BearerAuth, CallCounter, LeaderForwarding
+from springback.service.liveness import EtcdReachability
 from springback.service.servicers import JobServicer, WorkerServicer
 from springback.service.store import Store
 from springback.v1 import job_service_pb2, job_service_pb2_grpc, worker_service_pb2
@@ -115,9 +116,11 @@ class CoordinatorServer:
             self.store, self.election, liveness_timeout_s=config.liveness_timeout_s,
             progress_flush_s=config.progress_flush_s,
         )
+        self.liveness = EtcdReachability(config.etcd, on_change=lambda _: self._update_health())
         job_service_pb2_grpc.add_JobServiceServicer_to_server(JobServicer(self.coordinator), self._server)
         worker_service_pb2_grpc.add_WorkerServiceServicer_to_server(
-            WorkerServicer(self.coordinator), self._server)
+            WorkerServicer(self.coordinator, self.liveness), self._server)
+        self._draining = False
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         reflection.enable_server_reflection((
@@ -132,6 +135,13 @@ class CoordinatorServer:
     def _on_leadership(self) -> None:
         self.coordinator.leadership_changed()
 
+    def _update_health(self) -> None:
+        """SERVING unless draining or cut off from etcd (clients' channels skip
+        a NOT_SERVING replica, see `channel`)."""
+        serving = self.liveness.reachable and not self._draining
+        self.health.set("", health_pb2.HealthCheckResponse.SERVING if serving
+                        else health_pb2.HealthCheckResponse.NOT_SERVING)
+
     def _metrics(self) -> metrics.Registry:
         registry = metrics.Registry()
         c = self.coordinator
@@ -143,6 +153,9 @@ class CoordinatorServer:
                      "duration of the last planning step (planner only)", lambda: c.last_replan_s)
         registry.add("springback_coordinator_loop_errors_total", "counter",
                      "failed reconcile iterations", lambda: c.num_loop_errors)
+        registry.add("springback_coordinator_etcd_reachable", "gauge",
+                     "1 while this replica reaches etcd (it serves liveness only then)",
+                     lambda: float(self.liveness.reachable))
         registry.add("springback_coordinator_rpc_total", "counter", "calls received, by method",
                      lambda: [({"method": m}, n) for m, n in self.counter.calls.items()])
 
@@ -163,7 +176,8 @@ class CoordinatorServer:
         self._server.start()
         self.election.start()
         self.coordinator.start()
-        self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        self.liveness.start()
+        self._update_health()
         if self.config.metrics_listen:
             self._metrics_server = metrics.serve(self.registry, self.config.metrics_listen)
         log.info("coordinator replica serving on %s", self.address)
@@ -189,4 +203,5 @@ class CoordinatorServer:
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
         self._forwarding.close()
+        self.liveness.close()
         self.store.close()

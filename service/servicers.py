@@ -19,6 +19,7 @@ from springback.service.commits import Commits
 from springback.service.coordinator import Coordinator
 from springback.service.errors import SpringbackError, grpc_code
 from springback.service.jobs import JobControl
+from springback.service.liveness import EtcdReachability
 from springback.service.membership import Membership
 from springback.service.planner import Progress
 from springback.v1 import job_service_pb2 as js
@@ -120,9 +121,10 @@ def _duration(seconds: float) -> Duration:
 
 
 class WorkerServicer(ws_grpc.WorkerServiceServicer):
-    def __init__(self, coordinator: Coordinator) -> None:
+    def __init__(self, coordinator: Coordinator,
+                 liveness: EtcdReachability | None = None) -> None:
         self.coordinator = coordinator
-        self.membership = Membership(coordinator)
+        self.membership = Membership(coordinator, liveness)
         self.commits = Commits(coordinator)
 
     @_handle
