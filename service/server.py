@@ -3,9 +3,15 @@
 A replica binds its gRPC port (port 0 picks a free one; `address` tells which),
 serves the Springback services plus gRPC health checking and reflection,
 campaigns for leadership, and, while leader, runs the reconcile loop.
-`stop` resigns leadership first (so another replica takes over at once
-instead of after the lease TTL), then lets in-flight calls finish for
-``grace_s``.
+
+`stop` (SIGTERM, SIGINT) drains before it stops: health turns NOT_SERVING at
+once (load balancers and Springback's client channels stop choosing this
+replica), leadership is resigned at once (a successor takes over within one
+campaign interval, well inside the leader TTL), and the replica keeps
+serving as a follower, forwarding calls to the successor, for ``drain_s``;
+only then does the server stop, giving in-flight calls ``grace_s``. A write
+acknowledged before or during the drain is in etcd; a write caught by the
+resignation fails its fencing compare and is not acknowledged.
 """
 
 from __future__ import annotations
@@ -58,6 +64,10 @@ class CoordinatorConfig:
     """HOST:PORT for the Prometheus endpoint (None: off)."""
     max_workers: int = 256
     """gRPC server threads; each open watch stream holds one."""
+    drain_s: float = 0.0
+    """On stop: seconds of NOT_SERVING (as a follower) before the server stops,
+    so health checks and load balancers see the replica leave. The CLI's
+    ``--drain-s`` defaults to 5."""
 
     def __post_init__(self) -> None:
         if not self.etcd:
@@ -68,6 +78,8 @@ class CoordinatorConfig:
         if self.liveness_timeout_s < 2:
             raise ValueError(f"liveness_timeout_s: {self.liveness_timeout_s} is below 2 s "
                              "(etcd lease granularity)")
+        if self.drain_s < 0:
+            raise ValueError(f"drain_s: {self.drain_s} is negative")
         if self.leader_ttl_s < 2:
             raise ValueError(f"leader_ttl_s: {self.leader_ttl_s} is below 2 s")
         if bool(self.tls_cert) != bool(self.tls_key):
@@ -121,6 +133,7 @@ class CoordinatorServer:
         worker_service_pb2_grpc.add_WorkerServiceServicer_to_server(
             WorkerServicer(self.coordinator, self.liveness), self._server)
         self._draining = False
+        self._stopped = False
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         reflection.enable_server_reflection((
@@ -195,10 +208,19 @@ class CoordinatorServer:
         self._server.wait_for_termination()
 
     def stop(self, grace_s: float = 2.0) -> None:
-        """Resigns leadership, then stops serving (idempotent)."""
-        self.health.enter_graceful_shutdown()
+        """Drains (see the module docstring), then stops serving. Blocks about
+        ``drain_s + grace_s`` at most; idempotent."""
+        if self._stopped:
+            return
+        self._stopped = True
+        self._draining = True
+        self._update_health()
         self.coordinator.stop()
         self.election.resign()
+        if self.config.drain_s:
+            log.info("draining for %.1f s before stopping", self.config.drain_s)
+            time.sleep(self.config.drain_s)  # the drain interval itself, not a synchronisation
+        self.health.enter_graceful_shutdown()
         self._server.stop(grace_s).wait(grace_s + 1)
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
