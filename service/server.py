@@ -22,13 +22,14 @@ from concurrent import futures
 from dataclasses import dataclass
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from springback.service import metrics
 from springback.service.channel import MAX_MESSAGE_BYTES, read_file
 from springback.service.coordinator import Coordinator
 from springback.service.election import Election
+from springback.service.health import Health
 from springback.service.interceptors import BearerAuth, CallCounter, LeaderForwarding
 from springback.service.liveness import EtcdReachability
 from springback.service.servicers import JobServicer, WorkerServicer
@@ -134,7 +135,7 @@ class CoordinatorServer:
             WorkerServicer(self.coordinator, self.liveness), self._server)
         self._draining = False
         self._stopped = False
-        self.health = health.HealthServicer()
+        self.health = Health()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         reflection.enable_server_reflection((
             job_service_pb2.DESCRIPTOR.services_by_name["JobService"].full_name,
@@ -226,4 +227,5 @@ class CoordinatorServer:
             self._metrics_server.shutdown()
         self._forwarding.close()
         self.liveness.close()
+        self.health.close()
         self.store.close()

@@ -16,15 +16,11 @@ import time
 import grpc
 import pytest
 
+from agentsim import SimMember
 from etcdcluster import EtcdCluster
 from sbtest import wait_for
-from springback.service import keys
-from springback.service.channel import connect
 from springback.service.client import ApiError, Client
 from springback.service.server import CoordinatorConfig, CoordinatorServer
-from springback.v1 import types_pb2 as pb
-from springback.v1 import worker_service_pb2 as ws
-from springback.v1 import worker_service_pb2_grpc as ws_grpc
 
 LIVENESS_S = 3.0
 
@@ -54,40 +50,6 @@ def replicas(cluster):
         server.stop(grace_s=0.5)
 
 
-class Member:
-    """A registered member that heartbeats like an agent, and its job's state."""
-
-    def __init__(self, addresses: list[str], job_id: str) -> None:
-        self.job_id = job_id
-        self._channel = connect(addresses)
-        self.stub = ws_grpc.WorkerServiceStub(self._channel)
-        self.id = self.stub.JoinJob(ws.JoinJobRequest(
-            job_id=job_id, host="127.0.0.1", rendezvous_port=9900, num_local_ranks=1,
-            join_token="etcd-faults"), timeout=10).member.id
-        self.num_not_found = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._beat, daemon=True)
-        self._thread.start()
-
-    def _beat(self) -> None:
-        request = ws.HeartbeatRequest(job_id=self.job_id, member_id=self.id)
-        while not self._stop.wait(LIVENESS_S / 4):
-            try:
-                self.stub.Heartbeat(request, timeout=1.0)
-            except grpc.RpcError as e:
-                self.num_not_found += e.code() == grpc.StatusCode.NOT_FOUND
-
-    def commit(self, generation: int, step: int) -> None:
-        self.stub.CommitCheckpoint(ws.CommitCheckpointRequest(
-            job_id=self.job_id, member_id=self.id, generation=generation,
-            checkpoint=pb.CheckpointRef(step=step, uri=f"file:///tmp/ef/step-{step}")), timeout=10)
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
-        self._channel.close()
-
-
 def state(client: Client, job_id: str) -> tuple:
     job = client.get_job(job_id)
     return (job.status.generation, list(job.status.members),
@@ -101,7 +63,7 @@ class TestLosingOneEtcdMember:
         wait_for(server.election.is_leader, 15, "the coordinator to lead")
         client = Client(server.address, timeout_s=5)
         job = client.create_job(make_spec(max_workers=1))
-        member = Member([server.address], job.id)
+        member = SimMember([server.address], job.id)
         try:
             generation = client.get_job(job.id).status.generation
             member.commit(generation, 10)
@@ -117,7 +79,7 @@ class TestLosingOneEtcdMember:
             member.commit(generation, 20)
             assert sorted(j.id for j in client.list_jobs()) == sorted([job.id, after_job.id])
             assert [c.step for c in client.list_checkpoints(job.id)] == [20, 10]
-            assert member.num_not_found == 0
+            assert member.failures["NOT_FOUND"] == 0
         finally:
             member.close()
             client.close()
@@ -134,7 +96,7 @@ class TestLosingQuorum:
         addresses = [first.address, second.address]
         client = Client(addresses, timeout_s=3)
         job = client.create_job(make_spec(max_workers=1))
-        member = Member(addresses, job.id)
+        member = SimMember(addresses, job.id)
         leaders_at_once: list[int] = []
         sampling = threading.Event()
 
@@ -183,5 +145,5 @@ class TestLosingQuorum:
         assert names == ["after", "test"], names  # nothing acknowledged during the outage
         assert resumed.spec.name == "after"
         assert [c.step for c in client.list_checkpoints(job.id)] == [20, 10]
-        assert member.num_not_found == 0
+        assert member.failures["NOT_FOUND"] == 0
         client.close()
