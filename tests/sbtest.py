@@ -90,3 +90,11 @@ def scrape(address: str) -> dict[str, float]:
             name, _, value = line.rpartition(" ")
             samples[name] = float(value)
     return samples
+
+
+def leader_of(store) -> str | None:  # noqa: ANN001 (a springback.service.store.Store)
+    """The address in the leader record, or None while no replica leads."""
+    from springback.service import keys
+
+    entry = store.get(keys.LEADER)
+    return entry.value.decode() if entry else None

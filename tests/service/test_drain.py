@@ -9,7 +9,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from sbtest import wait_for
+from sbtest import leader_of, wait_for
 from springback.service import keys
 from springback.service.client import ApiError, Client
 from springback.service.store import Store
@@ -20,10 +20,6 @@ pytestmark = pytest.mark.timeout(60)
 DRAIN_S = 2.0
 LEADER_TTL_S = 2.0  # the spawn_coordinator fixture's --leader-ttl-s
 
-
-def leader_of(store: Store) -> str | None:
-    entry = store.get(keys.LEADER)
-    return entry.value.decode() if entry else None
 
 
 class HealthLog:
