@@ -21,6 +21,12 @@ from springback.v1 import worker_service_pb2 as ws
 from springback.v1 import worker_service_pb2_grpc as ws_grpc
 
 
+def join(workers: ws_grpc.WorkerServiceStub, job_id: str, port: int) -> str:
+    """A one-rank member registered through `workers`, without heartbeats: its id."""
+    return workers.JoinJob(ws.JoinJobRequest(job_id=job_id, host="127.0.0.1", rendezvous_port=port,
+                                             num_local_ranks=1), timeout=10).member.id
+
+
 class SimMember:
     def __init__(self, addresses: list[str], job_id: str, *, port: int = 9900) -> None:
         self.job_id = job_id

@@ -20,7 +20,6 @@ from agentsim import SimMember
 from etcdcluster import EtcdCluster
 from sbtest import wait_for
 from springback.service.client import ApiError, Client
-from springback.service.server import CoordinatorConfig, CoordinatorServer
 
 LIVENESS_S = 3.0
 
@@ -34,20 +33,9 @@ def cluster(tmp_path):
 
 
 @pytest.fixture
-def replicas(cluster):
-    servers: list[CoordinatorServer] = []
-
-    def start() -> CoordinatorServer:
-        server = CoordinatorServer(CoordinatorConfig(
-            etcd=cluster.endpoints, listen="127.0.0.1:0", liveness_timeout_s=LIVENESS_S,
-            leader_ttl_s=2, progress_flush_s=1.0))
-        server.start()
-        servers.append(server)
-        return server
-
-    yield start
-    for server in servers:
-        server.stop(grace_s=0.5)
+def replicas(cluster, start_coordinator):
+    """Starts coordinator replicas on the cluster (every member's endpoint)."""
+    return lambda: start_coordinator(etcd=cluster.endpoints, liveness_timeout_s=LIVENESS_S)
 
 
 def state(client: Client, job_id: str) -> tuple:

@@ -7,23 +7,11 @@ import threading
 import grpc
 import pytest
 
+from agentsim import join
 from sbtest import wait_for
 from springback.v1 import worker_service_pb2 as ws
-from springback.v1 import worker_service_pb2_grpc as ws_grpc
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture
-def workers(coordinator):
-    channel = grpc.insecure_channel(coordinator.address)
-    yield ws_grpc.WorkerServiceStub(channel)
-    channel.close()
-
-
-def join(workers, job_id: str, port: int) -> str:
-    return workers.JoinJob(ws.JoinJobRequest(job_id=job_id, host="127.0.0.1", rendezvous_port=port,
-                                             num_local_ranks=1), timeout=10).member.id
 
 
 class TestPlanStreamOfAMember:
