@@ -92,8 +92,9 @@ class TestNetProxy:
     def test_refused_connections_are_reset_until_healed(self, echo):
         with NetProxy(echo) as proxy:
             proxy.refuse()
-            with dial(proxy) as sock, pytest.raises(ConnectionResetError):
-                sock.recv(1)
+            with pytest.raises(ConnectionResetError):  # at connect or at the first read
+                with dial(proxy) as sock:
+                    sock.recv(1)
             assert proxy.num_refused == 1
             proxy.heal()
             with dial(proxy) as sock:
