@@ -60,8 +60,11 @@ class TestLosingOneEtcdMember:
 
             raft_leader = cluster.raft_leader()
             raft_leader.stop(kill=True)
+            killed = time.monotonic()
             after_job = wait_for(lambda: client.create_job(make_spec(name="after")), 30,
                                  "a write to be acknowledged again")
+            print(f"raft leader killed: writes acknowledged again after "
+                  f"{time.monotonic() - killed:.1f} s")
             assert cluster.raft_leader() is not raft_leader
             assert state(client, job.id) == before  # nothing lost, nobody expired
             member.commit(generation, 20)
@@ -119,8 +122,12 @@ class TestLosingQuorum:
                 etcd_member.start(wait=False)
             for etcd_member in lost:
                 etcd_member.wait_serving(30)
+            quorum_back = time.monotonic()
             resumed = wait_for(lambda: client.create_job(make_spec(name="after")), 30,
                                "writes to be acknowledged again")
+            print(f"quorum lost {quorum_back - outage_started:.1f} s: {attempts} writes tried, "
+                  f"0 acknowledged; writes again {time.monotonic() - quorum_back:.1f} s "
+                  "after quorum returned")
             wait_for(lambda: state(client, job.id) == before, 15, "the job's state to be served")
             member.commit(generation, 20)  # the same generation resumes: nobody expired
         finally:
