@@ -2,7 +2,9 @@
 
 Every replica serves every call (non-leaders forward to the leader), so a
 client only needs *a* live replica. `connect` returns a channel that
-round-robins over the given addresses and that retries UNAVAILABLE for the
+round-robins over the given addresses, skips a replica while its gRPC health
+says NOT_SERVING (it is draining, or cannot reach etcd and refuses
+heartbeats), and retries UNAVAILABLE (on the next replica) for the
 calls listed as idempotent in the service config; non-idempotent calls are
 never retried by the channel (a caller that wants to retry one must know it is
 safe). Deadlines are the caller's: every stub call must pass ``timeout=``.
@@ -54,6 +56,9 @@ def _service_config() -> str:
     ]
     return json.dumps({
         "loadBalancingConfig": [{"round_robin": {}}],
+        # Client-side health checking: a replica whose health is NOT_SERVING
+        # (draining, or cut off from etcd) is skipped until it serves again.
+        "healthCheckConfig": {"serviceName": ""},
         "methodConfig": [{
             "name": names,
             "retryPolicy": {

@@ -201,7 +201,7 @@ def _coordinator_command(args: argparse.Namespace) -> int:
         etcd=args.etcd, listen=args.listen, advertise=args.advertise, token=args.token,
         tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
         liveness_timeout_s=args.liveness_timeout_s, leader_ttl_s=args.leader_ttl_s,
-        metrics_listen=args.metrics_listen,
+        metrics_listen=args.metrics_listen, drain_s=args.drain_s,
     )
     server = CoordinatorServer(config)
     server.start()
@@ -284,6 +284,9 @@ def build_parser() -> argparse.ArgumentParser:
     coord.add_argument("--liveness-timeout-s", type=float, default=5.0)
     coord.add_argument("--leader-ttl-s", type=int, default=3)
     coord.add_argument("--metrics-listen", help="HOST:PORT for Prometheus /metrics")
+    coord.add_argument("--drain-s", type=float, default=5.0,
+                       help="on SIGTERM: seconds of health NOT_SERVING, leadership handed over, "
+                            "calls forwarded, before the server stops (default 5)")
     coord.set_defaults(handler=_coordinator_command)
 
     job = commands.add_parser("job", parents=[common], help="submit and control jobs")

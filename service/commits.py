@@ -1,19 +1,36 @@
 """Checkpoint commits: the etcd record that makes a written checkpoint count.
 
 A worker commits after every shard and the manifest are durable in storage.
-The commit is fenced by generation (a stale one is FAILED_PRECONDITION and
-records nothing) and applies retention in the same transaction: the refs it
-retires are returned so the caller deletes their files *after* the newer
-commit is durable, together with the refs still recorded, so the caller can
-also remove what storage holds beyond them (a retired checkpoint whose delete
-failed earlier). Committing the same step twice is a no-op.
+Every check is part of the etcd transaction that records the commit: the
+committing member must be live and planned in the job's current generation
+(`fencing.report_fence`: a stale generation is FAILED_PRECONDITION, an
+expired member NOT_FOUND), and the recorded checkpoints the decision was made
+from must be unchanged (every commit also writes the job record, whose mod
+revision is compared). A commit that loses to a concurrent writer is retried
+from fresh reads; one that keeps losing is ABORTED and recorded nothing.
+
+Per step, the record holds one checkpoint:
+
+* the same step and URI again (a retried call whose reply was lost): nothing
+  is written, the reply is the record as it stands (idempotent);
+* the same step, a different URI, in the same generation: refused
+  (FAILED_PRECONDITION), the first commit stands;
+* the same step from a later generation (training re-reached a step after a
+  restore, e.g. because the recorded copy was damaged): the new ref replaces
+  the old one, which is returned as retired so its files are deleted.
+
+Retention is applied in the same transaction: the refs it retires are
+returned so the caller deletes their files *after* the newer commit is
+durable, together with the refs still recorded, so the caller can also remove
+what storage holds beyond them (a retired checkpoint whose delete failed
+earlier).
 """
 
 from __future__ import annotations
 
-from springback.service import keys
+from springback.service import fencing, keys
 from springback.service.coordinator import Coordinator, timestamp_now
-from springback.service.errors import InvalidArgument
+from springback.service.errors import Conflict, FailedPrecondition, InvalidArgument, NotFound
 from springback.v1 import types_pb2 as pb
 
 
@@ -34,52 +51,72 @@ class Commits:
     def commit(self, job_id: str, member_id: str, generation: int,
                ref: pb.CheckpointRef) -> tuple[list[pb.CheckpointRef], list[pb.CheckpointRef]]:
         """Records `ref` as committed; returns (the checkpoints retention
-        retires, the checkpoints recorded after this commit)."""
+        retires or this commit replaces, the checkpoints recorded after this
+        commit, oldest first). See the module docstring for the rules."""
         if ref.step == 0:
             raise InvalidArgument("checkpoint.step", "must be positive")
         if not ref.uri:
             raise InvalidArgument("checkpoint.uri", "is required")
+        for attempt in range(fencing.ATTEMPTS):
+            try:
+                return self._commit_once(job_id, member_id, generation, ref)
+            except Conflict:
+                if attempt == fencing.ATTEMPTS - 1:
+                    raise
+        raise AssertionError("unreachable")
+
+    def _commit_once(self, job_id: str, member_id: str, generation: int,
+                     ref: pb.CheckpointRef) -> tuple[list[pb.CheckpointRef], list[pb.CheckpointRef]]:
         coordinator = self.coordinator
         coordinator.require_leader()
-        coordinator.check_generation(job_id, generation)
-        coordinator.lease_of(job_id, member_id)  # NOT_FOUND for a fenced member
-        existing = coordinator.list_checkpoints(job_id)
-        if any(c.step == ref.step for c in existing):
-            return [], existing
+        store = coordinator.store
+        job_entry = store.get(keys.job(job_id), pb.Job)
+        if job_entry is None:
+            raise NotFound(f"job {job_id!r} not found")
+        compare = fencing.report_fence(coordinator, job_id, member_id, generation)
+        # Read after the job record: every commit writes both, so while the
+        # job's mod revision holds (compared below) this is the whole record.
+        existing = [e.value for e in store.get_prefix(keys.checkpoints(job_id), pb.CheckpointRef)]
+        same = next((c for c in existing if c.step == ref.step), None)
+        if same is not None and same.uri == ref.uri:
+            return [], sorted(existing, key=lambda c: c.step)
+        if same is not None and same.generation == generation:
+            raise FailedPrecondition(
+                f"job {job_id}: step {ref.step} is already committed in generation {generation} "
+                f"at {same.uri}; a second commit of that step ({ref.uri}) is refused"
+            )
         committed = pb.CheckpointRef()
         committed.CopyFrom(ref)
         committed.generation = generation
         committed.committed_at.CopyFrom(timestamp_now())
-        job = coordinator.get_job(job_id)
-        keep = retained([c.step for c in existing] + [ref.step],
-                        job.spec.checkpoint.keep_last, job.spec.checkpoint.keep_every)
-        retired = [c for c in existing if c.step not in keep]
-        txn = coordinator.store.txn
-
-        def ops() -> list:
-            return [txn.put(keys.checkpoint(job_id, ref.step), committed.SerializeToString())] + [
-                txn.delete(keys.checkpoint(job_id, c.step)) for c in retired
-            ]
+        others = [c for c in existing if c.step != ref.step]
+        spec = job_entry.value.spec.checkpoint
+        keep = retained([c.step for c in others] + [ref.step], spec.keep_last, spec.keep_every)
+        retired = [c for c in others if c.step not in keep] + ([same] if same is not None else [])
+        txn = store.txn
+        ops = [txn.put(keys.checkpoint(job_id, ref.step), committed.SerializeToString())] + [
+            txn.delete(keys.checkpoint(job_id, c.step)) for c in retired if c.step != ref.step
+        ]
+        compare.append(txn.mod(keys.job(job_id)) == job_entry.mod_revision)
 
         def record(job: pb.Job) -> None:
-            coordinator.check_generation(job_id, generation)
             if committed.step >= job.status.last_checkpoint.step:
                 job.status.last_checkpoint.CopyFrom(committed)
             job.status.checkpoint_error = ""
 
-        coordinator.change_with_retry(
-            job_id, f"checkpoint at step {ref.step} committed", record, extra_ops=ops
-        )
-        kept = [c for c in existing if c.step in keep] + [committed]
+        what = "replaced" if same is not None else "committed"
+        coordinator.change(job_id, f"checkpoint at step {ref.step} {what}", record,
+                           extra_ops=lambda: ops, extra_compare=compare)
+        kept = [c for c in others if c.step in keep] + [committed]
         return retired, sorted(kept, key=lambda c: c.step)
 
     def report_error(self, job_id: str, member_id: str, generation: int, error: str) -> None:
-        """Shows a persistent storage failure in the job status (training goes on)."""
-        coordinator = self.coordinator
-        coordinator.check_generation(job_id, generation)
-        coordinator.lease_of(job_id, member_id)
+        """Shows a persistent storage failure in the job status (training goes on).
 
+        Fenced like a commit (same transaction); not idempotent in effect but
+        harmless to repeat (the message is replaced)."""
         def record(job: pb.Job) -> None:
             job.status.checkpoint_error = error[:1000]
 
-        coordinator.change_with_retry(job_id, f"checkpoint error: {error[:200]}", record)
+        fencing.change_as_member(self.coordinator, job_id, member_id, generation,
+                                 f"checkpoint error: {error[:200]}", record)

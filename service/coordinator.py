@@ -77,6 +77,7 @@ class Coordinator:
         self._dirty: set[str] = set()  # jobs whose progress is not yet in etcd
         self._plans: dict[str, _PlanView] = {}  # job id -> what matters of its current plan
         self._lease_of: dict[str, int] = {}  # member id -> lease id
+        self._live: dict[str, frozenset[str]] = {}  # job id -> registered member ids, last read
         # job id -> members' (count, newest revision) when last found in line with the plan
         self._fingerprints: dict[str, tuple[int, int]] = {}
         self._stop = threading.Event()
@@ -103,6 +104,7 @@ class Coordinator:
             self._dirty.clear()
             self._plans.clear()
             self._lease_of.clear()
+            self._live.clear()
             self._fingerprints.clear()
             self.history.forget()
             self._version += 1
@@ -176,6 +178,7 @@ class Coordinator:
         for e in entries:
             e.value.join_order = e.create_revision
         self._lease_of.update((e.value.id, e.lease_id) for e in entries)
+        self._live[job_id] = frozenset(e.value.id for e in entries)
         return [e.value for e in entries]
 
     # -- the one write path -----------------------------------------------------
@@ -190,6 +193,7 @@ class Coordinator:
         draining: Collection[str] = (),
         force_generation: bool = False,
         extra_ops: Callable[[], list] | None = None,
+        extra_compare: Collection = (),
     ) -> pb.Job:
         """Applies `mutate` to the job, replans, and writes both atomically.
 
@@ -197,12 +201,16 @@ class Coordinator:
         forced: a rank crashed, an operator restore). `stateless` members lost
         their in-memory state (a rank crashed) and stop being state holders.
         `draining` members are planned as if their draining flag (written by
-        `extra_ops`) were set.
+        `extra_ops`) were set. `extra_compare` joins the transaction's
+        comparisons (a caller's own reads that must still hold when the write
+        lands, see `fencing`).
         Raises `Conflict` if a concurrent writer won (nothing is written),
         `NotLeader` if this replica does not lead, and whatever `mutate` raises
-        (nothing is written).
+        (nothing is written). The fencing token is taken *before* anything is
+        read: a decision made while this replica led is written only if it
+        still leads when the transaction lands.
         """
-        self.require_leader()
+        fence = self.election.fence()  # NotLeader unless leading now
         with self._changed:
             job_entry = self._job_entry(job_id)
             job = self._with_progress(job_entry.value)
@@ -263,10 +271,11 @@ class Coordinator:
             history_ops = self.history.on_change(job, plan if new_generation else None)
 
             txn = self.store.txn
-            compare = self.election.fence() + [
+            compare = fence + [
                 txn.mod(keys.job(job_id)) == job_entry.mod_revision,
                 (txn.mod(keys.plan(job_id)) == plan_entry.mod_revision) if plan_entry
                 else (txn.version(keys.plan(job_id)) == 0),
+                *extra_compare,
             ]
             ops = [txn.put(keys.job(job_id), job.SerializeToString())]
             if new_generation:
@@ -411,13 +420,21 @@ class Coordinator:
             if planner.is_terminal(job.status.state):
                 return
 
-    def watch_plans(self, job_id: str, alive: Callable[[], bool],
-                    poll_s: float = 1.0) -> Iterator[pb.Plan]:
-        """The current plan, then each newer one; ends after a STOP plan."""
+    def watch_plans(self, job_id: str, alive: Callable[[], bool], poll_s: float = 1.0,
+                    member_id: str = "") -> Iterator[pb.Plan]:
+        """The current plan, then each newer one; ends after a STOP plan.
+
+        With `member_id`, raises `NotFound` when that member is not registered
+        (expired, left: it is fenced), checked before the first plan and after
+        every change, so a fenced member learns it on its stream as soon as
+        the leader notices the expiry (the same pass that replans without it).
+        """
         self._job_entry(job_id)
         sent = -1
         while alive():
             self.require_leader()
+            if member_id:
+                self._require_registered(job_id, member_id)
             with self._changed:
                 generation = self.current_generation(job_id)
                 if generation == sent:
@@ -432,6 +449,17 @@ class Coordinator:
             yield plan
             if plan.action == pb.PLAN_ACTION_STOP:
                 return
+
+    def _require_registered(self, job_id: str, member_id: str) -> None:
+        live = self._live.get(job_id)
+        if live is None:
+            self.members(job_id)
+            live = self._live.get(job_id, frozenset())
+        if member_id not in live:
+            raise NotFound(
+                f"member {member_id!r} of job {job_id!r} is not registered (expired or left): "
+                "stop local ranks and join again"
+            )
 
     # -- background loop ------------------------------------------------------------
 
@@ -501,10 +529,11 @@ class Coordinator:
     def forget_member(self, member_id: str) -> None:
         self._lease_of.pop(member_id, None)
 
-    def lease_of(self, job_id: str, member_id: str) -> int:
+    def lease_of(self, job_id: str, member_id: str, store: Store | None = None) -> int:
+        """The member's lease id (cached), read with `store` (default: ours) on a miss."""
         lease = self._lease_of.get(member_id)
         if lease is None:
-            entry = self.store.get(keys.member(job_id, member_id))
+            entry = (store or self.store).get(keys.member(job_id, member_id))
             if entry is None:
                 raise NotFound(
                     f"member {member_id!r} of job {job_id!r} is not registered (expired or "

@@ -5,11 +5,18 @@ lease (TTL ``ttl_s``). The record's create revision is the *fencing token*:
 every leader-only write compares it (`fence`), so a replica that lost its
 lease without noticing (paused, partitioned) cannot write anything.
 
-Failure semantics: the leader renews its lease every ``ttl_s / 3``. If a
-renewal finds the lease expired, or etcd is unreachable for longer than the
-TTL, the replica steps down (``on_lost`` runs) and campaigns again. A killed
-leader is replaced once its lease expires: within ``ttl_s`` plus one campaign
-interval.
+Failure semantics: the leader renews its lease every ``ttl_s / 3``. A
+replica believes it leads only until its *local lease deadline*: the start of
+its last successful grant or renewal plus the TTL, on the monotonic clock.
+etcd counts the TTL from when it processed that request, later, so the belief
+always ends before the lease can expire in etcd and a successor can be
+elected: a replica cut off from etcd, or paused (SIGSTOP), stops acting as
+leader by itself within ``ttl_s``, even while its renewal call still hangs.
+If a renewal finds the lease expired, or fails past the deadline, the replica
+steps down (``on_lost`` runs) and campaigns again. A write decided before the
+deadline but delivered after it (a delayed packet, a pause between the check
+and the send) is what the fencing comparison catches. A killed leader is
+replaced once its lease expires: within ``ttl_s`` plus one campaign interval.
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ class Election:
         self._on_lost = on_lost
         self._lease: Any = None
         self._token = 0  # create revision of our leader record; 0 when not leader
+        self._lease_deadline = 0.0  # monotonic: we stop believing we lead at this time
         self._leader_cache: tuple[float, str | None] = (0.0, None)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="election", daemon=True)
@@ -55,7 +63,9 @@ class Election:
         self._thread.start()
 
     def is_leader(self) -> bool:
-        return self._token != 0
+        """True while this replica holds the leader record and its local lease
+        deadline has not passed (see the module docstring)."""
+        return self._token != 0 and time.monotonic() < self._lease_deadline
 
     def fence(self) -> list[Any]:
         """Comparisons that hold only while this replica is the leader.
@@ -64,7 +74,7 @@ class Election:
         transaction's compare list.
         """
         token = self._token
-        if not token:
+        if not token or time.monotonic() >= self._lease_deadline:
             raise NotLeader(f"replica {self.address} is not the leader")
         return [self._store.txn.create(keys.LEADER) == token]
 
@@ -112,6 +122,7 @@ class Election:
     def _campaign(self) -> None:
         if self._store.get(keys.LEADER) is not None:
             return
+        started = time.monotonic()
         lease = self._store.grant_lease(self._ttl_s)
         txn = self._store.txn
         won = self._store.transaction(
@@ -123,7 +134,7 @@ class Election:
             self._store.revoke_lease(lease.id)
             return
         self._lease = lease
-        self._lease_deadline = time.monotonic() + self._ttl_s
+        self._lease_deadline = started + self._ttl_s
         self._token = entry.create_revision
         log.info("elected leader %s (token %d)", self.address, self._token)
         if self._on_elected:

@@ -10,7 +10,8 @@
   was already forwarded once is not forwarded again (it fails UNAVAILABLE),
   so two replicas with stale views cannot bounce a call between them.
   Heartbeats are not forwarded: any replica renews a member's lease in etcd
-  itself, so members stay alive while leadership changes hands.
+  itself, so members stay alive while leadership changes hands (a replica
+  that cannot reach etcd refuses them at once, see `liveness`).
 * `CallCounter`: counts calls per method for the metrics endpoint.
 """
 

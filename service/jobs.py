@@ -37,7 +37,9 @@ class JobControl:
             self.coordinator.election.fence() + [txn.version(keys.job(job.id)) == 0],
             [txn.put(keys.job(job.id), job.SerializeToString())],
         ):
-            raise Conflict(f"job id {job.id} already exists; retry")
+            # Either the id exists or this replica no longer leads (the fence).
+            raise Conflict(f"job {job.id} not created: the id exists or this replica lost "
+                           "leadership; retry")
         return self.coordinator.change_with_retry(job.id, "created")
 
     def scale(self, job_id: str, min_workers: int, max_workers: int) -> pb.Job:

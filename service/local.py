@@ -42,15 +42,19 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 class EtcdServer:
-    """One etcd member on loopback. Not a cluster: for laptops and tests."""
+    """One etcd member on loopback, for laptops and tests: alone by default, or
+    one member of a loopback cluster when `initial_cluster` names its peers
+    (``name=http://HOST:PEER_PORT,…``, this member included)."""
 
     def __init__(self, data_dir: str, *, client_port: int | None = None,
-                 peer_port: int | None = None, host: str = "127.0.0.1", name: str = "springback") -> None:
+                 peer_port: int | None = None, host: str = "127.0.0.1", name: str = "springback",
+                 initial_cluster: str | None = None) -> None:
         self.data_dir = data_dir
         self.host = host
         self.client_port = client_port or free_port(host)
         self.peer_port = peer_port or free_port(host)
         self.name = name
+        self.initial_cluster = initial_cluster
         self.process: subprocess.Popen | None = None
         self.log_path = os.path.join(data_dir, "etcd.log")
 
@@ -58,8 +62,14 @@ class EtcdServer:
     def endpoint(self) -> str:
         return f"http://{self.host}:{self.client_port}"
 
-    def start(self, timeout_s: float = 20.0) -> None:
-        """Starts etcd and waits until it serves; raises on timeout (with its log's tail)."""
+    @property
+    def peer_url(self) -> str:
+        return f"http://{self.host}:{self.peer_port}"
+
+    def start(self, timeout_s: float = 20.0, *, wait: bool = True) -> None:
+        """Starts etcd and (with `wait`) waits until it serves; raises on timeout
+        (with its log's tail). A cluster's members must all be started before
+        any serves: start them with ``wait=False``, then `wait_serving` each."""
         os.makedirs(self.data_dir, exist_ok=True)
         client = f"http://{self.host}:{self.client_port}"
         peer = f"http://{self.host}:{self.peer_port}"
@@ -70,11 +80,17 @@ class EtcdServer:
                 "--data-dir", os.path.join(self.data_dir, "data"),
                 "--listen-client-urls", client, "--advertise-client-urls", client,
                 "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-                "--initial-cluster", f"{self.name}={peer}",
+                "--initial-cluster", self.initial_cluster or f"{self.name}={peer}",
             ],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )
         log.close()
+        if wait:
+            self.wait_serving(timeout_s)
+
+    def wait_serving(self, timeout_s: float = 20.0) -> None:
+        """Blocks until this member answers a (quorum) read; raises on timeout."""
+        assert self.process is not None, "start() first"
         deadline = time.monotonic() + timeout_s
         store = Store(self.endpoint, timeout_s=1.0)
         try:

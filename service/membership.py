@@ -11,75 +11,139 @@ join again as a new member.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import time
 import uuid
 
-from springback.service import keys, planner
+from springback.service import fencing, keys, planner
 from springback.service.coordinator import Coordinator, timestamp_now
-from springback.service.errors import (
-    FailedPrecondition, InvalidArgument, NotFound, StaleGeneration,
-)
+from springback.service.errors import FailedPrecondition, InvalidArgument, NotFound
 from springback.service.failures import DEFAULT_MAX_PER_STEP, DEFAULT_WINDOW_S, FailureStreaks
+from springback.service.liveness import EtcdReachability
+from springback.service.store import Store
 from springback.v1 import types_pb2 as pb
 
 
+_MAX_TOKEN = 128
+
+
+def _validate_join(host: str, rendezvous_port: int, num_local_ranks: int, join_token: str) -> None:
+    if not host:
+        raise InvalidArgument("host", "is required")
+    if not 0 < rendezvous_port < 65536:
+        raise InvalidArgument("rendezvous_port", f"{rendezvous_port} is not a TCP port")
+    if num_local_ranks == 0:
+        raise InvalidArgument("num_local_ranks", "must be positive")
+    if len(join_token) > _MAX_TOKEN or not (join_token.isascii() and join_token.isprintable()):
+        raise InvalidArgument("join_token", f"must be at most {_MAX_TOKEN} printable ASCII characters")
+
+
+def _member_id(job_id: str, join_token: str) -> str:
+    """A fresh random id, or with a token one derived from (job, token)."""
+    if not join_token:
+        return f"m-{uuid.uuid4().hex[:8]}"
+    return "m-" + hashlib.sha256(f"{job_id}\0{join_token}".encode()).hexdigest()[:12]
+
+
 class Membership:
-    def __init__(self, coordinator: Coordinator) -> None:
+    def __init__(self, coordinator: Coordinator,
+                 liveness: EtcdReachability | None = None) -> None:
         self.coordinator = coordinator
         self._streaks = FailureStreaks()
+        self.liveness = liveness
 
     @property
     def liveness_timeout_s(self) -> float:
         return self.coordinator.liveness_timeout_s
 
-    def join(self, job_id: str, host: str, rendezvous_port: int, num_local_ranks: int) -> pb.Member:
-        """Registers a member and replans (a joiner is admitted, or becomes a spare)."""
-        if not host:
-            raise InvalidArgument("host", "is required")
-        if not 0 < rendezvous_port < 65536:
-            raise InvalidArgument("rendezvous_port", f"{rendezvous_port} is not a TCP port")
-        if num_local_ranks == 0:
-            raise InvalidArgument("num_local_ranks", "must be positive")
+    def join(self, job_id: str, host: str, rendezvous_port: int, num_local_ranks: int,
+             join_token: str = "") -> pb.Member:
+        """Registers a member and replans (a joiner is admitted, or becomes a spare).
+
+        With a `join_token` the call is idempotent: the member id is derived
+        from (job, token), so a retry whose first attempt registered the
+        member (its reply was lost) returns that member instead of
+        registering a phantom that would be planned ranks until its lease
+        expired. A token reused with another host, port or rank count is
+        INVALID_ARGUMENT. A retry arriving after the member already expired
+        registers it afresh under the same id. Without a token every call
+        registers a new member.
+        """
+        _validate_join(host, rendezvous_port, num_local_ranks, join_token)
         coordinator = self.coordinator
-        coordinator.require_leader()
+        fence = coordinator.election.fence()  # taken first: see Coordinator.change
         job = coordinator.get_job(job_id)
         if planner.is_terminal(job.status.state):
             raise FailedPrecondition(
                 f"job {job_id} is {pb.JobState.Name(job.status.state)}: nothing to join"
             )
-        store = coordinator.store
-        lease = store.grant_lease(max(2, math.ceil(self.liveness_timeout_s)))
         member = pb.Member(
-            id=f"m-{uuid.uuid4().hex[:8]}", job_id=job_id, host=host,
+            id=_member_id(job_id, join_token), job_id=job_id, host=host,
             rendezvous_port=rendezvous_port, num_local_ranks=num_local_ranks,
+            join_token=join_token,
         )
-        member.joined_at.CopyFrom(timestamp_now())
         key = keys.member(job_id, member.id)
-        txn = store.txn
-        if not store.transaction(
-            coordinator.election.fence() + [txn.version(key) == 0],
-            [txn.put(key, member.SerializeToString(), lease=lease)],
-        ):
-            store.revoke_lease(lease.id)
-            raise FailedPrecondition(f"member id {member.id} collided; join again")
-        coordinator.remember_lease(member.id, lease.id)
-        coordinator.change_with_retry(job_id, f"{member.id} joined ({host}, {num_local_ranks} ranks)")
-        return member
+        store = coordinator.store
+        registered = self._registered(key, member) if join_token else None
+        if registered is None:
+            member.joined_at.CopyFrom(timestamp_now())
+            lease = store.grant_lease(max(2, math.ceil(self.liveness_timeout_s)))
+            txn = store.txn
+            if store.transaction(fence + [txn.version(key) == 0],
+                                 [txn.put(key, member.SerializeToString(), lease=lease)]):
+                coordinator.remember_lease(member.id, lease.id)
+                registered = member
+            else:
+                store.revoke_lease(lease.id)
+                # A concurrent retry of the same join won the create: that one.
+                registered = self._registered(key, member) if join_token else None
+                if registered is None:
+                    raise FailedPrecondition(f"member id {member.id} collided; join again")
+        coordinator.change_with_retry(
+            job_id, f"{member.id} joined ({host}, {num_local_ranks} ranks)")
+        return registered
+
+    def _registered(self, key: str, wanted: pb.Member) -> pb.Member | None:
+        """The member already registered under `key` by the same join, if any."""
+        entry = self.coordinator.store.get(key, pb.Member)
+        if entry is None:
+            return None
+        found = entry.value
+        if (found.join_token, found.host, found.rendezvous_port, found.num_local_ranks) != (
+                wanted.join_token, wanted.host, wanted.rendezvous_port, wanted.num_local_ranks):
+            raise InvalidArgument(
+                "join_token", f"already used by member {found.id} ({found.host}:"
+                f"{found.rendezvous_port}, {found.num_local_ranks} ranks); use a new token per join")
+        self.coordinator.remember_lease(found.id, entry.lease_id)
+        return found
 
     def heartbeat(self, job_id: str, member_id: str) -> int:
         """Renews the member's lease; returns the current generation.
 
-        NOT_FOUND when the member expired or left (it is fenced).
+        NOT_FOUND when the member expired or left (it is fenced). With a
+        `liveness` gate (every server has one): UNAVAILABLE at once while this
+        replica cannot reach etcd, and every etcd call here has the gate's
+        short deadline, so the client can still retry on another replica.
+        Idempotent.
         """
         coordinator = self.coordinator
-        lease = coordinator.lease_of(job_id, member_id)
-        if coordinator.store.refresh_lease(lease) <= 0:
+        if self.liveness is None:
+            return self._renew(coordinator.store, job_id, member_id)
+        return self.liveness.call(lambda store: self._renew(store, job_id, member_id))
+
+    def _renew(self, store: Store, job_id: str, member_id: str) -> int:
+        coordinator = self.coordinator
+        lease = coordinator.lease_of(job_id, member_id, store=store)
+        if store.refresh_lease(lease) <= 0:
             coordinator.forget_member(member_id)
             raise NotFound(
                 f"member {member_id!r} of job {job_id!r} expired: stop local ranks and join again"
             )
-        return coordinator.current_generation(job_id)
+        if coordinator.election.is_leader():
+            return coordinator.current_generation(job_id)
+        entry = store.get(keys.plan(job_id), pb.Plan)
+        return entry.value.generation if entry else 0
 
     def leave(self, job_id: str, member_id: str, reason: str) -> None:
         """Removes the member and replans. Idempotent: leaving twice is fine."""
@@ -134,16 +198,16 @@ class Membership:
         A report of an older generation is accepted too (every rank crashing
         together: the second agent reports after the first one's replan); it
         makes no new generation unless the member is in the current plan.
-        A fenced member gets NOT_FOUND. When failures repeat without
+        Fenced in the transaction (`fencing.change_as_member`): a generation
+        newer than the current one is FAILED_PRECONDITION, an expired member
+        NOT_FOUND. When failures repeat without
         progress (`failures.FailureStreaks`), the job ends FAILED with the
         reason instead; returns the job's generation.
         """
         coordinator = self.coordinator
         coordinator.require_leader()
+        fencing.report_fence(coordinator, job_id, member_id, generation, older=True)
         current = coordinator.current_generation(job_id)
-        if generation > current:
-            raise StaleGeneration(job_id, generation, current)
-        coordinator.lease_of(job_id, member_id)  # NOT_FOUND for a fenced member
         job = coordinator.get_job(job_id)
         policy = job.spec.failures
         limit = policy.max_per_step or DEFAULT_MAX_PER_STEP
@@ -162,7 +226,7 @@ class Membership:
                        f"{job.status.step} without progress; last: {member_id}: {what}")
         else:
             message = f"{member_id} reported a failure: {what}"
-        job = coordinator.change_with_retry(
-            job_id, message, count, stateless={member_id},
-            force_generation=generation == current)
+        job = fencing.change_as_member(
+            coordinator, job_id, member_id, generation, message, count, older=True,
+            stateless={member_id}, force_generation=generation == current)
         return job.status.generation

@@ -3,9 +3,15 @@
 A replica binds its gRPC port (port 0 picks a free one; `address` tells which),
 serves the Springback services plus gRPC health checking and reflection,
 campaigns for leadership, and, while leader, runs the reconcile loop.
-`stop` resigns leadership first (so another replica takes over at once
-instead of after the lease TTL), then lets in-flight calls finish for
-``grace_s``.
+
+`stop` (SIGTERM, SIGINT) drains before it stops: health turns NOT_SERVING at
+once (load balancers and Springback's client channels stop choosing this
+replica), leadership is resigned at once (a successor takes over within one
+campaign interval, well inside the leader TTL), and the replica keeps
+serving as a follower, forwarding calls to the successor, for ``drain_s``;
+only then does the server stop, giving in-flight calls ``grace_s``. A write
+acknowledged before or during the drain is in etcd; a write caught by the
+resignation fails its fencing compare and is not acknowledged.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ from concurrent import futures
 from dataclasses import dataclass
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from springback.service import metrics
@@ -24,8 +30,10 @@ from springback.service.channel import MAX_MESSAGE_BYTES, read_file
 from springback.service.coordinator import Coordinator
 from springback.service.dashboard import Dashboard
 from springback.service.election import Election
+from springback.service.health import Health
 from springback.service.jobmetrics import JobMetrics
 from springback.service.interceptors import BearerAuth, CallCounter, LeaderForwarding
+from springback.service.liveness import EtcdReachability
 from springback.service.servicers import JobServicer, WorkerServicer
 from springback.service.store import Store
 from springback.v1 import job_service_pb2, job_service_pb2_grpc, worker_service_pb2
@@ -60,6 +68,10 @@ class CoordinatorConfig:
     (/, behind `token`); None: off."""
     max_workers: int = 256
     """gRPC server threads; each open watch stream holds one."""
+    drain_s: float = 0.0
+    """On stop: seconds of NOT_SERVING (as a follower) before the server stops,
+    so health checks and load balancers see the replica leave. The CLI's
+    ``--drain-s`` defaults to 5."""
 
     def __post_init__(self) -> None:
         if not self.etcd:
@@ -70,6 +82,8 @@ class CoordinatorConfig:
         if self.liveness_timeout_s < 2:
             raise ValueError(f"liveness_timeout_s: {self.liveness_timeout_s} is below 2 s "
                              "(etcd lease granularity)")
+        if self.drain_s < 0:
+            raise ValueError(f"drain_s: {self.drain_s} is negative")
         if self.leader_ttl_s < 2:
             raise ValueError(f"leader_ttl_s: {self.leader_ttl_s} is below 2 s")
         if bool(self.tls_cert) != bool(self.tls_key):
@@ -118,10 +132,13 @@ class CoordinatorServer:
             self.store, self.election, liveness_timeout_s=config.liveness_timeout_s,
             progress_flush_s=config.progress_flush_s,
         )
+        self.liveness = EtcdReachability(config.etcd, on_change=lambda _: self._update_health())
         job_service_pb2_grpc.add_JobServiceServicer_to_server(JobServicer(self.coordinator), self._server)
         worker_service_pb2_grpc.add_WorkerServiceServicer_to_server(
-            WorkerServicer(self.coordinator), self._server)
-        self.health = health.HealthServicer()
+            WorkerServicer(self.coordinator, self.liveness), self._server)
+        self._draining = False
+        self._stopped = False
+        self.health = Health()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         reflection.enable_server_reflection((
             job_service_pb2.DESCRIPTOR.services_by_name["JobService"].full_name,
@@ -136,6 +153,13 @@ class CoordinatorServer:
     def _on_leadership(self) -> None:
         self.coordinator.leadership_changed()
 
+    def _update_health(self) -> None:
+        """SERVING unless draining or cut off from etcd (clients' channels skip
+        a NOT_SERVING replica, see `channel`)."""
+        serving = self.liveness.reachable and not self._draining
+        self.health.set("", health_pb2.HealthCheckResponse.SERVING if serving
+                        else health_pb2.HealthCheckResponse.NOT_SERVING)
+
     def _metrics(self) -> metrics.Registry:
         registry = metrics.Registry()
         c = self.coordinator
@@ -147,6 +171,9 @@ class CoordinatorServer:
                      "duration of the last planning step (planner only)", lambda: c.last_replan_s)
         registry.add("springback_coordinator_loop_errors_total", "counter",
                      "failed reconcile iterations", lambda: c.num_loop_errors)
+        registry.add("springback_coordinator_etcd_reachable", "gauge",
+                     "1 while this replica reaches etcd (it serves liveness only then)",
+                     lambda: float(self.liveness.reachable))
         registry.add("springback_coordinator_rpc_total", "counter", "calls received, by method",
                      lambda: [({"method": m}, n) for m, n in self.counter.calls.items()])
         registry.add_collector(JobMetrics(c))
@@ -156,7 +183,8 @@ class CoordinatorServer:
         self._server.start()
         self.election.start()
         self.coordinator.start()
-        self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        self.liveness.start()
+        self._update_health()
         if self.config.metrics_listen:
             self._metrics_server = metrics.serve(self.registry, self.config.metrics_listen,
                                                  pages=self.dashboard.pages(), token=self.config.token)
@@ -184,13 +212,24 @@ class CoordinatorServer:
         self._server.wait_for_termination()
 
     def stop(self, grace_s: float = 2.0) -> None:
-        """Resigns leadership, then stops serving (idempotent)."""
-        self.health.enter_graceful_shutdown()
+        """Drains (see the module docstring), then stops serving. Blocks about
+        ``drain_s + grace_s`` at most; idempotent."""
+        if self._stopped:
+            return
+        self._stopped = True
+        self._draining = True
+        self._update_health()
         self.coordinator.stop()
         self.election.resign()
+        if self.config.drain_s:
+            log.info("draining for %.1f s before stopping", self.config.drain_s)
+            time.sleep(self.config.drain_s)  # the drain interval itself, not a synchronisation
+        self.health.enter_graceful_shutdown()
         self._server.stop(grace_s).wait(grace_s + 1)
         if self._metrics_server is not None:
             self.dashboard.stop()
             self._metrics_server.shutdown()
         self._forwarding.close()
+        self.liveness.close()
+        self.health.close()
         self.store.close()

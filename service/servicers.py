@@ -20,6 +20,7 @@ from springback.service.coordinator import Coordinator
 from springback.service.errors import SpringbackError, grpc_code
 from springback.service.history import delete_job
 from springback.service.jobs import JobControl
+from springback.service.liveness import EtcdReachability
 from springback.service.membership import Membership
 from springback.service.planner import Progress
 from springback.v1 import job_service_pb2 as js
@@ -136,15 +137,17 @@ def _duration(seconds: float) -> Duration:
 
 
 class WorkerServicer(ws_grpc.WorkerServiceServicer):
-    def __init__(self, coordinator: Coordinator) -> None:
+    def __init__(self, coordinator: Coordinator,
+                 liveness: EtcdReachability | None = None) -> None:
         self.coordinator = coordinator
-        self.membership = Membership(coordinator)
+        self.membership = Membership(coordinator, liveness)
         self.commits = Commits(coordinator)
 
     @_handle
     def JoinJob(self, request: ws.JoinJobRequest, context: grpc.ServicerContext) -> ws.JoinJobResponse:
         member = self.membership.join(
-            request.job_id, request.host, request.rendezvous_port, request.num_local_ranks)
+            request.job_id, request.host, request.rendezvous_port, request.num_local_ranks,
+            request.join_token)
         timeout = self.membership.liveness_timeout_s
         return ws.JoinJobResponse(
             member=member, liveness_timeout=_duration(timeout),
@@ -170,7 +173,8 @@ class WorkerServicer(ws_grpc.WorkerServiceServicer):
     @_handle_stream
     def WatchPlans(self, request: ws.WatchPlansRequest,
                    context: grpc.ServicerContext) -> Iterator[ws.WatchPlansResponse]:
-        for plan in self.coordinator.watch_plans(request.job_id, context.is_active):
+        for plan in self.coordinator.watch_plans(request.job_id, context.is_active,
+                                                 member_id=request.member_id):
             yield ws.WatchPlansResponse(plan=plan)
 
     @_handle

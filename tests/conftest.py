@@ -72,7 +72,8 @@ def spawn_coordinator(etcd: EtcdServer, tmp_path) -> Iterator[Callable[..., Coor
     processes: list[CoordinatorProcess] = []
 
     def spawn(*extra: str) -> CoordinatorProcess:
-        args = ("--liveness-timeout-s", "2", "--leader-ttl-s", "2", *extra)
+        # No drain on SIGTERM unless a test asks for one (later flags win).
+        args = ("--liveness-timeout-s", "2", "--leader-ttl-s", "2", "--drain-s", "0", *extra)
         process = CoordinatorProcess(etcd.endpoint, *args,
                                      log_path=str(tmp_path / f"coordinator-{len(processes)}.log"))
         processes.append(process)

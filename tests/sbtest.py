@@ -94,3 +94,11 @@ def scrape(address: str) -> dict[str, float]:
             labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
             samples[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
     return samples
+
+
+def leader_of(store) -> str | None:  # noqa: ANN001 (a springback.service.store.Store)
+    """The address in the leader record, or None while no replica leads."""
+    from springback.service import keys
+
+    entry = store.get(keys.LEADER)
+    return entry.value.decode() if entry else None

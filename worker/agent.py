@@ -48,6 +48,7 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -195,9 +196,12 @@ class Agent:
     def _join(self) -> None:
         """JoinJob, retried on UNAVAILABLE until the drain timeout; raises RpcError
         for a permanent error (unknown job, bad token)."""
+        # One token per join, reused by its retries: a retry after a lost reply
+        # gets the member the first attempt registered, not a second one.
         req = wpb.JoinJobRequest(job_id=self.config.job_id, host=self.config.host,
                                  rendezvous_port=self._store.port,
-                                 num_local_ranks=self.config.nproc_per_node)
+                                 num_local_ranks=self.config.nproc_per_node,
+                                 join_token=uuid.uuid4().hex)
         deadline = time.monotonic() + self.config.connect_timeout_s
         while True:
             try:

@@ -8,16 +8,8 @@ import pytest
 from sbtest import wait_for
 from springback.v1 import types_pb2 as pb
 from springback.v1 import worker_service_pb2 as ws
-from springback.v1 import worker_service_pb2_grpc as ws_grpc
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture
-def workers(coordinator):
-    channel = grpc.insecure_channel(coordinator.address)
-    yield ws_grpc.WorkerServiceStub(channel)
-    channel.close()
 
 
 def join(workers, job_id: str, port: int, ranks: int = 1) -> str:

@@ -196,7 +196,7 @@ class Job(_message.Message):
     def __init__(self, id: _Optional[str] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., status: _Optional[_Union[JobStatus, _Mapping]] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., started_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., finished_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
 class Member(_message.Message):
-    __slots__ = ("id", "job_id", "host", "rendezvous_port", "num_local_ranks", "joined_at", "join_order", "draining")
+    __slots__ = ("id", "job_id", "host", "rendezvous_port", "num_local_ranks", "joined_at", "join_order", "draining", "join_token")
     ID_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
@@ -205,6 +205,7 @@ class Member(_message.Message):
     JOINED_AT_FIELD_NUMBER: _ClassVar[int]
     JOIN_ORDER_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    JOIN_TOKEN_FIELD_NUMBER: _ClassVar[int]
     id: str
     job_id: str
     host: str
@@ -213,7 +214,8 @@ class Member(_message.Message):
     joined_at: _timestamp_pb2.Timestamp
     join_order: int
     draining: bool
-    def __init__(self, id: _Optional[str] = ..., job_id: _Optional[str] = ..., host: _Optional[str] = ..., rendezvous_port: _Optional[int] = ..., num_local_ranks: _Optional[int] = ..., joined_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., join_order: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...
+    join_token: str
+    def __init__(self, id: _Optional[str] = ..., job_id: _Optional[str] = ..., host: _Optional[str] = ..., rendezvous_port: _Optional[int] = ..., num_local_ranks: _Optional[int] = ..., joined_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., join_order: _Optional[int] = ..., draining: _Optional[bool] = ..., join_token: _Optional[str] = ...) -> None: ...
 
 class PlanMember(_message.Message):
     __slots__ = ("member_id", "host", "node_rank", "first_rank", "num_local_ranks")

@@ -26,7 +26,7 @@ from google.protobuf import duration_pb2 as google_dot_protobuf_dot_duration__pb
 from springback.v1 import types_pb2 as springback_dot_v1_dot_types__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"springback/v1/worker_service.proto\x12\rspringback.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x19springback/v1/types.proto\"`\n\x0eJoinJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04host\x18\x02 \x01(\t\x12\x17\n\x0frendezvous_port\x18\x03 \x01(\r\x12\x17\n\x0fnum_local_ranks\x18\x04 \x01(\r\"\xa4\x01\n\x0fJoinJobResponse\x12%\n\x06member\x18\x01 \x01(\x0b\x32\x15.springback.v1.Member\x12\x33\n\x10liveness_timeout\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x35\n\x12heartbeat_interval\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration\"5\n\x10HeartbeatRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tmember_id\x18\x02 \x01(\t\"\'\n\x11HeartbeatResponse\x12\x12\n\ngeneration\x18\x01 \x01(\x04\"D\n\x0fLeaveJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tmember_id\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\x12\n\x10LeaveJobResponse\"G\n\x12\x44rainMemberRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tmember_id\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\")\n\x13\x44rainMemberResponse\x12\x12\n\ncheckpoint\x18\x01 \x01(\x08\"6\n\x11WatchPlansRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tmember_id\x18\x02 \x01(\t\"7\n\x12WatchPlansResponse\x12!\n\x04plan\x18\x01 \x01(\x0b\x32\x13.springback.v1.Plan\"\xf8\x01\n\x11ReportStepRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tmember_id\x18\x02 \x01(\t\x12\x12\n\ngeneration\x18\x03 \x01(\x04\x12\x0c\n\x04step\x18\x04 \x01(\x04\x12\x18\n\x10samples_consumed\x18\x05 \x01(\x04\x12\x0c\n\x04loss\x18\x06 \x01(\x01\x12)\n\x06\x63ursor\x18\x07 \x01(\x0b\x32\x19.springback.v1.DataCursor\x12\x18\n\x10generation_start\x18\x14 \x01(\x08\x12\x31\n\rrestored_from\x18\x15 \x01(\x0e\x32\x1a.springback.v1.RestoreKind\"(\n\x12ReportStepResponse\x12\x12\n\ngeneration\x18\x01 \x01(\x04\"]\n\x14ReportFailureRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tmember_id\x18\x02 \x01(\t\x12\x12\n\ngeneration\x18\x03 \x01(\x04\x12\x0e\n\x06reason\x18\x04 \x01(\t\"+\n\x15ReportFailureResponse\x12\x12\n\ngeneration\x18\x01 \x01(\x04\"\x82\x01\n\x17\x43ommitCheckpointRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tmember_id\x18\x02 \x01(\t\x12\x12\n\ngeneration\x18\x03 \x01(\x04\x12\x30\n\ncheckpoint\x18\x04 \x01(\x0b\x32\x1c.springback.v1.CheckpointRef\"y\n\x18\x43ommitCheckpointResponse\x12-\n\x07retired\x18\x01 \x03(\x0b\x32\x1c.springback.v1.CheckpointRef\x12.\n\x08retained\x18\x02 \x03(\x0b\x32\x1c.springback.v1.CheckpointRef\"d\n\x1cReportCheckpointErrorRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tmember_id\x18\x02 \x01(\t\x12\x12\n\ngeneration\x18\x03 \x01(\x04\x12\r\n\x05\x65rror\x18\x04 \x01(\t\"\x1f\n\x1dReportCheckpointErrorResponse2\xa9\x06\n\rWorkerService\x12H\n\x07JoinJob\x12\x1d.springback.v1.JoinJobRequest\x1a\x1e.springback.v1.JoinJobResponse\x12N\n\tHeartbeat\x12\x1f.springback.v1.HeartbeatRequest\x1a .springback.v1.HeartbeatResponse\x12K\n\x08LeaveJob\x12\x1e.springback.v1.LeaveJobRequest\x1a\x1f.springback.v1.LeaveJobResponse\x12T\n\x0b\x44rainMember\x12!.springback.v1.DrainMemberRequest\x1a\".springback.v1.DrainMemberResponse\x12S\n\nWatchPlans\x12 .springback.v1.WatchPlansRequest\x1a!.springback.v1.WatchPlansResponse0\x01\x12Q\n\nReportStep\x12 .springback.v1.ReportStepRequest\x1a!.springback.v1.ReportStepResponse\x12Z\n\rReportFailure\x12#.springback.v1.ReportFailureRequest\x1a$.springback.v1.ReportFailureResponse\x12\x63\n\x10\x43ommitCheckpoint\x12&.springback.v1.CommitCheckpointRequest\x1a\'.springback.v1.CommitCheckpointResponse\x12r\n\x15ReportCheckpointError\x12+.springback.v1.ReportCheckpointErrorRequest\x1a,.springback.v1.ReportCheckpointErrorResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"springback/v1/worker_service.proto\x12\rspringback.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x19springback/v1/types.proto\"t\n\x0eJoinJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04host\x18\x02 \x01(\t\x12\x17\n\x0frendezvous_port\x18\x03 \x01(\r\x12\x17\n\x0fnum_local_ranks\x18\x04 \x01(\r\x12\x12\n\njoin_token\x18\x05 \x01(\t\"\xa4\x01\n\x0fJoinJobResponse\x12%\n\x06member\x18\x01 \x01(\x0b\x32\x15.springback.v1.Member\x12\x33\n\x10liveness_timeout\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x35\n\x12heartbeat_interval\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration\"5\n\x10HeartbeatRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tmember_id\x18\x02 \x01(\t\"\'\n\x11HeartbeatResponse\x12\x12\n\ngeneration\x18\x01 \x01(\x04\"D\n\x0fLeaveJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tmember_id\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\x12\n\x10LeaveJobResponse\"G\n\x12\x44rainMemberRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tmember_id\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\")\n\x13\x44rainMemberResponse\x12\x12\n\ncheckpoint\x18\x01 \x01(\x08\"6\n\x11WatchPlansRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tmember_id\x18\x02 \x01(\t\"7\n\x12WatchPlansResponse\x12!\n\x04plan\x18\x01 \x01(\x0b\x32\x13.springback.v1.Plan\"\xf8\x01\n\x11ReportStepRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tmember_id\x18\x02 \x01(\t\x12\x12\n\ngeneration\x18\x03 \x01(\x04\x12\x0c\n\x04step\x18\x04 \x01(\x04\x12\x18\n\x10samples_consumed\x18\x05 \x01(\x04\x12\x0c\n\x04loss\x18\x06 \x01(\x01\x12)\n\x06\x63ursor\x18\x07 \x01(\x0b\x32\x19.springback.v1.DataCursor\x12\x18\n\x10generation_start\x18\x14 \x01(\x08\x12\x31\n\rrestored_from\x18\x15 \x01(\x0e\x32\x1a.springback.v1.RestoreKind\"(\n\x12ReportStepResponse\x12\x12\n\ngeneration\x18\x01 \x01(\x04\"]\n\x14ReportFailureRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tmember_id\x18\x02 \x01(\t\x12\x12\n\ngeneration\x18\x03 \x01(\x04\x12\x0e\n\x06reason\x18\x04 \x01(\t\"+\n\x15ReportFailureResponse\x12\x12\n\ngeneration\x18\x01 \x01(\x04\"\x82\x01\n\x17\x43ommitCheckpointRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tmember_id\x18\x02 \x01(\t\x12\x12\n\ngeneration\x18\x03 \x01(\x04\x12\x30\n\ncheckpoint\x18\x04 \x01(\x0b\x32\x1c.springback.v1.CheckpointRef\"y\n\x18\x43ommitCheckpointResponse\x12-\n\x07retired\x18\x01 \x03(\x0b\x32\x1c.springback.v1.CheckpointRef\x12.\n\x08retained\x18\x02 \x03(\x0b\x32\x1c.springback.v1.CheckpointRef\"d\n\x1cReportCheckpointErrorRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tmember_id\x18\x02 \x01(\t\x12\x12\n\ngeneration\x18\x03 \x01(\x04\x12\r\n\x05\x65rror\x18\x04 \x01(\t\"\x1f\n\x1dReportCheckpointErrorResponse2\xa9\x06\n\rWorkerService\x12H\n\x07JoinJob\x12\x1d.springback.v1.JoinJobRequest\x1a\x1e.springback.v1.JoinJobResponse\x12N\n\tHeartbeat\x12\x1f.springback.v1.HeartbeatRequest\x1a .springback.v1.HeartbeatResponse\x12K\n\x08LeaveJob\x12\x1e.springback.v1.LeaveJobRequest\x1a\x1f.springback.v1.LeaveJobResponse\x12T\n\x0b\x44rainMember\x12!.springback.v1.DrainMemberRequest\x1a\".springback.v1.DrainMemberResponse\x12S\n\nWatchPlans\x12 .springback.v1.WatchPlansRequest\x1a!.springback.v1.WatchPlansResponse0\x01\x12Q\n\nReportStep\x12 .springback.v1.ReportStepRequest\x1a!.springback.v1.ReportStepResponse\x12Z\n\rReportFailure\x12#.springback.v1.ReportFailureRequest\x1a$.springback.v1.ReportFailureResponse\x12\x63\n\x10\x43ommitCheckpoint\x12&.springback.v1.CommitCheckpointRequest\x1a\'.springback.v1.CommitCheckpointResponse\x12r\n\x15ReportCheckpointError\x12+.springback.v1.ReportCheckpointErrorRequest\x1a,.springback.v1.ReportCheckpointErrorResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,41 +34,41 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'springback.v1.worker_servic
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_JOINJOBREQUEST']._serialized_start=112
-  _globals['_JOINJOBREQUEST']._serialized_end=208
-  _globals['_JOINJOBRESPONSE']._serialized_start=211
-  _globals['_JOINJOBRESPONSE']._serialized_end=375
-  _globals['_HEARTBEATREQUEST']._serialized_start=377
-  _globals['_HEARTBEATREQUEST']._serialized_end=430
-  _globals['_HEARTBEATRESPONSE']._serialized_start=432
-  _globals['_HEARTBEATRESPONSE']._serialized_end=471
-  _globals['_LEAVEJOBREQUEST']._serialized_start=473
-  _globals['_LEAVEJOBREQUEST']._serialized_end=541
-  _globals['_LEAVEJOBRESPONSE']._serialized_start=543
-  _globals['_LEAVEJOBRESPONSE']._serialized_end=561
-  _globals['_DRAINMEMBERREQUEST']._serialized_start=563
-  _globals['_DRAINMEMBERREQUEST']._serialized_end=634
-  _globals['_DRAINMEMBERRESPONSE']._serialized_start=636
-  _globals['_DRAINMEMBERRESPONSE']._serialized_end=677
-  _globals['_WATCHPLANSREQUEST']._serialized_start=679
-  _globals['_WATCHPLANSREQUEST']._serialized_end=733
-  _globals['_WATCHPLANSRESPONSE']._serialized_start=735
-  _globals['_WATCHPLANSRESPONSE']._serialized_end=790
-  _globals['_REPORTSTEPREQUEST']._serialized_start=793
-  _globals['_REPORTSTEPREQUEST']._serialized_end=1041
-  _globals['_REPORTSTEPRESPONSE']._serialized_start=1043
-  _globals['_REPORTSTEPRESPONSE']._serialized_end=1083
-  _globals['_REPORTFAILUREREQUEST']._serialized_start=1085
-  _globals['_REPORTFAILUREREQUEST']._serialized_end=1178
-  _globals['_REPORTFAILURERESPONSE']._serialized_start=1180
-  _globals['_REPORTFAILURERESPONSE']._serialized_end=1223
-  _globals['_COMMITCHECKPOINTREQUEST']._serialized_start=1226
-  _globals['_COMMITCHECKPOINTREQUEST']._serialized_end=1356
-  _globals['_COMMITCHECKPOINTRESPONSE']._serialized_start=1358
-  _globals['_COMMITCHECKPOINTRESPONSE']._serialized_end=1479
-  _globals['_REPORTCHECKPOINTERRORREQUEST']._serialized_start=1481
-  _globals['_REPORTCHECKPOINTERRORREQUEST']._serialized_end=1581
-  _globals['_REPORTCHECKPOINTERRORRESPONSE']._serialized_start=1583
-  _globals['_REPORTCHECKPOINTERRORRESPONSE']._serialized_end=1614
-  _globals['_WORKERSERVICE']._serialized_start=1617
-  _globals['_WORKERSERVICE']._serialized_end=2426
+  _globals['_JOINJOBREQUEST']._serialized_end=228
+  _globals['_JOINJOBRESPONSE']._serialized_start=231
+  _globals['_JOINJOBRESPONSE']._serialized_end=395
+  _globals['_HEARTBEATREQUEST']._serialized_start=397
+  _globals['_HEARTBEATREQUEST']._serialized_end=450
+  _globals['_HEARTBEATRESPONSE']._serialized_start=452
+  _globals['_HEARTBEATRESPONSE']._serialized_end=491
+  _globals['_LEAVEJOBREQUEST']._serialized_start=493
+  _globals['_LEAVEJOBREQUEST']._serialized_end=561
+  _globals['_LEAVEJOBRESPONSE']._serialized_start=563
+  _globals['_LEAVEJOBRESPONSE']._serialized_end=581
+  _globals['_DRAINMEMBERREQUEST']._serialized_start=583
+  _globals['_DRAINMEMBERREQUEST']._serialized_end=654
+  _globals['_DRAINMEMBERRESPONSE']._serialized_start=656
+  _globals['_DRAINMEMBERRESPONSE']._serialized_end=697
+  _globals['_WATCHPLANSREQUEST']._serialized_start=699
+  _globals['_WATCHPLANSREQUEST']._serialized_end=753
+  _globals['_WATCHPLANSRESPONSE']._serialized_start=755
+  _globals['_WATCHPLANSRESPONSE']._serialized_end=810
+  _globals['_REPORTSTEPREQUEST']._serialized_start=813
+  _globals['_REPORTSTEPREQUEST']._serialized_end=1061
+  _globals['_REPORTSTEPRESPONSE']._serialized_start=1063
+  _globals['_REPORTSTEPRESPONSE']._serialized_end=1103
+  _globals['_REPORTFAILUREREQUEST']._serialized_start=1105
+  _globals['_REPORTFAILUREREQUEST']._serialized_end=1198
+  _globals['_REPORTFAILURERESPONSE']._serialized_start=1200
+  _globals['_REPORTFAILURERESPONSE']._serialized_end=1243
+  _globals['_COMMITCHECKPOINTREQUEST']._serialized_start=1246
+  _globals['_COMMITCHECKPOINTREQUEST']._serialized_end=1376
+  _globals['_COMMITCHECKPOINTRESPONSE']._serialized_start=1378
+  _globals['_COMMITCHECKPOINTRESPONSE']._serialized_end=1499
+  _globals['_REPORTCHECKPOINTERRORREQUEST']._serialized_start=1501
+  _globals['_REPORTCHECKPOINTERRORREQUEST']._serialized_end=1601
+  _globals['_REPORTCHECKPOINTERRORRESPONSE']._serialized_start=1603
+  _globals['_REPORTCHECKPOINTERRORRESPONSE']._serialized_end=1634
+  _globals['_WORKERSERVICE']._serialized_start=1637
+  _globals['_WORKERSERVICE']._serialized_end=2446
 # @@protoc_insertion_point(module_scope)

@@ -11,16 +11,18 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class JoinJobRequest(_message.Message):
-    __slots__ = ("job_id", "host", "rendezvous_port", "num_local_ranks")
+    __slots__ = ("job_id", "host", "rendezvous_port", "num_local_ranks", "join_token")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
     RENDEZVOUS_PORT_FIELD_NUMBER: _ClassVar[int]
     NUM_LOCAL_RANKS_FIELD_NUMBER: _ClassVar[int]
+    JOIN_TOKEN_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     host: str
     rendezvous_port: int
     num_local_ranks: int
-    def __init__(self, job_id: _Optional[str] = ..., host: _Optional[str] = ..., rendezvous_port: _Optional[int] = ..., num_local_ranks: _Optional[int] = ...) -> None: ...
+    join_token: str
+    def __init__(self, job_id: _Optional[str] = ..., host: _Optional[str] = ..., rendezvous_port: _Optional[int] = ..., num_local_ranks: _Optional[int] = ..., join_token: _Optional[str] = ...) -> None: ...
 
 class JoinJobResponse(_message.Message):
     __slots__ = ("member", "liveness_timeout", "heartbeat_interval")

@@ -86,6 +86,8 @@ class WorkerServiceServicer:
 
     def JoinJob(self, request, context):
         """Registers a member; it is alive while it heartbeats within `liveness_timeout`.
+        Idempotent with a join_token: a retry carrying the same token (a reply
+        lost to a reset connection) returns the member the first call registered.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -116,6 +118,9 @@ class WorkerServiceServicer:
 
     def WatchPlans(self, request, context):
         """The current plan, then each new plan, until the call is cancelled.
+        With member_id set, NOT_FOUND (at the start, or as soon as the leader
+        notices) once that member is not registered: it expired or left, so it is
+        fenced and must stop its ranks and join again.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

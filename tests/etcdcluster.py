@@ -1,0 +1,52 @@
+"""A real etcd cluster of several members on loopback, for fault tests.
+
+Each member is a `springback.service.local.EtcdServer` process with its own
+data directory and ports; `kill` and `start` one to lose it and bring it back
+(its data stays), `raft_leader` says which member leads raft now.
+"""
+
+from __future__ import annotations
+
+import os
+
+import etcd3
+
+from springback.service.local import EtcdServer
+
+
+class EtcdCluster:
+    def __init__(self, directory: str, size: int = 3) -> None:
+        self.members = [
+            EtcdServer(os.path.join(directory, f"etcd-{i}"), name=f"etcd-{i}") for i in range(size)
+        ]
+        initial = ",".join(f"{m.name}={m.peer_url}" for m in self.members)
+        for member in self.members:
+            member.initial_cluster = initial
+
+    @property
+    def endpoints(self) -> str:
+        """Every member's client URL, comma-separated (a Store's `endpoints`)."""
+        return ",".join(m.endpoint for m in self.members)
+
+    def start(self, timeout_s: float = 30.0) -> None:
+        for member in self.members:  # none serves before a quorum has started
+            member.start(wait=False)
+        for member in self.members:
+            member.wait_serving(timeout_s)
+
+    def raft_leader(self) -> EtcdServer:
+        """The member that leads raft now (asked of a live member)."""
+        for member in self.members:
+            if member.process is None or member.process.poll() is not None:
+                continue
+            client = etcd3.client(member.host, member.client_port, timeout=2)
+            try:
+                leader = client.status().leader
+            finally:
+                client.close()
+            return next(m for m in self.members if m.name == leader.name)
+        raise RuntimeError("no etcd member is running")
+
+    def stop(self) -> None:
+        for member in self.members:
+            member.stop(kill=True)

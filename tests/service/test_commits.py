@@ -1,0 +1,137 @@
+"""Checkpoint commits: every check inside the etcd transaction, one ref per step."""
+
+from __future__ import annotations
+
+import threading
+
+import grpc
+import pytest
+
+from agentsim import join
+from sbtest import wait_for
+from springback.service import keys
+from springback.v1 import types_pb2 as pb
+from springback.v1 import worker_service_pb2 as ws
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def commit(workers, job_id: str, member_id: str, generation: int, step: int, uri: str):
+    return workers.CommitCheckpoint(ws.CommitCheckpointRequest(
+        job_id=job_id, member_id=member_id, generation=generation,
+        checkpoint=pb.CheckpointRef(step=step, uri=uri, world_size=1)), timeout=10)
+
+
+def generation_of(coordinator, job_id: str) -> int:
+    return coordinator.coordinator.current_plan(job_id).generation
+
+
+class TestOneRecordPerStep:
+    def test_concurrent_commits_of_one_step_in_one_generation_only_one_is_acknowledged(
+        self, coordinator, client, workers, make_spec
+    ):
+        job = client.create_job(make_spec(max_workers=1, checkpoint={"uri": "file:///tmp/c1"}))
+        a = join(workers, job.id, 9501)
+        generation = generation_of(coordinator, job.id)
+        uris = [f"file:///tmp/c1/step-10-writer{i}" for i in range(4)]
+        acknowledged, refused = [], []
+        start = threading.Barrier(len(uris))
+
+        def attempt(uri: str) -> None:
+            start.wait()
+            try:
+                commit(workers, job.id, a, generation, 10, uri)
+                acknowledged.append(uri)
+            except grpc.RpcError as e:
+                refused.append(e.code())
+
+        threads = [threading.Thread(target=attempt, args=(uri,)) for uri in uris]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+        assert len(acknowledged) == 1, acknowledged
+        assert set(refused) <= {grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.ABORTED}
+        (recorded,) = client.list_checkpoints(job.id)
+        assert recorded.uri == acknowledged[0]  # the acknowledged one is the record
+        assert client.get_job(job.id).status.last_checkpoint.uri == acknowledged[0]
+        # A second commit of the step, later, is refused naming the one that stands.
+        with pytest.raises(grpc.RpcError) as e:
+            commit(workers, job.id, a, generation, 10, "file:///tmp/c1/step-10-late")
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert acknowledged[0] in e.value.details()
+
+    def test_a_retried_commit_is_acknowledged_again_and_changes_nothing(
+        self, coordinator, client, workers, make_spec
+    ):
+        job = client.create_job(make_spec(max_workers=1, checkpoint={"uri": "file:///tmp/c2"}))
+        a = join(workers, job.id, 9502)
+        generation = generation_of(coordinator, job.id)
+        first = commit(workers, job.id, a, generation, 10, "file:///tmp/c2/step-10")
+        again = commit(workers, job.id, a, generation, 10, "file:///tmp/c2/step-10")
+        assert list(again.retired) == [] and list(again.retained) == list(first.retained)
+
+    def test_a_step_recommitted_by_a_later_generation_replaces_the_damaged_record(
+        self, coordinator, client, workers, make_spec
+    ):
+        job = client.create_job(make_spec(max_workers=2, checkpoint={"uri": "file:///tmp/c3"}))
+        a = join(workers, job.id, 9503)
+        old_generation = generation_of(coordinator, job.id)
+        commit(workers, job.id, a, old_generation, 5, "file:///tmp/c3/step-5-g1")
+        commit(workers, job.id, a, old_generation, 10, "file:///tmp/c3/step-10-g1")
+        # The step-10 copy turns out damaged; training restores 5 and re-reaches 10.
+        join(workers, job.id, 9504)
+        generation = generation_of(coordinator, job.id)
+        assert generation > old_generation
+        response = commit(workers, job.id, a, generation, 10, "file:///tmp/c3/step-10-g2")
+        assert [r.uri for r in response.retired] == ["file:///tmp/c3/step-10-g1"]  # delete its files
+        assert [r.uri for r in response.retained] == ["file:///tmp/c3/step-5-g1",
+                                                      "file:///tmp/c3/step-10-g2"]
+        assert {c.step: (c.uri, c.generation) for c in client.list_checkpoints(job.id)} == {
+            5: ("file:///tmp/c3/step-5-g1", old_generation),
+            10: ("file:///tmp/c3/step-10-g2", generation),
+        }
+        assert client.get_job(job.id).status.last_checkpoint.uri == "file:///tmp/c3/step-10-g2"
+
+
+class TestFencedMembers:
+    def test_an_expired_member_is_refused_before_its_expiry_is_replanned(
+        self, coordinator, client, workers, make_spec
+    ):
+        # Reconcile off: the expiry is not yet a new generation, as in the
+        # window between a lease expiry and the leader's next reconcile pass.
+        coordinator.coordinator.reconcile_interval_s = 3600
+        job = client.create_job(make_spec(max_workers=1, checkpoint={"uri": "file:///tmp/c4"}))
+        a = join(workers, job.id, 9505)
+        generation = generation_of(coordinator, job.id)
+        commit(workers, job.id, a, generation, 10, "file:///tmp/c4/step-10")  # caches its lease
+        wait_for(lambda: coordinator.store.get(keys.member(job.id, a)) is None, 15,
+                 "the member's lease to expire")
+        assert generation_of(coordinator, job.id) == generation
+        for call, request in (
+            (workers.CommitCheckpoint, ws.CommitCheckpointRequest(
+                job_id=job.id, member_id=a, generation=generation,
+                checkpoint=pb.CheckpointRef(step=20, uri="file:///tmp/c4/step-20"))),
+            (workers.ReportFailure, ws.ReportFailureRequest(
+                job_id=job.id, member_id=a, generation=generation, reason="late")),
+            (workers.ReportCheckpointError, ws.ReportCheckpointErrorRequest(
+                job_id=job.id, member_id=a, generation=generation, error="late")),
+        ):
+            with pytest.raises(grpc.RpcError) as e:
+                call(request, timeout=10)
+            assert e.value.code() == grpc.StatusCode.NOT_FOUND, call
+        status = client.get_job(job.id).status
+        assert [c.step for c in client.list_checkpoints(job.id)] == [10]
+        assert status.generation == generation and status.checkpoint_error == ""
+
+    def test_a_live_member_without_ranks_cannot_commit(self, coordinator, client, workers, make_spec):
+        job = client.create_job(make_spec(max_workers=1, checkpoint={"uri": "file:///tmp/c5"}))
+        a = join(workers, job.id, 9506)
+        spare = join(workers, job.id, 9507)
+        plan = coordinator.coordinator.current_plan(job.id)
+        assert [m.member_id for m in plan.members] == [a] and list(plan.spares) == [spare]
+        with pytest.raises(grpc.RpcError) as e:
+            commit(workers, job.id, spare, plan.generation, 10, "file:///tmp/c5/step-10")
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "holds no ranks" in e.value.details()
+        assert client.list_checkpoints(job.id) == []

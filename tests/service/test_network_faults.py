@@ -1,0 +1,94 @@
+"""Agent <-> coordinator over a faulty network: delay with jitter, resets, refusals.
+
+A member (`agentsim.SimMember`: the agent's channel, cadence and deadlines)
+reaches the coordinator only through a `NetProxy`. Short faults must cost
+nothing (the member stays alive, its reports land once); a fault longer than
+the liveness timeout fences it, and then nothing it sends counts.
+"""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import pytest
+
+from agentsim import SimMember
+from netproxy import NetProxy
+from sbtest import wait_for
+from springback.service import keys
+from springback.service.client import Client
+from springback.v1 import worker_service_pb2 as ws
+
+pytestmark = pytest.mark.timeout(90)
+
+LIVENESS_S = 3.0
+
+
+class TestFaultyAgentLink:
+    def test_short_faults_cost_nothing_and_a_long_one_fences_the_member(
+        self, start_coordinator, make_spec
+    ):
+        coordinator = start_coordinator(liveness_timeout_s=LIVENESS_S)
+        wait_for(coordinator.election.is_leader, 10, "the coordinator to lead")
+        client = Client(coordinator.address)
+        job = client.create_job(make_spec(max_workers=1, checkpoint={"uri": "file:///tmp/nf"}))
+        with NetProxy(coordinator.address) as link:
+            member = SimMember([link.address], job.id)
+            try:
+                generation = client.get_job(job.id).status.generation
+
+                def beats_after(n: int) -> bool:
+                    return member.num_ok >= n
+
+                # 1. 200 ms +- 50 ms each way: slower, nothing lost.
+                link.delay(0.2, jitter=0.05)
+                start = member.num_ok
+                wait_for(lambda: beats_after(start + 2 * 4), 20, "heartbeats over the slow link")
+                assert member.report_step(generation, 5).generation == generation
+                member.commit(generation, 5)
+                link.heal()
+                # 2. Connections reset under the member, three times.
+                for _ in range(3):
+                    start = member.num_ok
+                    link.reset()
+                    wait_for(lambda: beats_after(start + 2), 10, "heartbeats after a reset")
+                # 3. Refused connections for a third of the liveness timeout.
+                link.reset().refuse()
+                refused_at = time.monotonic()
+                wait_for(lambda: time.monotonic() - refused_at >= LIVENESS_S / 3
+                         and link.num_refused > 0, 10, "refusals to last")
+                start = member.num_ok
+                link.heal()
+                wait_for(lambda: beats_after(start + 2), 10, "heartbeats after the refusals")
+                assert coordinator.store.get(keys.member(job.id, member.id)) is not None
+                status = client.get_job(job.id).status
+                assert status.generation == generation and status.step == 5
+                assert [c.step for c in client.list_checkpoints(job.id)] == [5]
+                assert member.failures["NOT_FOUND"] == 0  # short faults never fenced it
+
+                # 4. Held beyond the liveness timeout: the member expires (fenced).
+                link.hold()
+                wait_for(lambda: coordinator.store.get(keys.member(job.id, member.id)) is None,
+                         LIVENESS_S + 5, "the member to expire")
+                link.reset().heal()
+                member.stop_heartbeats()
+                with pytest.raises(grpc.RpcError) as e:
+                    member.heartbeat_once()
+                assert e.value.code() == grpc.StatusCode.NOT_FOUND
+                for late in (lambda: member.commit(generation, 10),
+                             lambda: member.report_step(generation, 10)):
+                    with pytest.raises(grpc.RpcError) as e:
+                        late()
+                    assert e.value.code() in (grpc.StatusCode.NOT_FOUND,
+                                              grpc.StatusCode.FAILED_PRECONDITION)
+                stream = member.stub.WatchPlans(ws.WatchPlansRequest(
+                    job_id=job.id, member_id=member.id), timeout=10)
+                with pytest.raises(grpc.RpcError) as e:
+                    next(stream)
+                assert e.value.code() == grpc.StatusCode.NOT_FOUND
+                assert [c.step for c in client.list_checkpoints(job.id)] == [5]
+                assert client.get_job(job.id).status.generation > generation
+            finally:
+                member.close()
+                client.close()
