@@ -4,7 +4,8 @@ A base URI holds one directory per checkpoint (``step-<step>-g<generation>``).
 A checkpoint is *committed* when its ``manifest.json`` exists and parses, otherwise
 *partial*. Every function here is safe to run concurrently with writers: it never
 deletes the newest committed checkpoint, and deletes a partial one only when no
-writer can still commit it (see :func:`clean_partial`). Deleting a checkpoint
+writer can still commit it (see :func:`clean_partial`; the step of an older
+generation's commit is no such proof, since a rewind makes steps go back). Deleting a checkpoint
 removes its manifest first, so an interrupted delete leaves a partial directory
 (cleaned later), never a committed checkpoint with missing shards.
 """
@@ -154,26 +155,38 @@ def clean_partial(
 ) -> list[str]:
     """Delete partial checkpoints that can no longer commit; return their URIs.
 
-    A partial directory is deleted when it is older (by step) than the newest
-    committed checkpoint, or when ``current_generation`` is given and it was written
-    by an older generation (its writers are fenced: they can no longer commit). A
-    partial directory of the current generation newer than every commit may be a
-    save in flight and is kept.
+    A partial directory of generation ``g`` at step ``s`` is deleted when its
+    writers can no longer commit it:
+
+    - a checkpoint of a *newer* generation is committed, or ``current_generation``
+      is given and ``g`` is older (generation ``g`` is fenced);
+    - a checkpoint of the *same* generation at a higher step is committed (the
+      committing rank commits one step after the other, so it gave up on ``s``).
+
+    A commit of an older generation says nothing about a partial of a newer one:
+    after a rewind (restore to an older step) the current generation's saves run
+    at steps below older commits, and such a save in flight is kept.
     """
     s = _store(base_uri, store, storage_options)
     return _delete_partials(list_checkpoints(base_uri, store=s), current_generation, s)
 
 
+def _can_never_commit(c: CheckpointInfo, all_ckpts: list[CheckpointInfo], current_generation: int | None) -> bool:
+    """The rule of :func:`clean_partial` for one partial checkpoint ``c``."""
+    if current_generation is not None and c.generation < current_generation:
+        return True
+    return any(
+        d.committed and (d.generation > c.generation or (d.generation == c.generation and d.step > c.step))
+        for d in all_ckpts
+    )
+
+
 def _delete_partials(all_ckpts: list[CheckpointInfo], current_generation: int | None,
                      s: Store) -> list[str]:
     """`clean_partial` over a listing already made."""
-    newest = max((c.step for c in all_ckpts if c.committed), default=-1)
     deleted = []
     for c in all_ckpts:
-        if c.committed:
-            continue
-        stale_gen = current_generation is not None and c.generation < current_generation
-        if c.step < newest or stale_gen:
+        if not c.committed and _can_never_commit(c, all_ckpts, current_generation):
             log.info("deleting partial checkpoint %s", c.uri)
             delete_checkpoint(c.uri, store=s)
             deleted.append(c.uri)

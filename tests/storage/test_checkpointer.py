@@ -352,6 +352,25 @@ class TestRetentionAndCleanup:
             (2, 2, "committed"), (3, 2, "committed"), (4, 2, "committed"), (6, 2, "partial")]
         assert prune_to_record(base_uri, recorded, current_generation=2) == []  # converged
 
+    def test_a_rewound_generations_save_in_flight_survives_cleanup_and_commits(self, base_uri):
+        # generation 2 committed step 100; generation 3 rewound to step 50 and
+        # is saving step 60 when rank 0's prune after its step-55 commit runs
+        sd = make_state(18)
+        old = save_all_ranks(base_uri, 100, [sd], generation=2)[0]
+        c55 = save_all_ranks(base_uri, 55, [sd, sd], generation=3)[0]
+        ranks = [Checkpointer(base_uri, rank=r, world_size=2, commit_timeout_s=5, poll_interval_s=0.02)
+                 for r in range(2)]
+        ranks[1].save(60, sd, generation=3).result(timeout=30)  # rank 1's shard is durable
+        assert prune_to_record(base_uri, [old.uri, c55.uri], current_generation=3) == []
+        assert clean_partial(base_uri, current_generation=3) == []
+        info = ranks[0].save(60, sd, generation=3).result(timeout=30)
+        assert info.manifest.step == 60 and verify(info.uri) == []
+        # the same generation's newer commit proves an older partial of it dead
+        Store(base_uri).put_bytes(join(base_uri, "step-00000058-g3", "__0_0.distcp"), b"partial")
+        assert clean_partial(base_uri, current_generation=3) == [join(base_uri, "step-00000058-g3")]
+        for c in ranks:
+            c.close()
+
     def test_manifest_is_written_last_and_is_json(self, base_uri):
         sd = make_state(16)
         info, _ = save_all_ranks(base_uri, 1, [sd, sd])
