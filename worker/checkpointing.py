@@ -9,7 +9,13 @@ given a model (and optimizer).
 Failure semantics:
 
 * Saving is asynchronous (`Checkpointer.save` returns after a host-memory
-  snapshot); the write and the manifest commit run in the background. Rank 0
+  snapshot); the write and the manifest commit run in the background. A
+  periodic checkpoint never waits for the previous one: when it comes due
+  while any rank is still writing or committing the previous one (slow
+  storage, a slow CommitCheckpoint or prune on rank 0), every rank skips it
+  (agreed with one all-reduce of a busy flag, so no rank writes a step the
+  others skipped); the skip is logged and counted (`skipped`). A slow store
+  thus makes checkpoints rarer, never steps slower. Rank 0
   records a committed checkpoint with CommitCheckpoint, fenced by generation,
   then deletes everything storage holds beyond the coordinator's record: what
   the commit retired, partials that can no longer commit, a retired
@@ -32,9 +38,12 @@ import logging
 from typing import Any
 
 import grpc
+import torch
+import torch.distributed as dist
 
 from springback.v1 import types_pb2 as pb
 from springback.v1 import worker_service_pb2 as wpb
+from springback.worker.rendezvous import handed_to_gloo
 
 log = logging.getLogger(__name__)
 
@@ -64,8 +73,38 @@ class GenerationCheckpoints:
         state = self._session.state
         return model_state_dict(state["model"], state.get("optimizer"))
 
-    def save(self, step: int, cursor: tuple[int, int], *, wait: bool = False) -> None:
-        """Saves `step` (collective: every rank of the generation calls it)."""
+    @property
+    def skipped(self) -> int:
+        """Periodic checkpoints skipped because the previous one was still busy."""
+        return self._ckpt.stats.skipped
+
+    def _any_rank_busy(self) -> bool:
+        """Collective: True when some rank's previous checkpoint is still being
+        written or committed. Raises what a failed collective raises (the
+        generation ends, as on a failed step)."""
+        busy = 1.0 if self._ckpt.in_flight() else 0.0
+        if self._plan.world_size == 1:
+            return busy > 0
+        t = torch.tensor([busy], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        handed_to_gloo(t)
+        return t.item() > 0
+
+    def save(self, step: int, cursor: tuple[int, int], *, wait: bool = False) -> bool:
+        """Saves `step` (collective: every rank of the generation calls it).
+
+        A periodic save (``wait=False``) returns at once after the snapshot, or
+        skips the step on every rank when any rank's previous checkpoint is
+        still busy (returns False). A drain or final save (``wait=True``) is
+        never skipped: it waits for the previous checkpoint, then for its own
+        commit, up to `DRAIN_SAVE_TIMEOUT_S`.
+        """
+        if not wait and self._any_rank_busy():
+            self._ckpt.stats.skipped += 1
+            log.warning("checkpoint of step %d skipped on every rank: the previous one is still "
+                        "being written or committed (%d skipped in this generation)",
+                        step, self._ckpt.stats.skipped)
+            return False
         # With the optimizer, the copy to host memory overlaps the next forward
         # and backward; its next step() waits for the copy (storage's pre-hook).
         self._ckpt.save(step, self._state(), generation=self._plan.generation, cursor=cursor,
@@ -76,6 +115,7 @@ class GenerationCheckpoints:
                 self._ckpt.wait(DRAIN_SAVE_TIMEOUT_S)
             except Exception as e:  # noqa: BLE001 - reported by on_error already
                 log.error("drain checkpoint of step %d failed: %s", step, e)
+        return True
 
     @property
     def stall_s(self) -> float | None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import http.client
 import socket
 import threading
+import time
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -53,19 +54,26 @@ class FaultInjector:
     """Chainable failure plan for the proxy: ``inj.fail(2, "503").fail(1, "reset", method="PUT")``.
 
     Each rule fails the next ``count`` matching requests; ``injected`` records
-    what was actually done, for exact assertions.
+    what was actually done, for exact assertions. ``slow(delay_s)`` holds every
+    matching request for ``delay_s`` before forwarding it (a slow store, until
+    ``clear()``).
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._rules: list[list[Any]] = []  # [remaining, mode, method]
+        self._rules: list[list[Any]] = []  # [remaining, mode, method, delay_s]
         self.injected: list[tuple[str, str, str]] = []  # (mode, method, path)
         self.forwarded = 0
 
     def fail(self, count: int, mode: str, *, method: str | None = None) -> FaultInjector:
         assert mode in ("503", "reset", "throttle")
         with self._lock:
-            self._rules.append([count, mode, method])
+            self._rules.append([count, mode, method, 0.0])
+        return self
+
+    def slow(self, delay_s: float, *, method: str | None = None, count: int = 10**9) -> FaultInjector:
+        with self._lock:
+            self._rules.append([count, "delay", method, delay_s])
         return self
 
     def clear(self) -> FaultInjector:
@@ -74,15 +82,18 @@ class FaultInjector:
             self._rules.clear()
         return self
 
-    def _take(self, method: str, path: str) -> str | None:
+    def _take(self, method: str, path: str) -> tuple[str | None, float]:
+        """The fault for this request: (mode or None, delay before forwarding)."""
         with self._lock:
             for rule in self._rules:
                 if rule[0] > 0 and (rule[2] is None or rule[2] == method):
                     rule[0] -= 1
                     self.injected.append((rule[1], method, path))
-                    return rule[1]
+                    if rule[1] == "delay":
+                        self.forwarded += 1
+                    return rule[1], rule[3]
             self.forwarded += 1
-        return None
+        return None, 0.0
 
 
 _HOP = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade", "proxy-connection"}
@@ -110,7 +121,9 @@ def _make_handler(upstream: tuple[str, int], injector: FaultInjector) -> type[Ba
 
         def _handle(self) -> None:
             body = self._body()
-            mode = injector._take(self.command, self.path)
+            mode, delay_s = injector._take(self.command, self.path)
+            if delay_s:
+                time.sleep(delay_s)  # the injected fault itself: a slow store
             if mode == "reset":
                 self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
                 self.close_connection = True

@@ -1,0 +1,59 @@
+"""A slow store slows checkpoints, not steps: two real gloo ranks of the tiny
+training script checkpoint every 2 steps to a real moto S3 server behind a
+loopback proxy that holds every request for a second. Rank 0 commits (lists,
+reads the done-records, writes .metadata and the manifest), so its checkpoint
+takes several times longer than rank 1's; before periodic saves were skipped
+while busy, its step loop stopped in save() and rank 1's next collective ran
+into the collective timeout (3 s here), breaking the generation."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "worker"))
+from fakeplans import FakeJob  # noqa: E402
+
+from springback.storage import committed_checkpoints, verify  # noqa: E402
+
+REQUEST_DELAY_S = 1.0
+MAX_STEPS = 30
+
+
+@pytest.mark.timeout(150)
+def test_periodic_checkpoints_to_a_slow_store_never_stall_the_step_loop(
+        tmp_path, s3_bucket, faulty_s3, make_s3_options, moto_endpoint):
+    bucket, opts = s3_bucket
+    endpoint, injector = faulty_s3
+    job = FakeJob(tmp_path, max_steps=MAX_STEPS)
+    job.spec.checkpoint.uri = f"{bucket}/ck"
+    job.spec.checkpoint.every_steps = 2
+    s3_env = {"SPRINGBACK_S3_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "testing",
+              "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
+              "TINY_STEP_SLEEP_S": "0.1"}
+    try:
+        injector.slow(REQUEST_DELAY_S)
+        for m in ("a", "b"):
+            job.spawn(m, s3_env)
+        job.publish(["a", "b"], "start")
+        for m in ("a", "b"):
+            assert job.procs[m].wait(timeout=120) == 0, (tmp_path / f"{m}.log").read_text()[-3000:]
+    finally:
+        job.close()
+    steps = sorted(job.steps(), key=lambda r: r["step"])
+    assert [r["step"] for r in steps] == list(range(1, MAX_STEPS + 1))
+    assert {r["generation"] for r in steps} == {1}  # the generation never broke
+    # every request takes 1 s, a checkpoint several: no periodic one held a step
+    # (the last step is excluded: the final checkpoint is waited for on purpose)
+    gaps = [b["t"] - a["t"] for a, b in zip(steps[:-2], steps[1:-1])]
+    assert max(gaps) < REQUEST_DELAY_S, gaps
+    log = (tmp_path / "a.log").read_text()
+    assert "skipped on every rank" in log
+    # the job still ends with a verified commit of its final step
+    direct = make_s3_options(moto_endpoint)
+    committed = committed_checkpoints(f"{bucket}/ck", storage_options=direct)
+    assert committed and committed[-1].step == MAX_STEPS
+    assert all(verify(c.uri, storage_options=direct) == [] for c in committed)
+    assert len(committed) < MAX_STEPS // 2  # some periodic ones were skipped
