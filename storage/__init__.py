@@ -4,6 +4,7 @@ Public API for the training library (worker) -- one ``Checkpointer`` per rank::
 
     from springback.storage import Checkpointer, restore_model, model_state_dict
 
+    base_uri = job_checkpoint_uri(spec.checkpoint.uri, job_id)      # <uri>/<job_id>: one directory per job
     ckpt = Checkpointer(base_uri, rank=rank, world_size=world,      # of the generation
                         storage_options=None,                       # or {"client_kwargs": {"endpoint_url": ...}}
                         on_commit=lambda info: stub.CommitCheckpoint(
@@ -42,6 +43,7 @@ from springback.storage.catalog import (
     clean_partial,
     committed_checkpoints,
     delete_checkpoint,
+    job_checkpoint_uri,
     list_checkpoints,
     prune_to_record,
     read_manifest,
@@ -49,6 +51,7 @@ from springback.storage.catalog import (
 )
 from springback.storage.checkpointer import Checkpointer, CheckpointerStats, CommitInfo
 from springback.storage.errors import (
+    CheckpointExists,
     CheckpointNotFound,
     CommitTimeout,
     CorruptCheckpoint,
@@ -69,6 +72,7 @@ from springback.storage.store import ENV_S3_ENDPOINT_URL, Store
 
 __all__ = [
     "ENV_S3_ENDPOINT_URL",
+    "CheckpointExists",
     "CheckpointInfo",
     "CheckpointNotFound",
     "Checkpointer",
@@ -89,6 +93,7 @@ __all__ = [
     "clean_partial",
     "committed_checkpoints",
     "delete_checkpoint",
+    "job_checkpoint_uri",
     "list_checkpoints",
     "load",
     "model_state_dict",

@@ -1,6 +1,8 @@
 """Finding, verifying and deleting checkpoints under a base URI.
 
 A base URI holds one directory per checkpoint (``step-<step>-g<generation>``).
+In a job the base URI is the job's own directory under the spec's
+``checkpoint.uri`` (:func:`job_checkpoint_uri`).
 A checkpoint is *committed* when its ``manifest.json`` exists and parses, otherwise
 *partial*. Every function here is safe to run concurrently with writers: it never
 deletes the newest committed checkpoint, and deletes a partial one only when no
@@ -43,6 +45,18 @@ class CheckpointInfo:
     @property
     def state(self) -> str:
         return "committed" if self.committed else "partial"
+
+
+def job_checkpoint_uri(checkpoint_uri: str, job_id: str) -> str:
+    """Where a job's checkpoints go: ``<checkpoint_uri>/<job_id>``.
+
+    Jobs are namespaced so that two jobs given the same ``checkpoint.uri`` (the
+    same job.yaml submitted twice) never write into each other's directories.
+    Raises ``ValueError`` for a job id that is empty or not one path segment.
+    """
+    if not job_id or "/" in job_id or job_id in (".", ".."):
+        raise ValueError(f"job id {job_id!r} cannot name a checkpoint directory under {checkpoint_uri}")
+    return join(checkpoint_uri, job_id)
 
 
 def _store(uri: str, store: Store | None, storage_options: dict[str, Any] | None) -> Store:

@@ -5,6 +5,7 @@ where there is one, the shard file) it is about, so an operator can act on the
 message alone. Callers that map to gRPC status codes should use:
 
 - :class:`CheckpointNotFound` -> NOT_FOUND
+- :class:`CheckpointExists` -> ALREADY_EXISTS
 - :class:`CorruptCheckpoint` -> FAILED_PRECONDITION (the data is there but bad)
 - :class:`TransientStorageError` / :class:`CommitTimeout` -> UNAVAILABLE
 - anything else -> INTERNAL
@@ -27,6 +28,16 @@ class TransientStorageError(StorageError):
 
 class CheckpointNotFound(StorageError):
     """No committed checkpoint exists where one was asked for."""
+
+
+class CheckpointExists(StorageError):
+    """A write into a checkpoint directory that is committed, or a file that
+    another writer already created (commits are create-only).
+
+    Raised instead of overwriting: a committed checkpoint is never written again.
+    Typical causes: two writers of the same step and generation (a duplicate
+    rank, two jobs sharing a checkpoint directory).
+    """
 
 
 class CorruptCheckpoint(StorageError):

@@ -129,8 +129,19 @@ class Store:
 
         return self._call("write", uri, attempt)
 
-    def put_bytes(self, uri: str, data: bytes, *, atomic: bool = False) -> None:
-        """Write ``data`` to ``uri``. With ``atomic``, readers see old or new content, never a mix."""
+    def put_bytes(self, uri: str, data: bytes, *, atomic: bool = False, create_only: bool = False) -> None:
+        """Write ``data`` to ``uri``. With ``atomic``, readers see old or new content, never a mix.
+
+        With ``create_only`` the write fails with :class:`FileExistsError` when
+        ``uri`` already holds other bytes, and never replaces them: local files
+        are hard-linked into place (atomic), S3 uses a conditional PUT
+        (``If-None-Match: *``), memory:// an exclusive open; other filesystems
+        check first (not atomic). Finding exactly ``data`` there already counts
+        as success, so a retry after a lost reply is idempotent.
+        """
+        if create_only:
+            self._create(uri, data)
+            return
         path = self._path(uri)
         if not (atomic and self.is_local):
             self.write_file(uri, lambda f: f.write(data))
@@ -146,6 +157,35 @@ class Store:
             os.replace(tmp, path)
 
         self._call("write", uri, attempt)
+
+    def _create(self, uri: str, data: bytes) -> None:
+        path = self._path(uri)
+
+        def attempt() -> None:
+            try:
+                if self.is_local:
+                    self._ensure_parent(path)
+                    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+                    try:
+                        with open(tmp, "wb") as f:
+                            f.write(data)
+                            f.flush()
+                            os.fsync(f.fileno())
+                        os.link(tmp, path)  # fails if path exists: create-only and atomic
+                    finally:
+                        os.unlink(tmp)
+                elif self.is_s3 or type(self.fs).__name__ == "MemoryFileSystem":
+                    self.fs.pipe_file(path, data, mode="create")
+                else:
+                    if self.fs.exists(path):
+                        raise FileExistsError(path)
+                    self.fs.pipe_file(path, data)
+            except FileExistsError:
+                if self.fs.cat_file(path) != data:
+                    raise
+            self.fs.invalidate_cache(path)
+
+        self._call("create", uri, attempt)
 
     # -- reading -------------------------------------------------------------
     def get_bytes(self, uri: str) -> bytes:

@@ -4,7 +4,8 @@ and the restore used when no surviving rank holds the state.
 Survivors hand state over in memory (see `session.py`); storage is only the
 fallback for losing every holder. This module sits beside the session core and
 is active only when the job spec has ``checkpoint.uri`` and the session was
-given a model (and optimizer).
+given a model (and optimizer). A job's checkpoints go to its own directory,
+``<checkpoint.uri>/<job_id>/step-…-g…``, so jobs sharing a URI never meet.
 
 Failure semantics:
 
@@ -56,13 +57,14 @@ class GenerationCheckpoints:
     """One generation's checkpointer for one rank."""
 
     def __init__(self, *, session: Any, plan: pb.Plan, rank: int) -> None:
-        from springback.storage import Checkpointer
+        from springback.storage import Checkpointer, job_checkpoint_uri
 
         self._session = session
         self._plan = plan
         self._rank = rank
         self.every_steps = int(plan.spec.checkpoint.every_steps)
-        self._ckpt = Checkpointer(plan.spec.checkpoint.uri, rank=rank,
+        self.base_uri = job_checkpoint_uri(plan.spec.checkpoint.uri, plan.job_id or session.env.job_id)
+        self._ckpt = Checkpointer(self.base_uri, rank=rank,
                                   world_size=plan.world_size,
                                   on_commit=self._on_commit if rank == 0 else None,
                                   on_error=self._on_error)
@@ -161,7 +163,7 @@ class GenerationCheckpoints:
                         e.code().name, e.details())
             return
         try:  # what this commit retired is no longer in the record: pruned too
-            prune_to_record(self._plan.spec.checkpoint.uri, [r.uri for r in resp.retained],
+            prune_to_record(self.base_uri, [r.uri for r in resp.retained],
                             current_generation=self._plan.generation)
         except Exception as e:  # noqa: BLE001 - the next commit's prune retries
             log.warning("deleting unrecorded checkpoints failed, retried after the next "

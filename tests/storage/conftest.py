@@ -179,3 +179,19 @@ def faulty_s3(moto_endpoint: str) -> Any:
 def make_s3_options() -> Any:
     """The function ``s3_options(endpoint, **extra)`` building s3fs options for a test endpoint."""
     return s3_options
+
+
+@pytest.fixture(params=["file", "memory", "s3"])
+def base_uri(request, tmp_path, monkeypatch) -> str:
+    """A fresh base URI on local files, memory:// or a real S3 server."""
+    if request.param == "file":
+        return f"file://{tmp_path}/ckpts"
+    if request.param == "memory":
+        return f"memory://ckpt-{uuid.uuid4().hex[:8]}"
+    # s3 configured only through the environment, as a deployment would
+    bucket, opts = request.getfixturevalue("s3_bucket")
+    monkeypatch.setenv("SPRINGBACK_S3_ENDPOINT_URL", opts["client_kwargs"]["endpoint_url"])
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    return f"{bucket}/ckpts"

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import pickle
 import threading
-import uuid
 
 import pytest
 import torch
@@ -76,21 +75,6 @@ def save_all_ranks(base: str, step: int, sd_per_rank: list[dict], *, generation:
     for c in ckpts:
         c.close()
     return out
-
-
-@pytest.fixture(params=["file", "memory", "s3"])
-def base_uri(request, tmp_path, monkeypatch) -> str:
-    if request.param == "file":
-        return f"file://{tmp_path}/ckpts"
-    if request.param == "memory":
-        return f"memory://ckpt-{uuid.uuid4().hex[:8]}"
-    # s3 configured only through the environment, as a deployment would
-    bucket, opts = request.getfixturevalue("s3_bucket")
-    monkeypatch.setenv("SPRINGBACK_S3_ENDPOINT_URL", opts["client_kwargs"]["endpoint_url"])
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
-    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
-    return f"{bucket}/ckpts"
 
 
 class TestCommitProtocol:

@@ -1,6 +1,6 @@
 """A slow store slows checkpoints, not steps: two real gloo ranks of the tiny
 training script checkpoint every 2 steps to a real moto S3 server behind a
-loopback proxy that holds every request for a second. Rank 0 commits (lists,
+loopback proxy that holds every request for 0.7 s. Rank 0 commits (lists,
 reads the done-records, writes .metadata and the manifest), so its checkpoint
 takes several times longer than rank 1's; before periodic saves were skipped
 while busy, its step loop stopped in save() and rank 1's next collective ran
@@ -16,10 +16,10 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parents[1] / "worker"))
 from fakeplans import FakeJob  # noqa: E402
 
-from springback.storage import committed_checkpoints, verify  # noqa: E402
+from springback.storage import committed_checkpoints, job_checkpoint_uri, verify  # noqa: E402
 
-REQUEST_DELAY_S = 1.0
-MAX_STEPS = 30
+REQUEST_DELAY_S = 0.7
+MAX_STEPS = 20
 
 
 @pytest.mark.timeout(150)
@@ -45,15 +45,20 @@ def test_periodic_checkpoints_to_a_slow_store_never_stall_the_step_loop(
     steps = sorted(job.steps(), key=lambda r: r["step"])
     assert [r["step"] for r in steps] == list(range(1, MAX_STEPS + 1))
     assert {r["generation"] for r in steps} == {1}  # the generation never broke
-    # every request takes 1 s, a checkpoint several: no periodic one held a step
-    # (the last step is excluded: the final checkpoint is waited for on purpose)
+    # every request takes 0.7 s and rank 0's checkpoint makes about 10, rank
+    # 1's 5, so a save that waited for the previous one held a step for 3 s or
+    # more; none
+    # did (the last step is excluded: the final checkpoint is waited for on
+    # purpose). The bound leaves room for the S3 client's one-time set-up on
+    # the checkpoint thread, which competes for the two cores.
     gaps = [b["t"] - a["t"] for a, b in zip(steps[:-2], steps[1:-1])]
-    assert max(gaps) < REQUEST_DELAY_S, gaps
+    assert max(gaps) < 2 * REQUEST_DELAY_S, gaps
+    assert sorted(gaps)[len(gaps) // 2] < 0.5, gaps
     log = (tmp_path / "a.log").read_text()
     assert "skipped on every rank" in log
     # the job still ends with a verified commit of its final step
     direct = make_s3_options(moto_endpoint)
-    committed = committed_checkpoints(f"{bucket}/ck", storage_options=direct)
+    committed = committed_checkpoints(job_checkpoint_uri(f"{bucket}/ck", "fake"), storage_options=direct)
     assert committed and committed[-1].step == MAX_STEPS
     assert all(verify(c.uri, storage_options=direct) == [] for c in committed)
     assert len(committed) < MAX_STEPS // 2  # some periodic ones were skipped
