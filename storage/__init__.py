@@ -52,6 +52,7 @@ from springback.storage.catalog import (
 from springback.storage.checkpointer import Checkpointer, CheckpointerStats, CommitInfo
 from springback.storage.errors import (
     CheckpointExists,
+    CheckpointMismatch,
     CheckpointNotFound,
     CommitTimeout,
     CorruptCheckpoint,
@@ -74,6 +75,7 @@ __all__ = [
     "ENV_S3_ENDPOINT_URL",
     "CheckpointExists",
     "CheckpointInfo",
+    "CheckpointMismatch",
     "CheckpointNotFound",
     "Checkpointer",
     "CheckpointerStats",

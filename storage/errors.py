@@ -6,7 +6,7 @@ message alone. Callers that map to gRPC status codes should use:
 
 - :class:`CheckpointNotFound` -> NOT_FOUND
 - :class:`CheckpointExists` -> ALREADY_EXISTS
-- :class:`CorruptCheckpoint` -> FAILED_PRECONDITION (the data is there but bad)
+- :class:`CorruptCheckpoint`, :class:`CheckpointMismatch` -> FAILED_PRECONDITION (the data is there but bad or not this state's)
 - :class:`TransientStorageError` / :class:`CommitTimeout` -> UNAVAILABLE
 - anything else -> INTERNAL
 """
@@ -38,6 +38,11 @@ class CheckpointExists(StorageError):
     Typical causes: two writers of the same step and generation (a duplicate
     rank, two jobs sharing a checkpoint directory).
     """
+
+
+class CheckpointMismatch(StorageError):
+    """A committed checkpoint does not hold the entries the caller's state needs
+    (a different model, or state that was never saved). Nothing was loaded."""
 
 
 class CorruptCheckpoint(StorageError):

@@ -73,7 +73,7 @@ class GenerationCheckpoints:
         from springback.storage import model_state_dict
 
         state = self._session.state
-        return model_state_dict(state["model"], state.get("optimizer"))
+        return model_state_dict(state["model"], state.get("optimizer"), extra_state=extra_state(state))
 
     @property
     def skipped(self) -> int:
@@ -182,24 +182,32 @@ class GenerationCheckpoints:
             log.warning("ReportCheckpointError failed: %s", e.code().name)
 
 
+def extra_state(state: dict[str, Any]) -> dict[str, Any]:
+    """The Session's registered ``state=`` entries besides the model and the
+    optimizer (an LR scheduler, ...): checkpointed and restored with them."""
+    return {k: v for k, v in state.items() if k not in ("model", "optimizer")}
+
+
 def restore_from_checkpoint(ref: pb.CheckpointRef, state: dict[str, Any]) -> int:
     """The session's restore hook: loads the plan's checkpoint (collective over
-    the current group, any world size) into the registered model/optimizer and
-    returns the step it holds.
+    the current group, any world size) into the registered model, optimizer
+    and other ``state=`` entries, and returns the step it holds.
 
     Files are verified against the manifest's checksums first; when the plan's
     checkpoint is damaged or missing, the newest intact older one under the same
     base URI is restored instead, with a warning naming the bad files (the
-    returned step says which). Raises storage's CorruptCheckpoint /
-    CheckpointNotFound when none is usable.
+    returned step says which). All or nothing: the state is loaded into copies
+    and applied once complete, so a failed restore leaves the registered state
+    as it was. Raises storage's CorruptCheckpoint / CheckpointNotFound when none
+    is usable, CheckpointMismatch when the checkpoint lacks an entry the state
+    needs (parameters never stepped before the save are fine: restored without
+    optimizer state).
     """
-    from springback.storage import apply_model_state_dict, model_state_dict, restore
+    from springback.storage import restore_model
 
-    model, optimizer = state["model"], state.get("optimizer")
-    sd = model_state_dict(model, optimizer)
     base = ref.uri.rstrip("/").rsplit("/", 1)[0]
-    result = restore(base, sd, max_step=ref.step)
-    apply_model_state_dict(model, optimizer, sd)
+    result = restore_model(base, state["model"], state.get("optimizer"),
+                           extra_state=extra_state(state), max_step=ref.step)
     if result.manifest.step != ref.step:
         log.warning("checkpoint of step %d unusable; restored step %d from %s instead",
                     ref.step, result.manifest.step, result.uri)
