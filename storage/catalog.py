@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import zlib
 from collections.abc import Iterable
 from typing import Any
 
@@ -123,7 +122,9 @@ def verify(
     Returns a list of problems, one per bad file, each naming the file's URI; an
     empty list means the checkpoint is intact. A missing manifest is a problem
     too. ``ranks=(i, n)`` checks only files ``j`` with ``j % n == i`` (to split the
-    reading across ``n`` restoring ranks). Reads every byte: cost is one full read.
+    reading across ``n`` restoring ranks). Reads every byte: cost is one full read;
+    a transient read error (reset, truncated body) rereads the file within the
+    store's retry policy, so only a file that stays unreadable is a problem.
     """
     s = _store(ckpt_uri, store, storage_options)
     try:
@@ -136,10 +137,7 @@ def verify(
             continue
         uri = join(ckpt_uri, entry.path)
         try:
-            crc, size = 0, 0
-            for chunk in s.iter_chunks(uri):
-                crc = zlib.crc32(chunk, crc)
-                size += len(chunk)
+            crc, size = s.checksum(uri)
         except FileNotFoundError:
             problems.append(f"{uri}: missing")
             continue

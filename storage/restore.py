@@ -18,16 +18,19 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
+import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.api import CheckpointException
 
 from springback.storage import catalog
 from springback.storage.commit import load_record
-from springback.storage.errors import CheckpointMismatch, CheckpointNotFound, CorruptCheckpoint
+from springback.storage.errors import CheckpointMismatch, CheckpointNotFound, CorruptCheckpoint, TransientStorageError
+from springback.storage.retry import is_transient
 from springback.storage.manifest import Manifest
 from springback.storage.store import Store
 
@@ -99,8 +102,35 @@ def load(
             f"{f' (and {len(missing) - 10} more)' if len(missing) > 10 else ''}: "
             "the state to restore does not match the state that was saved; nothing was loaded",
             uri=ckpt_uri)
-    dcp.load(state_dict, storage_reader=reader, process_group=process_group)
+    _load_retrying(state_dict, reader, process_group, s, ckpt_uri)
     return manifest
+
+
+def _load_retrying(state_dict: dict[str, Any], reader: Any, process_group: Any, store: Store, ckpt_uri: str) -> None:
+    """``dcp.load``, repeated whole on transient read errors within the store's retry policy.
+
+    Every entry is read again, so a retry is complete. DCP gathers every rank's
+    failures into one ``CheckpointException`` raised on all ranks, so all ranks
+    take the same decision and a retry stays collective.
+    """
+    policy = store.retry
+    deadline = time.monotonic() + policy.deadline_s
+    backoff = policy.initial_backoff_s
+    for attempt in range(1, policy.max_attempts + 1):
+        try:
+            dcp.load(state_dict, storage_reader=reader, process_group=process_group)
+            return
+        except CheckpointException as exc:
+            failures = [e for e, _ in exc.failures.values()]
+            if not failures or not all(is_transient(e) for e in failures):
+                raise
+            if attempt == policy.max_attempts or time.monotonic() >= deadline:
+                raise TransientStorageError(f"reading {ckpt_uri} failed after {attempt} attempts: {failures[0]!r}",
+                                            uri=ckpt_uri) from exc
+            log.warning("transient error reading %s (attempt %d), reading it again: %r", ckpt_uri, attempt, failures[0])
+            store.stats._add(retries=1)
+            time.sleep(min(policy.max_backoff_s, backoff))
+            backoff *= 2
 
 
 def _drop_unsaved_optimizer_state(state_dict: dict[str, Any], saved: set[str]) -> list[str]:

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import Callable, Iterator
+import zlib
+from collections.abc import Callable
 from typing import Any, BinaryIO, TypeVar
 
 import fsspec
@@ -192,15 +193,24 @@ class Store:
         """Read the whole file at ``uri``."""
         return self._call("read", uri, lambda: self.fs.cat_file(self._path(uri)))
 
-    def iter_chunks(self, uri: str, chunk_size: int = _READ_CHUNK) -> Iterator[bytes]:
-        """Yield the bytes of ``uri`` in chunks (not retried mid-stream; the open is)."""
-        f = self._call("open", uri, lambda: self.fs.open(self._path(uri), "rb"))
-        with f:
-            while True:
-                b = f.read(chunk_size)
-                if not b:
-                    return
-                yield b
+    def checksum(self, uri: str) -> tuple[int, int]:
+        """``(crc32, size)`` of the file at ``uri``, reading it once.
+
+        A transient error mid-stream (a reset, a truncated body) restarts the
+        whole read, so the result is always over the complete file;
+        ``FileNotFoundError`` is raised at once.
+        """
+        path = self._path(uri)
+
+        def attempt() -> tuple[int, int]:
+            crc, size = 0, 0
+            with self.fs.open(path, "rb") as f:
+                while chunk := f.read(_READ_CHUNK):
+                    crc = zlib.crc32(chunk, crc)
+                    size += len(chunk)
+            return crc, size
+
+        return self._call("read", uri, attempt)
 
     def exists(self, uri: str) -> bool:
         """True if a file or directory exists at ``uri`` (fresh, not from a listing cache)."""

@@ -54,26 +54,29 @@ class FaultInjector:
     """Chainable failure plan for the proxy: ``inj.fail(2, "503").fail(1, "reset", method="PUT")``.
 
     Each rule fails the next ``count`` matching requests; ``injected`` records
-    what was actually done, for exact assertions. ``slow(delay_s)`` holds every
+    what was actually done, for exact assertions. ``"truncate"`` forwards the
+    request but sends only half of the answer's body (with the full
+    Content-Length) and closes the connection; ``path=`` limits a rule to
+    request paths containing that text. ``slow(delay_s)`` holds every
     matching request for ``delay_s`` before forwarding it (a slow store, until
     ``clear()``).
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._rules: list[list[Any]] = []  # [remaining, mode, method, delay_s]
+        self._rules: list[list[Any]] = []  # [remaining, mode, method, delay_s, path]
         self.injected: list[tuple[str, str, str]] = []  # (mode, method, path)
         self.forwarded = 0
 
-    def fail(self, count: int, mode: str, *, method: str | None = None) -> FaultInjector:
-        assert mode in ("503", "reset", "throttle")
+    def fail(self, count: int, mode: str, *, method: str | None = None, path: str = "") -> FaultInjector:
+        assert mode in ("503", "reset", "throttle", "truncate")
         with self._lock:
-            self._rules.append([count, mode, method, 0.0])
+            self._rules.append([count, mode, method, 0.0, path])
         return self
 
     def slow(self, delay_s: float, *, method: str | None = None, count: int = 10**9) -> FaultInjector:
         with self._lock:
-            self._rules.append([count, "delay", method, delay_s])
+            self._rules.append([count, "delay", method, delay_s, ""])
         return self
 
     def clear(self) -> FaultInjector:
@@ -86,10 +89,10 @@ class FaultInjector:
         """The fault for this request: (mode or None, delay before forwarding)."""
         with self._lock:
             for rule in self._rules:
-                if rule[0] > 0 and (rule[2] is None or rule[2] == method):
+                if rule[0] > 0 and (rule[2] is None or rule[2] == method) and rule[4] in path:
                     rule[0] -= 1
                     self.injected.append((rule[1], method, path))
-                    if rule[1] == "delay":
+                    if rule[1] in ("delay", "truncate"):
                         self.forwarded += 1
                     return rule[1], rule[3]
             self.forwarded += 1
@@ -152,7 +155,12 @@ def _make_handler(upstream: tuple[str, int], injector: FaultInjector) -> type[Ba
             length = resp.getheader("Content-Length", "0") if self.command == "HEAD" else str(len(data))
             self.send_header("Content-Length", length)
             self.end_headers()
-            if self.command != "HEAD":
+            if mode == "truncate":
+                self.wfile.write(data[: len(data) // 2])
+                self.wfile.flush()
+                self.close_connection = True
+                self.connection.shutdown(socket.SHUT_RDWR)
+            elif self.command != "HEAD":
                 self.wfile.write(data)
             conn.close()
 
