@@ -262,6 +262,22 @@ class TestCorruption:
         assert result.step == 1 and [u for u, _ in result.skipped] == [info.uri]
         assert_state_equal(out, old)
 
+    def test_a_truncated_shard_is_named_and_restore_falls_back_to_the_previous_commit(self, base_uri):
+        old, new = make_state(40), make_state(41)
+        save_all_ranks(base_uri, 1, [old, old])
+        info, _ = save_all_ranks(base_uri, 2, [new, new])
+        store = Store(base_uri)
+        shard = join(info.uri, "__0_0.distcp")
+        data = store.get_bytes(shard)
+        store.rm(shard)
+        store.put_bytes(shard, data[: len(data) // 2])
+        problems = verify(info.uri)
+        assert problems == [f"{shard}: size {len(data) // 2} != {len(data)} in manifest"]
+        out = zeros_like_state(old)
+        result = restore(base_uri, out)
+        assert result.step == 1 and result.skipped == [(info.uri, problems)]
+        assert_state_equal(out, old)
+
     def test_missing_shard_is_named_and_explicit_step_is_not_replaced(self, base_uri):
         sd = make_state(11)
         save_all_ranks(base_uri, 1, [sd, sd])
