@@ -23,10 +23,10 @@ Public API for the training library (worker) -- one ``Checkpointer`` per rank::
     # or restore(base_uri, state_dict, step=N) / load(ckpt_uri, state_dict) for raw state dicts
 
     delete_checkpoint(ref.uri)                     # for each CheckpointRef the coordinator retires
-    apply_retention(base_uri, keep_last=3, keep_every=1000)   # or Checkpointer(keep_last=...)
     clean_partial(base_uri, current_generation=gen)           # e.g. once per new generation
     prune_to_record(base_uri, [r.uri for r in retained], current_generation=gen)
-                                                   # after a commit: storage converges to etcd's record
+                                                   # after a commit: storage converges to etcd's record;
+                                                   # retention is the coordinator's rule alone (service/commits.py)
     verify(ckpt_uri) -> list[str]                  # problems, each naming the bad file
 
 Semantics (commit protocol, failures) are in ``commit.py``, ``checkpointer.py`` and
@@ -39,7 +39,6 @@ __version__ = "0.1.0"
 
 from springback.storage.catalog import (
     CheckpointInfo,
-    apply_retention,
     clean_partial,
     committed_checkpoints,
     delete_checkpoint,
@@ -91,7 +90,6 @@ __all__ = [
     "Store",
     "TransientStorageError",
     "apply_model_state_dict",
-    "apply_retention",
     "clean_partial",
     "committed_checkpoints",
     "delete_checkpoint",

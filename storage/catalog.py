@@ -239,34 +239,3 @@ def prune_to_record(
 
 def _name(c: CheckpointInfo) -> str:
     return c.uri.rstrip("/").rsplit("/", 1)[-1]
-
-
-def apply_retention(
-    base_uri: str,
-    *,
-    keep_last: int,
-    keep_every: int | None = None,
-    store: Store | None = None,
-    storage_options: dict[str, Any] | None = None,
-) -> list[str]:
-    """Delete committed checkpoints beyond the newest ``keep_last``; return their URIs.
-
-    Checkpoints whose step is a multiple of ``keep_every`` are kept as well. The
-    newest committed checkpoint is always kept, so old ones go only after a newer
-    commit. ``keep_last`` must be >= 1.
-    """
-    if keep_last < 1:
-        raise ValueError(f"keep_last must be >= 1, got {keep_last}")
-    if keep_every is not None and keep_every < 1:
-        raise ValueError(f"keep_every must be >= 1 or None, got {keep_every}")
-    s = _store(base_uri, store, storage_options)
-    committed = committed_checkpoints(base_uri, store=s)
-    doomed = committed[:-keep_last]
-    deleted = []
-    for c in doomed:
-        if keep_every is not None and c.step % keep_every == 0:
-            continue
-        log.info("retention: deleting checkpoint %s", c.uri)
-        delete_checkpoint(c.uri, store=s)
-        deleted.append(c.uri)
-    return deleted

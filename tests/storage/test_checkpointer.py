@@ -17,7 +17,6 @@ from springback.storage import (
     CheckpointNotFound,
     CommitTimeout,
     CorruptCheckpoint,
-    apply_retention,
     clean_partial,
     list_checkpoints,
     prune_to_record,
@@ -305,26 +304,16 @@ class TestCorruption:
 
 
 class TestRetentionAndCleanup:
-    def test_keep_last_keeps_exactly_the_newest_n(self, base_uri):
+    @pytest.mark.parametrize(("keep_last", "keep_every", "left"),
+                             [(0, 0, [1, 2, 3, 4, 5, 6]), (2, 0, [5, 6]), (2, 3, [3, 5, 6])])
+    def test_storage_keeps_what_the_coordinators_retention_rule_records(self, base_uri, keep_last, keep_every, left):
+        from springback.service.commits import retained  # the one retention rule
+
         sd = make_state(12)
-        for step in range(1, 7):
-            save_all_ranks(base_uri, step, [sd])
-        deleted = apply_retention(base_uri, keep_last=2)
-        assert len(deleted) == 4
-        assert [c.step for c in list_checkpoints(base_uri)] == [5, 6]
-
-    def test_keep_every_also_keeps_multiples(self, base_uri):
-        sd = make_state(13)
-        for step in range(1, 8):
-            save_all_ranks(base_uri, step, [sd])
-        apply_retention(base_uri, keep_last=2, keep_every=3)
-        assert [c.step for c in list_checkpoints(base_uri)] == [3, 6, 7]
-
-    def test_checkpointer_retention_runs_only_after_a_newer_commit(self, base_uri):
-        sd = make_state(14)
-        for step in range(1, 4):
-            save_all_ranks(base_uri, step, [sd], keep_last=1)
-            assert [c.step for c in list_checkpoints(base_uri)] == [step]
+        infos = {step: save_all_ranks(base_uri, step, [sd])[0] for step in range(1, 7)}
+        record = [infos[s].uri for s in sorted(retained(list(infos), keep_last, keep_every))]
+        prune_to_record(base_uri, record, current_generation=1)
+        assert [c.step for c in list_checkpoints(base_uri)] == left
 
     def test_clean_partial_deletes_only_what_can_no_longer_commit(self, base_uri):
         sd = make_state(15)
