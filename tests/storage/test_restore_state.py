@@ -47,16 +47,22 @@ def save(base: str, model, opt, step: int, world: int = 1) -> None:
         c.close()
 
 
+def trained_checkpoint(tmp_path, world: int = 1) -> tuple[str, torch.nn.Module, torch.optim.Optimizer]:
+    """A model trained one step (its "unused" module never stepped), checkpointed at step 1."""
+    base = str(tmp_path / "ck")
+    model, opt = build(0)
+    train_step(model, opt, 1)
+    save(base, model, opt, 1, world=world)
+    return base, model, opt
+
+
 def params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 class TestPartialOptimizerState:
     def test_a_parameter_that_was_never_stepped_restores_without_state(self, tmp_path):
-        base = str(tmp_path / "ck")
-        model, opt = build(0)
-        train_step(model, opt, 1)
-        save(base, model, opt, 1)
+        base, model, opt = trained_checkpoint(tmp_path)
         model2, opt2 = build(99)
         assert restore_model(base, model2, opt2).step == 1
         assert all(torch.equal(a, b) for a, b in zip(params(model).values(), params(model2).values()))
@@ -70,10 +76,7 @@ class TestPartialOptimizerState:
 
 class TestAllOrNothing:
     def test_a_checkpoint_of_another_model_is_refused_naming_the_entry_and_changes_nothing(self, tmp_path):
-        base = str(tmp_path / "ck")
-        model, opt = build(0)
-        train_step(model, opt, 1)
-        save(base, model, opt, 1)
+        base, model, opt = trained_checkpoint(tmp_path)
         other, other_opt = build(5, hidden=3)
         other["extra"] = torch.nn.Linear(2, 2)
         other_opt = torch.optim.AdamW(other.parameters(), lr=0.1)
@@ -83,10 +86,7 @@ class TestAllOrNothing:
         assert all(torch.equal(before[k], v) for k, v in params(other).items())
 
     def test_a_restore_that_fails_while_reading_leaves_the_model_as_it_was(self, tmp_path):
-        base = str(tmp_path / "ck")
-        model, opt = build(0)
-        train_step(model, opt, 1)
-        save(base, model, opt, 1, world=2)  # two shard files
+        base, model, opt = trained_checkpoint(tmp_path, world=2)  # two shard files
         (ckpt,) = committed_checkpoints(base)
         Store(base).rm(join(ckpt.uri, "__1_0.distcp"))  # lost after the commit
         model2, opt2 = build(99)
