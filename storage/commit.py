@@ -215,13 +215,22 @@ def wait_for_records(
 ) -> list[DoneRecord]:
     """Poll until every rank's done-record exists, then read them all (ordered by rank).
 
-    Raises :class:`CommitTimeout` listing the missing ranks after ``timeout_s``.
+    Raises :class:`CommitTimeout` listing the missing ranks after ``timeout_s``,
+    and :class:`StorageError` at once when a record seen earlier disappears (the
+    directory was deleted under the committer: waiting longer cannot help).
     Reading a record that fails to unpickle raises :class:`StorageError` naming it.
     """
     deadline = time.monotonic() + timeout_s
     wanted = {f"rank-{r:05d}.pkl": r for r in range(world_size)}
+    seen: set[str] = set()
     while True:
         present = {name for name, _ in store.list(join(ckpt_uri, RECORDS_DIR))}
+        gone = sorted(wanted[name] for name in seen - present)
+        if gone:  # done-records are never removed by their writers
+            raise StorageError(
+                f"checkpoint {ckpt_uri} not committed: the done-records of ranks {gone} disappeared "
+                "while waiting (the directory was deleted, e.g. by cleanup)", uri=ckpt_uri)
+        seen |= present & wanted.keys()
         missing = sorted(r for name, r in wanted.items() if name not in present)
         if not missing:
             break

@@ -23,6 +23,8 @@ from springback.storage import (
     restore,
     verify,
 )
+from sbtest import wait_for
+from springback.storage import StorageError
 from springback.storage.commit import record_name
 from springback.storage.manifest import MANIFEST_NAME
 from springback.storage.store import Store, join, resolve_storage_options
@@ -143,6 +145,21 @@ class TestCommitProtocol:
         assert states == {(1, "committed"), (2, "partial")}
         out = zeros_like_state(sd)
         assert restore(base_uri, out).step == 1
+        c0.close()
+
+
+    def test_a_committer_whose_directory_is_deleted_fails_at_once_instead_of_waiting(self, base_uri):
+        errors = []
+        c0 = Checkpointer(base_uri, rank=0, world_size=2, commit_timeout_s=300, poll_interval_s=0.02,
+                          on_error=errors.append)
+        fut = c0.save(3, make_state(6), generation=1)
+        ckpt_uri = join(base_uri, "step-00000003-g1")
+        store = Store(base_uri)
+        wait_for(lambda: store.exists(join(ckpt_uri, record_name(0))), 30, "rank 0's done-record")
+        store.rm_tree(ckpt_uri)  # e.g. a cleanup that wrongly took it for dead
+        with pytest.raises(StorageError, match=r"ranks \[0\] disappeared"):
+            fut.result(timeout=30)  # not after commit_timeout_s
+        assert len(errors) == 1
         c0.close()
 
 
