@@ -26,6 +26,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.tensor import DTensor
 
 from springback.storage import catalog
 from springback.storage.commit import load_record
@@ -264,13 +265,20 @@ def apply_model_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimi
 
 
 def detached_copy(tree: Any) -> Any:
-    """A copy of a (nested) state dict whose tensors share no memory with the original."""
+    """A copy of a (nested) state dict whose tensors share no memory with the original.
+
+    Plain tensors are copied to host memory (the values are copied to their
+    device when applied); DTensors are cloned where they live (their mesh
+    fixes the device), costing device memory of one local shard each.
+    """
     if isinstance(tree, dict):
         return {k: detached_copy(v) for k, v in tree.items()}
     if isinstance(tree, list):
         return [detached_copy(v) for v in tree]
-    if isinstance(tree, torch.Tensor):
+    if isinstance(tree, DTensor):
         return tree.detach().clone()
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().to("cpu", copy=True)
     return copy.deepcopy(tree)
 
 
@@ -285,7 +293,8 @@ def restore_model(
     """:func:`restore` into ``model`` (and ``optimizer``), at the current world size and sharding.
 
     All or nothing: the checkpoint is loaded into copies of the current state
-    (one extra copy of the rank's share while it runs) and applied only once
+    (one extra copy of the rank's share while it runs: host memory for plain
+    tensors, device memory for DTensor shards) and applied only once
     every entry was read, so a restore that fails (damaged files, a checkpoint
     that does not match the model, a read error) leaves the model and the
     optimizer as they were. Parameters that had no optimizer state when saved
