@@ -193,7 +193,7 @@ def write_shard(
 
 def refuse_committed(store: Store, ckpt_uri: str) -> None:
     """Raise :class:`CheckpointExists` if ``ckpt_uri`` holds a manifest (is committed)."""
-    if store.exists(join(ckpt_uri, MANIFEST_NAME)):
+    if any(name == MANIFEST_NAME for name, _ in store.list(ckpt_uri)):  # one LIST, fresh
         raise CheckpointExists(
             f"{ckpt_uri} is already committed: a committed checkpoint is never written again "
             "(another writer of the same step and generation, or two jobs sharing one directory?)",
