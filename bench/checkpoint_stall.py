@@ -33,7 +33,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from springback.storage import Checkpointer, model_state_dict
+from springback.storage import Checkpointer, model_state_dict, prune_to_record
 
 WIDTH = 1024
 
@@ -94,7 +94,9 @@ def main() -> None:
           f"{torch.get_num_threads()} threads, {os.cpu_count()} cpus, load {os.getloadavg()[0]:.2f}")
 
     bufs = [torch.empty(t.shape, dtype=t.dtype, pin_memory=cuda) for t in ts]
-    ck = Checkpointer(f"{root}/springback", rank=0, world_size=1, keep_last=1)
+    base = f"{root}/springback"
+    ck = Checkpointer(base, rank=0, world_size=1,  # keep only the newest, as a record of one would
+                      on_commit=lambda info: prune_to_record(base, [info.uri], current_generation=1))
     stall: dict[str, list[float]] = {"copy": [], "ours": [], "async": []}
     after: dict[str, list[float]] = {"copy": [], "ours": [], "async": [], "none": []}  # first step after
     ours_save: list[float] = []

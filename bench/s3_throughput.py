@@ -21,7 +21,7 @@ import uuid
 
 import torch
 
-from springback.storage import Checkpointer
+from springback.storage import Checkpointer, prune_to_record
 from springback.storage.store import Store
 
 
@@ -64,7 +64,9 @@ def main() -> None:
     n = args.mb * 2**20 // 4 // 16
     sd = {f"t{i}": torch.randn(n) for i in range(16)}
     store = Store(f"s3://{bucket}", storage_options=opts)
-    ck = Checkpointer(f"s3://{bucket}/ckpt", rank=0, world_size=1, store=store, keep_last=1)
+    base = f"s3://{bucket}/ckpt"
+    ck = Checkpointer(base, rank=0, world_size=1, store=store,  # keep only the newest, as a record of one would
+                      on_commit=lambda info: prune_to_record(base, [info.uri], current_generation=1, store=store))
     # the bytes of the shard file, for the raw uploads
     first = ck.save(0, sd, generation=1).result()
     data = store.get_bytes(f"{first.uri}/__0_0.distcp")

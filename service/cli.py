@@ -181,9 +181,10 @@ def _checkpoint_rows(client: Client, job_id: str) -> list[dict[str, Any]]:
     base = client.get_job(job_id).spec.checkpoint.uri
     if base:
         try:
+            from springback.storage import job_checkpoint_uri
             from springback.storage.cli import ckpt_list_uri
 
-            stored = ckpt_list_uri(base)
+            stored = ckpt_list_uri(job_checkpoint_uri(base, job_id))
         except Exception as e:  # noqa: BLE001 (storage is advisory here; the record stands)
             print(f"warning: cannot list {base}: {e}", file=sys.stderr)
             stored = []

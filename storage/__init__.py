@@ -4,6 +4,7 @@ Public API for the training library (worker) -- one ``Checkpointer`` per rank::
 
     from springback.storage import Checkpointer, restore_model, model_state_dict
 
+    base_uri = job_checkpoint_uri(spec.checkpoint.uri, job_id)      # <uri>/<job_id>: one directory per job
     ckpt = Checkpointer(base_uri, rank=rank, world_size=world,      # of the generation
                         storage_options=None,                       # or {"client_kwargs": {"endpoint_url": ...}}
                         on_commit=lambda info: stub.CommitCheckpoint(
@@ -22,10 +23,10 @@ Public API for the training library (worker) -- one ``Checkpointer`` per rank::
     # or restore(base_uri, state_dict, step=N) / load(ckpt_uri, state_dict) for raw state dicts
 
     delete_checkpoint(ref.uri)                     # for each CheckpointRef the coordinator retires
-    apply_retention(base_uri, keep_last=3, keep_every=1000)   # or Checkpointer(keep_last=...)
     clean_partial(base_uri, current_generation=gen)           # e.g. once per new generation
     prune_to_record(base_uri, [r.uri for r in retained], current_generation=gen)
-                                                   # after a commit: storage converges to etcd's record
+                                                   # after a commit: storage converges to etcd's record;
+                                                   # retention is the coordinator's rule alone (service/commits.py)
     verify(ckpt_uri) -> list[str]                  # problems, each naming the bad file
 
 Semantics (commit protocol, failures) are in ``commit.py``, ``checkpointer.py`` and
@@ -38,10 +39,10 @@ __version__ = "0.1.0"
 
 from springback.storage.catalog import (
     CheckpointInfo,
-    apply_retention,
     clean_partial,
     committed_checkpoints,
     delete_checkpoint,
+    job_checkpoint_uri,
     list_checkpoints,
     prune_to_record,
     read_manifest,
@@ -49,6 +50,8 @@ from springback.storage.catalog import (
 )
 from springback.storage.checkpointer import Checkpointer, CheckpointerStats, CommitInfo
 from springback.storage.errors import (
+    CheckpointExists,
+    CheckpointMismatch,
     CheckpointNotFound,
     CommitTimeout,
     CorruptCheckpoint,
@@ -70,7 +73,9 @@ from springback.storage.store import ENV_S3_ENDPOINT_URL, Store
 
 __all__ = [
     "ENV_S3_ENDPOINT_URL",
+    "CheckpointExists",
     "CheckpointInfo",
+    "CheckpointMismatch",
     "CheckpointNotFound",
     "Checkpointer",
     "CheckpointerStats",
@@ -86,10 +91,10 @@ __all__ = [
     "Store",
     "TransientStorageError",
     "apply_model_state_dict",
-    "apply_retention",
     "clean_partial",
     "committed_checkpoints",
     "delete_checkpoint",
+    "job_checkpoint_uri",
     "list_checkpoints",
     "load",
     "model_state_dict",

@@ -1,10 +1,13 @@
 """Finding, verifying and deleting checkpoints under a base URI.
 
 A base URI holds one directory per checkpoint (``step-<step>-g<generation>``).
+In a job the base URI is the job's own directory under the spec's
+``checkpoint.uri`` (:func:`job_checkpoint_uri`).
 A checkpoint is *committed* when its ``manifest.json`` exists and parses, otherwise
 *partial*. Every function here is safe to run concurrently with writers: it never
 deletes the newest committed checkpoint, and deletes a partial one only when no
-writer can still commit it (see :func:`clean_partial`). Deleting a checkpoint
+writer can still commit it (see :func:`clean_partial`; the step of an older
+generation's commit is no such proof, since a rewind makes steps go back). Deleting a checkpoint
 removes its manifest first, so an interrupted delete leaves a partial directory
 (cleaned later), never a committed checkpoint with missing shards.
 """
@@ -13,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import zlib
 from collections.abc import Iterable
 from typing import Any
 
@@ -42,6 +44,18 @@ class CheckpointInfo:
     @property
     def state(self) -> str:
         return "committed" if self.committed else "partial"
+
+
+def job_checkpoint_uri(checkpoint_uri: str, job_id: str) -> str:
+    """Where a job's checkpoints go: ``<checkpoint_uri>/<job_id>``.
+
+    Jobs are namespaced so that two jobs given the same ``checkpoint.uri`` (the
+    same job.yaml submitted twice) never write into each other's directories.
+    Raises ``ValueError`` for a job id that is empty or not one path segment.
+    """
+    if not job_id or "/" in job_id or job_id in (".", ".."):
+        raise ValueError(f"job id {job_id!r} cannot name a checkpoint directory under {checkpoint_uri}")
+    return join(checkpoint_uri, job_id)
 
 
 def _store(uri: str, store: Store | None, storage_options: dict[str, Any] | None) -> Store:
@@ -108,7 +122,9 @@ def verify(
     Returns a list of problems, one per bad file, each naming the file's URI; an
     empty list means the checkpoint is intact. A missing manifest is a problem
     too. ``ranks=(i, n)`` checks only files ``j`` with ``j % n == i`` (to split the
-    reading across ``n`` restoring ranks). Reads every byte: cost is one full read.
+    reading across ``n`` restoring ranks). Reads every byte: cost is one full read;
+    a transient read error (reset, truncated body) rereads the file within the
+    store's retry policy, so only a file that stays unreadable is a problem.
     """
     s = _store(ckpt_uri, store, storage_options)
     try:
@@ -121,10 +137,7 @@ def verify(
             continue
         uri = join(ckpt_uri, entry.path)
         try:
-            crc, size = 0, 0
-            for chunk in s.iter_chunks(uri):
-                crc = zlib.crc32(chunk, crc)
-                size += len(chunk)
+            crc, size = s.checksum(uri)
         except FileNotFoundError:
             problems.append(f"{uri}: missing")
             continue
@@ -154,26 +167,38 @@ def clean_partial(
 ) -> list[str]:
     """Delete partial checkpoints that can no longer commit; return their URIs.
 
-    A partial directory is deleted when it is older (by step) than the newest
-    committed checkpoint, or when ``current_generation`` is given and it was written
-    by an older generation (its writers are fenced: they can no longer commit). A
-    partial directory of the current generation newer than every commit may be a
-    save in flight and is kept.
+    A partial directory of generation ``g`` at step ``s`` is deleted when its
+    writers can no longer commit it:
+
+    - a checkpoint of a *newer* generation is committed, or ``current_generation``
+      is given and ``g`` is older (generation ``g`` is fenced);
+    - a checkpoint of the *same* generation at a higher step is committed (the
+      committing rank commits one step after the other, so it gave up on ``s``).
+
+    A commit of an older generation says nothing about a partial of a newer one:
+    after a rewind (restore to an older step) the current generation's saves run
+    at steps below older commits, and such a save in flight is kept.
     """
     s = _store(base_uri, store, storage_options)
     return _delete_partials(list_checkpoints(base_uri, store=s), current_generation, s)
 
 
+def _can_never_commit(c: CheckpointInfo, all_ckpts: list[CheckpointInfo], current_generation: int | None) -> bool:
+    """The rule of :func:`clean_partial` for one partial checkpoint ``c``."""
+    if current_generation is not None and c.generation < current_generation:
+        return True
+    return any(
+        d.committed and (d.generation > c.generation or (d.generation == c.generation and d.step > c.step))
+        for d in all_ckpts
+    )
+
+
 def _delete_partials(all_ckpts: list[CheckpointInfo], current_generation: int | None,
                      s: Store) -> list[str]:
     """`clean_partial` over a listing already made."""
-    newest = max((c.step for c in all_ckpts if c.committed), default=-1)
     deleted = []
     for c in all_ckpts:
-        if c.committed:
-            continue
-        stale_gen = current_generation is not None and c.generation < current_generation
-        if c.step < newest or stale_gen:
+        if not c.committed and _can_never_commit(c, all_ckpts, current_generation):
             log.info("deleting partial checkpoint %s", c.uri)
             delete_checkpoint(c.uri, store=s)
             deleted.append(c.uri)
@@ -214,34 +239,3 @@ def prune_to_record(
 
 def _name(c: CheckpointInfo) -> str:
     return c.uri.rstrip("/").rsplit("/", 1)[-1]
-
-
-def apply_retention(
-    base_uri: str,
-    *,
-    keep_last: int,
-    keep_every: int | None = None,
-    store: Store | None = None,
-    storage_options: dict[str, Any] | None = None,
-) -> list[str]:
-    """Delete committed checkpoints beyond the newest ``keep_last``; return their URIs.
-
-    Checkpoints whose step is a multiple of ``keep_every`` are kept as well. The
-    newest committed checkpoint is always kept, so old ones go only after a newer
-    commit. ``keep_last`` must be >= 1.
-    """
-    if keep_last < 1:
-        raise ValueError(f"keep_last must be >= 1, got {keep_last}")
-    if keep_every is not None and keep_every < 1:
-        raise ValueError(f"keep_every must be >= 1 or None, got {keep_every}")
-    s = _store(base_uri, store, storage_options)
-    committed = committed_checkpoints(base_uri, store=s)
-    doomed = committed[:-keep_last]
-    deleted = []
-    for c in doomed:
-        if keep_every is not None and c.step % keep_every == 0:
-            continue
-        log.info("retention: deleting checkpoint %s", c.uri)
-        delete_checkpoint(c.uri, store=s)
-        deleted.append(c.uri)
-    return deleted

@@ -144,8 +144,9 @@ class Checkpointer:
             written; the training library sends CommitCheckpoint from it. An
             exception from it counts as a failed checkpoint (files stay on storage).
         on_error: called with the exception of any failed background save.
-        keep_last, keep_every: if set, rank 0 applies retention (and deletes
-            partial checkpoints that can no longer commit) after each commit.
+        Retention is not decided here: in a job the coordinator's record says
+        what to keep and :func:`~springback.storage.catalog.prune_to_record`
+        deletes the rest.
     """
 
     def __init__(
@@ -162,16 +163,12 @@ class Checkpointer:
         save_rng: bool = True,
         on_commit: Callable[[CommitInfo], None] | None = None,
         on_error: Callable[[BaseException], None] | None = None,
-        keep_last: int | None = None,
-        keep_every: int | None = None,
         store: Store | None = None,
     ) -> None:
         if policy not in ("block", "skip"):
             raise ValueError(f"policy must be 'block' or 'skip', got {policy!r}")
         if commit_timeout_s <= 0:
             raise ValueError(f"commit_timeout_s must be > 0, got {commit_timeout_s}")
-        if keep_last is not None and keep_last < 1:
-            raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
         d_rank, d_world = _default_rank_world()
         self.rank = d_rank if rank is None else rank
         self.world_size = d_world if world_size is None else world_size
@@ -185,8 +182,6 @@ class Checkpointer:
         self.save_rng = save_rng
         self.on_commit = on_commit
         self.on_error = on_error
-        self.keep_last = keep_last
-        self.keep_every = keep_every
         self.stats = CheckpointerStats()
         self._staging = StagingArea()
         self._executor = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"springback-ckpt-r{self.rank}")
@@ -320,9 +315,6 @@ class Checkpointer:
             if self.on_commit is not None:
                 self.on_commit(info)
             self.stats.committed += 1
-            if self.keep_last is not None:
-                catalog.apply_retention(self.base_uri, keep_last=self.keep_last, keep_every=self.keep_every, store=self.store)
-                catalog.clean_partial(self.base_uri, current_generation=generation, store=self.store)
             return info
         except BaseException as exc:
             self.stats.failed += 1

@@ -8,8 +8,10 @@
 - :func:`add_ckpt_commands` -- optional argparse wiring of both; also runnable
   standalone: ``python -m springback.storage.cli verify URI``.
 
-``URI`` may be one checkpoint directory or a base URI holding several (then every
-committed checkpoint under it is verified).
+``URI`` may be one checkpoint directory, a job's directory holding several (then
+every committed checkpoint under it is verified), or a spec's ``checkpoint.uri``
+holding one directory per job (``<uri>/<job_id>/step-…``; every job's checkpoints
+are verified).
 """
 
 from __future__ import annotations
@@ -21,19 +23,33 @@ from typing import Any, TextIO
 
 from springback.storage import catalog
 from springback.storage.manifest import parse_checkpoint_dir_name
+from springback.storage.store import Store, join
 
 
 def _is_checkpoint_dir(uri: str) -> bool:
     return parse_checkpoint_dir_name(uri.rstrip("/").rsplit("/", 1)[-1]) is not None
 
 
+def _verify_targets(uri: str, storage_options: dict[str, Any] | None) -> list[str]:
+    """One checkpoint directory; else the committed ones under ``uri`` (a job's
+    directory); else those under each directory below it (a spec's
+    ``checkpoint.uri`` holding one directory per job)."""
+    if _is_checkpoint_dir(uri):
+        return [uri.rstrip("/")]
+    targets = [c.uri for c in catalog.committed_checkpoints(uri, storage_options=storage_options)]
+    if targets:
+        return targets
+    store = Store(uri, storage_options=storage_options)
+    for name, is_dir in store.list(uri):
+        if is_dir:
+            targets += [c.uri for c in catalog.committed_checkpoints(join(uri, name), store=store)]
+    return targets
+
+
 def ckpt_verify(uri: str, json_out: bool = False, *, storage_options: dict[str, Any] | None = None, out: TextIO | None = None) -> int:
     """Verify the checkpoint(s) at ``uri``; print a report; return the exit code (0/1/2)."""
     out = out or sys.stdout
-    if _is_checkpoint_dir(uri):
-        targets = [uri.rstrip("/")]
-    else:
-        targets = [c.uri for c in catalog.committed_checkpoints(uri, storage_options=storage_options)]
+    targets = _verify_targets(uri, storage_options)
     results = [{"uri": t, "problems": catalog.verify(t, storage_options=storage_options)} for t in targets]
     for r in results:
         r["ok"] = not r["problems"]

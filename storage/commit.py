@@ -2,7 +2,8 @@
 
 Protocol, for the checkpoint directory ``D`` of one step:
 
-1. Every rank ``r`` writes its DCP shard file ``D/__r_0.distcp`` (skipped when it
+1. Every rank ``r`` claims its slot (``D/_springback/rank-r.claim``, see
+   below), writes its DCP shard file ``D/__r_0.distcp`` (skipped when it
    owns nothing), then its *done-record* ``D/_springback/rank-r.pkl``: the file's
    size and CRC-32, its DCP write items and results (its part of the DCP
    metadata), and its RNG state. The done-record is written only after the shard
@@ -18,12 +19,25 @@ Protocol, for the checkpoint directory ``D`` of one step:
 
 Crash at any point: before step 3 ends there is no manifest, so readers ignore the
 directory and cleanup deletes it; the previous committed checkpoint is untouched.
+
+Create-only: a committed directory is never written again. A writer checks that
+the manifest is absent before writing anything, and the done-records,
+``.metadata`` and ``manifest.json`` are created with create-only writes
+(:meth:`~springback.storage.store.Store.put_bytes`), so of two writers of one
+checkpoint (a duplicate rank, two jobs pointed at one directory) exactly one
+commits and the other fails with
+:class:`~springback.storage.errors.CheckpointExists` naming the directory. Before
+writing its shard, rank ``r`` creates ``D/_springback/rank-r.claim``
+(create-only), so a second writer of the same rank fails before it writes a
+byte and never touches the winner's shard.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import pickle
+import socket
 import time
 import uuid
 import zlib
@@ -37,7 +51,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
-from springback.storage.errors import CommitTimeout, StorageError
+from springback.storage.errors import CheckpointExists, CommitTimeout, StorageError
 from springback.storage.manifest import (
     MANIFEST_NAME,
     DataCursor,
@@ -62,6 +76,11 @@ def shard_file_name(rank: int) -> str:
 
 def record_name(rank: int) -> str:
     return f"{RECORDS_DIR}/rank-{rank:05d}.pkl"
+
+
+def claim_name(rank: int) -> str:
+    """Created (create-only) before rank ``rank`` writes anything: one writer per rank."""
+    return f"{RECORDS_DIR}/rank-{rank:05d}.claim"
 
 
 @dataclasses.dataclass
@@ -144,7 +163,13 @@ def write_shard(
 
     Retries transient errors by rewriting the whole file from the snapshot. On any
     failure no done-record is written, so the checkpoint can never commit.
+    Raises :class:`CheckpointExists` (writing nothing) when the checkpoint is
+    already committed or another writer already recorded this rank's shard.
     """
+    refuse_committed(store, ckpt_uri)
+    claim = f"{uuid.uuid4().hex} host={socket.gethostname()} pid={os.getpid()}\n".encode()
+    _create(store, join(ckpt_uri, claim_name(rank)), claim, ckpt_uri,
+            f"rank {rank} of checkpoint {ckpt_uri} is already claimed by another writer")
     shard: FileEntry | None = None
     results: list[WriteResult] = []
     if snap.items:
@@ -162,8 +187,27 @@ def write_shard(
         mappings=snap.mappings,
         rng=rng,
     )
-    store.put_bytes(join(ckpt_uri, record_name(rank)), pickle.dumps(record), atomic=True)
+    _create(store, join(ckpt_uri, record_name(rank)), pickle.dumps(record), ckpt_uri)
     return record
+
+
+def refuse_committed(store: Store, ckpt_uri: str) -> None:
+    """Raise :class:`CheckpointExists` if ``ckpt_uri`` holds a manifest (is committed)."""
+    if any(name == MANIFEST_NAME for name, _ in store.list(ckpt_uri)):  # one LIST, fresh
+        raise CheckpointExists(
+            f"{ckpt_uri} is already committed: a committed checkpoint is never written again "
+            "(another writer of the same step and generation, or two jobs sharing one directory?)",
+            uri=ckpt_uri)
+
+
+def _create(store: Store, uri: str, data: bytes, ckpt_uri: str, conflict: str = "") -> None:
+    """Create-only write; :class:`CheckpointExists` when another writer was first."""
+    try:
+        store.put_bytes(uri, data, create_only=True)
+    except FileExistsError as exc:
+        raise CheckpointExists(
+            conflict or f"{uri} was already written by another writer of checkpoint {ckpt_uri}; not overwritten",
+            uri=ckpt_uri) from exc
 
 
 def wait_for_records(
@@ -171,13 +215,22 @@ def wait_for_records(
 ) -> list[DoneRecord]:
     """Poll until every rank's done-record exists, then read them all (ordered by rank).
 
-    Raises :class:`CommitTimeout` listing the missing ranks after ``timeout_s``.
+    Raises :class:`CommitTimeout` listing the missing ranks after ``timeout_s``,
+    and :class:`StorageError` at once when a record seen earlier disappears (the
+    directory was deleted under the committer: waiting longer cannot help).
     Reading a record that fails to unpickle raises :class:`StorageError` naming it.
     """
     deadline = time.monotonic() + timeout_s
     wanted = {f"rank-{r:05d}.pkl": r for r in range(world_size)}
+    seen: set[str] = set()
     while True:
         present = {name for name, _ in store.list(join(ckpt_uri, RECORDS_DIR))}
+        gone = sorted(wanted[name] for name in seen - present)
+        if gone:  # done-records are never removed by their writers
+            raise StorageError(
+                f"checkpoint {ckpt_uri} not committed: the done-records of ranks {gone} disappeared "
+                "while waiting (the directory was deleted, e.g. by cleanup)", uri=ckpt_uri)
+        seen |= present & wanted.keys()
         missing = sorted(r for name, r in wanted.items() if name not in present)
         if not missing:
             break
@@ -242,12 +295,16 @@ def commit(
 ) -> Manifest:
     """Write ``.metadata`` then ``manifest.json`` for a checkpoint whose shards are all durable.
 
-    Idempotent: rerunning it rewrites the same two files. The manifest is the
-    commit point; a failure before it leaves the checkpoint partial.
+    Create-only: raises :class:`CheckpointExists` (overwriting nothing) when the
+    checkpoint is committed already (its ``.metadata`` exists) or another
+    committer wrote ``.metadata`` first; of two concurrent committers exactly
+    one wins. The manifest is the
+    commit point; a failure before it leaves the checkpoint partial (and a
+    rerun then fails on ``.metadata``: the directory is cleaned up as partial).
     """
     md = build_metadata(records, ckpt_uri)
     md_bytes = pickle.dumps(md)
-    store.put_bytes(join(ckpt_uri, DCP_METADATA_NAME), md_bytes, atomic=True)
+    _create(store, join(ckpt_uri, DCP_METADATA_NAME), md_bytes, ckpt_uri)
     files = [FileEntry(path=DCP_METADATA_NAME, size_bytes=len(md_bytes), crc32=crc32_of(md_bytes))]
     for r in records:
         if r.shard is not None:
@@ -264,7 +321,7 @@ def commit(
         created_at=utc_now_iso(),
         extra=dict(extra or {}),
     )
-    store.put_bytes(join(ckpt_uri, MANIFEST_NAME), manifest.to_json().encode(), atomic=True)
+    _create(store, join(ckpt_uri, MANIFEST_NAME), manifest.to_json().encode(), ckpt_uri)
     return manifest
 
 

@@ -5,7 +5,8 @@ where there is one, the shard file) it is about, so an operator can act on the
 message alone. Callers that map to gRPC status codes should use:
 
 - :class:`CheckpointNotFound` -> NOT_FOUND
-- :class:`CorruptCheckpoint` -> FAILED_PRECONDITION (the data is there but bad)
+- :class:`CheckpointExists` -> ALREADY_EXISTS
+- :class:`CorruptCheckpoint`, :class:`CheckpointMismatch` -> FAILED_PRECONDITION (the data is there but bad or not this state's)
 - :class:`TransientStorageError` / :class:`CommitTimeout` -> UNAVAILABLE
 - anything else -> INTERNAL
 """
@@ -27,6 +28,21 @@ class TransientStorageError(StorageError):
 
 class CheckpointNotFound(StorageError):
     """No committed checkpoint exists where one was asked for."""
+
+
+class CheckpointExists(StorageError):
+    """A write into a checkpoint directory that is committed, or a file that
+    another writer already created (commits are create-only).
+
+    Raised instead of overwriting: a committed checkpoint is never written again.
+    Typical causes: two writers of the same step and generation (a duplicate
+    rank, two jobs sharing a checkpoint directory).
+    """
+
+
+class CheckpointMismatch(StorageError):
+    """A committed checkpoint does not hold the entries the caller's state needs
+    (a different model, or state that was never saved). Nothing was loaded."""
 
 
 class CorruptCheckpoint(StorageError):

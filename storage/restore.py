@@ -15,17 +15,23 @@ Collective: when torch.distributed is initialized, :func:`restore` and
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
+import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.tensor import DTensor
 
 from springback.storage import catalog
 from springback.storage.commit import load_record
-from springback.storage.errors import CheckpointNotFound, CorruptCheckpoint
+from springback.storage.errors import CheckpointMismatch, CheckpointNotFound, CorruptCheckpoint, TransientStorageError
+from springback.storage.retry import is_transient
 from springback.storage.manifest import Manifest
 from springback.storage.store import Store
 
@@ -69,16 +75,77 @@ def load(
     storage_options: dict[str, Any] | None = None,
     process_group: Any = None,
     store: Store | None = None,
+    optimizer_state_as_saved: bool = False,
 ) -> Manifest:
     """Load one committed checkpoint into ``state_dict`` in place (no verification, no fallback).
 
-    Raises :class:`CheckpointNotFound` if it is not committed; DCP errors (missing
-    keys, shape mismatch) propagate.
+    Before anything is read, the keys of ``state_dict`` are checked against the
+    checkpoint's DCP metadata: a key the checkpoint lacks raises
+    :class:`CheckpointMismatch` naming the keys, with ``state_dict`` untouched.
+    With ``optimizer_state_as_saved``, a parameter whose optimizer state the
+    checkpoint does not hold at all (it had never been stepped when saved, e.g.
+    an unused module) is removed from ``state_dict["optim"]["state"]`` instead,
+    so it is restored without state, as it was saved. Raises
+    :class:`CheckpointNotFound` if it is not committed; read errors propagate
+    (``state_dict`` may then be partly loaded: load into copies to keep the
+    originals, as :func:`restore_model` does).
     """
     s = store or Store(ckpt_uri, storage_options=storage_options)
     manifest = catalog.read_manifest(ckpt_uri, store=s)
-    dcp.load(state_dict, storage_reader=storage_reader(ckpt_uri, store=s), process_group=process_group)
+    reader = storage_reader(ckpt_uri, store=s)
+    saved = set(reader.read_metadata().state_dict_metadata)
+    if optimizer_state_as_saved:
+        _drop_unsaved_optimizer_state(state_dict, saved)
+    missing = sorted(k for k in flatten_state_dict(state_dict)[0] if k not in saved)
+    if missing:
+        raise CheckpointMismatch(
+            f"checkpoint {ckpt_uri} holds no entry for {', '.join(missing[:10])}"
+            f"{f' (and {len(missing) - 10} more)' if len(missing) > 10 else ''}: "
+            "the state to restore does not match the state that was saved; nothing was loaded",
+            uri=ckpt_uri)
+    _load_retrying(state_dict, reader, process_group, s, ckpt_uri)
     return manifest
+
+
+def _load_retrying(state_dict: dict[str, Any], reader: Any, process_group: Any, store: Store, ckpt_uri: str) -> None:
+    """``dcp.load``, repeated whole on transient read errors within the store's retry policy.
+
+    Every entry is read again, so a retry is complete. DCP gathers every rank's
+    failures into one ``CheckpointException`` raised on all ranks, so all ranks
+    take the same decision and a retry stays collective.
+    """
+    policy = store.retry
+    deadline = time.monotonic() + policy.deadline_s
+    backoff = policy.initial_backoff_s
+    for attempt in range(1, policy.max_attempts + 1):
+        try:
+            dcp.load(state_dict, storage_reader=reader, process_group=process_group)
+            return
+        except CheckpointException as exc:
+            failures = [e for e, _ in exc.failures.values()]
+            if not failures or not all(is_transient(e) for e in failures):
+                raise
+            if attempt == policy.max_attempts or time.monotonic() >= deadline:
+                raise TransientStorageError(f"reading {ckpt_uri} failed after {attempt} attempts: {failures[0]!r}",
+                                            uri=ckpt_uri) from exc
+            log.warning("transient error reading %s (attempt %d), reading it again: %r", ckpt_uri, attempt, failures[0])
+            store.stats._add(retries=1)
+            time.sleep(min(policy.max_backoff_s, backoff))
+            backoff *= 2
+
+
+def _drop_unsaved_optimizer_state(state_dict: dict[str, Any], saved: set[str]) -> list[str]:
+    """Remove the optimizer state of parameters the checkpoint holds none for; return them."""
+    state = state_dict.get("optim", {}).get("state") if isinstance(state_dict.get("optim"), dict) else None
+    if not isinstance(state, dict):
+        return []
+    dropped = [fqn for fqn, entries in state.items() if isinstance(entries, dict)
+               and not any(f"optim.state.{fqn}.{k}" in saved for k in entries)]
+    for fqn in dropped:
+        del state[fqn]
+    if dropped:
+        log.info("no optimizer state was saved for %s (never stepped): restored without state", dropped)
+    return dropped
 
 
 def _agreed_problems(ckpt_uri: str, store: Store, rank: int, world: int, distributed: bool, pg: Any) -> list[str]:
@@ -101,6 +168,7 @@ def restore(
     verify_checksums: bool = True,
     restore_rng: bool = False,
     store: Store | None = None,
+    optimizer_state_as_saved: bool = False,
 ) -> RestoreResult:
     """Load the newest intact committed checkpoint under ``base_uri`` into ``state_dict``.
 
@@ -112,7 +180,8 @@ def restore(
     ``restore_rng`` sets this rank's torch RNG state to the one saved by rank
     ``rank % writers``. Raises :class:`CheckpointNotFound` when there is no
     committed candidate, :class:`CorruptCheckpoint` (with all problems) when every
-    candidate is bad.
+    candidate is bad, :class:`CheckpointMismatch` when ``state_dict`` has entries
+    the chosen checkpoint lacks (see :func:`load`; nothing is loaded then).
     """
     s = store or Store(base_uri, storage_options=storage_options)
     rank, world, distributed = _dist_group(process_group)
@@ -131,7 +200,8 @@ def restore(
             log.warning("checkpoint %s is damaged, falling back to the previous one: %s", uri, "; ".join(problems))
             skipped.append((uri, problems))
             continue
-        manifest = load(uri, state_dict, process_group=process_group, store=s)
+        manifest = load(uri, state_dict, process_group=process_group, store=s,
+                        optimizer_state_as_saved=optimizer_state_as_saved)
         if restore_rng:
             rng = load_record(s, uri, rank % manifest.world_size).rng or {}
             if "cpu" in rng:
@@ -149,42 +219,104 @@ def restore(
     )
 
 
-def model_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
+def model_state_dict(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    extra_state: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """``{"model": ..., "optim": ...}`` via ``torch.distributed.checkpoint.state_dict.get_state_dict``.
 
     Works for plain / DDP modules and FSDP2 (``fully_shard``) modules, whose
-    entries are DTensors. Pass the result to ``Checkpointer.save`` (it may be
-    extended with more entries) or to :func:`restore` followed by
-    :func:`apply_model_state_dict`.
+    entries are DTensors. ``extra_state`` (name -> object with ``state_dict()``,
+    e.g. an LR scheduler, replicated on every rank) adds
+    ``"extra_state": {name: obj.state_dict()}``. Pass the result to
+    ``Checkpointer.save`` (it may be extended with more entries) or restore it
+    with :func:`restore_model`.
     """
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
     if optimizer is None:
-        return {"model": get_model_state_dict(model)}
-    msd, osd = get_state_dict(model, optimizer)
-    return {"model": msd, "optim": osd}
+        sd = {"model": get_model_state_dict(model)}
+    else:
+        msd, osd = get_state_dict(model, optimizer)
+        sd = {"model": msd, "optim": osd}
+    if extra_state:
+        sd["extra_state"] = {name: obj.state_dict() for name, obj in extra_state.items()}
+    return sd
 
 
 def apply_model_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, sd: dict[str, Any]) -> None:
-    """Inverse of :func:`model_state_dict`: push loaded values into the module and optimizer."""
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+    """Inverse of :func:`model_state_dict`: push loaded values into the module and optimizer.
 
-    if optimizer is None:
-        set_model_state_dict(model, sd["model"])
-    else:
-        set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    The model's entries must be complete (strict). The optimizer takes the state
+    as given: a parameter without state in ``sd["optim"]`` (never stepped when it
+    was saved) ends up without state, exactly as the saved optimizer was.
+    """
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    set_model_state_dict(model, sd["model"])
+    if optimizer is not None:
+        set_optimizer_state_dict(model, optimizer, sd["optim"], options=StateDictOptions(strict=False))
+
+
+def detached_copy(tree: Any) -> Any:
+    """A copy of a (nested) state dict whose tensors share no memory with the original.
+
+    Plain tensors are copied to host memory (the values are copied to their
+    device when applied); DTensors are cloned where they live (their mesh
+    fixes the device), costing device memory of one local shard each.
+    """
+    if isinstance(tree, dict):
+        return {k: detached_copy(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [detached_copy(v) for v in tree]
+    if isinstance(tree, DTensor):
+        return tree.detach().clone()
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().to("cpu", copy=True)
+    return copy.deepcopy(tree)
 
 
 def restore_model(
     base_uri: str,
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer | None = None,
+    *,
+    extra_state: dict[str, Any] | None = None,
     **kwargs: Any,
 ) -> RestoreResult:
-    """:func:`restore` into ``model`` (and ``optimizer``), at the current world size and sharding."""
-    sd = model_state_dict(model, optimizer)
-    result = restore(base_uri, sd, **kwargs)
-    apply_model_state_dict(model, optimizer, sd)
+    """:func:`restore` into ``model`` (and ``optimizer``), at the current world size and sharding.
+
+    All or nothing: the checkpoint is loaded into copies of the current state
+    (one extra copy of the rank's share while it runs: host memory for plain
+    tensors, device memory for DTensor shards) and applied only once
+    every entry was read, so a restore that fails (damaged files, a checkpoint
+    that does not match the model, a read error) leaves the model and the
+    optimizer as they were. Parameters that had no optimizer state when saved
+    (never stepped) are restored without state. ``extra_state`` (name -> object
+    with ``state_dict()`` / ``load_state_dict()``, e.g. an LR scheduler) is
+    restored from the entries :func:`model_state_dict` saved under
+    ``extra_state.<name>``; a checkpoint without them raises
+    :class:`CheckpointMismatch`.
+    """
+    # torch's get_state_dict gives a fresh optimizer state by a zero-lr step;
+    # a failed restore takes that back too
+    pristine = copy.deepcopy(optimizer.state_dict()) if optimizer is not None and not optimizer.state else None
+    try:
+        staged = detached_copy(model_state_dict(model, optimizer, extra_state=extra_state))
+        result = restore(base_uri, staged, optimizer_state_as_saved=True, **kwargs)
+    except BaseException:  # DCP raises CheckpointException, a BaseException
+        if pristine is not None:
+            optimizer.load_state_dict(pristine)
+        raise
+    apply_model_state_dict(model, optimizer, staged)
+    for name, obj in (extra_state or {}).items():
+        obj.load_state_dict(staged["extra_state"][name])
     return result
 
 

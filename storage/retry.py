@@ -3,7 +3,7 @@
 What counts as transient (retried): connection resets / refused / timeouts, HTTP 5xx
 and throttling answers from S3-compatible stores (``SlowDown``, ``Throttling``,
 ``RequestTimeout``, ``InternalError``, ``ServiceUnavailable``), and aiohttp/botocore
-connection errors. Everything else -- missing files, permissions, bad arguments --
+connection errors. Everything else -- missing files, files a create-only write found, permissions, bad arguments --
 fails at once. s3fs and botocore wrap and re-raise errors, so the whole
 ``__cause__``/``__context__`` chain is inspected.
 
@@ -74,7 +74,7 @@ def _chain(exc: BaseException) -> list[BaseException]:
 def is_transient(exc: BaseException) -> bool:
     """Return True if ``exc`` (or anything in its cause chain) is worth retrying."""
     for e in _chain(exc):
-        if isinstance(e, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)):
+        if isinstance(e, (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError, NotADirectoryError)):
             return False
         if isinstance(e, (ConnectionError, TimeoutError)):
             return True

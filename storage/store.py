@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import Callable, Iterator
+import zlib
+from collections.abc import Callable
 from typing import Any, BinaryIO, TypeVar
 
 import fsspec
@@ -129,8 +130,19 @@ class Store:
 
         return self._call("write", uri, attempt)
 
-    def put_bytes(self, uri: str, data: bytes, *, atomic: bool = False) -> None:
-        """Write ``data`` to ``uri``. With ``atomic``, readers see old or new content, never a mix."""
+    def put_bytes(self, uri: str, data: bytes, *, atomic: bool = False, create_only: bool = False) -> None:
+        """Write ``data`` to ``uri``. With ``atomic``, readers see old or new content, never a mix.
+
+        With ``create_only`` the write fails with :class:`FileExistsError` when
+        ``uri`` already holds other bytes, and never replaces them: local files
+        are hard-linked into place (atomic), S3 uses a conditional PUT
+        (``If-None-Match: *``), memory:// an exclusive open; other filesystems
+        check first (not atomic). Finding exactly ``data`` there already counts
+        as success, so a retry after a lost reply is idempotent.
+        """
+        if create_only:
+            self._create(uri, data)
+            return
         path = self._path(uri)
         if not (atomic and self.is_local):
             self.write_file(uri, lambda f: f.write(data))
@@ -147,20 +159,58 @@ class Store:
 
         self._call("write", uri, attempt)
 
+    def _create(self, uri: str, data: bytes) -> None:
+        path = self._path(uri)
+
+        def attempt() -> None:
+            try:
+                if self.is_local:
+                    self._ensure_parent(path)
+                    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+                    try:
+                        with open(tmp, "wb") as f:
+                            f.write(data)
+                            f.flush()
+                            os.fsync(f.fileno())
+                        os.link(tmp, path)  # fails if path exists: create-only and atomic
+                    finally:
+                        os.unlink(tmp)
+                elif self.is_s3 or type(self.fs).__name__ == "MemoryFileSystem":
+                    self.fs.pipe_file(path, data, mode="create")
+                else:
+                    if self.fs.exists(path):
+                        raise FileExistsError(path)
+                    self.fs.pipe_file(path, data)
+            except FileExistsError:
+                if self.fs.cat_file(path) != data:
+                    raise
+            self.fs.invalidate_cache(path)
+
+        self._call("create", uri, attempt)
+
     # -- reading -------------------------------------------------------------
     def get_bytes(self, uri: str) -> bytes:
         """Read the whole file at ``uri``."""
         return self._call("read", uri, lambda: self.fs.cat_file(self._path(uri)))
 
-    def iter_chunks(self, uri: str, chunk_size: int = _READ_CHUNK) -> Iterator[bytes]:
-        """Yield the bytes of ``uri`` in chunks (not retried mid-stream; the open is)."""
-        f = self._call("open", uri, lambda: self.fs.open(self._path(uri), "rb"))
-        with f:
-            while True:
-                b = f.read(chunk_size)
-                if not b:
-                    return
-                yield b
+    def checksum(self, uri: str) -> tuple[int, int]:
+        """``(crc32, size)`` of the file at ``uri``, reading it once.
+
+        A transient error mid-stream (a reset, a truncated body) restarts the
+        whole read, so the result is always over the complete file;
+        ``FileNotFoundError`` is raised at once.
+        """
+        path = self._path(uri)
+
+        def attempt() -> tuple[int, int]:
+            crc, size = 0, 0
+            with self.fs.open(path, "rb") as f:
+                while chunk := f.read(_READ_CHUNK):
+                    crc = zlib.crc32(chunk, crc)
+                    size += len(chunk)
+            return crc, size
+
+        return self._call("read", uri, attempt)
 
     def exists(self, uri: str) -> bool:
         """True if a file or directory exists at ``uri`` (fresh, not from a listing cache)."""

@@ -4,12 +4,19 @@ and the restore used when no surviving rank holds the state.
 Survivors hand state over in memory (see `session.py`); storage is only the
 fallback for losing every holder. This module sits beside the session core and
 is active only when the job spec has ``checkpoint.uri`` and the session was
-given a model (and optimizer).
+given a model (and optimizer). A job's checkpoints go to its own directory,
+``<checkpoint.uri>/<job_id>/step-…-g…``, so jobs sharing a URI never meet.
 
 Failure semantics:
 
 * Saving is asynchronous (`Checkpointer.save` returns after a host-memory
-  snapshot); the write and the manifest commit run in the background. Rank 0
+  snapshot); the write and the manifest commit run in the background. A
+  periodic checkpoint never waits for the previous one: when it comes due
+  while any rank is still writing or committing the previous one (slow
+  storage, a slow CommitCheckpoint or prune on rank 0), every rank skips it
+  (agreed with one all-reduce of a busy flag, so no rank writes a step the
+  others skipped); the skip is logged and counted (`skipped`). A slow store
+  thus makes checkpoints rarer, never steps slower. Rank 0
   records a committed checkpoint with CommitCheckpoint, fenced by generation,
   then deletes everything storage holds beyond the coordinator's record: what
   the commit retired, partials that can no longer commit, a retired
@@ -32,9 +39,12 @@ import logging
 from typing import Any
 
 import grpc
+import torch
+import torch.distributed as dist
 
 from springback.v1 import types_pb2 as pb
 from springback.v1 import worker_service_pb2 as wpb
+from springback.worker.rendezvous import handed_to_gloo
 
 log = logging.getLogger(__name__)
 
@@ -47,13 +57,14 @@ class GenerationCheckpoints:
     """One generation's checkpointer for one rank."""
 
     def __init__(self, *, session: Any, plan: pb.Plan, rank: int) -> None:
-        from springback.storage import Checkpointer
+        from springback.storage import Checkpointer, job_checkpoint_uri
 
         self._session = session
         self._plan = plan
         self._rank = rank
         self.every_steps = int(plan.spec.checkpoint.every_steps)
-        self._ckpt = Checkpointer(plan.spec.checkpoint.uri, rank=rank,
+        self.base_uri = job_checkpoint_uri(plan.spec.checkpoint.uri, plan.job_id or session.env.job_id)
+        self._ckpt = Checkpointer(self.base_uri, rank=rank,
                                   world_size=plan.world_size,
                                   on_commit=self._on_commit if rank == 0 else None,
                                   on_error=self._on_error)
@@ -62,10 +73,40 @@ class GenerationCheckpoints:
         from springback.storage import model_state_dict
 
         state = self._session.state
-        return model_state_dict(state["model"], state.get("optimizer"))
+        return model_state_dict(state["model"], state.get("optimizer"), extra_state=extra_state(state))
 
-    def save(self, step: int, cursor: tuple[int, int], *, wait: bool = False) -> None:
-        """Saves `step` (collective: every rank of the generation calls it)."""
+    @property
+    def skipped(self) -> int:
+        """Periodic checkpoints skipped because the previous one was still busy."""
+        return self._ckpt.stats.skipped
+
+    def _any_rank_busy(self) -> bool:
+        """Collective: True when some rank's previous checkpoint is still being
+        written or committed. Raises what a failed collective raises (the
+        generation ends, as on a failed step)."""
+        busy = 1.0 if self._ckpt.in_flight() else 0.0
+        if self._plan.world_size == 1:
+            return busy > 0
+        t = torch.tensor([busy], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        handed_to_gloo(t)
+        return t.item() > 0
+
+    def save(self, step: int, cursor: tuple[int, int], *, wait: bool = False) -> bool:
+        """Saves `step` (collective: every rank of the generation calls it).
+
+        A periodic save (``wait=False``) returns at once after the snapshot, or
+        skips the step on every rank when any rank's previous checkpoint is
+        still busy (returns False). A drain or final save (``wait=True``) is
+        never skipped: it waits for the previous checkpoint, then for its own
+        commit, up to `DRAIN_SAVE_TIMEOUT_S`.
+        """
+        if not wait and self._any_rank_busy():
+            self._ckpt.stats.skipped += 1
+            log.warning("checkpoint of step %d skipped on every rank: the previous one is still "
+                        "being written or committed (%d skipped in this generation)",
+                        step, self._ckpt.stats.skipped)
+            return False
         # With the optimizer, the copy to host memory overlaps the next forward
         # and backward; its next step() waits for the copy (storage's pre-hook).
         self._ckpt.save(step, self._state(), generation=self._plan.generation, cursor=cursor,
@@ -76,6 +117,7 @@ class GenerationCheckpoints:
                 self._ckpt.wait(DRAIN_SAVE_TIMEOUT_S)
             except Exception as e:  # noqa: BLE001 - reported by on_error already
                 log.error("drain checkpoint of step %d failed: %s", step, e)
+        return True
 
     @property
     def stall_s(self) -> float | None:
@@ -121,7 +163,7 @@ class GenerationCheckpoints:
                         e.code().name, e.details())
             return
         try:  # what this commit retired is no longer in the record: pruned too
-            prune_to_record(self._plan.spec.checkpoint.uri, [r.uri for r in resp.retained],
+            prune_to_record(self.base_uri, [r.uri for r in resp.retained],
                             current_generation=self._plan.generation)
         except Exception as e:  # noqa: BLE001 - the next commit's prune retries
             log.warning("deleting unrecorded checkpoints failed, retried after the next "
@@ -140,24 +182,32 @@ class GenerationCheckpoints:
             log.warning("ReportCheckpointError failed: %s", e.code().name)
 
 
+def extra_state(state: dict[str, Any]) -> dict[str, Any]:
+    """The Session's registered ``state=`` entries besides the model and the
+    optimizer (an LR scheduler, ...): checkpointed and restored with them."""
+    return {k: v for k, v in state.items() if k not in ("model", "optimizer")}
+
+
 def restore_from_checkpoint(ref: pb.CheckpointRef, state: dict[str, Any]) -> int:
     """The session's restore hook: loads the plan's checkpoint (collective over
-    the current group, any world size) into the registered model/optimizer and
-    returns the step it holds.
+    the current group, any world size) into the registered model, optimizer
+    and other ``state=`` entries, and returns the step it holds.
 
     Files are verified against the manifest's checksums first; when the plan's
     checkpoint is damaged or missing, the newest intact older one under the same
     base URI is restored instead, with a warning naming the bad files (the
-    returned step says which). Raises storage's CorruptCheckpoint /
-    CheckpointNotFound when none is usable.
+    returned step says which). All or nothing: the state is loaded into copies
+    and applied once complete, so a failed restore leaves the registered state
+    as it was. Raises storage's CorruptCheckpoint / CheckpointNotFound when none
+    is usable, CheckpointMismatch when the checkpoint lacks an entry the state
+    needs (parameters never stepped before the save are fine: restored without
+    optimizer state).
     """
-    from springback.storage import apply_model_state_dict, model_state_dict, restore
+    from springback.storage import restore_model
 
-    model, optimizer = state["model"], state.get("optimizer")
-    sd = model_state_dict(model, optimizer)
     base = ref.uri.rstrip("/").rsplit("/", 1)[0]
-    result = restore(base, sd, max_step=ref.step)
-    apply_model_state_dict(model, optimizer, sd)
+    result = restore_model(base, state["model"], state.get("optimizer"),
+                           extra_state=extra_state(state), max_step=ref.step)
     if result.manifest.step != ref.step:
         log.warning("checkpoint of step %d unusable; restored step %d from %s instead",
                     ref.step, result.manifest.step, result.uri)

@@ -10,7 +10,7 @@ import grpc
 import pytest
 import torch
 
-from springback.storage import Checkpointer
+from springback.storage import Checkpointer, job_checkpoint_uri
 from springback.v1 import types_pb2 as pb
 from springback.v1 import worker_service_pb2 as ws
 from springback.v1 import worker_service_pb2_grpc as ws_grpc
@@ -37,12 +37,13 @@ def test_ckpt_commands_show_commits_partials_and_restore(coordinator, client, ma
             checkpoint=info.to_checkpoint_ref()), timeout=10)
 
     state = {"w": torch.arange(1000, dtype=torch.float32)}
-    checkpointer = Checkpointer(base, rank=0, world_size=1, on_commit=commit)
+    job_dir = job_checkpoint_uri(base, job.id)  # where the job's ranks write
+    checkpointer = Checkpointer(job_dir, rank=0, world_size=1, on_commit=commit)
     for step in (10, 20):
         checkpointer.save(step, state, generation=generation, cursor=(0, step * 32))
         checkpointer.wait(timeout_s=60)
     checkpointer.close()
-    partial = tmp_path / "ckpt" / f"step-00000030-g{generation}"
+    partial = tmp_path / "ckpt" / job.id / f"step-00000030-g{generation}"
     partial.mkdir()
     (partial / "__0_0.distcp").write_bytes(b"half a shard")
 
@@ -55,7 +56,8 @@ def test_ckpt_commands_show_commits_partials_and_restore(coordinator, client, ma
     assert "committed" in human.stdout and "partial" in human.stdout
 
     assert _cli(coordinator.address, "ckpt", "verify", rows[1]["uri"]).returncode == 0
-    shard = next((tmp_path / "ckpt").glob("step-00000020-*/__0_0.distcp"))
+    assert _cli(coordinator.address, "ckpt", "verify", base).returncode == 0  # the spec's URI: every job
+    shard = next((tmp_path / "ckpt" / job.id).glob("step-00000020-*/__0_0.distcp"))
     shard.write_bytes(shard.read_bytes()[:-8] + b"corrupt!")
     bad = _cli(coordinator.address, "ckpt", "verify", rows[1]["uri"])
     assert bad.returncode == 1 and "__0_0.distcp" in bad.stdout

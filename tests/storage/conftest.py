@@ -6,6 +6,7 @@ from __future__ import annotations
 import http.client
 import socket
 import threading
+import time
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -53,19 +54,29 @@ class FaultInjector:
     """Chainable failure plan for the proxy: ``inj.fail(2, "503").fail(1, "reset", method="PUT")``.
 
     Each rule fails the next ``count`` matching requests; ``injected`` records
-    what was actually done, for exact assertions.
+    what was actually done, for exact assertions. ``"truncate"`` forwards the
+    request but sends only half of the answer's body (with the full
+    Content-Length) and closes the connection; ``path=`` limits a rule to
+    request paths containing that text. ``slow(delay_s)`` holds every
+    matching request for ``delay_s`` before forwarding it (a slow store, until
+    ``clear()``).
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._rules: list[list[Any]] = []  # [remaining, mode, method]
+        self._rules: list[list[Any]] = []  # [remaining, mode, method, delay_s, path]
         self.injected: list[tuple[str, str, str]] = []  # (mode, method, path)
         self.forwarded = 0
 
-    def fail(self, count: int, mode: str, *, method: str | None = None) -> FaultInjector:
-        assert mode in ("503", "reset", "throttle")
+    def fail(self, count: int, mode: str, *, method: str | None = None, path: str = "") -> FaultInjector:
+        assert mode in ("503", "reset", "throttle", "truncate")
         with self._lock:
-            self._rules.append([count, mode, method])
+            self._rules.append([count, mode, method, 0.0, path])
+        return self
+
+    def slow(self, delay_s: float, *, method: str | None = None, count: int = 10**9) -> FaultInjector:
+        with self._lock:
+            self._rules.append([count, "delay", method, delay_s, ""])
         return self
 
     def clear(self) -> FaultInjector:
@@ -74,15 +85,18 @@ class FaultInjector:
             self._rules.clear()
         return self
 
-    def _take(self, method: str, path: str) -> str | None:
+    def _take(self, method: str, path: str) -> tuple[str | None, float]:
+        """The fault for this request: (mode or None, delay before forwarding)."""
         with self._lock:
             for rule in self._rules:
-                if rule[0] > 0 and (rule[2] is None or rule[2] == method):
+                if rule[0] > 0 and (rule[2] is None or rule[2] == method) and rule[4] in path:
                     rule[0] -= 1
                     self.injected.append((rule[1], method, path))
-                    return rule[1]
+                    if rule[1] in ("delay", "truncate"):
+                        self.forwarded += 1
+                    return rule[1], rule[3]
             self.forwarded += 1
-        return None
+        return None, 0.0
 
 
 _HOP = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade", "proxy-connection"}
@@ -110,7 +124,9 @@ def _make_handler(upstream: tuple[str, int], injector: FaultInjector) -> type[Ba
 
         def _handle(self) -> None:
             body = self._body()
-            mode = injector._take(self.command, self.path)
+            mode, delay_s = injector._take(self.command, self.path)
+            if delay_s:
+                time.sleep(delay_s)  # the injected fault itself: a slow store
             if mode == "reset":
                 self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
                 self.close_connection = True
@@ -139,7 +155,12 @@ def _make_handler(upstream: tuple[str, int], injector: FaultInjector) -> type[Ba
             length = resp.getheader("Content-Length", "0") if self.command == "HEAD" else str(len(data))
             self.send_header("Content-Length", length)
             self.end_headers()
-            if self.command != "HEAD":
+            if mode == "truncate":
+                self.wfile.write(data[: len(data) // 2])
+                self.wfile.flush()
+                self.close_connection = True
+                self.connection.shutdown(socket.SHUT_RDWR)
+            elif self.command != "HEAD":
                 self.wfile.write(data)
             conn.close()
 
@@ -166,3 +187,19 @@ def faulty_s3(moto_endpoint: str) -> Any:
 def make_s3_options() -> Any:
     """The function ``s3_options(endpoint, **extra)`` building s3fs options for a test endpoint."""
     return s3_options
+
+
+@pytest.fixture(params=["file", "memory", "s3"])
+def base_uri(request, tmp_path, monkeypatch) -> str:
+    """A fresh base URI on local files, memory:// or a real S3 server."""
+    if request.param == "file":
+        return f"file://{tmp_path}/ckpts"
+    if request.param == "memory":
+        return f"memory://ckpt-{uuid.uuid4().hex[:8]}"
+    # s3 configured only through the environment, as a deployment would
+    bucket, opts = request.getfixturevalue("s3_bucket")
+    monkeypatch.setenv("SPRINGBACK_S3_ENDPOINT_URL", opts["client_kwargs"]["endpoint_url"])
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    return f"{bucket}/ckpts"

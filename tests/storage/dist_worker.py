@@ -8,6 +8,9 @@ Modes:
   hang     save step 1 normally; then save step 2 where rank ``hang_rank`` blocks in
            the middle of its shard upload (until killed). Rank 0 writes the outcome
            of step 2's commit to ``out``.
+  die_before_commit  save step 1 normally; then save step 2, where rank 0 (the
+           committer), once every shard is durable, creates the file ``out`` and
+           blocks just before writing ``.metadata`` (until killed).
 """
 
 from __future__ import annotations
@@ -56,6 +59,8 @@ def main() -> None:
 
     if a["mode"] == "hang":
         return hang(a, rank, world)
+    if a["mode"] == "die_before_commit":
+        return die_before_commit(a, rank, world)
     dist.init_process_group("gloo", init_method=f"file://{a['rendezvous']}", rank=rank, world_size=world)
     try:
         if a["mode"] == "save":
@@ -129,6 +134,27 @@ def hang(a: dict, rank: int, world: int) -> None:
     if rank == 0:
         with open(a["out"], "w") as f:
             json.dump(outcome, f)
+
+
+def die_before_commit(a: dict, rank: int, world: int) -> None:
+    from pathlib import Path
+
+    from springback.storage import Checkpointer
+    from springback.storage.store import Store
+
+    class DiesAtCommit(Store):
+        def put_bytes(self, uri, data, **kw):
+            if "step-00000002" in uri and uri.endswith("/.metadata"):
+                Path(a["out"]).touch()
+                threading.Event().wait()  # until SIGKILL
+            return super().put_bytes(uri, data, **kw)
+
+    store = DiesAtCommit(a["base"]) if rank == 0 else Store(a["base"])
+    ck = Checkpointer(a["base"], rank=rank, world_size=world, store=store, poll_interval_s=0.05)
+    sd = {"w": torch.full((256, 256), 1.0), "b": torch.randn(256)}
+    ck.save(1, sd, generation=1).result(timeout=60)
+    sd["w"].fill_(2.0)
+    ck.save(2, sd, generation=1).result(timeout=120)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import pickle
 import threading
-import uuid
 
 import pytest
 import torch
@@ -18,13 +17,14 @@ from springback.storage import (
     CheckpointNotFound,
     CommitTimeout,
     CorruptCheckpoint,
-    apply_retention,
     clean_partial,
     list_checkpoints,
     prune_to_record,
     restore,
     verify,
 )
+from sbtest import wait_for
+from springback.storage import StorageError
 from springback.storage.commit import record_name
 from springback.storage.manifest import MANIFEST_NAME
 from springback.storage.store import Store, join, resolve_storage_options
@@ -76,21 +76,6 @@ def save_all_ranks(base: str, step: int, sd_per_rank: list[dict], *, generation:
     for c in ckpts:
         c.close()
     return out
-
-
-@pytest.fixture(params=["file", "memory", "s3"])
-def base_uri(request, tmp_path, monkeypatch) -> str:
-    if request.param == "file":
-        return f"file://{tmp_path}/ckpts"
-    if request.param == "memory":
-        return f"memory://ckpt-{uuid.uuid4().hex[:8]}"
-    # s3 configured only through the environment, as a deployment would
-    bucket, opts = request.getfixturevalue("s3_bucket")
-    monkeypatch.setenv("SPRINGBACK_S3_ENDPOINT_URL", opts["client_kwargs"]["endpoint_url"])
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
-    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
-    return f"{bucket}/ckpts"
 
 
 class TestCommitProtocol:
@@ -160,6 +145,21 @@ class TestCommitProtocol:
         assert states == {(1, "committed"), (2, "partial")}
         out = zeros_like_state(sd)
         assert restore(base_uri, out).step == 1
+        c0.close()
+
+
+    def test_a_committer_whose_directory_is_deleted_fails_at_once_instead_of_waiting(self, base_uri):
+        errors = []
+        c0 = Checkpointer(base_uri, rank=0, world_size=2, commit_timeout_s=300, poll_interval_s=0.02,
+                          on_error=errors.append)
+        fut = c0.save(3, make_state(6), generation=1)
+        ckpt_uri = join(base_uri, "step-00000003-g1")
+        store = Store(base_uri)
+        wait_for(lambda: store.exists(join(ckpt_uri, record_name(0))), 30, "rank 0's done-record")
+        store.rm_tree(ckpt_uri)  # e.g. a cleanup that wrongly took it for dead
+        with pytest.raises(StorageError, match=r"ranks \[0\] disappeared"):
+            fut.result(timeout=30)  # not after commit_timeout_s
+        assert len(errors) == 1
         c0.close()
 
 
@@ -278,6 +278,22 @@ class TestCorruption:
         assert result.step == 1 and [u for u, _ in result.skipped] == [info.uri]
         assert_state_equal(out, old)
 
+    def test_a_truncated_shard_is_named_and_restore_falls_back_to_the_previous_commit(self, base_uri):
+        old, new = make_state(40), make_state(41)
+        save_all_ranks(base_uri, 1, [old, old])
+        info, _ = save_all_ranks(base_uri, 2, [new, new])
+        store = Store(base_uri)
+        shard = join(info.uri, "__0_0.distcp")
+        data = store.get_bytes(shard)
+        store.rm(shard)
+        store.put_bytes(shard, data[: len(data) // 2])
+        problems = verify(info.uri)
+        assert problems == [f"{shard}: size {len(data) // 2} != {len(data)} in manifest"]
+        out = zeros_like_state(old)
+        result = restore(base_uri, out)
+        assert result.step == 1 and result.skipped == [(info.uri, problems)]
+        assert_state_equal(out, old)
+
     def test_missing_shard_is_named_and_explicit_step_is_not_replaced(self, base_uri):
         sd = make_state(11)
         save_all_ranks(base_uri, 1, [sd, sd])
@@ -305,26 +321,16 @@ class TestCorruption:
 
 
 class TestRetentionAndCleanup:
-    def test_keep_last_keeps_exactly_the_newest_n(self, base_uri):
+    @pytest.mark.parametrize(("keep_last", "keep_every", "left"),
+                             [(0, 0, [1, 2, 3, 4, 5, 6]), (2, 0, [5, 6]), (2, 3, [3, 5, 6])])
+    def test_storage_keeps_what_the_coordinators_retention_rule_records(self, base_uri, keep_last, keep_every, left):
+        from springback.service.commits import retained  # the one retention rule
+
         sd = make_state(12)
-        for step in range(1, 7):
-            save_all_ranks(base_uri, step, [sd])
-        deleted = apply_retention(base_uri, keep_last=2)
-        assert len(deleted) == 4
-        assert [c.step for c in list_checkpoints(base_uri)] == [5, 6]
-
-    def test_keep_every_also_keeps_multiples(self, base_uri):
-        sd = make_state(13)
-        for step in range(1, 8):
-            save_all_ranks(base_uri, step, [sd])
-        apply_retention(base_uri, keep_last=2, keep_every=3)
-        assert [c.step for c in list_checkpoints(base_uri)] == [3, 6, 7]
-
-    def test_checkpointer_retention_runs_only_after_a_newer_commit(self, base_uri):
-        sd = make_state(14)
-        for step in range(1, 4):
-            save_all_ranks(base_uri, step, [sd], keep_last=1)
-            assert [c.step for c in list_checkpoints(base_uri)] == [step]
+        infos = {step: save_all_ranks(base_uri, step, [sd])[0] for step in range(1, 7)}
+        record = [infos[s].uri for s in sorted(retained(list(infos), keep_last, keep_every))]
+        prune_to_record(base_uri, record, current_generation=1)
+        assert [c.step for c in list_checkpoints(base_uri)] == left
 
     def test_clean_partial_deletes_only_what_can_no_longer_commit(self, base_uri):
         sd = make_state(15)
@@ -351,6 +357,25 @@ class TestRetentionAndCleanup:
         assert [(c.step, c.generation, c.state) for c in list_checkpoints(base_uri)] == [
             (2, 2, "committed"), (3, 2, "committed"), (4, 2, "committed"), (6, 2, "partial")]
         assert prune_to_record(base_uri, recorded, current_generation=2) == []  # converged
+
+    def test_a_rewound_generations_save_in_flight_survives_cleanup_and_commits(self, base_uri):
+        # generation 2 committed step 100; generation 3 rewound to step 50 and
+        # is saving step 60 when rank 0's prune after its step-55 commit runs
+        sd = make_state(18)
+        old = save_all_ranks(base_uri, 100, [sd], generation=2)[0]
+        c55 = save_all_ranks(base_uri, 55, [sd, sd], generation=3)[0]
+        ranks = [Checkpointer(base_uri, rank=r, world_size=2, commit_timeout_s=5, poll_interval_s=0.02)
+                 for r in range(2)]
+        ranks[1].save(60, sd, generation=3).result(timeout=30)  # rank 1's shard is durable
+        assert prune_to_record(base_uri, [old.uri, c55.uri], current_generation=3) == []
+        assert clean_partial(base_uri, current_generation=3) == []
+        info = ranks[0].save(60, sd, generation=3).result(timeout=30)
+        assert info.manifest.step == 60 and verify(info.uri) == []
+        # the same generation's newer commit proves an older partial of it dead
+        Store(base_uri).put_bytes(join(base_uri, "step-00000058-g3", "__0_0.distcp"), b"partial")
+        assert clean_partial(base_uri, current_generation=3) == [join(base_uri, "step-00000058-g3")]
+        for c in ranks:
+            c.close()
 
     def test_manifest_is_written_last_and_is_json(self, base_uri):
         sd = make_state(16)

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from sbtest import wait_for
 from springback.storage import clean_partial, list_checkpoints, restore
 
 WORKER = Path(__file__).with_name("dist_worker.py")
@@ -120,5 +121,30 @@ def test_rank_killed_mid_upload_leaves_no_committed_half_checkpoint_and_it_is_cl
     sd = {"w": torch.zeros(512, 512), "b": torch.zeros(512), "x": torch.zeros(300, 300)}
     assert restore(base, sd).step == 1
     # the next generation cleans what the killed one left behind
+    assert clean_partial(base, current_generation=2) == [f"{base}/step-00000002-g1"]
+    assert [(c.step, c.state) for c in list_checkpoints(base)] == [(1, "committed")]
+
+
+@pytest.mark.timeout(120)
+def test_a_committer_killed_after_every_shard_is_durable_commits_nothing_and_is_cleaned(tmp_path):
+    base = f"file://{tmp_path}/ckpts"
+    at_commit = tmp_path / "at-commit"
+    procs = launch(2, {"mode": "die_before_commit", "base": base, "out": str(at_commit)}, tmp_path, "die")
+    try:
+        wait_for(lambda: at_commit.exists() or procs[0].poll() is not None, 60, "rank 0 about to commit step 2")
+        assert procs[0].poll() is None, (tmp_path / "die-rank0.log").read_text()
+        procs[0].send_signal(signal.SIGKILL)
+        assert procs[0].wait(timeout=30) == -signal.SIGKILL
+        assert procs[1].wait(timeout=60) == 0, (tmp_path / "die-rank1.log").read_text()
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    step2 = tmp_path / "ckpts" / "step-00000002-g1"
+    assert {p.name for p in step2.iterdir()} >= {"__0_0.distcp", "__1_0.distcp"}  # every shard landed
+    assert [(c.step, c.state) for c in list_checkpoints(base)] == [(1, "committed"), (2, "partial")]
+    sd = {"w": torch.zeros(256, 256), "b": torch.zeros(256)}
+    assert restore(base, sd).step == 1 and torch.equal(sd["w"], torch.full((256, 256), 1.0))
+    assert clean_partial(base) == []  # nothing proves the writers dead yet
     assert clean_partial(base, current_generation=2) == [f"{base}/step-00000002-g1"]
     assert [(c.step, c.state) for c in list_checkpoints(base)] == [(1, "committed")]

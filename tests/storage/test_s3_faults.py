@@ -82,7 +82,9 @@ def test_injected_503s_throttling_and_resets_are_retried_and_the_checkpoint_is_i
     sd = _state()
     futs = _save(f"{bucket}/job", store, 7, sd)
     info = futs[0].result(timeout=60)
-    assert [m for m, _, _ in injector.injected] == ["503", "503", "throttle", "reset", "503"]
+    # every fault was injected (in request order, which the commit protocol decides)
+    assert sorted((m, method) for m, method, _ in injector.injected) == [
+        ("503", "GET"), ("503", "PUT"), ("503", "PUT"), ("reset", "PUT"), ("throttle", "PUT")]
     # s3fs/botocore absorb some faults themselves (e.g. on reads); ours retries the rest.
     assert 1 <= store.stats.retries <= len(injector.injected) and store.stats.gave_up == 0
     assert verify(info.uri, storage_options=opts) == []
@@ -105,7 +107,7 @@ def test_persistent_failure_fails_the_save_naming_the_uri_and_keeps_the_previous
     errors: list[BaseException] = []
     c = Checkpointer(base, rank=0, world_size=1, store=store, on_error=errors.append)
     fut = c.save(2, {"w": torch.ones(256, 256), "b": torch.ones(256), "step": 9}, generation=1)
-    with pytest.raises(TransientStorageError, match=r"step-00000002-g1/__0_0\.distcp"):
+    with pytest.raises(TransientStorageError, match=r"step-00000002-g1/_springback/rank-00000\.claim"):
         fut.result(timeout=60)
     c.close()
     assert c.stats.failed == 1 and len(errors) == 1 and store.stats.gave_up == 1
@@ -115,3 +117,28 @@ def test_persistent_failure_fails_the_save_naming_the_uri_and_keeps_the_previous
     out = {"w": torch.zeros(256, 256), "b": torch.zeros(256), "step": 0}
     assert restore(base, out, storage_options=opts).step == 1
     assert torch.equal(out["w"], good["w"])
+
+
+@pytest.mark.timeout(120)
+def test_truncated_bodies_while_verifying_and_restoring_are_read_again_and_the_checkpoint_is_intact(
+        s3_bucket, faulty_s3, make_s3_options, monkeypatch):
+    import s3fs
+
+    monkeypatch.setattr(s3fs.S3FileSystem, "retries", 1)  # DCP's reader has its own instance
+    bucket, _ = s3_bucket
+    endpoint, injector = faulty_s3
+    opts = _no_lower_retries(endpoint, make_s3_options)
+    base = f"{bucket}/job"
+    old, new = _state(), {"w": torch.ones(256, 256), "b": torch.ones(256), "step": 4}
+    store = _store(bucket, opts, FAST_RETRY)
+    _save(base, store, 1, old)[0].result(timeout=60)
+    info = _save(base, store, 2, new)[0].result(timeout=60)
+    injector.fail(2, "truncate", method="GET", path=".distcp")
+    assert verify(info.uri, store=store) == []  # reread, not reported as damaged
+    injector.fail(2, "truncate", method="GET", path=".distcp")
+    out = {"w": torch.zeros(256, 256), "b": torch.zeros(256), "step": 0}
+    result = restore(base, out, store=store, verify_checksums=False)
+    assert [m for m, _, _ in injector.injected] == ["truncate"] * 4
+    assert store.stats.retries >= 4  # verify's rereads and the whole-load retries
+    assert result.step == 2 and not result.skipped  # the newest, not a fallback
+    assert torch.equal(out["w"], new["w"]) and torch.equal(out["b"], new["b"]) and out["step"] == 4

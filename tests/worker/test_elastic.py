@@ -278,7 +278,7 @@ class TestNoSurvivor:
     def test_with_every_holder_lost_training_resumes_from_the_last_committed_checkpoint(
             self, cluster):
         slow = {"TINY_STEP_SLEEP_S": "0.2"}
-        stale = cluster.root / "ckpt" / "step-00000005-g0"  # a fenced writer's leftover
+        stale = cluster.root / "ckpt" / cluster.job_id / "step-00000005-g0"  # a fenced writer's leftover
         stale.mkdir(parents=True)
         (stale / "__0_0.distcp").write_bytes(b"partial")
         first = cluster.start("a", env=slow)
@@ -308,7 +308,7 @@ class TestNoSurvivor:
 
         def complete_on_storage() -> dict[str, bool]:
             return {p.name: (p / "manifest.json").exists()
-                    for p in (cluster.root / "ckpt").iterdir()}
+                    for p in (cluster.root / "ckpt" / cluster.job_id).iterdir()}
 
         wait_for(lambda: complete_on_storage() == dict.fromkeys(recorded, True), 30,
                  f"storage to hold exactly {sorted(recorded)}")
