@@ -50,6 +50,7 @@ class StepReporter:
         self._closed = False
         self.stale = False
         self.coordinator_generation = 0
+        self.accepted: tuple[int, int] = (0, 0)  # (generation, step) of the last report taken
         self.num_failures = 0
         self._thread = threading.Thread(target=self._loop, name="springback-reporter",
                                         daemon=True)
@@ -115,6 +116,8 @@ class StepReporter:
             try:
                 resp = self._stub.ReportStep(req, timeout=REPORT_TIMEOUT_S)
                 self.coordinator_generation = resp.generation
+                if not req.generation_start:
+                    self.accepted = (req.generation, req.step)
             except grpc.RpcError as e:
                 fenced = e.code() in (grpc.StatusCode.FAILED_PRECONDITION,
                                       grpc.StatusCode.NOT_FOUND)

@@ -536,10 +536,11 @@ class Generation:
         return newer
 
     def _report_final(self) -> None:
-        """Rank 0, after max_steps: (re)sends the final step report."""
+        """Rank 0, after max_steps: sends the final step report again unless the
+        coordinator took it."""
         s = self.session
-        if s._reporter is None:
-            return
+        if s._reporter is None or s._reporter.accepted == (self.generation, s.step):
+            return  # taken: the STOP plan is on its way
         epoch, offset = self.stream.cursor_after(s.step)
         s._reporter.submit(generation=self.generation, step=s.step,
                            samples_consumed=s.step * self.stream.global_batch_size,

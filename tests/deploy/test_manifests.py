@@ -178,7 +178,7 @@ class TestWorkers:
         job = json_patch(self.job, json.loads((K8S / "gpu" / patch["path"]).read_text()))
         kubernetes_validate.validate(job, K8S_VERSION, strict=True)
         (c,) = pod_spec(job)["containers"]
-        assert c["resources"]["limits"]["nvidia.com/gpu"] == self.run_args(job).nproc_per_node == 8
+        assert c["resources"]["limits"]["nvidia.com/gpu"] == int(self.run_args(job).nproc_per_node) == 8
         assert any(t["key"] == "nvidia.com/gpu" for t in pod_spec(job)["tolerations"])
 
 
@@ -263,7 +263,7 @@ class TestSystemdUnits:
     def test_the_worker_unit_stops_after_the_drain(self):
         args = parse_springback(self.exec_start("springback-worker@.service", {
             "NPROC": "8", "TRAIN_CMD": "python /opt/train/train.py"}))
-        assert args.command == "run" and args.job == "tiny-1" and args.nproc_per_node == 8
+        assert args.command == "run" and args.job == "tiny-1" and args.nproc_per_node == "8"
         text = (ROOT / "deploy" / "systemd" / "springback-worker@.service").read_text()
         (stop,) = re.findall(r"^TimeoutStopSec=(\d+)$", text, re.M)
         assert int(stop) >= args.drain_timeout_s + 5

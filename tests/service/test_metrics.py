@@ -45,6 +45,7 @@ def test_job_metrics_count_failures_recoveries_and_goodput(start_coordinator, ma
     from prometheus_client.parser import text_string_to_metric_families
 
     from springback.service.client import Client
+    from springback.v1 import types_pb2 as pb
     from springback.v1 import worker_service_pb2 as ws
     from springback.v1 import worker_service_pb2_grpc as ws_grpc
 
@@ -65,7 +66,11 @@ def test_job_metrics_count_failures_recoveries_and_goodput(start_coordinator, ma
                 job_id=job.id, member_id=member, generation=first, reason="rank 0 exited"), timeout=5)
             second = client.get_job(job.id).status.generation
             assert second == first + 1
-            _report_step(workers, job.id, member, second, 1, loss=1.5)  # restarted from scratch
+            # the restarted rank had nothing to restore: it says so, then trains
+            workers.ReportStep(ws.ReportStepRequest(
+                job_id=job.id, member_id=member, generation=second, step=0,
+                generation_start=True, restored_from=pb.RESTORE_KIND_NONE), timeout=5)
+            _report_step(workers, job.id, member, second, 1, loss=1.5)
             address = server.metrics_address
 
             def recovered() -> dict | None:

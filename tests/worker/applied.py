@@ -62,7 +62,10 @@ def check_applied(audit_dir: str | Path, *, num_samples: int, global_batch_size:
     skipped: set[int] = set()
     for path in sorted(Path(audit_dir).glob("applied-*.json")):
         record = json.loads(path.read_text(encoding="utf-8"))
-        got = np.asarray(record["counter"], dtype=np.float64)
+        counter = np.asarray(record["counter"], dtype=np.float64)
+        got, beyond = counter[:num_samples], counter[num_samples:]
+        if beyond.any():
+            raise AssertionError(f"{path.name}: counts beyond the dataset's {num_samples} samples")
         report.ranks += 1
         report.steps.append(int(record["step"]))
         want = expected_counts(num_samples=num_samples, global_batch_size=global_batch_size,

@@ -3,8 +3,8 @@ samples are a fixed function of their index, so any rank can build any batch.
 
 The model also carries a *sample counter*: a float64 parameter with one entry
 per sample, trained by plain SGD on the loss ``-counter[i]`` for each sample
-``i`` of a batch. With the batch's loss scale and learning rate equal to the
-global batch size, one applied update adds exactly 1 to the entry of every
+``i`` of a batch. With the batch's loss scale and a learning rate equal to the
+job's global batch size, one applied update adds exactly 1 to the entry of every
 sample whose gradient reached the optimizer, through DDP's all-reduce, state
 hand-overs and checkpoint restores alike. At the end each rank writes its
 counter to the audit directory (``applied-*.json``), so a test proves from
@@ -36,7 +36,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from springback.worker import Session
 from springback.worker.env import AUDIT_DIR
 
-NUM_SAMPLES, GLOBAL_BATCH = 256, 12
+NUM_SAMPLES, GLOBAL_BATCH = 256, 12  # standalone fallbacks; a job's spec overrides them
+MAX_COUNTED = 8192  # sample indices the counter covers (jobs of the tests are smaller)
 
 
 def features(indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -87,9 +88,9 @@ def main() -> int:
     faulthandler.register(signal.SIGUSR1)  # stack dump of a hung rank, for debugging
     torch.manual_seed(0)
     torch.set_num_threads(1)
-    model = TinyModel(NUM_SAMPLES)
+    model = TinyModel(MAX_COUNTED)
     opt = torch.optim.Adam(model.linear.parameters(), lr=0.05)
-    counter_opt = torch.optim.SGD([model.counter], lr=GLOBAL_BATCH)  # stateless
+    counter_opt = torch.optim.SGD([model.counter], lr=GLOBAL_BATCH)  # stateless; lr set per job
     session = Session(model=model, optimizer=opt, num_samples=NUM_SAMPLES,
                       global_batch_size=GLOBAL_BATCH, max_steps=40)
     sleep_s = float(os.environ.get("TINY_STEP_SLEEP_S", "0"))
@@ -98,8 +99,8 @@ def main() -> int:
     say_steps = os.environ.get("TINY_PRINT_STEPS") == "1"
     for gen in session.generations():
         with gen:
-            assert gen.stream.num_samples == NUM_SAMPLES
-            assert gen.stream.global_batch_size == GLOBAL_BATCH
+            assert gen.stream.num_samples <= MAX_COUNTED
+            counter_opt.param_groups[0]["lr"] = gen.stream.global_batch_size  # +1 per sample
             ddp = DDP(model, process_group=gen.group)
             for batch in gen.batches():
                 if batch.step == raise_at:
