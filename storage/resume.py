@@ -118,12 +118,12 @@ class RestartCheckpoints:
     """One rank's checkpoints of a restart-mode script; see the module docstring.
 
     `uri` defaults to $SPRINGBACK_CHECKPOINT_URI (ValueError naming both when
-    neither is set). `every_steps` (0: only explicit `save` calls) and
-    `keep_last` (retention applied by rank 0 after each commit) as in the job
-    spec. Create it after ``init_process_group``."""
+    neither is set). `every_steps` (0: only explicit `save` calls) as in the
+    job spec; retention is the coordinator's (`checkpoint.keep_last`): the
+    agent relaying a commit deletes what the record no longer holds. Create
+    it after ``init_process_group``."""
 
     def __init__(self, uri: str | None = None, *, every_steps: int = 0,
-                 keep_last: int | None = 3,
                  storage_options: dict[str, Any] | None = None) -> None:
         uri = uri or os.environ.get(ENV_CHECKPOINT_URI, "")
         if not uri:
@@ -140,7 +140,7 @@ class RestartCheckpoints:
         self._progress = Progress(generation=self.generation, step=0)
         self._lock = threading.Lock()  # the commit thread reports too
         self._ckpt = Checkpointer(uri, rank=self.rank, world_size=self.world_size,
-                                  storage_options=storage_options, keep_last=keep_last,
+                                  storage_options=storage_options,
                                   on_commit=self._on_commit if self.rank == 0 else None,
                                   on_error=self._on_error)
         self.restored_step = 0

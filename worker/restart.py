@@ -224,8 +224,8 @@ class RestartRanks:
                                         restart_count=restart_count,
                                         max_restarts=self.agent.config.max_restarts,
                                         error_file=error_file, environ=environ))
-            if plan.spec.checkpoint.uri:
-                environ[E.CHECKPOINT_URI] = plan.spec.checkpoint.uri
+            if plan.spec.checkpoint.uri:  # one directory per job, as in library mode
+                environ[E.CHECKPOINT_URI] = self._checkpoint_uri(plan)
             if plan.restore.kind == pb.RESTORE_KIND_CHECKPOINT:  # e.g. `job restore --step N`
                 environ[E.RESTORE_MAX_STEP] = str(plan.restore.checkpoint.step)
             self.ranks[lr] = self.agent._launch_rank(lr, environ, attempt=restart_count)
@@ -325,13 +325,35 @@ class RestartRanks:
                                size_bytes=ckpt["size_bytes"],
                                cursor=pb.DataCursor(epoch=ckpt["epoch"], offset=ckpt["offset"]))
         try:
-            agent._stub.CommitCheckpoint(wpb.CommitCheckpointRequest(
+            resp = agent._stub.CommitCheckpoint(wpb.CommitCheckpointRequest(
                 job_id=agent.config.job_id, member_id=agent.member.id,
                 generation=self.generation, checkpoint=ref), timeout=RPC_TIMEOUT_S)
             log.info("checkpoint of step %d recorded", ref.step)
         except grpc.RpcError as e:
             log.warning("CommitCheckpoint(step=%d) failed: %s %s", ref.step, e.code().name,
                         e.details())
+            return
+        self._prune(resp.retained)
+
+    def _checkpoint_uri(self, plan: pb.Plan) -> str:
+        from springback.storage import job_checkpoint_uri  # restart mode only: see _relay
+
+        return job_checkpoint_uri(plan.spec.checkpoint.uri, plan.job_id)
+
+    def _prune(self, retained: list[pb.CheckpointRef]) -> None:
+        """Deletes what the coordinator's record no longer holds (retention is
+        the coordinator's rule); a failure is logged and found again after the
+        next commit."""
+        from springback.storage import prune_to_record
+
+        plan = self.agent._plan
+        if plan is None or not plan.spec.checkpoint.uri:
+            return
+        try:
+            prune_to_record(self._checkpoint_uri(plan), [r.uri for r in retained],
+                            current_generation=self.generation)
+        except Exception as e:  # noqa: BLE001 - storage errors of any kind: retried next time
+            log.warning("deleting retired checkpoints failed: %s", e)
 
     # -- stopping ----------------------------------------------------------------
 

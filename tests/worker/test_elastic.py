@@ -3,6 +3,9 @@ spawning real multi-process gloo ranks of a tiny DDP model."""
 
 from __future__ import annotations
 
+import datetime
+import glob
+import re
 import signal
 from collections import defaultdict
 from pathlib import Path
@@ -128,6 +131,32 @@ class TestDrain:
         assert sorted(r["step"] for r in steps(cluster.root)) == list(range(1, MAX_STEPS + 1))
         assert {r["world_size"] for r in steps(cluster.root) if r["step"] > 30} <= {2, 3}
         assert assert_replicas_identical(str(cluster.root / "audit")) >= 2
+
+
+class TestClockSkew:
+    def test_agents_a_day_ahead_and_an_hour_behind_train_every_sample_exactly_once(
+            self, cluster):
+        """Wall clocks that disagree (a node whose NTP is off, a VM restored
+        from a snapshot) change nothing: liveness is etcd's lease clock and
+        every deadline is monotonic. libfaketime shifts both of an agent's
+        clocks, and those of its ranks, by a constant; a jump *during* the
+        run cannot be injected here (libfaketime that fakes the wall clock
+        alone breaks Python's time.sleep)."""
+        libs = sorted(glob.glob("/usr/lib/*/faketime/libfaketime.so.1"))
+        if not libs:
+            pytest.fail("libfaketime is missing: run deploy/local/setup.sh (apt faketime)")
+        skew = {"a": "+1d", "b": "-1h"}
+        agents = [cluster.start(n, env={"LD_PRELOAD": libs[0], "FAKETIME": skew[n]})
+                  for n in ("a", "b")] + [cluster.start("c")]
+        job = cluster.wait_succeeded()
+        assert job.status.step == MAX_STEPS
+        report = cluster.audit()
+        assert report.ok, report
+        assert assert_replicas_identical(str(cluster.root / "audit")) >= 2
+        # the shifted clocks were in force: a's log is stamped a day ahead
+        stamp = re.search(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)", agents[0].log(), re.M)
+        ahead = datetime.datetime.strptime(stamp[1], "%Y-%m-%d %H:%M:%S") - datetime.datetime.now()
+        assert ahead > datetime.timedelta(hours=20), ahead
 
 
 class TestZombie:
