@@ -335,9 +335,14 @@ class Coordinator:
                         progress: planner.Progress) -> int:
         """Accepts a step report from a member of the current generation.
 
-        In memory only; the job succeeds (one write) when max_steps is reached.
+        In memory only (one etcd read: a member whose lease expired is NOT_FOUND
+        at once, before the leader's next reconcile pass replans without it);
+        the job succeeds (one write) when max_steps is reached.
         """
         self.require_leader()
+        if self.store.get(keys.member(job_id, member_id)) is None:
+            raise NotFound(f"member {member_id!r} of job {job_id!r} is not registered "
+                           "(expired or left): its reports no longer count")
         with self._changed:
             self.check_generation(job_id, generation)
             if member_id not in self._plans[job_id].members:
@@ -430,6 +435,10 @@ class Coordinator:
         the leader notices the expiry (the same pass that replans without it).
         """
         self._job_entry(job_id)
+        if member_id and self.store.get(keys.member(job_id, member_id)) is None:
+            # read, not the cache: a member whose lease just expired is told at once
+            raise NotFound(f"member {member_id!r} of job {job_id!r} is not registered "
+                           "(expired or left): stop local ranks and join again")
         sent = -1
         while alive():
             self.require_leader()
