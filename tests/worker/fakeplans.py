@@ -45,7 +45,7 @@ class FakeJob:
             self.publishers[member] = PlanPublisher(control)
         environ = dict(os.environ, **{
             E.JOB_ID: "fake", E.MEMBER_ID: member, E.LOCAL_RANK: "0", E.CONTROL_DIR: control,
-            E.COLLECTIVE_TIMEOUT_S: "3", E.AUDIT_DIR: self.audit_dir,
+            E.COLLECTIVE_TIMEOUT_S: "10", E.AUDIT_DIR: self.audit_dir,
             E.METRICS_FILE: self.metrics, "GLOO_SOCKET_IFNAME": "lo",
             "TINY_STEP_SLEEP_S": "0.05", **(extra_env or {})})
         environ.pop(E.COORDINATOR, None)
