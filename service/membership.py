@@ -191,9 +191,13 @@ class Membership:
         )
         return False
 
-    def report_failure(self, job_id: str, member_id: str, generation: int, reason: str) -> int:
+    def report_failure(self, job_id: str, member_id: str, generation: int, reason: str,
+                       state_kept: bool = False) -> int:
         """A local rank died: that member's ranks no longer hold the state, and
-        a new generation is made at once.
+        a new generation is made at once. With `state_kept` a live rank says
+        its generation broke (a collective failed: a reset link, a peer's
+        error) while no process of this member died: the member stays a state
+        holder and the generation is made again with the members that live.
 
         A report of an older generation is accepted too (every rank crashing
         together: the second agent reports after the first one's replan); it
@@ -214,7 +218,7 @@ class Membership:
         streak = self._streaks.record(
             job_id, step=job.status.step, generation=generation, now=time.monotonic(),
             max_per_step=limit, window_s=policy.window_s or DEFAULT_WINDOW_S)
-        what = reason or "rank exited"
+        what = reason or ("a collective failed" if state_kept else "rank exited")
 
         def count(job: pb.Job) -> None:
             job.status.num_failures += 1
@@ -224,9 +228,12 @@ class Membership:
         if streak >= limit:
             message = (f"failed: {streak} generations broke by rank failures at step "
                        f"{job.status.step} without progress; last: {member_id}: {what}")
+        elif state_kept:
+            message = f"generation {generation} broke on {member_id} (state kept): {what}"
         else:
             message = f"{member_id} reported a failure: {what}"
         job = fencing.change_as_member(
             coordinator, job_id, member_id, generation, message, count, older=True,
-            stateless={member_id}, force_generation=generation == current)
+            stateless=() if state_kept else {member_id},
+            force_generation=generation == current)
         return job.status.generation

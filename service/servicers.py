@@ -196,7 +196,8 @@ class WorkerServicer(ws_grpc.WorkerServiceServicer):
     def ReportFailure(self, request: ws.ReportFailureRequest,
                       context: grpc.ServicerContext) -> ws.ReportFailureResponse:
         generation = self.membership.report_failure(
-            request.job_id, request.member_id, request.generation, request.reason)
+            request.job_id, request.member_id, request.generation, request.reason,
+            state_kept=request.state_kept)
         return ws.ReportFailureResponse(generation=generation)
 
     @_handle

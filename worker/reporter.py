@@ -89,6 +89,23 @@ class StepReporter:
                 self._cond.wait(left)
         return True
 
+    def report_broken(self, generation: int, reason: str) -> bool:
+        """Tells the coordinator that `generation` broke on this live rank
+        (state kept; see ReportFailureRequest.state_kept), so it is made again
+        when no membership change follows. One call with a deadline; False
+        when it failed (the caller re-sends while it waits for a plan). Sent
+        by the calling thread, not queued: the step loop is stopped anyway."""
+        try:
+            resp = self._stub.ReportFailure(wpb.ReportFailureRequest(
+                job_id=self._job_id, member_id=self._member_id, generation=generation,
+                reason=reason, state_kept=True), timeout=REPORT_TIMEOUT_S)
+        except grpc.RpcError as e:
+            log.warning("ReportFailure(generation=%d, state kept) failed: %s %s", generation,
+                        e.code().name, e.details())
+            return False
+        self.coordinator_generation = max(self.coordinator_generation, resp.generation)
+        return True
+
     def close(self) -> None:
         self.flush()
         with self._cond:

@@ -179,13 +179,28 @@ class Session:
                 return m
         return None
 
-    def _newer_plan_within(self, generation: int, timeout_s: float) -> bool:
+    def _newer_plan_within(self, generation: int, timeout_s: float, broken: str = "") -> bool:
         """Waits until any plan (of whatever action) newer than `generation`
-        was published; False when `timeout_s` passed first."""
-        deadline = time.monotonic() + timeout_s
+        was published; False when `timeout_s` passed first.
+
+        With `broken` (why this rank's generation broke) and a coordinator,
+        a plan that has not come within one collective timeout (the agent
+        sets it to the liveness timeout: long enough for a dead peer to
+        expire) is asked for: the rank reports the broken generation with its
+        state kept, and again every collective timeout while it waits, so a
+        break without a membership change (a reset link, a peer's transient
+        error) is replanned instead of waiting out the whole plan wait."""
+        start = time.monotonic()
+        deadline = start + timeout_s
+        ask_every = max(self.env.collective_timeout_s, 1.0)
+        next_ask = start + ask_every
         while (latest := self._latest()) is None or latest.generation <= generation:
-            if time.monotonic() >= deadline:
+            now = time.monotonic()
+            if now >= deadline:
                 return False
+            if broken and self._reporter is not None and now >= next_ask:
+                self._reporter.report_broken(generation, broken)
+                next_ask = time.monotonic() + ask_every
             time.sleep(0.02)
         return True
 
@@ -248,7 +263,8 @@ class Session:
                                 or DEFAULT_PLAN_WAIT_S)
                 gen = self._start(plan)
                 if gen is None:
-                    if not self._newer_plan_within(plan.generation, self._wait_s):
+                    if not self._newer_plan_within(plan.generation, self._wait_s,
+                                                   broken="the generation could not start"):
                         raise RuntimeError(
                             f"generation {plan.generation} could not start and no newer plan "
                             f"came within {self._wait_s:.0f}s")
@@ -610,10 +626,12 @@ class Generation:
             return False
         s = self.session
         s._clean = False
+        why = str(exc).splitlines()[0] if str(exc) else repr(exc)
         log.warning("generation %d broke on rank %d at step %d: %s", self.generation,
-                    self.rank, s.step + 1, str(exc).splitlines()[0] if str(exc) else exc)
+                    self.rank, s.step + 1, why)
         leave_group()
-        if not s._newer_plan_within(self.generation, s._wait_s):
+        if not s._newer_plan_within(self.generation, s._wait_s,
+                                    broken=f"rank {self.rank} at step {s.step + 1}: {why}"[:200]):
             log.error("no new generation within %.0fs of a failed collective: giving up "
                       "the state", s._wait_s)
             return False

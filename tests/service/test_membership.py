@@ -161,6 +161,27 @@ class TestFencing:
         assert not status.state_holders and status.num_failures == 2
         assert plan_of(coordinator, job.id).generation == after.generation
 
+    def test_a_generation_broken_on_live_ranks_is_made_again_with_every_holder(
+            self, coordinator, client, workers, make_spec):
+        # a reset link between live ranks: both report the broken generation
+        # with their state kept; one new generation, same ranks, both still hold
+        job = client.create_job(make_spec(max_workers=2))
+        a, b = join(workers, job.id, 9121), join(workers, job.id, 9122)
+        started(workers, coordinator, job.id, a)
+        plan = plan_of(coordinator, job.id)
+        holders = list(client.get_job(job.id).status.state_holders)
+        assert sorted(holders) == sorted([a, b])
+        for member in (a, b):
+            workers.ReportFailure(ws.ReportFailureRequest(
+                job_id=job.id, member_id=member, generation=plan.generation,
+                reason="connection reset", state_kept=True), timeout=5)
+        after = plan_of(coordinator, job.id)
+        assert after.generation == plan.generation + 1
+        assert [m.member_id for m in after.members] == [a, b]
+        status = client.get_job(job.id).status
+        assert sorted(status.state_holders) == sorted(holders)
+        assert after.restore.kind == pb.RESTORE_KIND_PEERS and after.restore.source_rank == 0
+
 
 class TestStateHolders:
     def test_members_of_a_generation_that_never_started_hold_no_state(

@@ -11,8 +11,9 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
+import sockreset
 from applied import check_applied
-from cluster import AgentProcess, steps
+from cluster import AgentProcess, children, steps
 from fakeplans import assert_replicas_identical
 from sbtest import scrape, wait_for
 from springback.service.local import free_port
@@ -216,6 +217,30 @@ class TestRankCrash:
         assert job.status.step == MAX_STEPS
         assert (tmp_path / "crashed").exists()
         assert sum("reporting failure" in a.log() for a in agents) == 1
+        report = cluster.audit()
+        assert report.ok, report
+        assert assert_replicas_identical(str(cluster.root / "audit")) >= 2
+
+
+class TestRankLinkReset:
+    @pytest.mark.skipif(not sockreset.available(), reason="this kernel cannot destroy sockets (ss -K)")
+    def test_reset_connections_between_live_ranks_break_one_generation_and_lose_nothing(
+            self, cluster):
+        # every gloo connection between the ranks of a and b reset (a broken
+        # link; both processes live): the step in flight breaks, nobody is
+        # fenced, the two carry on from their own state with nothing redone twice
+        agents = [cluster.start(n) for n in ("a", "b")]
+        cluster.wait_world(2, min_step=10)
+        ranks = {pid for agent in agents for pid in children(agent.pid)}  # with warm standbys
+        broken_at = max(r["step"] for r in steps(cluster.root))
+        assert sockreset.reset_between(ranks) > 0
+        job = cluster.wait_succeeded()
+        assert job.status.step == MAX_STEPS
+        assert job.status.generation >= 2, "the reset did not break the generation"
+        assert not any("fenced" in a.log() for a in agents), "a live node was fenced"
+        records = steps(cluster.root)
+        assert {r["world_size"] for r in records if r["step"] > broken_at} == {2}
+        assert job.status.num_restores == 0  # the ranks' own state: no storage read
         report = cluster.audit()
         assert report.ok, report
         assert assert_replicas_identical(str(cluster.root / "audit")) >= 2
