@@ -37,6 +37,12 @@ def report_fence(coordinator: Coordinator, job_id: str, member_id: str,
     holds no ranks in this generation, e.g. a hot spare). Two etcd reads; no
     write.
     """
+    return _fence(coordinator, job_id, member_id, generation, older=older)[0]
+
+
+def _fence(coordinator: Coordinator, job_id: str, member_id: str, generation: int, *,
+           older: bool) -> tuple[list[Any], int]:
+    """`report_fence`'s comparisons and the current generation they hold for."""
     store = coordinator.store
     plan_entry = store.get(keys.plan(job_id), pb.Plan)
     current = plan_entry.value.generation if plan_entry else 0
@@ -57,18 +63,26 @@ def report_fence(coordinator: Coordinator, job_id: str, member_id: str,
     return [
         txn.mod(keys.plan(job_id)) == plan_entry.mod_revision,
         txn.create(member_key) == member.create_revision,
-    ]
+    ], current
 
 
 def change_as_member(coordinator: Coordinator, job_id: str, member_id: str, generation: int,
                      reason: str, mutate: JobMutation | None = None, *, older: bool = False,
-                     **kwargs: Any) -> pb.Job:
+                     replan_if_current: bool = False, **kwargs: Any) -> pb.Job:
     """`Coordinator.change` on behalf of a member's report, fenced by `report_fence`
     (`older` as there) in the same transaction; retried from fresh reads on
-    `Conflict` (`ATTEMPTS` rounds, then `Conflict`). Not leader: `NotLeader`."""
+    `Conflict` (`ATTEMPTS` rounds, then `Conflict`). Not leader: `NotLeader`.
+
+    With `replan_if_current`, a new generation is forced exactly when the
+    reported `generation` is still the current one *in the plan the
+    transaction compares*: of two reports of one broken generation racing
+    each other, the first replans and the second (its comparison failed,
+    re-read) only records."""
     for attempt in range(ATTEMPTS):
         coordinator.require_leader()
-        fence = report_fence(coordinator, job_id, member_id, generation, older=older)
+        fence, current = _fence(coordinator, job_id, member_id, generation, older=older)
+        if replan_if_current:
+            kwargs["force_generation"] = current == generation
         try:
             return coordinator.change(job_id, reason, mutate, extra_compare=fence, **kwargs)
         except Conflict:

@@ -211,7 +211,6 @@ class Membership:
         coordinator = self.coordinator
         coordinator.require_leader()
         fencing.report_fence(coordinator, job_id, member_id, generation, older=True)
-        current = coordinator.current_generation(job_id)
         job = coordinator.get_job(job_id)
         policy = job.spec.failures
         limit = policy.max_per_step or DEFAULT_MAX_PER_STEP
@@ -234,6 +233,5 @@ class Membership:
             message = f"{member_id} reported a failure: {what}"
         job = fencing.change_as_member(
             coordinator, job_id, member_id, generation, message, count, older=True,
-            stateless=() if state_kept else {member_id},
-            force_generation=generation == current)
+            stateless=() if state_kept else {member_id}, replan_if_current=True)
         return job.status.generation

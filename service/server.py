@@ -112,6 +112,11 @@ class CoordinatorServer:
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.so_reuseport", 0),
+                # clients ping every 10 s (channel.py), also while idle: allow
+                # it, or the server answers GOAWAY too_many_pings and drops them
+                ("grpc.keepalive_permit_without_calls", 1),
+                ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+                ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
             ],
         )
         if config.tls_cert:

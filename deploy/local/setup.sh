@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs everything Springback needs on Debian 12 / Python 3.11, idempotently:
 # the etcd server, python3-venv, Chromium with its WebDriver (for the dashboard's browser test) and
-# libfaketime (clock-skew test) when missing (apt), a virtual environment in .venv with CPU torch and the package itself (editable)
+# when missing (apt), a virtual environment in .venv with CPU torch and the package itself (editable)
 # with its test extras. Safe to run again.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/../.." && pwd)"
@@ -15,8 +15,6 @@ command -v etcd >/dev/null 2>&1 || packages+=(etcd-server)
 # Debian's own Chromium and chromedriver: tests/worker/test_dashboard.py drives them (selenium).
 [ -x /usr/bin/chromium ] || packages+=(chromium)
 [ -x /usr/bin/chromedriver ] || packages+=(chromium-driver)
-# libfaketime: the clock-skew fault test runs agents with shifted clocks.
-dpkg -s libfaketime >/dev/null 2>&1 || packages+=(faketime)
 if [ ${#packages[@]} -gt 0 ]; then
   echo "setup: installing ${packages[*]} (apt)"
   if [ "$(id -u)" = 0 ]; then sudo=""; else sudo="sudo"; fi

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import grpc
 import pytest
 
@@ -181,6 +183,28 @@ class TestFencing:
         status = client.get_job(job.id).status
         assert sorted(status.state_holders) == sorted(holders)
         assert after.restore.kind == pb.RESTORE_KIND_PEERS and after.restore.source_rank == 0
+
+    def test_two_racing_reports_of_one_broken_generation_make_one_new_generation(
+            self, coordinator, client, workers, make_spec):
+        job = client.create_job(make_spec(max_workers=2))
+        a, b = join(workers, job.id, 9131), join(workers, job.id, 9132)
+        started(workers, coordinator, job.id, a)
+        plan = plan_of(coordinator, job.id)
+        go = threading.Barrier(2)
+
+        def report(member: str) -> None:
+            go.wait(timeout=10)
+            workers.ReportFailure(ws.ReportFailureRequest(
+                job_id=job.id, member_id=member, generation=plan.generation,
+                reason="connection reset", state_kept=True), timeout=10)
+
+        threads = [threading.Thread(target=report, args=(m,)) for m in (a, b)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=20)
+        assert plan_of(coordinator, job.id).generation == plan.generation + 1
+        assert client.get_job(job.id).status.num_failures == 2
 
 
 class TestStateHolders:

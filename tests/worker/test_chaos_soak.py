@@ -1,14 +1,14 @@
 """Chaos soak (marked `soak`, not in the default run): minutes of random faults
-of every class a node or replica can suffer, against real etcd, two
-`springback coordinator` replicas and three node agents.
+of every class, against a whole local deployment (`chaos.Deployment`: a
+3-member etcd cluster, two `springback coordinator` replicas, S3 on moto,
+three node agents, a fault-injecting link in front of each of them).
 
-Faults, drawn by a seeded generator (SPRINGBACK_SOAK_SEED, default 7) every
-8-15 s until SPRINGBACK_SOAK_S (default 600) is spent: a node SIGKILLed (and
-replaced), a rank SIGKILLed (its agent restarts it), a node SIGSTOPped past
-the liveness timeout (fenced, rejoins), a node drained by SIGTERM (and
-replaced), a coordinator replica SIGKILLed and restarted on its address,
-every rank of a node crashing at once. After each fault the job must train
-again within a deadline; the recovery time of each is printed.
+Faults (`chaos.FAULTS`: worker, rank <-> rank and agent <-> coordinator
+network, coordinator, etcd, storage and clock faults), drawn by a seeded
+generator (SPRINGBACK_SOAK_SEED, default 7) every 8-15 s until
+SPRINGBACK_SOAK_S (default 600) is spent. After each fault the job must
+train again within a deadline; the recovery time of each is printed, and a
+table of counts and recovery times at the end.
 
 At the end the job has SUCCEEDED, every sample was applied exactly once (the
 sampler's records and the model's own per-sample counters), the replicas are
@@ -19,17 +19,17 @@ from __future__ import annotations
 
 import os
 import random
-import signal
+import statistics
 import time
 
 import pytest
 
 from applied import check_applied
-from cluster import AgentProcess, children, steps
+from chaos import FAULTS, Deployment, Faults
+from cluster import steps
 from fakeplans import assert_replicas_identical
 from sbtest import wait_for
 from springback.service.client import Client
-from springback.service.local import free_port
 from springback.storage import verify
 from springback.v1 import types_pb2 as pb
 from springback.worker.audit import check_exactly_once
@@ -38,91 +38,84 @@ SOAK_S = float(os.environ.get("SPRINGBACK_SOAK_S", "600"))
 SEED = int(os.environ.get("SPRINGBACK_SOAK_SEED", "7"))
 NUM_SAMPLES, BATCH = 256, 12
 STEP_S = 0.25  # a step with TINY_STEP_SLEEP_S=0.1 on the 2-core machine, roughly
-FAULTS = ("kill-node", "kill-rank", "stop-node", "drain-node", "kill-replica")
 
 
 @pytest.mark.soak
 @pytest.mark.timeout(int(SOAK_S * 3) + 300)
-def test_random_faults_of_every_class_lose_and_double_nothing(spawn_coordinator, tmp_path):
+def test_random_faults_of_every_class_lose_and_double_nothing(tmp_path, monkeypatch):
     rng = random.Random(SEED)
-    addresses = [f"127.0.0.1:{free_port()}" for _ in range(2)]
-    options = ("--liveness-timeout-s", "3")
-    replicas = {a: spawn_coordinator("--listen", a, *options) for a in addresses}
     max_steps = int(SOAK_S / STEP_S)
-    spec = {"name": "chaos", "min_workers": 2, "max_workers": 3,
-            "data": {"num_samples": NUM_SAMPLES, "global_batch_size": BATCH, "seed": 3},
-            "checkpoint": {"uri": f"file://{tmp_path}/ckpt", "every_steps": 25},
-            "max_steps": max_steps}
-    with Client(",".join(addresses)) as client:
-        job = wait_for(lambda: client.create_job(spec), 30, "a leader to take the job")
-        agents: dict[str, AgentProcess] = {}
-        counter = iter(range(1000))
+    with Deployment(tmp_path) as deployment:
+        for name, value in deployment.s3_env.items():  # verify() below reads the store too
+            monkeypatch.setenv(name, value)
+        spec = {"name": "chaos", "min_workers": 2, "max_workers": 3,
+                "data": {"num_samples": NUM_SAMPLES, "global_batch_size": BATCH, "seed": 3},
+                "checkpoint": {"uri": f"{deployment.bucket()}/ckpt", "every_steps": 25},
+                "max_steps": max_steps}
+        with Client(deployment.coordinator) as client:
+            job = wait_for(lambda: client.create_job(spec), 60, "a leader to take the job")
+            faults = Faults(deployment, job.id, rng)
 
-        def start_node() -> None:
-            name = f"n{next(counter)}"
-            agents[name] = AgentProcess(tmp_path, name, job.id, ",".join(addresses))
+            def progress() -> int:
+                return max((r["step"] for r in steps(tmp_path)), default=0)
 
-        def progress() -> int:
-            return max((r["step"] for r in steps(tmp_path)), default=0)
-
-        for _ in range(3):
-            start_node()
-        wait_for(lambda: progress() >= 5, 120, "training to start")
-        trace: list[tuple[str, float]] = []
-        try:
-            deadline = time.monotonic() + SOAK_S
-            while time.monotonic() < deadline and progress() < 0.85 * max_steps:
-                time.sleep(rng.uniform(8, 15))  # the fault schedule itself, not a sync
-                fault = rng.choice(FAULTS)
-                live = sorted(n for n, a in agents.items() if a.process.poll() is None)
-                at, t0 = progress(), time.monotonic()
-                if fault == "kill-node" and len(live) == 3:
-                    agents.pop(rng.choice(live)).signal_node(signal.SIGKILL)
-                    start_node()
-                elif fault == "kill-rank":
-                    ranks = children(agents[rng.choice(live)].pid)
-                    if ranks:
-                        os.kill(rng.choice(ranks), signal.SIGKILL)
-                elif fault == "stop-node" and len(live) == 3:
-                    victim = agents[rng.choice(live)]
-                    victim.signal_node(signal.SIGSTOP)
-                    wait_for(lambda: progress() >= at + 3, 90, "training without the stopped node")
-                    victim.signal_node(signal.SIGCONT)
-                elif fault == "drain-node" and len(live) == 3:
-                    agents[rng.choice(live)].process.send_signal(signal.SIGTERM)
-                    start_node()
-                elif fault == "kill-replica":
-                    address = rng.choice(addresses)
-                    replicas[address].kill()
-                    replicas[address] = spawn_coordinator("--listen", address, *options)
-                else:
-                    continue
-                wait_for(lambda: progress() >= at + 3, 120, f"training again after {fault}")
-                trace.append((fault, time.monotonic() - t0))
-                print(f"soak: {fault} at step {at}: training again after "
-                      f"{trace[-1][1]:.1f} s", flush=True)
+            for _ in range(3):
+                deployment.start_node(job.id)
+            wait_for(lambda: progress() >= 5, 120, "training to start")
+            trace = _inject_until(faults, progress, time.monotonic() + SOAK_S, max_steps, rng)
             done = wait_for(lambda: (j := client.get_job(job.id)).status.state
-                            == pb.JOB_STATE_SUCCEEDED and j, SOAK_S + 120, "the job to succeed")
-            wait_for(lambda: all(a.process.poll() is not None for a in agents.values()), 90,
-                     "every agent to end")
+                            == pb.JOB_STATE_SUCCEEDED and j, SOAK_S + 180, "the job to succeed")
+            wait_for(lambda: not deployment.live_nodes(), 90, "every agent to end")
             checkpoints = client.list_checkpoints(job.id)
-        finally:
-            for agent in agents.values():
-                agent.stop()
-    print("soak: faults", {f: sum(1 for g, _ in trace if g == f) for f in FAULTS},
-          "status", done.status.num_failures, "failures,", done.status.num_restores,
-          "restores,", done.status.steps_redone, "steps redone,", done.status.generation,
-          "generations", flush=True)
-    assert done.status.step == max_steps
-    assert len(trace) >= 3, trace
-    audit = str(tmp_path / "audit")
-    applied = check_applied(audit, num_samples=NUM_SAMPLES, global_batch_size=BATCH, seed=3,
-                            last_step=max_steps)
-    assert applied.ok, applied
-    report = check_exactly_once(audit, num_samples=NUM_SAMPLES, global_batch_size=BATCH,
-                                last_step=max_steps)
-    assert report.ok, report
-    assert assert_replicas_identical(audit) >= 2
-    assert checkpoints and checkpoints[0].step == max_steps
-    for ref in checkpoints:
-        assert verify(ref.uri) == [], f"committed checkpoint {ref.uri} does not verify"
+        _print_table(trace, done)
+        assert done.status.step == max_steps
+        assert len(trace) >= 3, trace
+        if SOAK_S >= 600:  # a full soak draws every class (some may not apply when drawn)
+            assert len({f for f, _, _ in trace}) >= len(FAULTS) - 3, trace
+        audit = str(tmp_path / "audit")
+        applied = check_applied(audit, num_samples=NUM_SAMPLES, global_batch_size=BATCH,
+                                seed=3, last_step=max_steps)
+        assert applied.ok, applied
+        report = check_exactly_once(audit, num_samples=NUM_SAMPLES, global_batch_size=BATCH,
+                                    last_step=max_steps)
+        assert report.ok, report
+        assert assert_replicas_identical(audit) >= 2
+        assert checkpoints and checkpoints[0].step == max_steps
+        for ref in checkpoints:
+            assert verify(ref.uri) == [], f"committed checkpoint {ref.uri} does not verify"
+
+
+def _inject_until(faults: Faults, progress, deadline: float, max_steps: int,
+                  rng: random.Random) -> list[tuple[str, str, float]]:
+    """Draws and injects faults (each class once per round) until `deadline` or 85 % of the steps; after
+    each, waits for 3 more steps than before it. Returns (fault, what, seconds
+    from the fault's end to training again: 0 when it never stopped)."""
+    trace: list[tuple[str, str, float]] = []
+    order: list[str] = []
+    while time.monotonic() < deadline and progress() < 0.85 * max_steps:
+        time.sleep(rng.uniform(8, 15))  # the fault schedule itself, not a sync
+        if not order:  # every class once per round, in a random order
+            order = rng.sample(FAULTS, len(FAULTS))
+        fault = order.pop()
+        at = progress()
+        what = faults.inject(fault)
+        if what is None:
+            continue
+        t0 = time.monotonic()  # the fault is over (restarted, healed): recovery from here
+        wait_for(lambda: progress() >= at + 3, 180, f"training again after {fault}")
+        trace.append((fault, what, time.monotonic() - t0))
+        print(f"soak: {fault} ({what}) at step {at}: training again after "
+              f"{trace[-1][2]:.1f} s", flush=True)
+    return trace
+
+
+def _print_table(trace: list[tuple[str, str, float]], done: pb.Job) -> None:
+    print("\nsoak: fault | count | median s to train again | max s", flush=True)
+    for fault in FAULTS:
+        times = [t for f, _, t in trace if f == fault]
+        if times:
+            print(f"soak: {fault} | {len(times)} | {statistics.median(times):.1f} | "
+                  f"{max(times):.1f}", flush=True)
+    print(f"soak: {len(trace)} faults; status: {done.status.num_failures} failures, "
+          f"{done.status.num_restores} restores, {done.status.steps_redone} steps redone, "
+          f"{done.status.generation} generations", flush=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import glob
+import os
 import re
 import signal
 from collections import defaultdict
@@ -134,30 +135,45 @@ class TestDrain:
         assert assert_replicas_identical(str(cluster.root / "audit")) >= 2
 
 
-class TestClockSkew:
-    def test_agents_a_day_ahead_and_an_hour_behind_train_every_sample_exactly_once(
+WALLCLOCK_SHIM = str(Path(__file__).resolve().parents[1] / "wallclock")
+
+
+class TestClockJumps:
+    @pytest.mark.parametrize("cluster", [{**SPEC, "min_workers": 3}], indirect=True)
+    def test_agents_whose_wall_clocks_jump_a_day_ahead_and_back_train_every_sample_once(
             self, cluster):
-        """Wall clocks that disagree (a node whose NTP is off, a VM restored
-        from a snapshot) change nothing: liveness is etcd's lease clock and
-        every deadline is monotonic. libfaketime shifts both of an agent's
-        clocks, and those of its ranks, by a constant; a jump *during* the
-        run cannot be injected here (libfaketime that fakes the wall clock
-        alone breaks Python's time.sleep)."""
-        libs = sorted(glob.glob("/usr/lib/*/faketime/libfaketime.so.1"))
-        if not libs:
-            pytest.fail("libfaketime is missing: run deploy/local/setup.sh (apt faketime)")
-        skew = {"a": "+1d", "b": "-1h"}
-        agents = [cluster.start(n, env={"LD_PRELOAD": libs[0], "FAKETIME": skew[n]})
-                  for n in ("a", "b")] + [cluster.start("c")]
+        """Wall clocks that disagree and jump (an NTP step, a VM restored from
+        a snapshot) change nothing: liveness is etcd's lease clock and every
+        deadline is monotonic. a's and b's wall clocks (agent and ranks:
+        tests/wallclock/sitecustomize.py) start a day ahead and an hour
+        behind, and swap mid-run; c's runs true."""
+        offsets = {"a": 86400.0, "b": -3600.0}
+        files = {n: cluster.root / f"wallclock-{n}" for n in offsets}
+        for name, offset in offsets.items():
+            files[name].write_text(str(offset))
+        pythonpath = os.pathsep.join(p for p in (WALLCLOCK_SHIM, os.environ.get("PYTHONPATH"))
+                                     if p)
+        agents = [cluster.start(n, env={"PYTHONPATH": pythonpath,
+                                        "SPRINGBACK_TEST_WALLCLOCK_FILE": str(files[n])})
+                  for n in offsets] + [cluster.start("c")]
+        cluster.wait_world(3, min_step=15, timeout_s=120)
+        for name, offset in offsets.items():  # the jump: a back by 25 h, b ahead by 25 h
+            files[name].write_text(str(-3600.0 if offset > 0 else 86400.0))
         job = cluster.wait_succeeded()
         assert job.status.step == MAX_STEPS
+        assert {r["world_size"] for r in steps(cluster.root)} == {3}, \
+            "a node with a shifted or jumped clock left the world"
+        for agent in agents:
+            assert "fenced" not in agent.log(), agent.log()
         report = cluster.audit()
         assert report.ok, report
         assert assert_replicas_identical(str(cluster.root / "audit")) >= 2
-        # the shifted clocks were in force: a's log is stamped a day ahead
-        stamp = re.search(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)", agents[0].log(), re.M)
-        ahead = datetime.datetime.strptime(stamp[1], "%Y-%m-%d %H:%M:%S") - datetime.datetime.now()
-        assert ahead > datetime.timedelta(hours=20), ahead
+        # the shifted clocks were in force: a's log is stamped a day ahead, then behind
+        stamps = [datetime.datetime.strptime(m, "%Y-%m-%d %H:%M:%S") - datetime.datetime.now()
+                  for m in re.findall(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)", agents[0].log(),
+                                      re.M)]
+        assert stamps[0] > datetime.timedelta(hours=20), stamps[0]
+        assert stamps[-1] < datetime.timedelta(minutes=-50), stamps[-1]
 
 
 class TestZombie:
