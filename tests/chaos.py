@@ -163,7 +163,11 @@ class Faults:
         return getattr(self, "_" + name.replace("-", "_"))()
 
     def _full(self) -> list[str] | None:
-        live = self.d.live_nodes()
+        """The nodes up, when all `num_nodes` are up and joined with ranks
+        running (a replacement still starting does not count: a node fault
+        then would take the job below its minimum and measure start-up)."""
+        live = [n for n in self.d.live_nodes()
+                if "joined job" in self.d.agents[n].log() and children(self.d.agents[n].pid)]
         return live if len(live) >= self.num_nodes else None
 
     # -- worker --------------------------------------------------------------

@@ -7,8 +7,8 @@ Faults (`chaos.FAULTS`: worker, rank <-> rank and agent <-> coordinator
 network, coordinator, etcd, storage and clock faults), drawn by a seeded
 generator (SPRINGBACK_SOAK_SEED, default 7) every 8-15 s until
 SPRINGBACK_SOAK_S (default 600) is spent. After each fault the job must
-train again within a deadline; the recovery time of each is printed, and a
-table of counts and recovery times at the end.
+train again within a deadline; each fault's longest stall of training and
+the steps it made the job redo are printed, and a table per class at the end.
 
 At the end the job has SUCCEEDED, every sample was applied exactly once (the
 sampler's records and the model's own per-sample counters), the replicas are
@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import random
 import statistics
+import threading
 import time
 
 import pytest
@@ -37,7 +38,42 @@ from springback.worker.audit import check_exactly_once
 SOAK_S = float(os.environ.get("SPRINGBACK_SOAK_S", "600"))
 SEED = int(os.environ.get("SPRINGBACK_SOAK_SEED", "7"))
 NUM_SAMPLES, BATCH = 256, 12
-STEP_S = 0.25  # a step with TINY_STEP_SLEEP_S=0.1 on the 2-core machine, roughly
+STEP_S = 0.15  # below a step's time here (TINY_STEP_SLEEP_S=0.1): faults last SOAK_S
+
+
+class StepWatch:
+    """Samples the job's newest step every 0.2 s in a thread (from the step
+    records rank 0 appends), remembering when each advance was first seen
+    on this process's monotonic clock, so a fault's stall can be measured
+    afterwards whatever the fault's own duration."""
+
+    def __init__(self, root) -> None:
+        self._root = root
+        self.advances: list[tuple[float, int]] = [(time.monotonic(), 0)]
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def step(self) -> int:
+        return self.advances[-1][1]
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.2):
+            step = max((r["step"] for r in steps(self._root)), default=0)
+            if step > self.advances[-1][1]:
+                self.advances.append((time.monotonic(), step))
+
+    def longest_stall(self, start: float, end: float) -> float:
+        """The longest time without an advance that overlaps [start, end]."""
+        times = [t for t, _ in self.advances]
+        before = [t for t in times if t <= start]
+        inside = [t for t in times if start < t <= end]
+        edges = ([before[-1]] if before else []) + inside + [end]
+        return max((b - a for a, b in zip(edges, edges[1:])), default=0.0)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
 
 
 @pytest.mark.soak
@@ -56,13 +92,15 @@ def test_random_faults_of_every_class_lose_and_double_nothing(tmp_path, monkeypa
             job = wait_for(lambda: client.create_job(spec), 60, "a leader to take the job")
             faults = Faults(deployment, job.id, rng)
 
-            def progress() -> int:
-                return max((r["step"] for r in steps(tmp_path)), default=0)
-
+            watch = StepWatch(tmp_path)
             for _ in range(3):
                 deployment.start_node(job.id)
-            wait_for(lambda: progress() >= 5, 120, "training to start")
-            trace = _inject_until(faults, progress, time.monotonic() + SOAK_S, max_steps, rng)
+            wait_for(lambda: watch.step() >= 5, 120, "training to start")
+            try:
+                trace = _inject_until(faults, watch, client, job.id,
+                                      time.monotonic() + SOAK_S, max_steps, rng)
+            finally:
+                watch.close()
             done = wait_for(lambda: (j := client.get_job(job.id)).status.state
                             == pb.JOB_STATE_SUCCEEDED and j, SOAK_S + 180, "the job to succeed")
             wait_for(lambda: not deployment.live_nodes(), 90, "every agent to end")
@@ -71,7 +109,7 @@ def test_random_faults_of_every_class_lose_and_double_nothing(tmp_path, monkeypa
         assert done.status.step == max_steps
         assert len(trace) >= 3, trace
         if SOAK_S >= 600:  # a full soak draws every class (some may not apply when drawn)
-            assert len({f for f, _, _ in trace}) >= len(FAULTS) - 3, trace
+            assert len({f for f, *_ in trace}) >= len(FAULTS) - 3, trace
         audit = str(tmp_path / "audit")
         applied = check_applied(audit, num_samples=NUM_SAMPLES, global_batch_size=BATCH,
                                 seed=3, last_step=max_steps)
@@ -85,37 +123,48 @@ def test_random_faults_of_every_class_lose_and_double_nothing(tmp_path, monkeypa
             assert verify(ref.uri) == [], f"committed checkpoint {ref.uri} does not verify"
 
 
-def _inject_until(faults: Faults, progress, deadline: float, max_steps: int,
-                  rng: random.Random) -> list[tuple[str, str, float]]:
-    """Draws and injects faults (each class once per round) until `deadline` or 85 % of the steps; after
-    each, waits for 3 more steps than before it. Returns (fault, what, seconds
-    from the fault's end to training again: 0 when it never stopped)."""
-    trace: list[tuple[str, str, float]] = []
+Fault = tuple[str, str, float, int]
+"""(fault, what it did, longest stall of training in seconds, steps redone)."""
+
+
+def _inject_until(faults: Faults, watch: StepWatch, client: Client, job_id: str,
+                  deadline: float, max_steps: int, rng: random.Random) -> list[Fault]:
+    """Draws and injects faults (every class once per round, in random order)
+    until `deadline` or 85 % of the steps; after each, waits for 3 more
+    steps than before it. A fault's stall is the longest time without a new
+    step from its start to that point (0.2 s resolution); steps redone is
+    the job's `steps_redone` counter's change across it."""
+    trace: list[Fault] = []
     order: list[str] = []
-    while time.monotonic() < deadline and progress() < 0.85 * max_steps:
+    while time.monotonic() < deadline and watch.step() < 0.85 * max_steps:
         time.sleep(rng.uniform(8, 15))  # the fault schedule itself, not a sync
-        if not order:  # every class once per round, in a random order
+        if not order:
             order = rng.sample(FAULTS, len(FAULTS))
         fault = order.pop()
-        at = progress()
+        at, t0 = watch.step(), time.monotonic()
+        redone = wait_for(lambda: client.get_job(job_id), 60,
+                          "the job record").status.steps_redone
         what = faults.inject(fault)
         if what is None:
             continue
-        t0 = time.monotonic()  # the fault is over (restarted, healed): recovery from here
-        wait_for(lambda: progress() >= at + 3, 180, f"training again after {fault}")
-        trace.append((fault, what, time.monotonic() - t0))
-        print(f"soak: {fault} ({what}) at step {at}: training again after "
-              f"{trace[-1][2]:.1f} s", flush=True)
+        wait_for(lambda: watch.step() >= at + 3, 180, f"training again after {fault}")
+        stall = watch.longest_stall(t0, time.monotonic())
+        redone = wait_for(lambda: client.get_job(job_id), 60,
+                          "the job record").status.steps_redone - redone
+        trace.append((fault, what, stall, redone))
+        print(f"soak: {fault} ({what}) at step {at}: longest stall {stall:.1f} s, "
+              f"{redone} steps redone", flush=True)
     return trace
 
 
-def _print_table(trace: list[tuple[str, str, float]], done: pb.Job) -> None:
-    print("\nsoak: fault | count | median s to train again | max s", flush=True)
+def _print_table(trace: list[Fault], done: pb.Job) -> None:
+    print("\nsoak: fault | count | median stall s | max stall s | steps redone", flush=True)
     for fault in FAULTS:
-        times = [t for f, _, t in trace if f == fault]
-        if times:
-            print(f"soak: {fault} | {len(times)} | {statistics.median(times):.1f} | "
-                  f"{max(times):.1f}", flush=True)
+        rows = [(stall, redone) for f, _, stall, redone in trace if f == fault]
+        if rows:
+            stalls = [r[0] for r in rows]
+            print(f"soak: {fault} | {len(rows)} | {statistics.median(stalls):.1f} | "
+                  f"{max(stalls):.1f} | {sum(r[1] for r in rows)}", flush=True)
     print(f"soak: {len(trace)} faults; status: {done.status.num_failures} failures, "
           f"{done.status.num_restores} restores, {done.status.steps_redone} steps redone, "
           f"{done.status.generation} generations", flush=True)
