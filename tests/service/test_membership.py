@@ -167,16 +167,11 @@ class TestFencing:
             self, coordinator, client, workers, make_spec):
         # a reset link between live ranks: both report the broken generation
         # with their state kept; one new generation, same ranks, both still hold
-        job = client.create_job(make_spec(max_workers=2))
-        a, b = join(workers, job.id, 9121), join(workers, job.id, 9122)
-        started(workers, coordinator, job.id, a)
-        plan = plan_of(coordinator, job.id)
+        job, a, b, plan = _two_running(coordinator, client, workers, make_spec, 9121)
         holders = list(client.get_job(job.id).status.state_holders)
         assert sorted(holders) == sorted([a, b])
         for member in (a, b):
-            workers.ReportFailure(ws.ReportFailureRequest(
-                job_id=job.id, member_id=member, generation=plan.generation,
-                reason="connection reset", state_kept=True), timeout=5)
+            _report_broken(workers, job.id, member, plan.generation)
         after = plan_of(coordinator, job.id)
         assert after.generation == plan.generation + 1
         assert [m.member_id for m in after.members] == [a, b]
@@ -186,17 +181,12 @@ class TestFencing:
 
     def test_two_racing_reports_of_one_broken_generation_make_one_new_generation(
             self, coordinator, client, workers, make_spec):
-        job = client.create_job(make_spec(max_workers=2))
-        a, b = join(workers, job.id, 9131), join(workers, job.id, 9132)
-        started(workers, coordinator, job.id, a)
-        plan = plan_of(coordinator, job.id)
+        job, a, b, plan = _two_running(coordinator, client, workers, make_spec, 9131)
         go = threading.Barrier(2)
 
         def report(member: str) -> None:
             go.wait(timeout=10)
-            workers.ReportFailure(ws.ReportFailureRequest(
-                job_id=job.id, member_id=member, generation=plan.generation,
-                reason="connection reset", state_kept=True), timeout=10)
+            _report_broken(workers, job.id, member, plan.generation)
 
         threads = [threading.Thread(target=report, args=(m,)) for m in (a, b)]
         for t in threads:
@@ -205,6 +195,20 @@ class TestFencing:
             t.join(timeout=20)
         assert plan_of(coordinator, job.id).generation == plan.generation + 1
         assert client.get_job(job.id).status.num_failures == 2
+
+
+def _two_running(coordinator, client, workers, make_spec, port: int):
+    """A job with two members (ports `port`, `port` + 1) in a started generation."""
+    job = client.create_job(make_spec(max_workers=2))
+    a, b = join(workers, job.id, port), join(workers, job.id, port + 1)
+    started(workers, coordinator, job.id, a)
+    return job, a, b, plan_of(coordinator, job.id)
+
+
+def _report_broken(workers, job_id: str, member: str, generation: int) -> None:
+    workers.ReportFailure(ws.ReportFailureRequest(
+        job_id=job_id, member_id=member, generation=generation,
+        reason="connection reset", state_kept=True), timeout=10)
 
 
 class TestStateHolders:
