@@ -17,14 +17,15 @@ never a job, member, generation or commit.
 from __future__ import annotations
 
 import logging
+import random
 import threading
 import time
 from collections.abc import Callable, Collection, Iterator
 from typing import NamedTuple
 
-from google.protobuf.timestamp_pb2 import Timestamp
-
-from springback.service import keys, planner
+from springback.service import keys, planner, replan
+from springback.service.replan import timestamp_now  # noqa: F401 (used by membership, jobs, commits)
+from springback.service.writer import FencedWriter
 from springback.service.election import Election
 from springback.service.history import History
 from springback.service.errors import (
@@ -37,6 +38,9 @@ log = logging.getLogger(__name__)
 
 JobMutation = Callable[[pb.Job], None]
 
+CHANGE_ATTEMPTS = 5
+"""Rounds of `change_with_retry`: changes of one job race in etcd, not on a lock."""
+
 
 class _PlanView(NamedTuple):
     """What the leader keeps of a job's current plan (it writes every plan)."""
@@ -44,12 +48,6 @@ class _PlanView(NamedTuple):
     generation: int
     signature: tuple  # planner.signature: action and rank assignment
     members: frozenset[str]  # active member ids
-
-
-def timestamp_now() -> Timestamp:
-    ts = Timestamp()
-    ts.GetCurrentTime()
-    return ts
 
 
 class Coordinator:
@@ -85,6 +83,7 @@ class Coordinator:
         self.num_loop_errors = 0
         self.num_generations = 0
         self.last_replan_s = 0.0
+        self.writer = FencedWriter(store, election.fence)
         self.history = History(store, election.fence)
 
     # -- lifecycle ------------------------------------------------------------
@@ -195,7 +194,8 @@ class Coordinator:
         extra_ops: Callable[[], list] | None = None,
         extra_compare: Collection = (),
     ) -> pb.Job:
-        """Applies `mutate` to the job, replans, and writes both atomically.
+        """Applies `mutate` to the job, replans (`replan`), and writes both in
+        one fenced transaction (`writer`).
 
         A new generation is written when the plan's signature changes (or when
         forced: a rank crashed, an operator restore). `stateless` members lost
@@ -208,97 +208,62 @@ class Coordinator:
         `NotLeader` if this replica does not lead, and whatever `mutate` raises
         (nothing is written). The fencing token is taken *before* anything is
         read: a decision made while this replica led is written only if it
-        still leads when the transaction lands.
+        still leads when the transaction lands. No lock is held across the
+        reads and the write: etcd's compare-and-swap orders concurrent changes.
         """
-        fence = self.election.fence()  # NotLeader unless leading now
-        with self._changed:
-            job_entry = self._job_entry(job_id)
-            job = self._with_progress(job_entry.value)
-            if mutate is not None:
-                mutate(job)
-            plan_entry = self.store.get(keys.plan(job_id), pb.Plan)
-            previous = plan_entry.value if plan_entry else None
-            members = self.members(job_id)
-            for m in members:
-                m.draining = m.draining or m.id in draining
-            live = {m.id for m in members}
-            holders = [h for h in job.status.state_holders if h in live and h not in stateless]
-            del job.status.state_holders[:]
-            job.status.state_holders.extend(holders)
-            checkpoints = self.list_checkpoints(job_id)
-            requested = None
-            if job.status.restore_step:
-                requested = next((c for c in checkpoints if c.step == job.status.restore_step), None)
-            started = time.perf_counter()
-            plan = planner.make_plan(
-                job, members, previous,
-                progress=self._progress.get(job_id) or planner.Progress(
-                    step=job.status.step, samples_consumed=job.status.samples_consumed,
-                    loss=job.status.loss, cursor=job.status.cursor,
-                ),
-                newest_checkpoint=checkpoints[0] if checkpoints else None,
-                requested_checkpoint=requested,
-                holders=holders,
-                reason=reason,
-            )
-            self.last_replan_s = time.perf_counter() - started
-            signature = planner.signature(plan)
-            new_generation = force_generation or previous is None or (
-                signature != self._signature_of(job_id, previous)
-            )
-            status = job.status
-            if new_generation:
-                plan.generation = (previous.generation if previous else 0) + 1
-                plan.created_at.CopyFrom(timestamp_now())
-                if requested is not None and plan.restore.kind == pb.RESTORE_KIND_CHECKPOINT:
-                    status.restore_step = 0  # the operator's restore is planned
-                # Progress rewinds when the ranks report the state they
-                # actually started from (record_generation_start), not here:
-                # this plan may never start.
-                status.generation = plan.generation
-                status.world_size = plan.world_size
-                del status.members[:]
-                status.members.extend(m.member_id for m in plan.members if plan.world_size)
-            if not planner.is_terminal(status.state):
-                if plan.action == pb.PLAN_ACTION_RUN:
-                    status.state = pb.JOB_STATE_RUNNING
-                elif status.state == pb.JOB_STATE_RUNNING:
-                    status.state = pb.JOB_STATE_PENDING
-            del status.spares[:]
-            status.spares.extend(plan.spares)
-            status.message = reason
-            status.updated_at.CopyFrom(timestamp_now())
-            history_ops = self.history.on_change(job, plan if new_generation else None)
+        fence = self.writer.fence()  # NotLeader unless leading now
+        job_entry = self._job_entry(job_id)
+        plan_entry = self.store.get(keys.plan(job_id), pb.Plan)
+        members = self.members(job_id)
+        checkpoints = self.list_checkpoints(job_id)
+        job = self._with_progress(job_entry.value)
+        if mutate is not None:
+            mutate(job)
+        progress = self._progress.get(job_id)  # after mutate: a start sets it
+        previous = plan_entry.value if plan_entry else None
+        decision = replan.replan(replan.Inputs(
+            job=job, previous=previous,
+            previous_signature=self._signature_of(job_id, previous) if previous else None,
+            members=members, checkpoints=checkpoints, progress=progress, reason=reason,
+            stateless=stateless, draining=draining, force_generation=force_generation,
+        ))
+        self.last_replan_s = decision.planning_s
+        history_ops = self.history.on_change(job, decision.plan if decision.new_generation else None)
+        txn = self.writer.txn
+        compare = [
+            txn.mod(keys.job(job_id)) == job_entry.mod_revision,
+            (txn.mod(keys.plan(job_id)) == plan_entry.mod_revision) if plan_entry
+            else (txn.version(keys.plan(job_id)) == 0),
+            *extra_compare,
+        ]
+        ops = [txn.put(keys.job(job_id), job.SerializeToString())]
+        if decision.plan_write is not None:
+            ops.append(txn.put(keys.plan(job_id), decision.plan_write.SerializeToString()))
+        if extra_ops is not None:
+            ops.extend(extra_ops())
+        ops.extend(history_ops)
+        self.writer.write_or_conflict(fence, compare, ops, f"job {job_id}")
+        self._applied(job_id, decision, progress, reason)
+        return job
 
-            txn = self.store.txn
-            compare = fence + [
-                txn.mod(keys.job(job_id)) == job_entry.mod_revision,
-                (txn.mod(keys.plan(job_id)) == plan_entry.mod_revision) if plan_entry
-                else (txn.version(keys.plan(job_id)) == 0),
-                *extra_compare,
-            ]
-            ops = [txn.put(keys.job(job_id), job.SerializeToString())]
-            if new_generation:
-                ops.append(txn.put(keys.plan(job_id), plan.SerializeToString()))
-            elif list(plan.spares) != list(previous.spares):
-                # Same generation, new hot spares: training is not interrupted.
-                del previous.spares[:]
-                previous.spares.extend(plan.spares)
-                ops.append(txn.put(keys.plan(job_id), previous.SerializeToString()))
-            if extra_ops is not None:
-                ops.extend(extra_ops())
-            ops.extend(history_ops)
-            if not self.store.transaction(compare, ops):
-                raise Conflict(f"job {job_id}: concurrent update, retry")
-            self._dirty.discard(job_id)
-            if new_generation:
+    def _applied(self, job_id: str, decision: replan.Decision,
+                 progress: planner.Progress | None, reason: str) -> None:
+        """Caches what a landed change wrote, then wakes the watchers."""
+        plan = decision.plan
+        with self._changed:
+            if self._progress.get(job_id) is progress:
+                self._dirty.discard(job_id)  # a report that came meanwhile stays dirty
+            if decision.new_generation:
                 self.num_generations += 1
-                self._plans[job_id] = _PlanView(
-                    plan.generation, signature, frozenset(member[0] for member in signature[1]))
-                log.info("job %s generation %d (%s): world %d, %s", job_id, plan.generation,
-                         pb.PlanAction.Name(plan.action), plan.world_size, reason)
-            self._notify(job_id, reason)
-            return job
+                view = self._plans.get(job_id)
+                if view is None or view.generation < plan.generation:
+                    self._plans[job_id] = _PlanView(
+                        plan.generation, decision.signature,
+                        frozenset(member[0] for member in decision.signature[1]))
+        if decision.new_generation:
+            log.info("job %s generation %d (%s): world %d, %s", job_id, plan.generation,
+                     pb.PlanAction.Name(plan.action), plan.world_size, reason)
+        self._notify(job_id, reason)
 
     def _signature_of(self, job_id: str, plan: pb.Plan) -> tuple:
         view = self._plans.get(job_id)
@@ -314,13 +279,16 @@ class Coordinator:
 
     def change_with_retry(self, job_id: str, reason: str, mutate: JobMutation | None = None,
                           **kwargs) -> pb.Job:  # noqa: ANN003
-        """`change`, retried on `Conflict` (three attempts)."""
-        for attempt in range(3):
+        """`change`, retried on `Conflict` (`CHANGE_ATTEMPTS` attempts, a short
+        jittered pause between them so that writers that collided spread out);
+        then `Conflict` (nothing written)."""
+        for attempt in range(CHANGE_ATTEMPTS):
             try:
                 return self.change(job_id, reason, mutate, **kwargs)
             except Conflict:
-                if attempt == 2:
+                if attempt == CHANGE_ATTEMPTS - 1:
                     raise
+                time.sleep(random.uniform(0, 0.01 * 2 ** attempt))  # backoff, not a synchronisation
         raise AssertionError("unreachable")
 
     # -- progress and fencing ---------------------------------------------------

@@ -89,9 +89,7 @@ class Membership:
         if registered is None:
             member.joined_at.CopyFrom(timestamp_now())
             lease = store.grant_lease(max(2, math.ceil(self.liveness_timeout_s)))
-            txn = store.txn
-            if store.transaction(fence + [txn.version(key) == 0],
-                                 [txn.put(key, member.SerializeToString(), lease=lease)]):
+            if coordinator.writer.create(key, member.SerializeToString(), lease=lease, fence=fence):
                 coordinator.remember_lease(member.id, lease.id)
                 registered = member
             else:
