@@ -1,7 +1,7 @@
 """The coordinator's transport-free logic: jobs, generations, fencing, commits.
 
 Only the leader replica runs this logic (non-leaders forward RPCs, see
-`server`); every write is an etcd transaction guarded by the leader's fencing
+`server`; plan streams and heartbeats are served by every replica); every write is an etcd transaction guarded by the leader's fencing
 token and by compare-and-swap on the keys it read, so two replicas that both
 believe they lead cannot both write, and a generation number is never issued
 twice.
@@ -75,7 +75,6 @@ class Coordinator:
         self._dirty: set[str] = set()  # jobs whose progress is not yet in etcd
         self._plans: dict[str, _PlanView] = {}  # job id -> what matters of its current plan
         self._lease_of: dict[str, int] = {}  # member id -> lease id
-        self._live: dict[str, frozenset[str]] = {}  # job id -> registered member ids, last read
         # job id -> members' (count, newest revision) when last found in line with the plan
         self._fingerprints: dict[str, tuple[int, int]] = {}
         self._stop = threading.Event()
@@ -103,7 +102,6 @@ class Coordinator:
             self._dirty.clear()
             self._plans.clear()
             self._lease_of.clear()
-            self._live.clear()
             self._fingerprints.clear()
             self.history.forget()
             self._version += 1
@@ -177,7 +175,6 @@ class Coordinator:
         for e in entries:
             e.value.join_order = e.create_revision
         self._lease_of.update((e.value.id, e.lease_id) for e in entries)
-        self._live[job_id] = frozenset(e.value.id for e in entries)
         return [e.value for e in entries]
 
     # -- the one write path -----------------------------------------------------
@@ -392,51 +389,6 @@ class Coordinator:
             yield job, event
             if planner.is_terminal(job.status.state):
                 return
-
-    def watch_plans(self, job_id: str, alive: Callable[[], bool], poll_s: float = 1.0,
-                    member_id: str = "") -> Iterator[pb.Plan]:
-        """The current plan, then each newer one; ends after a STOP plan.
-
-        With `member_id`, raises `NotFound` when that member is not registered
-        (expired, left: it is fenced), checked before the first plan and after
-        every change, so a fenced member learns it on its stream as soon as
-        the leader notices the expiry (the same pass that replans without it).
-        """
-        self._job_entry(job_id)
-        if member_id and self.store.get(keys.member(job_id, member_id)) is None:
-            # read, not the cache: a member whose lease just expired is told at once
-            raise NotFound(f"member {member_id!r} of job {job_id!r} is not registered "
-                           "(expired or left): stop local ranks and join again")
-        sent = -1
-        while alive():
-            self.require_leader()
-            if member_id:
-                self._require_registered(job_id, member_id)
-            with self._changed:
-                generation = self.current_generation(job_id)
-                if generation == sent:
-                    self._changed.wait(poll_s)
-                    continue
-            plan = self.current_plan(job_id)
-            if plan is None:
-                with self._changed:
-                    self._changed.wait(poll_s)
-                continue
-            sent = plan.generation
-            yield plan
-            if plan.action == pb.PLAN_ACTION_STOP:
-                return
-
-    def _require_registered(self, job_id: str, member_id: str) -> None:
-        live = self._live.get(job_id)
-        if live is None:
-            self.members(job_id)
-            live = self._live.get(job_id, frozenset())
-        if member_id not in live:
-            raise NotFound(
-                f"member {member_id!r} of job {job_id!r} is not registered (expired or left): "
-                "stop local ranks and join again"
-            )
 
     # -- background loop ------------------------------------------------------------
 

@@ -11,7 +11,12 @@
   so two replicas with stale views cannot bounce a call between them.
   Heartbeats are not forwarded: any replica renews a member's lease in etcd
   itself, so members stay alive while leadership changes hands (a replica
-  that cannot reach etcd refuses them at once, see `liveness`).
+  that cannot reach etcd refuses them at once, see `liveness`). Plan streams
+  are not forwarded either: every replica serves them from its own etcd
+  watch (`planstreams`), so agents spread over the replicas and a failover
+  drops only the streams of the replica that went away. These are asyncio
+  interceptors (the server is `grpc.aio`); forwarding handlers are plain
+  functions, run on the server's worker threads.
 * `CallCounter`: counts calls per method for the metrics endpoint.
 """
 
@@ -34,12 +39,12 @@ log = logging.getLogger(__name__)
 
 FORWARDED = "x-springback-forwarded"
 _API_PREFIX = "/springback.v1."
-_STREAMS = frozenset({
-    "/springback.v1.JobService/WatchJob",
+_STREAMS = frozenset({"/springback.v1.JobService/WatchJob"})
+_PASSED_METADATA = ("authorization",)
+_SERVED_BY_ANY_REPLICA = frozenset({
+    "/springback.v1.WorkerService/Heartbeat",
     "/springback.v1.WorkerService/WatchPlans",
 })
-_PASSED_METADATA = ("authorization",)
-_SERVED_BY_ANY_REPLICA = frozenset({"/springback.v1.WorkerService/Heartbeat"})
 
 
 def _deny(code: grpc.StatusCode, details: str) -> grpc.RpcMethodHandler:
@@ -49,36 +54,38 @@ def _deny(code: grpc.StatusCode, details: str) -> grpc.RpcMethodHandler:
     return grpc.unary_unary_rpc_method_handler(handler)
 
 
-class BearerAuth(grpc.ServerInterceptor):
+class BearerAuth(grpc.aio.ServerInterceptor):
     def __init__(self, token: str) -> None:
         if not token:
             raise ValueError("token: must not be empty")
         self._expected = f"Bearer {token}".encode()
 
-    def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails) -> Any:
+    async def intercept_service(self, continuation: Callable,
+                                details: grpc.HandlerCallDetails) -> Any:
         if details.method.startswith("/grpc.health.v1."):
-            return continuation(details)
+            return await continuation(details)
         sent = dict(details.invocation_metadata or ()).get("authorization", "")
         if isinstance(sent, str) and hmac.compare_digest(sent.encode(), self._expected):
-            return continuation(details)
+            return await continuation(details)
         return _deny(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid bearer token")
 
 
-class LeaderForwarding(grpc.ServerInterceptor):
+class LeaderForwarding(grpc.aio.ServerInterceptor):
     def __init__(self, election: Election) -> None:
         self._election = election
         self._channels: dict[str, grpc.Channel] = {}
         self._lock = threading.Lock()
         self.num_forwarded = 0
 
-    def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails) -> Any:
+    async def intercept_service(self, continuation: Callable,
+                                details: grpc.HandlerCallDetails) -> Any:
         method = details.method
         if (not method.startswith(_API_PREFIX) or method in _SERVED_BY_ANY_REPLICA
                 or self._election.is_leader()):
-            return continuation(details)
+            return await continuation(details)
         metadata = dict(details.invocation_metadata or ())
         if FORWARDED in metadata:
-            return continuation(details)  # the servicer answers NotLeader (UNAVAILABLE)
+            return await continuation(details)  # the servicer answers NotLeader (UNAVAILABLE)
         outgoing = [(k, v) for k, v in metadata.items() if k in _PASSED_METADATA]
         outgoing.append((FORWARDED, self._election.address))
         if method in _STREAMS:
@@ -133,10 +140,11 @@ class LeaderForwarding(grpc.ServerInterceptor):
             self._channels.clear()
 
 
-class CallCounter(grpc.ServerInterceptor):
+class CallCounter(grpc.aio.ServerInterceptor):
     def __init__(self) -> None:
         self.calls: Counter[str] = Counter()
 
-    def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails) -> Any:
+    async def intercept_service(self, continuation: Callable,
+                                details: grpc.HandlerCallDetails) -> Any:
         self.calls[details.method] += 1
-        return continuation(details)
+        return await continuation(details)

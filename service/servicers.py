@@ -1,15 +1,19 @@
 """Thin gRPC servicers: convert the request, call the logic, convert back.
 
 Domain errors become status codes in one place (`_handle`); anything else is
-logged and becomes INTERNAL. Streams end with UNAVAILABLE when this replica
-stops leading, so clients reconnect to the new leader.
+logged and becomes INTERNAL. Unary calls and WatchJob run on the server's
+worker threads; WatchPlans runs on its asyncio loop (`planstreams`, no thread
+per stream). WatchJob ends with UNAVAILABLE when this replica stops leading,
+so clients reconnect to the new leader; plan streams are served by every
+replica and survive a change of leader.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable, Iterator
+import threading
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, TypeVar
 
 import grpc
@@ -23,6 +27,7 @@ from springback.service.jobs import JobControl
 from springback.service.liveness import EtcdReachability
 from springback.service.membership import Membership
 from springback.service.planner import Progress
+from springback.service.planstreams import PlanStreams
 from springback.v1 import job_service_pb2 as js
 from springback.v1 import job_service_pb2_grpc as js_grpc
 from springback.v1 import worker_service_pb2 as ws
@@ -60,6 +65,13 @@ def _handle_stream(fn: F) -> F:
             _abort(context, e)
 
     return stream  # type: ignore[return-value]
+
+
+def _until_closed(context: grpc.ServicerContext) -> Callable[[], bool]:
+    """`alive()` for a stream run on a worker thread: False once the call ended."""
+    closed = threading.Event()
+    context.add_callback(closed.set)
+    return lambda: not closed.is_set()
 
 
 class JobServicer(js_grpc.JobServiceServicer):
@@ -100,7 +112,7 @@ class JobServicer(js_grpc.JobServiceServicer):
     def WatchJob(self, request: js.WatchJobRequest,
                  context: grpc.ServicerContext) -> Iterator[js.WatchJobResponse]:
         self.coordinator.get_job(request.job_id)  # NOT_FOUND before the stream starts
-        for job, event in self.coordinator.watch(request.job_id, context.is_active):
+        for job, event in self.coordinator.watch(request.job_id, _until_closed(context)):
             yield js.WatchJobResponse(job=job, event=event)
 
     @_handle
@@ -138,10 +150,12 @@ def _duration(seconds: float) -> Duration:
 
 class WorkerServicer(ws_grpc.WorkerServiceServicer):
     def __init__(self, coordinator: Coordinator,
-                 liveness: EtcdReachability | None = None) -> None:
+                 liveness: EtcdReachability | None = None,
+                 plan_streams: PlanStreams | None = None) -> None:
         self.coordinator = coordinator
         self.membership = Membership(coordinator, liveness)
         self.commits = Commits(coordinator)
+        self.plan_streams = plan_streams
 
     @_handle
     def JoinJob(self, request: ws.JoinJobRequest, context: grpc.ServicerContext) -> ws.JoinJobResponse:
@@ -170,12 +184,27 @@ class WorkerServicer(ws_grpc.WorkerServiceServicer):
         checkpoint = self.membership.drain(request.job_id, request.member_id, request.reason)
         return ws.DrainMemberResponse(checkpoint=checkpoint)
 
-    @_handle_stream
-    def WatchPlans(self, request: ws.WatchPlansRequest,
-                   context: grpc.ServicerContext) -> Iterator[ws.WatchPlansResponse]:
-        for plan in self.coordinator.watch_plans(request.job_id, context.is_active,
-                                                 member_id=request.member_id):
-            yield ws.WatchPlansResponse(plan=plan)
+    async def WatchPlans(self, request: ws.WatchPlansRequest,
+                         context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+        """Served on this replica's loop (`planstreams`); yields serialized
+        responses (the handler is registered without a serializer, see `server`)."""
+        if self.plan_streams is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "plan streams need the aio server")
+            return
+        try:
+            async for response in self.plan_streams.stream(request.job_id, request.member_id):
+                yield response
+        except SpringbackError as e:
+            await context.abort(grpc_code(e), str(e))
+        except Exception as e:  # a bug: INTERNAL, logged
+            log.exception("WatchPlans failed")
+            await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}")
+        finally:
+            self.plan_stream_ended(request.job_id, request.member_id)
+
+    def plan_stream_ended(self, job_id: str, member_id: str) -> None:
+        """A member's plan stream ended (any way: STOP, error, the agent gone);
+        the hook for evidence that a member's agent is gone. Nothing yet."""
 
     @_handle
     def ReportStep(self, request: ws.ReportStepRequest,
