@@ -42,6 +42,18 @@ CHANGE_ATTEMPTS = 5
 """Rounds of `change_with_retry`: changes of one job race in etcd, not on a lock."""
 
 
+SETTLE_S = 0.3
+"""Membership unchanged this long: the reconcile loop replans (see `Coordinator._settled`)."""
+MAX_SETTLE_S = 2.0
+"""Longest a membership change waits for the burst around it to end."""
+
+
+class _Unsettled(NamedTuple):
+    first_seen: float  # monotonic: the first change not yet planned
+    fingerprint: tuple[int, int]  # members' (count, newest revision) last seen
+    last_change: float  # monotonic: when that fingerprint was first seen
+
+
 class _PlanView(NamedTuple):
     """What the leader keeps of a job's current plan (it writes every plan)."""
 
@@ -61,12 +73,18 @@ class Coordinator:
         liveness_timeout_s: float = 5.0,
         progress_flush_s: float = 5.0,
         reconcile_interval_s: float = 0.2,
+        settle_s: float = SETTLE_S,
+        max_settle_s: float = MAX_SETTLE_S,
     ) -> None:
         self.store = store
         self.election = election
         self.liveness_timeout_s = liveness_timeout_s
         self.progress_flush_s = progress_flush_s
         self.reconcile_interval_s = reconcile_interval_s
+        self.settle_s = settle_s
+        self.max_settle_s = max_settle_s
+        self._kick = threading.Event()
+        self._unsettled: dict[str, _Unsettled] = {}  # job id -> membership change not yet planned
         self._lock = threading.RLock()
         self._changed = threading.Condition(self._lock)
         self._version = 0  # bumped on every change; watchers wait on it
@@ -92,6 +110,7 @@ class Coordinator:
 
     def stop(self) -> None:
         self._stop.set()
+        self._kick.set()
         self.leadership_changed()
         self._thread.join(timeout=5)
 
@@ -103,6 +122,7 @@ class Coordinator:
             self._plans.clear()
             self._lease_of.clear()
             self._fingerprints.clear()
+            self._unsettled.clear()
             self.history.forget()
             self._version += 1
             self._changed.notify_all()
@@ -392,10 +412,17 @@ class Coordinator:
 
     # -- background loop ------------------------------------------------------------
 
+    def kick(self) -> None:
+        """Runs the reconcile loop now (a member registered); never blocks."""
+        self._kick.set()
+
     def _loop(self) -> None:
         last_flush = time.monotonic()
-        while not self._stop.wait(self.reconcile_interval_s):
-            if not self.election.is_leader():
+        while not self._stop.is_set():
+            self._kick.wait(min(self.reconcile_interval_s, self.settle_s) if self._unsettled
+                            else self.reconcile_interval_s)
+            self._kick.clear()
+            if self._stop.is_set() or not self.election.is_leader():
                 continue
             try:
                 self.reconcile()
@@ -410,10 +437,26 @@ class Coordinator:
                 self.num_loop_errors += 1
                 log.exception("reconcile failed")
 
-    def reconcile(self) -> None:
-        """Replans every live job whose members no longer match its plan.
+    def _settled(self, job_id: str, fingerprint: tuple[int, int]) -> bool:
+        """Whether a job's changed membership has settled: unchanged for
+        ``settle_s``, or ``max_settle_s`` since the first change not yet planned
+        (a join storm or a failure burst becomes one generation, not one per event)."""
+        now = time.monotonic()
+        unsettled = self._unsettled.get(job_id)
+        if unsettled is None or unsettled.fingerprint != fingerprint:
+            first = unsettled.first_seen if unsettled else now
+            unsettled = self._unsettled[job_id] = _Unsettled(first, fingerprint, now)
+        if (now - unsettled.last_change < self.settle_s
+                and now - unsettled.first_seen < self.max_settle_s):
+            return False
+        del self._unsettled[job_id]
+        return True
 
-        This is how expired members (lease gone), and changes a previous
+    def reconcile(self) -> None:
+        """Replans every live job whose members no longer match its plan, once
+        its membership has settled (`_settled`).
+
+        This is how joins, expired members (lease gone), and changes a previous
         leader did not finish, turn into new generations. Reads only, unless
         something changed.
         """
@@ -423,6 +466,8 @@ class Coordinator:
             fingerprint = self.store.fingerprint(keys.members(job.id))
             if self._fingerprints.get(job.id) == fingerprint:
                 continue  # no member joined, left, expired or drained
+            if not self._settled(job.id, fingerprint):
+                continue  # more may come: one generation for the whole burst
             plan = self.current_plan(job.id)
             planned = {m.member_id for m in plan.members} | set(plan.spares) if plan else set()
             alive = {m.id for m in self.members(job.id) if not m.draining}

@@ -59,7 +59,10 @@ class Membership:
 
     def join(self, job_id: str, host: str, rendezvous_port: int, num_local_ranks: int,
              join_token: str = "") -> pb.Member:
-        """Registers a member and replans (a joiner is admitted, or becomes a spare).
+        """Registers a member (one fenced etcd transaction); the leader's
+        reconcile loop plans it (admitted, or a spare) once the joins around it
+        have settled (`Coordinator._settled`): a join storm is one generation.
+        The servicer waits for that plan before it answers (`PlanStreams.until_planned`).
 
         With a `join_token` the call is idempotent: the member id is derived
         from (job, token), so a retry whose first attempt registered the
@@ -98,8 +101,7 @@ class Membership:
                 registered = self._registered(key, member) if join_token else None
                 if registered is None:
                     raise FailedPrecondition(f"member id {member.id} collided; join again")
-        coordinator.change_with_retry(
-            job_id, f"{member.id} joined ({host}, {num_local_ranks} ranks)")
+        coordinator.kick()  # the reconcile loop plans it, with the joins around it
         return registered
 
     def _registered(self, key: str, wanted: pb.Member) -> pb.Member | None:

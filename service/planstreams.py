@@ -90,3 +90,21 @@ class PlanStreams:
     async def _check_planned(self, job_id: str, member_id: str, posted: Posted) -> None:
         if member_id and member_id not in posted.planned:
             await asyncio.to_thread(self._require_registered, job_id, member_id)
+
+    async def until_planned(self, job_id: str, member_id: str, timeout_s: float) -> bool:
+        """Waits until a plan made after now places `member_id` (True), a plan
+        made after now leaves it out (the planner's choice: False), or
+        `timeout_s` passes (False). The leader's JoinJob answers after it."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        before = self._board.get(job_id)
+        while True:
+            posted = self._board.get(job_id)
+            if posted is not None and member_id in posted.planned:
+                return True
+            if posted is not None and before is not None and posted.order > before.order:
+                return False
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return False
+            await self._board.changed(job_id, remaining)

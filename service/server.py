@@ -149,7 +149,13 @@ def _refusing_malformed(handler: Any) -> Any:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, details(request))
             return behaviour(request, context)
 
-        return handler._replace(unary_unary=unary,
+        async def unary_async(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            if isinstance(request, _Malformed):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, details(request))
+            return await behaviour(request, context)
+
+        wrapped = unary_async if inspect.iscoroutinefunction(behaviour) else unary
+        return handler._replace(unary_unary=wrapped,
                                 request_deserializer=_tolerant(handler.request_deserializer))
     stream = handler.unary_stream
     if not inspect.isasyncgenfunction(stream):

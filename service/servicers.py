@@ -10,6 +10,7 @@ replica and survive a change of leader.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import threading
@@ -36,6 +37,9 @@ from springback.v1 import worker_service_pb2_grpc as ws_grpc
 log = logging.getLogger(__name__)
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+JOIN_PLAN_WAIT_S = 5.0
+"""Longest JoinJob waits for the plan that places the new member."""
 
 
 def _abort(context: grpc.ServicerContext, error: BaseException) -> None:
@@ -157,11 +161,23 @@ class WorkerServicer(ws_grpc.WorkerServiceServicer):
         self.commits = Commits(coordinator)
         self.plan_streams = plan_streams
 
-    @_handle
-    def JoinJob(self, request: ws.JoinJobRequest, context: grpc.ServicerContext) -> ws.JoinJobResponse:
-        member = self.membership.join(
-            request.job_id, request.host, request.rendezvous_port, request.num_local_ranks,
-            request.join_token)
+    async def JoinJob(self, request: ws.JoinJobRequest,
+                      context: grpc.aio.ServicerContext) -> ws.JoinJobResponse:
+        """Registers the member on a worker thread, then waits on the loop (no
+        thread) for the settled plan that places it, up to `JOIN_PLAN_WAIT_S`
+        (or the call's deadline): the answer comes once the member is planned
+        or the planner left it out; past the wait it is registered anyway and
+        its plan stream brings the plan."""
+        try:
+            member = await asyncio.to_thread(
+                self.membership.join, request.job_id, request.host, request.rendezvous_port,
+                request.num_local_ranks, request.join_token)
+        except SpringbackError as e:
+            await context.abort(grpc_code(e), str(e))
+        if self.plan_streams is not None:
+            remaining = context.time_remaining()
+            wait = JOIN_PLAN_WAIT_S if remaining is None else min(JOIN_PLAN_WAIT_S, remaining - 0.5)
+            await self.plan_streams.until_planned(request.job_id, member.id, wait)
         timeout = self.membership.liveness_timeout_s
         return ws.JoinJobResponse(
             member=member, liveness_timeout=_duration(timeout),
