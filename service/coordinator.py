@@ -500,6 +500,10 @@ class Coordinator:
     def remember_lease(self, member_id: str, lease_id: int) -> None:
         self._lease_of[member_id] = lease_id
 
+    def cached_lease(self, member_id: str) -> int | None:
+        """The member's lease id if this replica knows it (no I/O)."""
+        return self._lease_of.get(member_id)
+
     def forget_member(self, member_id: str) -> None:
         self._lease_of.pop(member_id, None)
 

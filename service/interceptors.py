@@ -22,11 +22,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import threading
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from concurrent import futures
 from typing import Any
 
 import grpc
@@ -54,6 +56,17 @@ def _deny(code: grpc.StatusCode, details: str) -> grpc.RpcMethodHandler:
     return grpc.unary_unary_rpc_method_handler(handler)
 
 
+_END = object()
+
+
+async def in_thread(pool: futures.ThreadPoolExecutor, items: Iterable[Any]) -> AsyncIterator[Any]:
+    """`items` (a blocking iterator) read on `pool`, one item at a time, on the loop."""
+    iterator: Iterator[Any] = iter(items)
+    loop = asyncio.get_running_loop()
+    while (item := await loop.run_in_executor(pool, next, iterator, _END)) is not _END:
+        yield item
+
+
 class BearerAuth(grpc.aio.ServerInterceptor):
     def __init__(self, token: str) -> None:
         if not token:
@@ -71,8 +84,9 @@ class BearerAuth(grpc.aio.ServerInterceptor):
 
 
 class LeaderForwarding(grpc.aio.ServerInterceptor):
-    def __init__(self, election: Election) -> None:
+    def __init__(self, election: Election, stream_pool: futures.ThreadPoolExecutor) -> None:
         self._election = election
+        self._stream_pool = stream_pool
         self._channels: dict[str, grpc.Channel] = {}
         self._lock = threading.Lock()
         self.num_forwarded = 0
@@ -92,19 +106,26 @@ class LeaderForwarding(grpc.aio.ServerInterceptor):
             return grpc.unary_stream_rpc_method_handler(self._stream(method, outgoing))
         return grpc.unary_unary_rpc_method_handler(self._unary(method, outgoing))
 
-    def _leader_channel(self, context: grpc.ServicerContext) -> grpc.Channel:
+    def _find_leader(self) -> tuple[grpc.Channel | None, str]:
+        """A channel to the leader, or None and why not (blocking: an etcd read)."""
         try:
             leader = self._election.leader_address()
         except SpringbackError as e:
-            context.abort(grpc.StatusCode.UNAVAILABLE, f"cannot find the leader: {e}")
+            return None, f"cannot find the leader: {e}"
         if not leader or leader == self._election.address:
-            context.abort(grpc.StatusCode.UNAVAILABLE, "no coordinator leader elected yet; retry")
+            return None, "no coordinator leader elected yet; retry"
         with self._lock:
             channel = self._channels.get(leader)
             if channel is None:
                 # TLS to the leader comes from SPRINGBACK_TLS_* like any client's;
                 # the caller's own token travels in the forwarded metadata.
                 channel = self._channels[leader] = connect([leader], token="")
+        return channel, ""
+
+    def _leader_channel(self, context: grpc.ServicerContext) -> grpc.Channel:
+        channel, why = self._find_leader()
+        if channel is None:
+            context.abort(grpc.StatusCode.UNAVAILABLE, why)
         return channel
 
     def _unary(self, method: str, metadata: list) -> Callable:
@@ -120,16 +141,23 @@ class LeaderForwarding(grpc.aio.ServerInterceptor):
         return forward
 
     def _stream(self, method: str, metadata: list) -> Callable:
-        def forward(request: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
-            call = self._leader_channel(context).unary_stream(method)(
+        async def forward(request: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+            # The leader's stream is read on a thread of the stream pool, one
+            # message at a time, and sent from the loop (operators' streams: few).
+            channel, why = await asyncio.to_thread(self._find_leader)
+            if channel is None:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, why)
+            call = channel.unary_stream(method)(
                 request, metadata=metadata, timeout=context.time_remaining())
             self.num_forwarded += 1
-            context.add_callback(call.cancel)
             try:
-                yield from call
+                async for response in in_thread(self._stream_pool, call):
+                    yield response
             except grpc.RpcError as e:
                 if e.code() != grpc.StatusCode.CANCELLED:
-                    context.abort(e.code(), e.details() or "")
+                    await context.abort(e.code(), e.details() or "")
+            finally:
+                call.cancel()
 
         return forward
 

@@ -40,6 +40,7 @@ from springback.service.coordinator import Coordinator
 from springback.service.dashboard import Dashboard
 from springback.service.election import Election
 from springback.service.health import Health
+from springback.service.heartbeats import Heartbeats, LeaseRenewer
 from springback.service.jobmetrics import JobMetrics
 from springback.service.interceptors import BearerAuth, CallCounter, LeaderForwarding
 from springback.service.liveness import EtcdReachability
@@ -222,7 +223,10 @@ class CoordinatorServer:
         self.election = Election(self.store, "", ttl_s=config.leader_ttl_s,
                                  on_elected=self._on_leadership, on_lost=self._on_leadership)
         self.counter = CallCounter()
-        self._forwarding = LeaderForwarding(self.election)
+        # WatchJob streams (operators') read the leader's watch on these threads.
+        self._stream_pool = futures.ThreadPoolExecutor(max_workers=config.max_workers,
+                                                       thread_name_prefix="stream")
+        self._forwarding = LeaderForwarding(self.election, self._stream_pool)
         interceptors: list[grpc.aio.ServerInterceptor] = [self.counter]
         if config.token:
             interceptors.append(BearerAuth(config.token))
@@ -240,11 +244,13 @@ class CoordinatorServer:
         self.board = PlanBoard(self.store, self._loop.loop)
         self.liveness = EtcdReachability(config.etcd, on_change=lambda _: self._update_health())
         self.plan_streams = PlanStreams(self.store, self.board, self.liveness)
+        self.renewer = LeaseRenewer(config.etcd)
+        heartbeats = Heartbeats(self.coordinator, self.board, self.renewer, self.liveness)
         self._server.add_generic_rpc_handlers([
             _service_handler(job_service_pb2_grpc.add_JobServiceServicer_to_server,
-                             JobServicer(self.coordinator)),
+                             JobServicer(self.coordinator, self._stream_pool)),
             _worker_service_handler(
-                WorkerServicer(self.coordinator, self.liveness, self.plan_streams)),
+                WorkerServicer(self.coordinator, self.liveness, self.plan_streams, heartbeats)),
         ])
         self._draining = False
         self._stopped = False
@@ -366,6 +372,8 @@ class CoordinatorServer:
             time.sleep(self.config.drain_s)  # the drain interval itself, not a synchronisation
         self.health.enter_graceful_shutdown()
         self._loop.run(self._server.stop(grace_s), grace_s + 5)
+        self._loop.run(self.renewer.close(), 5)
+        self._stream_pool.shutdown(wait=False, cancel_futures=True)
         if self._metrics_server is not None:
             self.dashboard.stop()
             self._metrics_server.shutdown()

@@ -14,7 +14,8 @@ import asyncio
 import functools
 import logging
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
+from concurrent import futures
 from typing import Any, TypeVar
 
 import grpc
@@ -23,7 +24,9 @@ from google.protobuf.duration_pb2 import Duration
 from springback.service.commits import Commits
 from springback.service.coordinator import Coordinator
 from springback.service.errors import SpringbackError, grpc_code
+from springback.service.heartbeats import Heartbeats
 from springback.service.history import delete_job
+from springback.service.interceptors import in_thread
 from springback.service.jobs import JobControl
 from springback.service.liveness import EtcdReachability
 from springback.service.membership import Membership
@@ -60,27 +63,10 @@ def _handle(fn: F) -> F:
     return unary  # type: ignore[return-value]
 
 
-def _handle_stream(fn: F) -> F:
-    @functools.wraps(fn)
-    def stream(self: Any, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
-        try:
-            yield from fn(self, request, context)
-        except Exception as e:  # noqa: BLE001
-            _abort(context, e)
-
-    return stream  # type: ignore[return-value]
-
-
-def _until_closed(context: grpc.ServicerContext) -> Callable[[], bool]:
-    """`alive()` for a stream run on a worker thread: False once the call ended."""
-    closed = threading.Event()
-    context.add_callback(closed.set)
-    return lambda: not closed.is_set()
-
-
 class JobServicer(js_grpc.JobServiceServicer):
-    def __init__(self, coordinator: Coordinator) -> None:
+    def __init__(self, coordinator: Coordinator, stream_pool: futures.ThreadPoolExecutor) -> None:
         self.coordinator = coordinator
+        self.stream_pool = stream_pool
         self.jobs = JobControl(coordinator)
 
     @_handle
@@ -112,12 +98,20 @@ class JobServicer(js_grpc.JobServiceServicer):
     def CancelJob(self, request: js.CancelJobRequest, context: grpc.ServicerContext) -> js.CancelJobResponse:
         return js.CancelJobResponse(job=self.jobs.cancel(request.job_id))
 
-    @_handle_stream
-    def WatchJob(self, request: js.WatchJobRequest,
-                 context: grpc.ServicerContext) -> Iterator[js.WatchJobResponse]:
-        self.coordinator.get_job(request.job_id)  # NOT_FOUND before the stream starts
-        for job, event in self.coordinator.watch(request.job_id, _until_closed(context)):
-            yield js.WatchJobResponse(job=job, event=event)
+    async def WatchJob(self, request: js.WatchJobRequest,
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[js.WatchJobResponse]:
+        """The leader's job watch (`Coordinator.watch`), read on a thread of the
+        stream pool and sent from the loop; ends within a second of the call."""
+        closed = threading.Event()
+        try:
+            await asyncio.to_thread(self.coordinator.get_job, request.job_id)  # NOT_FOUND first
+            changes = self.coordinator.watch(request.job_id, lambda: not closed.is_set())
+            async for job, event in in_thread(self.stream_pool, changes):
+                yield js.WatchJobResponse(job=job, event=event)
+        except SpringbackError as e:
+            await context.abort(grpc_code(e), str(e))
+        finally:
+            closed.set()
 
     @_handle
     def ListCheckpoints(self, request: js.ListCheckpointsRequest,
@@ -155,11 +149,13 @@ def _duration(seconds: float) -> Duration:
 class WorkerServicer(ws_grpc.WorkerServiceServicer):
     def __init__(self, coordinator: Coordinator,
                  liveness: EtcdReachability | None = None,
-                 plan_streams: PlanStreams | None = None) -> None:
+                 plan_streams: PlanStreams | None = None,
+                 heartbeats: Heartbeats | None = None) -> None:
         self.coordinator = coordinator
         self.membership = Membership(coordinator, liveness)
         self.commits = Commits(coordinator)
         self.plan_streams = plan_streams
+        self.heartbeats = heartbeats
 
     async def JoinJob(self, request: ws.JoinJobRequest,
                       context: grpc.aio.ServicerContext) -> ws.JoinJobResponse:
@@ -184,10 +180,14 @@ class WorkerServicer(ws_grpc.WorkerServiceServicer):
             heartbeat_interval=_duration(timeout / 4),
         )
 
-    @_handle
-    def Heartbeat(self, request: ws.HeartbeatRequest, context: grpc.ServicerContext) -> ws.HeartbeatResponse:
-        return ws.HeartbeatResponse(
-            generation=self.membership.heartbeat(request.job_id, request.member_id))
+    async def Heartbeat(self, request: ws.HeartbeatRequest,
+                        context: grpc.aio.ServicerContext) -> ws.HeartbeatResponse:
+        """On this replica's loop, no thread (`heartbeats`)."""
+        try:
+            generation = await self.heartbeats.beat(request.job_id, request.member_id)
+        except SpringbackError as e:
+            await context.abort(grpc_code(e), str(e))
+        return ws.HeartbeatResponse(generation=generation)
 
     @_handle
     def LeaveJob(self, request: ws.LeaveJobRequest, context: grpc.ServicerContext) -> ws.LeaveJobResponse:

@@ -18,7 +18,7 @@ from collections import Counter
 
 import grpc
 
-from springback.service.channel import _service_config, connect
+from springback.service.channel import Backoff, _service_config, connect
 from springback.v1 import types_pb2 as pb
 from springback.v1 import worker_service_pb2 as ws
 from springback.v1 import worker_service_pb2_grpc as ws_grpc
@@ -144,20 +144,19 @@ class SimFleet:
 
     async def _watch(self, stub: ws_grpc.WorkerServiceStub, member_id: str) -> None:
         request = ws.WatchPlansRequest(job_id=self.job_id, member_id=member_id)
-        backoff = 0.1
+        backoff = Backoff(base_s=0.1, cap_s=2.0)
         while member_id not in self.expired:
             try:
                 async for response in stub.WatchPlans(request):
                     plan = response.plan
                     self.planned[member_id] = (plan.generation, len(plan.members) + len(plan.spares))
-                    backoff = 0.1
+                    backoff.reset()
             except grpc.RpcError as e:
                 self.failures[f"WatchPlans:{e.code().name}"] += 1
                 if e.code() == grpc.StatusCode.NOT_FOUND:
                     self.expired.add(member_id)
                     return
-            await asyncio.sleep(random.uniform(0, backoff))  # jitter: no herd after a failover
-            backoff = min(backoff * 2, 2.0)
+            await asyncio.sleep(backoff.next_s())  # jittered, as the agent does
 
     def num_holding(self, num_members: int) -> int:
         """Members whose newest plan is one generation that places `num_members`."""

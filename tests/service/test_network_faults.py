@@ -88,7 +88,9 @@ class TestFaultyAgentLink:
                     next(stream)
                 assert e.value.code() == grpc.StatusCode.NOT_FOUND
                 assert [c.step for c in client.list_checkpoints(job.id)] == [5]
-                assert client.get_job(job.id).status.generation > generation
+                # replanned once the expiry settled (Coordinator._settled)
+                wait_for(lambda: client.get_job(job.id).status.generation > generation, 5,
+                         "a generation without the expired member")
             finally:
                 member.close()
                 client.close()

@@ -6,11 +6,12 @@ import time
 
 import pytest
 
-from agentsim import SimFleet
+from agentsim import SimFleet, SimMember
 from sbtest import wait_for
 from springback.service import keys
 from springback.service.client import Client
 from springback.service.store import Store
+from springback.v1 import worker_service_pb2 as ws
 
 N = 500
 
@@ -55,3 +56,26 @@ def test_500_agents_settle_into_one_plan_and_survive_a_leader_kill(etcd, spawn_c
         if fleet is not None:
             fleet.close()
         store.close()
+
+
+def test_heartbeats_joins_and_plan_streams_take_no_server_thread(start_coordinator, make_spec):
+    # Two worker threads, both held by WatchJob streams (an operator's stream
+    # holds one): heartbeats, joins and plan streams are still served.
+    server = start_coordinator(max_workers=2)
+    wait_for(server.election.is_leader, 10, "leadership")
+    with Client(server.address) as client:
+        job = client.create_job(make_spec(max_workers=4))
+        watches = [client.watch_job(job.id, timeout_s=30) for _ in range(2)]
+        for watch in watches:
+            next(watch)  # open: each holds a worker thread now
+        member = SimMember([server.address], job.id)
+        try:
+            member.heartbeat_once()
+            plans = member.stub.WatchPlans(ws.WatchPlansRequest(job_id=job.id, member_id=member.id),
+                                           timeout=10)
+            assert member.id in [m.member_id for m in next(plans).plan.members]
+            plans.cancel()
+        finally:
+            member.close()
+            for watch in watches:
+                watch.close()
