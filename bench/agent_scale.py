@@ -78,6 +78,7 @@ def run(n: int, clients: int, steady_s: float) -> None:
                                          "max_steps": 10**9})
                 g0 = client.get_job(job.id).status.generation
                 cpu0 = {r.process.pid: _cpu_s(r.process.pid) for r in replicas}
+                rss0 = sum(_rss_mb(pid) for pid in cpu0)  # idle replicas: the baseline
                 out: mp.Queue = mp.Queue()
                 per = [n // clients + (i < n % clients) for i in range(clients)]
                 procs = [mp.Process(target=_client, args=(addresses, job.id, k, n, 120, steady_s, out))
@@ -91,7 +92,7 @@ def run(n: int, clients: int, steady_s: float) -> None:
                 writes_per_s = (store._client.status().raft_index - r0) / (time.monotonic() - t0)
                 generations = client.get_job(job.id).status.generation - g0
                 cpu = sum(_cpu_s(pid) - c for pid, c in cpu0.items())
-                rss = sum(_rss_mb(pid) for pid in cpu0)
+                rss = sum(_rss_mb(pid) for pid in cpu0) - rss0
                 for p in procs:
                     p.join(30)
             _report(n, results, generations, cpu, rss, writes_per_s)
@@ -111,7 +112,8 @@ def _report(n: int, results: list[dict], generations: int, cpu: float, rss: floa
           f"join p50 {_pct(joins, 50):.2f} s p99 {_pct(joins, 99):.2f} s; "
           f"heartbeat p50 {_pct(beats, 50) * 1000:.0f} ms p99 {_pct(beats, 99) * 1000:.0f} ms; "
           f"false expiries {sum(r['expired'] for r in results)}; generations {generations}; "
-          f"coordinators {cpu / n * 1000:.1f} CPU s and {rss / n * 1000:.0f} MB per 1k agents; "
+          f"coordinators (both) {cpu / n * 1000:.1f} CPU s and {rss / n * 1000:.0f} MB above idle "
+          f"per 1k agents; "
           f"etcd {writes_per_s:.1f} writes/s steady; clients {sum(r['cpu_s'] for r in results):.0f} CPU s; "
           f"failures {[r['failures'] for r in results if r['failures']]}; "
           f"load {os.getloadavg()[0]:.1f}", flush=True)
