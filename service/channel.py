@@ -8,13 +8,20 @@ heartbeats), and retries UNAVAILABLE (on the next replica) for the
 calls listed as idempotent in the service config; non-idempotent calls are
 never retried by the channel (a caller that wants to retry one must know it is
 safe). Deadlines are the caller's: every stub call must pass ``timeout=``.
+
+Retries spread out: the channel's own retries back off exponentially with
+gRPC's built-in jitter (each delay uniform in [0, the current backoff]), and
+callers that retry a call or re-open a stream themselves use `Backoff` (the
+same "full jitter"), so thousands of agents whose replica restarted or is
+overloaded do not come back in step.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+import random
+from collections.abc import Callable, Sequence
 
 import grpc
 
@@ -173,3 +180,27 @@ def connect(
     if token:
         channel = grpc.intercept_channel(channel, _TokenInterceptor(token))
     return channel
+
+
+class Backoff:
+    """Exponential backoff with full jitter for a caller's own retries.
+
+    The n-th delay (from 0) is uniform in [0, min(``cap_s``, ``base_s`` * 2**n)];
+    `reset` after a success. Not thread-safe (one per retry loop)."""
+
+    def __init__(self, base_s: float = 0.1, cap_s: float = 2.0,
+                 uniform: Callable[[float, float], float] = random.uniform) -> None:
+        if base_s <= 0 or cap_s < base_s:
+            raise ValueError(f"Backoff: need 0 < base_s <= cap_s, got {base_s}, {cap_s}")
+        self.base_s, self.cap_s = base_s, cap_s
+        self._uniform = uniform
+        self._attempt = 0
+
+    def next_s(self) -> float:
+        """The next delay in seconds (and one more attempt counted)."""
+        ceiling = min(self.cap_s, self.base_s * 2 ** min(self._attempt, 32))
+        self._attempt += 1
+        return self._uniform(0.0, ceiling)
+
+    def reset(self) -> None:
+        self._attempt = 0

@@ -1,7 +1,7 @@
 """The coordinator's transport-free logic: jobs, generations, fencing, commits.
 
 Only the leader replica runs this logic (non-leaders forward RPCs, see
-`server`); every write is an etcd transaction guarded by the leader's fencing
+`server`; plan streams and heartbeats are served by every replica); every write is an etcd transaction guarded by the leader's fencing
 token and by compare-and-swap on the keys it read, so two replicas that both
 believe they lead cannot both write, and a generation number is never issued
 twice.
@@ -17,14 +17,15 @@ never a job, member, generation or commit.
 from __future__ import annotations
 
 import logging
+import random
 import threading
 import time
 from collections.abc import Callable, Collection, Iterator
 from typing import NamedTuple
 
-from google.protobuf.timestamp_pb2 import Timestamp
-
-from springback.service import keys, planner
+from springback.service import keys, planner, replan
+from springback.service.replan import timestamp_now  # noqa: F401 (used by membership, jobs, commits)
+from springback.service.writer import FencedWriter
 from springback.service.election import Election
 from springback.service.history import History
 from springback.service.errors import (
@@ -37,6 +38,21 @@ log = logging.getLogger(__name__)
 
 JobMutation = Callable[[pb.Job], None]
 
+CHANGE_ATTEMPTS = 5
+"""Rounds of `change_with_retry`: changes of one job race in etcd, not on a lock."""
+
+
+SETTLE_S = 0.3
+"""Membership unchanged this long: the reconcile loop replans (see `Coordinator._settled`)."""
+MAX_SETTLE_S = 2.0
+"""Longest a membership change waits for the burst around it to end."""
+
+
+class _Unsettled(NamedTuple):
+    first_seen: float  # monotonic: the first change not yet planned
+    fingerprint: tuple[int, int]  # members' (count, newest revision) last seen
+    last_change: float  # monotonic: when that fingerprint was first seen
+
 
 class _PlanView(NamedTuple):
     """What the leader keeps of a job's current plan (it writes every plan)."""
@@ -44,12 +60,6 @@ class _PlanView(NamedTuple):
     generation: int
     signature: tuple  # planner.signature: action and rank assignment
     members: frozenset[str]  # active member ids
-
-
-def timestamp_now() -> Timestamp:
-    ts = Timestamp()
-    ts.GetCurrentTime()
-    return ts
 
 
 class Coordinator:
@@ -63,12 +73,18 @@ class Coordinator:
         liveness_timeout_s: float = 5.0,
         progress_flush_s: float = 5.0,
         reconcile_interval_s: float = 0.2,
+        settle_s: float = SETTLE_S,
+        max_settle_s: float = MAX_SETTLE_S,
     ) -> None:
         self.store = store
         self.election = election
         self.liveness_timeout_s = liveness_timeout_s
         self.progress_flush_s = progress_flush_s
         self.reconcile_interval_s = reconcile_interval_s
+        self.settle_s = settle_s
+        self.max_settle_s = max_settle_s
+        self._kick = threading.Event()
+        self._unsettled: dict[str, _Unsettled] = {}  # job id -> membership change not yet planned
         self._lock = threading.RLock()
         self._changed = threading.Condition(self._lock)
         self._version = 0  # bumped on every change; watchers wait on it
@@ -77,7 +93,6 @@ class Coordinator:
         self._dirty: set[str] = set()  # jobs whose progress is not yet in etcd
         self._plans: dict[str, _PlanView] = {}  # job id -> what matters of its current plan
         self._lease_of: dict[str, int] = {}  # member id -> lease id
-        self._live: dict[str, frozenset[str]] = {}  # job id -> registered member ids, last read
         # job id -> members' (count, newest revision) when last found in line with the plan
         self._fingerprints: dict[str, tuple[int, int]] = {}
         self._stop = threading.Event()
@@ -85,6 +100,7 @@ class Coordinator:
         self.num_loop_errors = 0
         self.num_generations = 0
         self.last_replan_s = 0.0
+        self.writer = FencedWriter(store, election.fence)
         self.history = History(store, election.fence)
 
     # -- lifecycle ------------------------------------------------------------
@@ -94,6 +110,7 @@ class Coordinator:
 
     def stop(self) -> None:
         self._stop.set()
+        self._kick.set()
         self.leadership_changed()
         self._thread.join(timeout=5)
 
@@ -104,8 +121,8 @@ class Coordinator:
             self._dirty.clear()
             self._plans.clear()
             self._lease_of.clear()
-            self._live.clear()
             self._fingerprints.clear()
+            self._unsettled.clear()
             self.history.forget()
             self._version += 1
             self._changed.notify_all()
@@ -178,7 +195,6 @@ class Coordinator:
         for e in entries:
             e.value.join_order = e.create_revision
         self._lease_of.update((e.value.id, e.lease_id) for e in entries)
-        self._live[job_id] = frozenset(e.value.id for e in entries)
         return [e.value for e in entries]
 
     # -- the one write path -----------------------------------------------------
@@ -195,7 +211,8 @@ class Coordinator:
         extra_ops: Callable[[], list] | None = None,
         extra_compare: Collection = (),
     ) -> pb.Job:
-        """Applies `mutate` to the job, replans, and writes both atomically.
+        """Applies `mutate` to the job, replans (`replan`), and writes both in
+        one fenced transaction (`writer`).
 
         A new generation is written when the plan's signature changes (or when
         forced: a rank crashed, an operator restore). `stateless` members lost
@@ -208,97 +225,62 @@ class Coordinator:
         `NotLeader` if this replica does not lead, and whatever `mutate` raises
         (nothing is written). The fencing token is taken *before* anything is
         read: a decision made while this replica led is written only if it
-        still leads when the transaction lands.
+        still leads when the transaction lands. No lock is held across the
+        reads and the write: etcd's compare-and-swap orders concurrent changes.
         """
-        fence = self.election.fence()  # NotLeader unless leading now
-        with self._changed:
-            job_entry = self._job_entry(job_id)
-            job = self._with_progress(job_entry.value)
-            if mutate is not None:
-                mutate(job)
-            plan_entry = self.store.get(keys.plan(job_id), pb.Plan)
-            previous = plan_entry.value if plan_entry else None
-            members = self.members(job_id)
-            for m in members:
-                m.draining = m.draining or m.id in draining
-            live = {m.id for m in members}
-            holders = [h for h in job.status.state_holders if h in live and h not in stateless]
-            del job.status.state_holders[:]
-            job.status.state_holders.extend(holders)
-            checkpoints = self.list_checkpoints(job_id)
-            requested = None
-            if job.status.restore_step:
-                requested = next((c for c in checkpoints if c.step == job.status.restore_step), None)
-            started = time.perf_counter()
-            plan = planner.make_plan(
-                job, members, previous,
-                progress=self._progress.get(job_id) or planner.Progress(
-                    step=job.status.step, samples_consumed=job.status.samples_consumed,
-                    loss=job.status.loss, cursor=job.status.cursor,
-                ),
-                newest_checkpoint=checkpoints[0] if checkpoints else None,
-                requested_checkpoint=requested,
-                holders=holders,
-                reason=reason,
-            )
-            self.last_replan_s = time.perf_counter() - started
-            signature = planner.signature(plan)
-            new_generation = force_generation or previous is None or (
-                signature != self._signature_of(job_id, previous)
-            )
-            status = job.status
-            if new_generation:
-                plan.generation = (previous.generation if previous else 0) + 1
-                plan.created_at.CopyFrom(timestamp_now())
-                if requested is not None and plan.restore.kind == pb.RESTORE_KIND_CHECKPOINT:
-                    status.restore_step = 0  # the operator's restore is planned
-                # Progress rewinds when the ranks report the state they
-                # actually started from (record_generation_start), not here:
-                # this plan may never start.
-                status.generation = plan.generation
-                status.world_size = plan.world_size
-                del status.members[:]
-                status.members.extend(m.member_id for m in plan.members if plan.world_size)
-            if not planner.is_terminal(status.state):
-                if plan.action == pb.PLAN_ACTION_RUN:
-                    status.state = pb.JOB_STATE_RUNNING
-                elif status.state == pb.JOB_STATE_RUNNING:
-                    status.state = pb.JOB_STATE_PENDING
-            del status.spares[:]
-            status.spares.extend(plan.spares)
-            status.message = reason
-            status.updated_at.CopyFrom(timestamp_now())
-            history_ops = self.history.on_change(job, plan if new_generation else None)
+        fence = self.writer.fence()  # NotLeader unless leading now
+        job_entry = self._job_entry(job_id)
+        plan_entry = self.store.get(keys.plan(job_id), pb.Plan)
+        members = self.members(job_id)
+        checkpoints = self.list_checkpoints(job_id)
+        job = self._with_progress(job_entry.value)
+        if mutate is not None:
+            mutate(job)
+        progress = self._progress.get(job_id)  # after mutate: a start sets it
+        previous = plan_entry.value if plan_entry else None
+        decision = replan.replan(replan.Inputs(
+            job=job, previous=previous,
+            previous_signature=self._signature_of(job_id, previous) if previous else None,
+            members=members, checkpoints=checkpoints, progress=progress, reason=reason,
+            stateless=stateless, draining=draining, force_generation=force_generation,
+        ))
+        self.last_replan_s = decision.planning_s
+        history_ops = self.history.on_change(job, decision.plan if decision.new_generation else None)
+        txn = self.writer.txn
+        compare = [
+            txn.mod(keys.job(job_id)) == job_entry.mod_revision,
+            (txn.mod(keys.plan(job_id)) == plan_entry.mod_revision) if plan_entry
+            else (txn.version(keys.plan(job_id)) == 0),
+            *extra_compare,
+        ]
+        ops = [txn.put(keys.job(job_id), job.SerializeToString())]
+        if decision.plan_write is not None:
+            ops.append(txn.put(keys.plan(job_id), decision.plan_write.SerializeToString()))
+        if extra_ops is not None:
+            ops.extend(extra_ops())
+        ops.extend(history_ops)
+        self.writer.write_or_conflict(fence, compare, ops, f"job {job_id}")
+        self._applied(job_id, decision, progress, reason)
+        return job
 
-            txn = self.store.txn
-            compare = fence + [
-                txn.mod(keys.job(job_id)) == job_entry.mod_revision,
-                (txn.mod(keys.plan(job_id)) == plan_entry.mod_revision) if plan_entry
-                else (txn.version(keys.plan(job_id)) == 0),
-                *extra_compare,
-            ]
-            ops = [txn.put(keys.job(job_id), job.SerializeToString())]
-            if new_generation:
-                ops.append(txn.put(keys.plan(job_id), plan.SerializeToString()))
-            elif list(plan.spares) != list(previous.spares):
-                # Same generation, new hot spares: training is not interrupted.
-                del previous.spares[:]
-                previous.spares.extend(plan.spares)
-                ops.append(txn.put(keys.plan(job_id), previous.SerializeToString()))
-            if extra_ops is not None:
-                ops.extend(extra_ops())
-            ops.extend(history_ops)
-            if not self.store.transaction(compare, ops):
-                raise Conflict(f"job {job_id}: concurrent update, retry")
-            self._dirty.discard(job_id)
-            if new_generation:
+    def _applied(self, job_id: str, decision: replan.Decision,
+                 progress: planner.Progress | None, reason: str) -> None:
+        """Caches what a landed change wrote, then wakes the watchers."""
+        plan = decision.plan
+        with self._changed:
+            if self._progress.get(job_id) is progress:
+                self._dirty.discard(job_id)  # a report that came meanwhile stays dirty
+            if decision.new_generation:
                 self.num_generations += 1
-                self._plans[job_id] = _PlanView(
-                    plan.generation, signature, frozenset(member[0] for member in signature[1]))
-                log.info("job %s generation %d (%s): world %d, %s", job_id, plan.generation,
-                         pb.PlanAction.Name(plan.action), plan.world_size, reason)
-            self._notify(job_id, reason)
-            return job
+                view = self._plans.get(job_id)
+                if view is None or view.generation < plan.generation:
+                    self._plans[job_id] = _PlanView(
+                        plan.generation, decision.signature,
+                        frozenset(member[0] for member in decision.signature[1]))
+        if decision.new_generation:
+            log.info("job %s generation %d (%s): world %d, %s", job_id, plan.generation,
+                     pb.PlanAction.Name(plan.action), plan.world_size, reason)
+        self._notify(job_id, reason)
 
     def _signature_of(self, job_id: str, plan: pb.Plan) -> tuple:
         view = self._plans.get(job_id)
@@ -314,13 +296,16 @@ class Coordinator:
 
     def change_with_retry(self, job_id: str, reason: str, mutate: JobMutation | None = None,
                           **kwargs) -> pb.Job:  # noqa: ANN003
-        """`change`, retried on `Conflict` (three attempts)."""
-        for attempt in range(3):
+        """`change`, retried on `Conflict` (`CHANGE_ATTEMPTS` attempts, a short
+        jittered pause between them so that writers that collided spread out);
+        then `Conflict` (nothing written)."""
+        for attempt in range(CHANGE_ATTEMPTS):
             try:
                 return self.change(job_id, reason, mutate, **kwargs)
             except Conflict:
-                if attempt == 2:
+                if attempt == CHANGE_ATTEMPTS - 1:
                     raise
+                time.sleep(random.uniform(0, 0.01 * 2 ** attempt))  # backoff, not a synchronisation
         raise AssertionError("unreachable")
 
     # -- progress and fencing ---------------------------------------------------
@@ -425,57 +410,19 @@ class Coordinator:
             if planner.is_terminal(job.status.state):
                 return
 
-    def watch_plans(self, job_id: str, alive: Callable[[], bool], poll_s: float = 1.0,
-                    member_id: str = "") -> Iterator[pb.Plan]:
-        """The current plan, then each newer one; ends after a STOP plan.
-
-        With `member_id`, raises `NotFound` when that member is not registered
-        (expired, left: it is fenced), checked before the first plan and after
-        every change, so a fenced member learns it on its stream as soon as
-        the leader notices the expiry (the same pass that replans without it).
-        """
-        self._job_entry(job_id)
-        if member_id and self.store.get(keys.member(job_id, member_id)) is None:
-            # read, not the cache: a member whose lease just expired is told at once
-            raise NotFound(f"member {member_id!r} of job {job_id!r} is not registered "
-                           "(expired or left): stop local ranks and join again")
-        sent = -1
-        while alive():
-            self.require_leader()
-            if member_id:
-                self._require_registered(job_id, member_id)
-            with self._changed:
-                generation = self.current_generation(job_id)
-                if generation == sent:
-                    self._changed.wait(poll_s)
-                    continue
-            plan = self.current_plan(job_id)
-            if plan is None:
-                with self._changed:
-                    self._changed.wait(poll_s)
-                continue
-            sent = plan.generation
-            yield plan
-            if plan.action == pb.PLAN_ACTION_STOP:
-                return
-
-    def _require_registered(self, job_id: str, member_id: str) -> None:
-        live = self._live.get(job_id)
-        if live is None:
-            self.members(job_id)
-            live = self._live.get(job_id, frozenset())
-        if member_id not in live:
-            raise NotFound(
-                f"member {member_id!r} of job {job_id!r} is not registered (expired or left): "
-                "stop local ranks and join again"
-            )
-
     # -- background loop ------------------------------------------------------------
+
+    def kick(self) -> None:
+        """Runs the reconcile loop now (a member registered); never blocks."""
+        self._kick.set()
 
     def _loop(self) -> None:
         last_flush = time.monotonic()
-        while not self._stop.wait(self.reconcile_interval_s):
-            if not self.election.is_leader():
+        while not self._stop.is_set():
+            self._kick.wait(min(self.reconcile_interval_s, self.settle_s) if self._unsettled
+                            else self.reconcile_interval_s)
+            self._kick.clear()
+            if self._stop.is_set() or not self.election.is_leader():
                 continue
             try:
                 self.reconcile()
@@ -490,10 +437,26 @@ class Coordinator:
                 self.num_loop_errors += 1
                 log.exception("reconcile failed")
 
-    def reconcile(self) -> None:
-        """Replans every live job whose members no longer match its plan.
+    def _settled(self, job_id: str, fingerprint: tuple[int, int]) -> bool:
+        """Whether a job's changed membership has settled: unchanged for
+        ``settle_s``, or ``max_settle_s`` since the first change not yet planned
+        (a join storm or a failure burst becomes one generation, not one per event)."""
+        now = time.monotonic()
+        unsettled = self._unsettled.get(job_id)
+        if unsettled is None or unsettled.fingerprint != fingerprint:
+            first = unsettled.first_seen if unsettled else now
+            unsettled = self._unsettled[job_id] = _Unsettled(first, fingerprint, now)
+        if (now - unsettled.last_change < self.settle_s
+                and now - unsettled.first_seen < self.max_settle_s):
+            return False
+        del self._unsettled[job_id]
+        return True
 
-        This is how expired members (lease gone), and changes a previous
+    def reconcile(self) -> None:
+        """Replans every live job whose members no longer match its plan, once
+        its membership has settled (`_settled`).
+
+        This is how joins, expired members (lease gone), and changes a previous
         leader did not finish, turn into new generations. Reads only, unless
         something changed.
         """
@@ -503,6 +466,8 @@ class Coordinator:
             fingerprint = self.store.fingerprint(keys.members(job.id))
             if self._fingerprints.get(job.id) == fingerprint:
                 continue  # no member joined, left, expired or drained
+            if not self._settled(job.id, fingerprint):
+                continue  # more may come: one generation for the whole burst
             plan = self.current_plan(job.id)
             planned = {m.member_id for m in plan.members} | set(plan.spares) if plan else set()
             alive = {m.id for m in self.members(job.id) if not m.draining}
@@ -534,6 +499,10 @@ class Coordinator:
 
     def remember_lease(self, member_id: str, lease_id: int) -> None:
         self._lease_of[member_id] = lease_id
+
+    def cached_lease(self, member_id: str) -> int | None:
+        """The member's lease id if this replica knows it (no I/O)."""
+        return self._lease_of.get(member_id)
 
     def forget_member(self, member_id: str) -> None:
         self._lease_of.pop(member_id, None)

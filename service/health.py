@@ -1,46 +1,37 @@
 """The gRPC health service (``grpc.health.v1.Health``) of a coordinator replica.
 
 Clients' channels watch it (client-side health checking, see `channel`), so a
-replica has one open Watch stream per client channel. grpcio's own
-`HealthServicer` sends status changes to those streams while holding its lock,
-and a stream that ends meanwhile needs that lock in its close callback: the
-two wait on each other, and `set` never returns (seen as a coordinator whose
-``stop`` hung when a client closed its channel at the same moment). Here a
-status change only records the status and queues the notification; one
-notifier thread sends it to the watchers, outside any lock, so `set` never
-blocks and a stream that ends (or stalls) delays nobody but the notifier.
-
-Watch streams are non-blocking (no server thread each). `Check` answers from
-memory.
+replica has one open Watch stream per client channel: thousands with
+thousands of agents. Watch runs on the server's asyncio loop (no thread per
+stream): a status change is recorded under a lock and the watchers are woken
+on the loop (`set` never blocks and never waits on a watcher; an earlier
+design that sent while holding its lock could deadlock with a stream closing
+at the same moment). `Check` answers from memory.
 """
 
 from __future__ import annotations
 
-import logging
-import queue
+import asyncio
 import threading
-from collections.abc import Callable
-from typing import Any
+from collections.abc import AsyncIterator
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-log = logging.getLogger(__name__)
-
 Status = int  # health_pb2.HealthCheckResponse.ServingStatus
-_SendResponse = Callable[[Any], None]
 
 
 class Health(health_pb2_grpc.HealthServicer):
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._status: dict[str, Status] = {"": health_pb2.HealthCheckResponse.SERVING}
-        self._watchers: dict[str, set[_SendResponse]] = {}
         self._final = False
-        self._outbox: queue.SimpleQueue[tuple[list[_SendResponse], Status] | None] = (
-            queue.SimpleQueue())
-        self._notifier = threading.Thread(target=self._notify, name="health-notify", daemon=True)
-        self._notifier.start()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._changed: asyncio.Event | None = None  # touched on the loop only
+
+    def bind(self, loop: asyncio.AbstractEventLoop) -> None:
+        """The loop that serves Watch (the server's); before the server starts."""
+        self._loop = loop
 
     # -- the service ---------------------------------------------------------------
 
@@ -52,35 +43,38 @@ class Health(health_pb2_grpc.HealthServicer):
             context.abort(grpc.StatusCode.NOT_FOUND, f"unknown service {request.service!r}")
         return health_pb2.HealthCheckResponse(status=status)
 
-    def Watch(self, request: health_pb2.HealthCheckRequest, context: grpc.ServicerContext,
-              send_response_callback: _SendResponse | None = None) -> None:
-        assert send_response_callback is not None, "Watch is registered as non-blocking"
-        service = request.service
-        with self._lock:
-            status = self._status.get(service, health_pb2.HealthCheckResponse.SERVICE_UNKNOWN)
-            self._watchers.setdefault(service, set()).add(send_response_callback)
-
-        def forget() -> None:
+    async def Watch(self, request: health_pb2.HealthCheckRequest,  # type: ignore[override]
+                    context: grpc.aio.ServicerContext) -> AsyncIterator[health_pb2.HealthCheckResponse]:
+        sent: Status | None = None
+        while True:
             with self._lock:
-                self._watchers.get(service, set()).discard(send_response_callback)
+                status = self._status.get(request.service,
+                                          health_pb2.HealthCheckResponse.SERVICE_UNKNOWN)
+            if status != sent:
+                sent = status
+                yield health_pb2.HealthCheckResponse(status=status)
+                continue
+            if self._changed is None:
+                self._changed = asyncio.Event()
+            await self._changed.wait()
 
-        context.add_callback(forget)
-        send_response_callback(health_pb2.HealthCheckResponse(status=status))
-
-    Watch.experimental_non_blocking = True  # type: ignore[attr-defined]
-    Watch.experimental_thread_pool = None  # type: ignore[attr-defined]
+    def _wake(self) -> None:
+        changed, self._changed = self._changed, None
+        if changed is not None:
+            changed.set()
 
     # -- the replica's side ------------------------------------------------------------
 
     def set(self, service: str, status: Status) -> None:
-        """Records `status` and queues it for the watchers; never blocks.
+        """Records `status` and wakes the watchers; never blocks; thread-safe.
         Ignored after `enter_graceful_shutdown`."""
         with self._lock:
             if self._final or self._status.get(service) == status:
                 return
             self._status[service] = status
-            watchers = list(self._watchers.get(service, ()))
-        self._outbox.put((watchers, status))
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._wake)
 
     def enter_graceful_shutdown(self) -> None:
         """NOT_SERVING for every service, for good (later `set`s are ignored)."""
@@ -90,15 +84,4 @@ class Health(health_pb2_grpc.HealthServicer):
             self._final = True
 
     def close(self) -> None:
-        """Stops the notifier (after what is queued)."""
-        self._outbox.put(None)
-        self._notifier.join(timeout=5)
-
-    def _notify(self) -> None:
-        while (item := self._outbox.get()) is not None:
-            watchers, status = item
-            for send in watchers:
-                try:
-                    send(health_pb2.HealthCheckResponse(status=status))
-                except Exception as e:  # noqa: BLE001 (a watcher gone meanwhile)
-                    log.debug("health watcher not notified: %s", e)
+        """Nothing to stop (kept for the server's shutdown sequence)."""

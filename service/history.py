@@ -29,6 +29,7 @@ from etcd3.utils import prefix_range_end
 from springback.service import keys, planner
 from springback.service.errors import FailedPrecondition, NotFound
 from springback.service.store import Store
+from springback.service.writer import FencedWriter
 from springback.v1 import job_service_pb2 as js
 from springback.v1 import types_pb2 as pb
 
@@ -73,7 +74,7 @@ class History:
 
     def __init__(self, store: Store, fence: Callable[[], list]) -> None:
         self._store = store
-        self._fence = fence
+        self._writer = FencedWriter(store, fence)
         self._lock = threading.Lock()
         self._last_step_at: dict[str, float] = {}  # job -> wall time of its newest step report
         self._awaiting: dict[str, js.GenerationEvent] = {}  # job -> its generation's first step
@@ -149,8 +150,8 @@ class History:
         for (job_id, generation), event in pending:
             key = keys.history_event(job_id, event.generation)
             txn = self._store.txn
-            written = self._store.transaction(
-                self._fence() + [txn.version(key) > 0], [txn.put(key, event.SerializeToString())])
+            written = self._writer.write(
+                self._writer.fence(), [txn.version(key) > 0], [txn.put(key, event.SerializeToString())])
             if not written:
                 log.info("history of %s generation %d not updated (record gone or not leader)",
                          job_id, event.generation)
@@ -188,7 +189,8 @@ def delete_job(store: Store, fence: Callable[[], list], job_id: str) -> pb.Job:
     ops = [txn.delete(keys.job(job_id)), txn.delete(keys.plan(job_id))]
     for prefix in (keys.history(job_id), keys.members(job_id), keys.checkpoints(job_id)):
         ops.append(txn.delete(prefix, range_end=prefix_range_end(prefix.encode())))
-    if not store.transaction(fence() + [txn.mod(keys.job(job_id)) == entry.mod_revision], ops):
+    writer = FencedWriter(store, fence)
+    if not writer.write(writer.fence(), [txn.mod(keys.job(job_id)) == entry.mod_revision], ops):
         raise FailedPrecondition(f"job {job_id} changed while being deleted; retry")
     log.info("job %s deleted", job_id)
     return job

@@ -11,17 +11,24 @@
   so two replicas with stale views cannot bounce a call between them.
   Heartbeats are not forwarded: any replica renews a member's lease in etcd
   itself, so members stay alive while leadership changes hands (a replica
-  that cannot reach etcd refuses them at once, see `liveness`).
+  that cannot reach etcd refuses them at once, see `liveness`). Plan streams
+  are not forwarded either: every replica serves them from its own etcd
+  watch (`planstreams`), so agents spread over the replicas and a failover
+  drops only the streams of the replica that went away. These are asyncio
+  interceptors (the server is `grpc.aio`); forwarding handlers are plain
+  functions, run on the server's worker threads.
 * `CallCounter`: counts calls per method for the metrics endpoint.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import threading
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from concurrent import futures
 from typing import Any
 
 import grpc
@@ -34,12 +41,12 @@ log = logging.getLogger(__name__)
 
 FORWARDED = "x-springback-forwarded"
 _API_PREFIX = "/springback.v1."
-_STREAMS = frozenset({
-    "/springback.v1.JobService/WatchJob",
+_STREAMS = frozenset({"/springback.v1.JobService/WatchJob"})
+_PASSED_METADATA = ("authorization",)
+_SERVED_BY_ANY_REPLICA = frozenset({
+    "/springback.v1.WorkerService/Heartbeat",
     "/springback.v1.WorkerService/WatchPlans",
 })
-_PASSED_METADATA = ("authorization",)
-_SERVED_BY_ANY_REPLICA = frozenset({"/springback.v1.WorkerService/Heartbeat"})
 
 
 def _deny(code: grpc.StatusCode, details: str) -> grpc.RpcMethodHandler:
@@ -49,55 +56,76 @@ def _deny(code: grpc.StatusCode, details: str) -> grpc.RpcMethodHandler:
     return grpc.unary_unary_rpc_method_handler(handler)
 
 
-class BearerAuth(grpc.ServerInterceptor):
+_END = object()
+
+
+async def in_thread(pool: futures.ThreadPoolExecutor, items: Iterable[Any]) -> AsyncIterator[Any]:
+    """`items` (a blocking iterator) read on `pool`, one item at a time, on the loop."""
+    iterator: Iterator[Any] = iter(items)
+    loop = asyncio.get_running_loop()
+    while (item := await loop.run_in_executor(pool, next, iterator, _END)) is not _END:
+        yield item
+
+
+class BearerAuth(grpc.aio.ServerInterceptor):
     def __init__(self, token: str) -> None:
         if not token:
             raise ValueError("token: must not be empty")
         self._expected = f"Bearer {token}".encode()
 
-    def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails) -> Any:
+    async def intercept_service(self, continuation: Callable,
+                                details: grpc.HandlerCallDetails) -> Any:
         if details.method.startswith("/grpc.health.v1."):
-            return continuation(details)
+            return await continuation(details)
         sent = dict(details.invocation_metadata or ()).get("authorization", "")
         if isinstance(sent, str) and hmac.compare_digest(sent.encode(), self._expected):
-            return continuation(details)
+            return await continuation(details)
         return _deny(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid bearer token")
 
 
-class LeaderForwarding(grpc.ServerInterceptor):
-    def __init__(self, election: Election) -> None:
+class LeaderForwarding(grpc.aio.ServerInterceptor):
+    def __init__(self, election: Election, stream_pool: futures.ThreadPoolExecutor) -> None:
         self._election = election
+        self._stream_pool = stream_pool
         self._channels: dict[str, grpc.Channel] = {}
         self._lock = threading.Lock()
         self.num_forwarded = 0
 
-    def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails) -> Any:
+    async def intercept_service(self, continuation: Callable,
+                                details: grpc.HandlerCallDetails) -> Any:
         method = details.method
         if (not method.startswith(_API_PREFIX) or method in _SERVED_BY_ANY_REPLICA
                 or self._election.is_leader()):
-            return continuation(details)
+            return await continuation(details)
         metadata = dict(details.invocation_metadata or ())
         if FORWARDED in metadata:
-            return continuation(details)  # the servicer answers NotLeader (UNAVAILABLE)
+            return await continuation(details)  # the servicer answers NotLeader (UNAVAILABLE)
         outgoing = [(k, v) for k, v in metadata.items() if k in _PASSED_METADATA]
         outgoing.append((FORWARDED, self._election.address))
         if method in _STREAMS:
             return grpc.unary_stream_rpc_method_handler(self._stream(method, outgoing))
         return grpc.unary_unary_rpc_method_handler(self._unary(method, outgoing))
 
-    def _leader_channel(self, context: grpc.ServicerContext) -> grpc.Channel:
+    def _find_leader(self) -> tuple[grpc.Channel | None, str]:
+        """A channel to the leader, or None and why not (blocking: an etcd read)."""
         try:
             leader = self._election.leader_address()
         except SpringbackError as e:
-            context.abort(grpc.StatusCode.UNAVAILABLE, f"cannot find the leader: {e}")
+            return None, f"cannot find the leader: {e}"
         if not leader or leader == self._election.address:
-            context.abort(grpc.StatusCode.UNAVAILABLE, "no coordinator leader elected yet; retry")
+            return None, "no coordinator leader elected yet; retry"
         with self._lock:
             channel = self._channels.get(leader)
             if channel is None:
                 # TLS to the leader comes from SPRINGBACK_TLS_* like any client's;
                 # the caller's own token travels in the forwarded metadata.
                 channel = self._channels[leader] = connect([leader], token="")
+        return channel, ""
+
+    def _leader_channel(self, context: grpc.ServicerContext) -> grpc.Channel:
+        channel, why = self._find_leader()
+        if channel is None:
+            context.abort(grpc.StatusCode.UNAVAILABLE, why)
         return channel
 
     def _unary(self, method: str, metadata: list) -> Callable:
@@ -113,16 +141,23 @@ class LeaderForwarding(grpc.ServerInterceptor):
         return forward
 
     def _stream(self, method: str, metadata: list) -> Callable:
-        def forward(request: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
-            call = self._leader_channel(context).unary_stream(method)(
+        async def forward(request: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+            # The leader's stream is read on a thread of the stream pool, one
+            # message at a time, and sent from the loop (operators' streams: few).
+            channel, why = await asyncio.to_thread(self._find_leader)
+            if channel is None:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, why)
+            call = channel.unary_stream(method)(
                 request, metadata=metadata, timeout=context.time_remaining())
             self.num_forwarded += 1
-            context.add_callback(call.cancel)
             try:
-                yield from call
+                async for response in in_thread(self._stream_pool, call):
+                    yield response
             except grpc.RpcError as e:
                 if e.code() != grpc.StatusCode.CANCELLED:
-                    context.abort(e.code(), e.details() or "")
+                    await context.abort(e.code(), e.details() or "")
+            finally:
+                call.cancel()
 
         return forward
 
@@ -133,10 +168,11 @@ class LeaderForwarding(grpc.ServerInterceptor):
             self._channels.clear()
 
 
-class CallCounter(grpc.ServerInterceptor):
+class CallCounter(grpc.aio.ServerInterceptor):
     def __init__(self) -> None:
         self.calls: Counter[str] = Counter()
 
-    def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails) -> Any:
+    async def intercept_service(self, continuation: Callable,
+                                details: grpc.HandlerCallDetails) -> Any:
         self.calls[details.method] += 1
-        return continuation(details)
+        return await continuation(details)

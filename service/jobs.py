@@ -31,12 +31,7 @@ class JobControl:
         job.status.state = pb.JOB_STATE_PENDING
         job.status.message = "created"
         job.status.updated_at.CopyFrom(job.created_at)
-        store = self.coordinator.store
-        txn = store.txn
-        if not store.transaction(
-            self.coordinator.election.fence() + [txn.version(keys.job(job.id)) == 0],
-            [txn.put(keys.job(job.id), job.SerializeToString())],
-        ):
+        if not self.coordinator.writer.create(keys.job(job.id), job.SerializeToString()):
             # Either the id exists or this replica no longer leads (the fence).
             raise Conflict(f"job {job.id} not created: the id exists or this replica lost "
                            "leadership; retry")

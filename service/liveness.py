@@ -14,8 +14,9 @@ another replica) and ``on_change(False)`` runs, which the server turns into
 health NOT_SERVING, so clients' channels stop choosing this replica at all.
 The first successful probe restores both. Heartbeats themselves use the same
 short deadline, so one that meets a freshly cut link fails in time for the
-client to retry elsewhere, and its failure marks the replica cut off at once
-(a retry that lands here again is refused without waiting).
+client to retry elsewhere; when the replica's lease stream to etcd has
+answered nothing for that long, the failure marks the replica cut off at once
+(a retry that lands here again is refused without waiting, see `heartbeats`).
 """
 
 from __future__ import annotations
@@ -87,6 +88,10 @@ class EtcdReachability:
         except StoreUnavailable:
             self._set(False)
             raise
+
+    def mark_unreachable(self) -> None:
+        """Evidence from a liveness call: cut off until a probe succeeds."""
+        self._set(False)
 
     def _set(self, reachable: bool) -> None:
         with self._lock:

@@ -2,7 +2,7 @@
 
 A member is alive exactly while its etcd key exists; the key is bound to a
 lease of ``liveness_timeout_s`` that each Heartbeat renews (a lease renewal,
-not a key write). When the lease expires etcd deletes the key and the
+not a key write; served on every replica's loop, see `heartbeats`). When the lease expires etcd deletes the key and the
 leader's reconcile loop makes a new generation. A member whose key is gone is
 *fenced*: its heartbeats get NOT_FOUND and its reports FAILED_PRECONDITION,
 so a node that was paused (SIGSTOP) and wakes up changes nothing and must
@@ -59,7 +59,10 @@ class Membership:
 
     def join(self, job_id: str, host: str, rendezvous_port: int, num_local_ranks: int,
              join_token: str = "") -> pb.Member:
-        """Registers a member and replans (a joiner is admitted, or becomes a spare).
+        """Registers a member (one fenced etcd transaction); the leader's
+        reconcile loop plans it (admitted, or a spare) once the joins around it
+        have settled (`Coordinator._settled`): a join storm is one generation.
+        The servicer waits for that plan before it answers (`PlanStreams.until_planned`).
 
         With a `join_token` the call is idempotent: the member id is derived
         from (job, token), so a retry whose first attempt registered the
@@ -89,9 +92,7 @@ class Membership:
         if registered is None:
             member.joined_at.CopyFrom(timestamp_now())
             lease = store.grant_lease(max(2, math.ceil(self.liveness_timeout_s)))
-            txn = store.txn
-            if store.transaction(fence + [txn.version(key) == 0],
-                                 [txn.put(key, member.SerializeToString(), lease=lease)]):
+            if coordinator.writer.create(key, member.SerializeToString(), lease=lease, fence=fence):
                 coordinator.remember_lease(member.id, lease.id)
                 registered = member
             else:
@@ -100,8 +101,7 @@ class Membership:
                 registered = self._registered(key, member) if join_token else None
                 if registered is None:
                     raise FailedPrecondition(f"member id {member.id} collided; join again")
-        coordinator.change_with_retry(
-            job_id, f"{member.id} joined ({host}, {num_local_ranks} ranks)")
+        coordinator.kick()  # the reconcile loop plans it, with the joins around it
         return registered
 
     def _registered(self, key: str, wanted: pb.Member) -> pb.Member | None:
@@ -117,33 +117,6 @@ class Membership:
                 f"{found.rendezvous_port}, {found.num_local_ranks} ranks); use a new token per join")
         self.coordinator.remember_lease(found.id, entry.lease_id)
         return found
-
-    def heartbeat(self, job_id: str, member_id: str) -> int:
-        """Renews the member's lease; returns the current generation.
-
-        NOT_FOUND when the member expired or left (it is fenced). With a
-        `liveness` gate (every server has one): UNAVAILABLE at once while this
-        replica cannot reach etcd, and every etcd call here has the gate's
-        short deadline, so the client can still retry on another replica.
-        Idempotent.
-        """
-        coordinator = self.coordinator
-        if self.liveness is None:
-            return self._renew(coordinator.store, job_id, member_id)
-        return self.liveness.call(lambda store: self._renew(store, job_id, member_id))
-
-    def _renew(self, store: Store, job_id: str, member_id: str) -> int:
-        coordinator = self.coordinator
-        lease = coordinator.lease_of(job_id, member_id, store=store)
-        if store.refresh_lease(lease) <= 0:
-            coordinator.forget_member(member_id)
-            raise NotFound(
-                f"member {member_id!r} of job {job_id!r} expired: stop local ranks and join again"
-            )
-        if coordinator.election.is_leader():
-            return coordinator.current_generation(job_id)
-        entry = store.get(keys.plan(job_id), pb.Plan)
-        return entry.value.generation if entry else 0
 
     def leave(self, job_id: str, member_id: str, reason: str) -> None:
         """Removes the member and replans. Idempotent: leaving twice is fine."""

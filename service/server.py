@@ -2,7 +2,11 @@
 
 A replica binds its gRPC port (port 0 picks a free one; `address` tells which),
 serves the Springback services plus gRPC health checking and reflection,
-campaigns for leadership, and, while leader, runs the reconcile loop.
+campaigns for leadership, and, while leader, runs the reconcile loop. The
+server is `grpc.aio` on a loop thread of its own: unary handlers run on a
+thread pool, plan and health streams on the loop (no thread each), and every
+replica serves heartbeats and plan streams itself (plans from its etcd watch,
+`planboard`); other calls are forwarded to the leader.
 
 `stop` (SIGTERM, SIGINT) drains before it stops: health turns NOT_SERVING at
 once (load balancers and Springback's client channels stop choosing this
@@ -16,10 +20,15 @@ resignation fails its fencing compare and is not acknowledged.
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import logging
+import threading
 import time
 from concurrent import futures
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -31,9 +40,12 @@ from springback.service.coordinator import Coordinator
 from springback.service.dashboard import Dashboard
 from springback.service.election import Election
 from springback.service.health import Health
+from springback.service.heartbeats import Heartbeats, LeaseRenewer
 from springback.service.jobmetrics import JobMetrics
 from springback.service.interceptors import BearerAuth, CallCounter, LeaderForwarding
 from springback.service.liveness import EtcdReachability
+from springback.service.planboard import PlanBoard
+from springback.service.planstreams import PlanStreams
 from springback.service.servicers import JobServicer, WorkerServicer
 from springback.service.store import Store
 from springback.v1 import job_service_pb2, job_service_pb2_grpc, worker_service_pb2
@@ -67,7 +79,8 @@ class CoordinatorConfig:
     """HOST:PORT for the Prometheus endpoint (/metrics, open) and the dashboard
     (/, behind `token`); None: off."""
     max_workers: int = 256
-    """gRPC server threads; each open watch stream holds one."""
+    """gRPC server threads for unary calls and WatchJob streams (plan and
+    health streams run on the server's asyncio loop and hold none)."""
     drain_s: float = 0.0
     """On stop: seconds of NOT_SERVING (as a follower) before the server stops,
     so health checks and load balancers see the replica leave. The CLI's
@@ -92,7 +105,117 @@ class CoordinatorConfig:
             raise ValueError("tls_client_ca: mTLS needs tls_cert and tls_key too")
 
 
+class _Handlers:
+    """Collects what a generated ``add_*Servicer_to_server`` registers."""
+
+    def __init__(self) -> None:
+        self.service = ""
+        self.methods: dict[str, Any] = {}
+
+    def add_generic_rpc_handlers(self, handlers: Any) -> None:
+        pass  # the same methods arrive through add_registered_method_handlers
+
+    def add_registered_method_handlers(self, service: str, methods: dict) -> None:
+        self.service, self.methods = service, dict(methods)
+
+
+class _Malformed:
+    """A request whose bytes did not parse (stands in for the message)."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+
+def _tolerant(deserialize: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+    def parse(data: bytes) -> Any:
+        try:
+            return deserialize(data)
+        except Exception as e:  # noqa: BLE001 (answered INVALID_ARGUMENT below)
+            return _Malformed(e)
+
+    return parse
+
+
+def _refusing_malformed(handler: Any) -> Any:
+    """`handler` whose malformed requests get INVALID_ARGUMENT (grpc.aio's own
+    answer to a deserialiser's error is UNKNOWN) and change nothing."""
+    def details(request: _Malformed) -> str:
+        return f"malformed request: {type(request.error).__name__}: {request.error}"
+
+    if handler.unary_unary is not None:
+        behaviour = handler.unary_unary
+
+        def unary(request: Any, context: grpc.ServicerContext) -> Any:
+            if isinstance(request, _Malformed):
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, details(request))
+            return behaviour(request, context)
+
+        async def unary_async(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            if isinstance(request, _Malformed):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, details(request))
+            return await behaviour(request, context)
+
+        wrapped = unary_async if inspect.iscoroutinefunction(behaviour) else unary
+        return handler._replace(unary_unary=wrapped,
+                                request_deserializer=_tolerant(handler.request_deserializer))
+    stream = handler.unary_stream
+    if not inspect.isasyncgenfunction(stream):
+        return handler  # sync streams (WatchJob): its request has no required field
+
+    async def unary_stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if isinstance(request, _Malformed):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, details(request))
+        async for response in stream(request, context):
+            yield response
+
+    return handler._replace(unary_stream=unary_stream,
+                            request_deserializer=_tolerant(handler.request_deserializer))
+
+
+def _service_handler(add: Callable[[Any, Any], None], servicer: Any,
+                     raw: dict[str, Any] | None = None) -> grpc.GenericRpcHandler:
+    """The generated handlers of `servicer` (`add` is its ``add_*_to_server``),
+    with `raw` methods replaced, malformed requests refused."""
+    handlers = _Handlers()
+    add(servicer, handlers)
+    handlers.methods.update(raw or {})
+    return grpc.method_handlers_generic_handler(
+        handlers.service, {name: _refusing_malformed(h) for name, h in handlers.methods.items()})
+
+
+def _worker_service_handler(servicer: WorkerServicer) -> grpc.GenericRpcHandler:
+    """WorkerService's handlers, WatchPlans without a response serializer: its
+    responses are bytes the plan board encoded once per plan (`planboard`)."""
+    watch_plans = grpc.unary_stream_rpc_method_handler(
+        servicer.WatchPlans, request_deserializer=worker_service_pb2.WatchPlansRequest.FromString)
+    return _service_handler(worker_service_pb2_grpc.add_WorkerServiceServicer_to_server,
+                            servicer, {"WatchPlans": watch_plans})
+
+
+class _Loop:
+    """The asyncio loop the gRPC server runs on, on a thread of its own."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="grpc-aio", daemon=True)
+        self._thread.start()
+
+    def run(self, coroutine: Any, timeout_s: float | None = None) -> Any:
+        """Runs `coroutine` on the loop and waits for its result (up to `timeout_s`)."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout_s)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=5)
+        if not self._thread.is_alive():
+            self.loop.close()
+
+
 class CoordinatorServer:
+    """One replica: a `grpc.aio` server on a loop thread of its own. Unary calls
+    run on ``max_workers`` threads; plan and health streams run on the loop and
+    cost no thread (WatchJob, an operator's stream, holds one)."""
+
     def __init__(self, config: CoordinatorConfig) -> None:
         self.config = config
         self.store = Store(config.etcd)
@@ -100,13 +223,54 @@ class CoordinatorServer:
         self.election = Election(self.store, "", ttl_s=config.leader_ttl_s,
                                  on_elected=self._on_leadership, on_lost=self._on_leadership)
         self.counter = CallCounter()
-        self._forwarding = LeaderForwarding(self.election)
-        interceptors: list[grpc.ServerInterceptor] = [self.counter]
+        # WatchJob streams (operators') read the leader's watch on these threads.
+        self._stream_pool = futures.ThreadPoolExecutor(max_workers=config.max_workers,
+                                                       thread_name_prefix="stream")
+        self._forwarding = LeaderForwarding(self.election, self._stream_pool)
+        interceptors: list[grpc.aio.ServerInterceptor] = [self.counter]
         if config.token:
             interceptors.append(BearerAuth(config.token))
         interceptors.append(self._forwarding)
-        self._server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=config.max_workers, thread_name_prefix="rpc"),
+        self._loop = _Loop()
+        self._server = self._loop.run(self._make_server(interceptors))
+        port = self._bind()
+        host = config.listen.rpartition(":")[0]
+        self.address = config.advertise or f"{host}:{port}"
+        self.election.address = self.address
+        self.coordinator = Coordinator(
+            self.store, self.election, liveness_timeout_s=config.liveness_timeout_s,
+            progress_flush_s=config.progress_flush_s,
+        )
+        self.board = PlanBoard(self.store, self._loop.loop)
+        self.liveness = EtcdReachability(config.etcd, on_change=lambda _: self._update_health())
+        self.plan_streams = PlanStreams(self.store, self.board, self.liveness)
+        self.renewer = LeaseRenewer(config.etcd)
+        heartbeats = Heartbeats(self.coordinator, self.board, self.renewer, self.liveness)
+        self._server.add_generic_rpc_handlers([
+            _service_handler(job_service_pb2_grpc.add_JobServiceServicer_to_server,
+                             JobServicer(self.coordinator, self._stream_pool)),
+            _worker_service_handler(
+                WorkerServicer(self.coordinator, self.liveness, self.plan_streams, heartbeats)),
+        ])
+        self._draining = False
+        self._stopped = False
+        self.health = Health()
+        self.health.bind(self._loop.loop)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
+        reflection.enable_server_reflection((
+            job_service_pb2.DESCRIPTOR.services_by_name["JobService"].full_name,
+            worker_service_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name,
+            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+            reflection.SERVICE_NAME,
+        ), self._server)
+        self.registry = self._metrics()
+        self._metrics_server = None
+        self.dashboard = Dashboard(self.coordinator)
+
+    async def _make_server(self, interceptors: list[grpc.aio.ServerInterceptor]) -> grpc.aio.Server:
+        return grpc.aio.server(
+            migration_thread_pool=futures.ThreadPoolExecutor(
+                max_workers=self.config.max_workers, thread_name_prefix="rpc"),
             interceptors=interceptors,
             options=[
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -119,6 +283,9 @@ class CoordinatorServer:
                 ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
             ],
         )
+
+    def _bind(self) -> int:
+        config = self.config
         if config.tls_cert:
             credentials = grpc.ssl_server_credentials(
                 [(read_file(config.tls_key), read_file(config.tls_cert))],
@@ -130,37 +297,15 @@ class CoordinatorServer:
             port = self._server.add_insecure_port(config.listen)
         if port == 0:
             raise OSError(f"listen: cannot bind {config.listen}")
-        host = config.listen.rpartition(":")[0]
-        self.address = config.advertise or f"{host}:{port}"
-        self.election.address = self.address
-        self.coordinator = Coordinator(
-            self.store, self.election, liveness_timeout_s=config.liveness_timeout_s,
-            progress_flush_s=config.progress_flush_s,
-        )
-        self.liveness = EtcdReachability(config.etcd, on_change=lambda _: self._update_health())
-        job_service_pb2_grpc.add_JobServiceServicer_to_server(JobServicer(self.coordinator), self._server)
-        worker_service_pb2_grpc.add_WorkerServiceServicer_to_server(
-            WorkerServicer(self.coordinator, self.liveness), self._server)
-        self._draining = False
-        self._stopped = False
-        self.health = Health()
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
-        reflection.enable_server_reflection((
-            job_service_pb2.DESCRIPTOR.services_by_name["JobService"].full_name,
-            worker_service_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name,
-            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-            reflection.SERVICE_NAME,
-        ), self._server)
-        self.registry = self._metrics()
-        self._metrics_server = None
-        self.dashboard = Dashboard(self.coordinator)
+        return port
 
     def _on_leadership(self) -> None:
         self.coordinator.leadership_changed()
 
     def _update_health(self) -> None:
         """SERVING unless draining or cut off from etcd (clients' channels skip
-        a NOT_SERVING replica, see `channel`)."""
+        a NOT_SERVING replica, see `channel`); plan streams re-check too."""
+        self.board.wake_all()
         serving = self.liveness.reachable and not self._draining
         self.health.set("", health_pb2.HealthCheckResponse.SERVING if serving
                         else health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -185,7 +330,8 @@ class CoordinatorServer:
         return registry
 
     def start(self) -> None:
-        self._server.start()
+        self._loop.run(self._server.start())
+        self.board.start()
         self.election.start()
         self.coordinator.start()
         self.liveness.start()
@@ -214,7 +360,7 @@ class CoordinatorServer:
         return True
 
     def wait(self) -> None:
-        self._server.wait_for_termination()
+        self._loop.run(self._server.wait_for_termination())
 
     def stop(self, grace_s: float = 2.0) -> None:
         """Drains (see the module docstring), then stops serving. Blocks about
@@ -230,11 +376,15 @@ class CoordinatorServer:
             log.info("draining for %.1f s before stopping", self.config.drain_s)
             time.sleep(self.config.drain_s)  # the drain interval itself, not a synchronisation
         self.health.enter_graceful_shutdown()
-        self._server.stop(grace_s).wait(grace_s + 1)
+        self._loop.run(self._server.stop(grace_s), grace_s + 5)
+        self._loop.run(self.renewer.close(), 5)
+        self._stream_pool.shutdown(wait=False, cancel_futures=True)
         if self._metrics_server is not None:
             self.dashboard.stop()
             self._metrics_server.shutdown()
         self._forwarding.close()
+        self.board.close()
         self.liveness.close()
         self.health.close()
+        self._loop.close()
         self.store.close()

@@ -1,15 +1,21 @@
 """Thin gRPC servicers: convert the request, call the logic, convert back.
 
 Domain errors become status codes in one place (`_handle`); anything else is
-logged and becomes INTERNAL. Streams end with UNAVAILABLE when this replica
-stops leading, so clients reconnect to the new leader.
+logged and becomes INTERNAL. Unary calls and WatchJob run on the server's
+worker threads; WatchPlans runs on its asyncio loop (`planstreams`, no thread
+per stream). WatchJob ends with UNAVAILABLE when this replica stops leading,
+so clients reconnect to the new leader; plan streams are served by every
+replica and survive a change of leader.
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
-from collections.abc import Callable, Iterator
+import threading
+from collections.abc import AsyncIterator, Callable
+from concurrent import futures
 from typing import Any, TypeVar
 
 import grpc
@@ -18,11 +24,14 @@ from google.protobuf.duration_pb2 import Duration
 from springback.service.commits import Commits
 from springback.service.coordinator import Coordinator
 from springback.service.errors import SpringbackError, grpc_code
+from springback.service.heartbeats import Heartbeats
 from springback.service.history import delete_job
+from springback.service.interceptors import in_thread
 from springback.service.jobs import JobControl
 from springback.service.liveness import EtcdReachability
 from springback.service.membership import Membership
 from springback.service.planner import Progress
+from springback.service.planstreams import PlanStreams
 from springback.v1 import job_service_pb2 as js
 from springback.v1 import job_service_pb2_grpc as js_grpc
 from springback.v1 import worker_service_pb2 as ws
@@ -31,6 +40,9 @@ from springback.v1 import worker_service_pb2_grpc as ws_grpc
 log = logging.getLogger(__name__)
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+JOIN_PLAN_WAIT_S = 5.0
+"""Longest JoinJob waits for the plan that places the new member."""
 
 
 def _abort(context: grpc.ServicerContext, error: BaseException) -> None:
@@ -51,20 +63,10 @@ def _handle(fn: F) -> F:
     return unary  # type: ignore[return-value]
 
 
-def _handle_stream(fn: F) -> F:
-    @functools.wraps(fn)
-    def stream(self: Any, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
-        try:
-            yield from fn(self, request, context)
-        except Exception as e:  # noqa: BLE001
-            _abort(context, e)
-
-    return stream  # type: ignore[return-value]
-
-
 class JobServicer(js_grpc.JobServiceServicer):
-    def __init__(self, coordinator: Coordinator) -> None:
+    def __init__(self, coordinator: Coordinator, stream_pool: futures.ThreadPoolExecutor) -> None:
         self.coordinator = coordinator
+        self.stream_pool = stream_pool
         self.jobs = JobControl(coordinator)
 
     @_handle
@@ -96,12 +98,20 @@ class JobServicer(js_grpc.JobServiceServicer):
     def CancelJob(self, request: js.CancelJobRequest, context: grpc.ServicerContext) -> js.CancelJobResponse:
         return js.CancelJobResponse(job=self.jobs.cancel(request.job_id))
 
-    @_handle_stream
-    def WatchJob(self, request: js.WatchJobRequest,
-                 context: grpc.ServicerContext) -> Iterator[js.WatchJobResponse]:
-        self.coordinator.get_job(request.job_id)  # NOT_FOUND before the stream starts
-        for job, event in self.coordinator.watch(request.job_id, context.is_active):
-            yield js.WatchJobResponse(job=job, event=event)
+    async def WatchJob(self, request: js.WatchJobRequest,
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[js.WatchJobResponse]:
+        """The leader's job watch (`Coordinator.watch`), read on a thread of the
+        stream pool and sent from the loop; ends within a second of the call."""
+        closed = threading.Event()
+        try:
+            await asyncio.to_thread(self.coordinator.get_job, request.job_id)  # NOT_FOUND first
+            changes = self.coordinator.watch(request.job_id, lambda: not closed.is_set())
+            async for job, event in in_thread(self.stream_pool, changes):
+                yield js.WatchJobResponse(job=job, event=event)
+        except SpringbackError as e:
+            await context.abort(grpc_code(e), str(e))
+        finally:
+            closed.set()
 
     @_handle
     def ListCheckpoints(self, request: js.ListCheckpointsRequest,
@@ -138,26 +148,46 @@ def _duration(seconds: float) -> Duration:
 
 class WorkerServicer(ws_grpc.WorkerServiceServicer):
     def __init__(self, coordinator: Coordinator,
-                 liveness: EtcdReachability | None = None) -> None:
+                 liveness: EtcdReachability | None = None,
+                 plan_streams: PlanStreams | None = None,
+                 heartbeats: Heartbeats | None = None) -> None:
         self.coordinator = coordinator
         self.membership = Membership(coordinator, liveness)
         self.commits = Commits(coordinator)
+        self.plan_streams = plan_streams
+        self.heartbeats = heartbeats
 
-    @_handle
-    def JoinJob(self, request: ws.JoinJobRequest, context: grpc.ServicerContext) -> ws.JoinJobResponse:
-        member = self.membership.join(
-            request.job_id, request.host, request.rendezvous_port, request.num_local_ranks,
-            request.join_token)
+    async def JoinJob(self, request: ws.JoinJobRequest,
+                      context: grpc.aio.ServicerContext) -> ws.JoinJobResponse:
+        """Registers the member on a worker thread, then waits on the loop (no
+        thread) for the settled plan that places it, up to `JOIN_PLAN_WAIT_S`
+        (or the call's deadline): the answer comes once the member is planned
+        or the planner left it out; past the wait it is registered anyway and
+        its plan stream brings the plan."""
+        try:
+            member = await asyncio.to_thread(
+                self.membership.join, request.job_id, request.host, request.rendezvous_port,
+                request.num_local_ranks, request.join_token)
+        except SpringbackError as e:
+            await context.abort(grpc_code(e), str(e))
+        if self.plan_streams is not None:
+            remaining = context.time_remaining()
+            wait = JOIN_PLAN_WAIT_S if remaining is None else min(JOIN_PLAN_WAIT_S, remaining - 0.5)
+            await self.plan_streams.until_planned(request.job_id, member.id, wait)
         timeout = self.membership.liveness_timeout_s
         return ws.JoinJobResponse(
             member=member, liveness_timeout=_duration(timeout),
             heartbeat_interval=_duration(timeout / 4),
         )
 
-    @_handle
-    def Heartbeat(self, request: ws.HeartbeatRequest, context: grpc.ServicerContext) -> ws.HeartbeatResponse:
-        return ws.HeartbeatResponse(
-            generation=self.membership.heartbeat(request.job_id, request.member_id))
+    async def Heartbeat(self, request: ws.HeartbeatRequest,
+                        context: grpc.aio.ServicerContext) -> ws.HeartbeatResponse:
+        """On this replica's loop, no thread (`heartbeats`)."""
+        try:
+            generation = await self.heartbeats.beat(request.job_id, request.member_id)
+        except SpringbackError as e:
+            await context.abort(grpc_code(e), str(e))
+        return ws.HeartbeatResponse(generation=generation)
 
     @_handle
     def LeaveJob(self, request: ws.LeaveJobRequest, context: grpc.ServicerContext) -> ws.LeaveJobResponse:
@@ -170,12 +200,27 @@ class WorkerServicer(ws_grpc.WorkerServiceServicer):
         checkpoint = self.membership.drain(request.job_id, request.member_id, request.reason)
         return ws.DrainMemberResponse(checkpoint=checkpoint)
 
-    @_handle_stream
-    def WatchPlans(self, request: ws.WatchPlansRequest,
-                   context: grpc.ServicerContext) -> Iterator[ws.WatchPlansResponse]:
-        for plan in self.coordinator.watch_plans(request.job_id, context.is_active,
-                                                 member_id=request.member_id):
-            yield ws.WatchPlansResponse(plan=plan)
+    async def WatchPlans(self, request: ws.WatchPlansRequest,
+                         context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+        """Served on this replica's loop (`planstreams`); yields serialized
+        responses (the handler is registered without a serializer, see `server`)."""
+        if self.plan_streams is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "plan streams need the aio server")
+            return
+        try:
+            async for response in self.plan_streams.stream(request.job_id, request.member_id):
+                yield response
+        except SpringbackError as e:
+            await context.abort(grpc_code(e), str(e))
+        except Exception as e:  # a bug: INTERNAL, logged
+            log.exception("WatchPlans failed")
+            await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}")
+        finally:
+            self.plan_stream_ended(request.job_id, request.member_id)
+
+    def plan_stream_ended(self, job_id: str, member_id: str) -> None:
+        """A member's plan stream ended (any way: STOP, error, the agent gone);
+        the hook for evidence that a member's agent is gone. Nothing yet."""
 
     @_handle
     def ReportStep(self, request: ws.ReportStepRequest,

@@ -133,6 +133,22 @@ class Store:
     def delete(self, key: str) -> bool:
         return bool(self._client.delete(key))
 
+    # -- watches -----------------------------------------------------------
+
+    @_translate
+    def watch_prefix(self, prefix: str, callback: Callable[[Any], None]) -> Any:
+        """Calls ``callback`` (on the client's watch thread) with every response
+        for keys under `prefix` (``.events``: puts and deletes), or with an
+        exception when the watch broke (watch again). Returns the watch id."""
+        return self._client.add_watch_prefix_callback(prefix, callback)
+
+    def cancel_watch(self, watch_id: Any) -> None:
+        """Stops a watch; best effort (a broken connection already ended it)."""
+        try:
+            self._client.cancel_watch(watch_id)
+        except Exception as e:  # noqa: BLE001 (closing: nothing to do about it)
+            log.debug("cancel_watch: %s", e)
+
     # -- leases ------------------------------------------------------------
 
     @_translate

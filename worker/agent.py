@@ -55,7 +55,7 @@ from dataclasses import dataclass, field
 import grpc
 import torch.distributed as dist
 
-from springback.service.channel import connect, parse_addresses
+from springback.service.channel import Backoff, connect, parse_addresses
 from springback.service.metrics import Registry
 from springback.service.metrics import serve as serve_metrics
 from springback.v1 import types_pb2 as pb
@@ -203,6 +203,7 @@ class Agent:
                                  num_local_ranks=self.config.nproc_per_node,
                                  join_token=uuid.uuid4().hex)
         deadline = time.monotonic() + self.config.connect_timeout_s
+        backoff = Backoff(base_s=0.25, cap_s=4.0)
         while True:
             try:
                 resp = self._stub.JoinJob(req, timeout=RPC_TIMEOUT_S)
@@ -213,7 +214,7 @@ class Agent:
                 if self._drain_reason is not None:
                     raise DrainedBeforeJoin(self._drain_reason) from None
                 log.warning("JoinJob: %s %s; retrying", e.code().name, e.details())
-                time.sleep(0.5)
+                time.sleep(backoff.next_s())  # jittered: replicas coming back are no herd
         self.member = resp.member
         self.liveness_timeout_s = resp.liveness_timeout.ToTimedelta().total_seconds() or 5.0
         self._heartbeat_s = (resp.heartbeat_interval.ToTimedelta().total_seconds()
@@ -234,35 +235,38 @@ class Agent:
 
     def _heartbeat_loop(self, member_id: str) -> None:
         req = wpb.HeartbeatRequest(job_id=self.config.job_id, member_id=member_id)
+        backoff = Backoff(base_s=0.1, cap_s=max(self._heartbeat_s, 0.1))
         while self._current(member_id) and not self._fenced.is_set():
+            wait_s = self._heartbeat_s
             try:
                 self._stub.Heartbeat(req, timeout=max(self._heartbeat_s, 1.0))
+                backoff.reset()
             except grpc.RpcError as e:
                 if e.code() == grpc.StatusCode.NOT_FOUND:
                     log.warning("member %s expired: fenced", member_id)
                     self._fenced.set()
                     return
                 log.warning("heartbeat failed: %s", e.code().name)
-            self._stop.wait(self._heartbeat_s)
+                wait_s = backoff.next_s()  # sooner than the cadence, spread out
+            self._stop.wait(wait_s)
 
     def _watch_loop(self, member_id: str) -> None:
         req = wpb.WatchPlansRequest(job_id=self.config.job_id, member_id=member_id)
-        backoff = 0.1
+        backoff = Backoff(base_s=0.1, cap_s=2.0)
         while self._current(member_id) and not self._fenced.is_set():
             try:
                 for resp in self._stub.WatchPlans(req, timeout=3600):
                     if not self._current(member_id):
                         return
                     self._on_plan(resp.plan)
-                    backoff = 0.1
+                    backoff.reset()
             except grpc.RpcError as e:
                 if e.code() == grpc.StatusCode.NOT_FOUND:
                     self._fenced.set()
                     return
                 if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
                     log.warning("plan stream broke: %s; reconnecting", e.code().name)
-            self._stop.wait(backoff)
-            backoff = min(backoff * 2, 2.0)
+            self._stop.wait(backoff.next_s())  # jittered: a failover is no thundering herd
 
     def _on_plan(self, plan: pb.Plan) -> None:
         with self._lock:

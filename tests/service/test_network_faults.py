@@ -88,9 +88,9 @@ class TestFaultyAgentLink:
                     next(stream)
                 assert e.value.code() == grpc.StatusCode.NOT_FOUND
                 assert [c.step for c in client.list_checkpoints(job.id)] == [5]
-                # The leader replans on its next reconcile pass after the expiry.
-                wait_for(lambda: client.get_job(job.id).status.generation > generation,
-                         10, "a generation without the expired member")
+                # replanned once the expiry settled (Coordinator._settled)
+                wait_for(lambda: client.get_job(job.id).status.generation > generation, 10,
+                         "a generation without the expired member")
             finally:
                 member.close()
                 client.close()

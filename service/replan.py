@@ -1,0 +1,143 @@
+"""The replan policy: from what the leader read, the job's next record and plan.
+
+Pure: no I/O, no clock but the timestamps it stamps, no shared state. The
+coordinator reads the job, its plan, members and checkpoints, hands them to
+`replan`, and writes the `Decision` through its fenced writer (`writer`).
+A decision that is never written (a lost compare, leadership gone) changed
+nothing.
+
+A new generation is made when the plan's signature (action and rank
+assignment, `planner.signature`) changes, or when forced (a rank crashed, an
+operator restore); otherwise the plan stays, and only its hot spares may be
+updated in place (training is not interrupted).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Collection
+from dataclasses import dataclass
+
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from springback.service import planner
+from springback.v1 import types_pb2 as pb
+
+
+def timestamp_now() -> Timestamp:
+    ts = Timestamp()
+    ts.GetCurrentTime()
+    return ts
+
+
+@dataclass(kw_only=True)
+class Inputs:
+    """What one replan reads (the job already mutated by the caller)."""
+
+    job: pb.Job
+    previous: pb.Plan | None
+    previous_signature: tuple | None
+    """`planner.signature(previous)`, cached by the leader."""
+    members: list[pb.Member]
+    checkpoints: list[pb.CheckpointRef]
+    """Committed checkpoints, newest first."""
+    progress: planner.Progress | None
+    """In-memory progress newer than the record, if any."""
+    reason: str
+    stateless: Collection[str] = ()
+    draining: Collection[str] = ()
+    force_generation: bool = False
+
+
+@dataclass(frozen=True)
+class Decision:
+    job: pb.Job
+    """The job record to write (status rewritten)."""
+    plan: pb.Plan
+    """The plan made; written when `new_generation`."""
+    new_generation: bool
+    signature: tuple
+    plan_write: pb.Plan | None
+    """The plan record to write: the new plan, the previous one with new spares, or None."""
+    planning_s: float
+    """Seconds spent in the planner (a metric)."""
+
+
+def _keep_holders(job: pb.Job, members: list[pb.Member], stateless: Collection[str]) -> list[str]:
+    live = {m.id for m in members}
+    holders = [h for h in job.status.state_holders if h in live and h not in stateless]
+    del job.status.state_holders[:]
+    job.status.state_holders.extend(holders)
+    return holders
+
+
+def _make_plan(inputs: Inputs, holders: list[str],
+               requested: pb.CheckpointRef | None) -> tuple[pb.Plan, float]:
+    job, checkpoints = inputs.job, inputs.checkpoints
+    started = time.perf_counter()
+    plan = planner.make_plan(
+        job, inputs.members, inputs.previous,
+        progress=inputs.progress or planner.Progress(
+            step=job.status.step, samples_consumed=job.status.samples_consumed,
+            loss=job.status.loss, cursor=job.status.cursor,
+        ),
+        newest_checkpoint=checkpoints[0] if checkpoints else None,
+        requested_checkpoint=requested,
+        holders=holders,
+        reason=inputs.reason,
+    )
+    return plan, time.perf_counter() - started
+
+
+def _stamp_generation(status: pb.JobStatus, plan: pb.Plan, previous: pb.Plan | None,
+                      requested: pb.CheckpointRef | None) -> None:
+    plan.generation = (previous.generation if previous else 0) + 1
+    plan.created_at.CopyFrom(timestamp_now())
+    if requested is not None and plan.restore.kind == pb.RESTORE_KIND_CHECKPOINT:
+        status.restore_step = 0  # the operator's restore is planned
+    # Progress rewinds when the ranks report the state they actually started
+    # from (record_generation_start), not here: this plan may never start.
+    status.generation = plan.generation
+    status.world_size = plan.world_size
+    del status.members[:]
+    status.members.extend(m.member_id for m in plan.members if plan.world_size)
+
+
+def _update_status(status: pb.JobStatus, plan: pb.Plan, reason: str) -> None:
+    if not planner.is_terminal(status.state):
+        if plan.action == pb.PLAN_ACTION_RUN:
+            status.state = pb.JOB_STATE_RUNNING
+        elif status.state == pb.JOB_STATE_RUNNING:
+            status.state = pb.JOB_STATE_PENDING
+    del status.spares[:]
+    status.spares.extend(plan.spares)
+    status.message = reason
+    status.updated_at.CopyFrom(timestamp_now())
+
+
+def replan(inputs: Inputs) -> Decision:
+    """The job's next record and plan (see the module docstring). Mutates
+    `inputs.job`, `inputs.members` (draining flags) and, for a spares-only
+    update, a copy of `inputs.previous`."""
+    job, previous = inputs.job, inputs.previous
+    for m in inputs.members:
+        m.draining = m.draining or m.id in inputs.draining
+    holders = _keep_holders(job, inputs.members, inputs.stateless)
+    requested = None
+    if job.status.restore_step:
+        requested = next((c for c in inputs.checkpoints if c.step == job.status.restore_step), None)
+    plan, planning_s = _make_plan(inputs, holders, requested)
+    signature = planner.signature(plan)
+    new_generation = (inputs.force_generation or previous is None
+                      or signature != inputs.previous_signature)
+    if new_generation:
+        _stamp_generation(job.status, plan, previous, requested)
+    _update_status(job.status, plan, inputs.reason)
+    plan_write: pb.Plan | None = plan if new_generation else None
+    if not new_generation and previous is not None and list(plan.spares) != list(previous.spares):
+        plan_write = pb.Plan()
+        plan_write.CopyFrom(previous)
+        del plan_write.spares[:]
+        plan_write.spares.extend(plan.spares)
+    return Decision(job=job, plan=plan, new_generation=new_generation, signature=signature,
+                    plan_write=plan_write, planning_s=planning_s)
