@@ -266,7 +266,7 @@ class Coordinator:
                     status.state = pb.JOB_STATE_PENDING
             del status.spares[:]
             status.spares.extend(plan.spares)
-            status.message = reason
+            status.message = plan.reason  # the planner may say why the job waits
             status.updated_at.CopyFrom(timestamp_now())
             history_ops = self.history.on_change(job, plan if new_generation else None)
 

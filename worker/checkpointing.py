@@ -44,6 +44,7 @@ import torch.distributed as dist
 
 from springback.v1 import types_pb2 as pb
 from springback.v1 import worker_service_pb2 as wpb
+from springback.worker.mesh import MeshLayout
 from springback.worker.rendezvous import handed_to_gloo
 
 log = logging.getLogger(__name__)
@@ -110,7 +111,7 @@ class GenerationCheckpoints:
         # With the optimizer, the copy to host memory overlaps the next forward
         # and backward; its next step() waits for the copy (storage's pre-hook).
         self._ckpt.save(step, self._state(), generation=self._plan.generation, cursor=cursor,
-                        layout={"dp": self._plan.world_size},
+                        layout=MeshLayout.from_plan(self._plan).as_dict(),
                         optimizer=self._session.state.get("optimizer"))
         if wait:
             try:

@@ -60,7 +60,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -78,7 +78,11 @@ from springback.worker.rendezvous import (
     is_collective_failure,
     leave_group,
 )
+from springback.worker.mesh import MeshLayout, build_mesh
 from springback.worker.sampler import Batch, SampleStream
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 log = logging.getLogger(__name__)
 
@@ -447,6 +451,12 @@ class Generation:
                                    global_batch_size=int(data.global_batch_size),
                                    seed=int(data.seed))
         self.group = dist.group.WORLD
+        self.layout = MeshLayout.from_plan(plan)
+        self.dp_rank = self.layout.dp_rank(rank)
+        """This rank's data-parallel coordinate: ranks sharing it (TP and PP
+        peers) get the same batches."""
+        self.dp_size = self.layout.dp
+        self._mesh: DeviceMesh | None = None
         self._loss = float("nan")
         self._audit = (AuditLog(session.env.audit_dir, self.generation, rank)
                        if session.env.audit_dir else None)
@@ -468,7 +478,7 @@ class Generation:
         s._clean = False
         while s._state_step < self.max_steps:
             step = s._state_step + 1
-            batch = self.stream.batch(step, self.world_size, self.rank)
+            batch = self.stream.batch(step, self.dp_size, self.dp_rank)
             if self._audit is not None:
                 self._audit.record(batch)
             self._loss = float("nan")
@@ -487,6 +497,15 @@ class Generation:
                 s.finished = True  # no coordinator to confirm the end
             else:  # wait for the coordinator's word (see _next_plan)
                 s._final = self._report_final if self.rank == 0 else (lambda: None)
+
+    @property
+    def mesh(self) -> DeviceMesh:
+        """The generation's named DeviceMesh (dims `MESH_DIMS`: pp, replicate,
+        shard, tp) over its process group, built on first use (a collective:
+        every rank of the generation must ask for it, in the same order)."""
+        if self._mesh is None:
+            self._mesh = build_mesh(self.layout, self.session.device.type)
+        return self._mesh
 
     def report(self, *, loss: float) -> None:
         """Attaches this rank's mean loss over its batch to the current step."""
