@@ -53,6 +53,7 @@ Failure semantics:
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import hashlib
 import io
 import json
@@ -79,7 +80,9 @@ from springback.worker.rendezvous import (
     leave_group,
 )
 from springback.worker.mesh import MeshLayout, build_mesh
+from springback.worker.reshard import Rows, all_gather_objects, exchange, plan_transfers
 from springback.worker.sampler import Batch, SampleStream
+from springback.worker.sharded import BuildFn, ShardedModel
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -103,24 +106,32 @@ class Session:
                  num_samples: int | None = None, global_batch_size: int | None = None,
                  seed: int | None = None, max_steps: int | None = None,
                  backend: str = "gloo", restore_checkpoint: RestoreHook | None = None,
-                 plan_wait_s: float | None = None, env: RankEnv | None = None) -> None:
+                 plan_wait_s: float | None = None, env: RankEnv | None = None,
+                 build: BuildFn | None = None) -> None:
         """`model`/`optimizer`/`state` (objects with state_dict/load_state_dict)
-        are what survivors hand to joiners. Data and max_steps come from the job
+        are what survivors hand to joiners. With `build` (the sharded-model
+        form, see `worker/sharded.py`) instead of model and optimizer, the
+        library builds them on every generation's mesh and reshards their
+        state in memory; `state=` entries are handed over whole. Data and max_steps come from the job
         spec in the plan; the keyword arguments are fallbacks for standalone runs
         (``python train.py`` without an agent: one rank, world size 1).
         ``backend="nccl"`` makes ``cuda:<local rank>`` current (`self.device`)
         and forms every generation's group as ``cpu:gloo,cuda:nccl``: CUDA
         tensors (DDP, FSDP) go over NCCL, the library's own collectives over
         gloo; RuntimeError when no CUDA device is visible."""
+        if build is not None and (model is not None or optimizer is not None):
+            raise ValueError("Session: pass either build= (sharded) or model=/optimizer=, "
+                             "not both")
         self.env = env or _activated(RankEnv.from_environ())
         self.state: dict[str, Any] = dict(state or {})
+        self._sharded = ShardedModel(build) if build is not None else None
         if model is not None:
             self.state["model"] = model
         if optimizer is not None:
             self.state["optimizer"] = optimizer
         self.backend = group_backend(backend)
         self.device = rank_device(backend, self.env.local_rank)
-        if restore_checkpoint is None and "model" in self.state:
+        if restore_checkpoint is None and ("model" in self.state or build is not None):
             from springback.worker.checkpointing import restore_from_checkpoint
             restore_checkpoint = restore_from_checkpoint
         self.restore_checkpoint = restore_checkpoint
@@ -278,13 +289,16 @@ class Session:
             return latest is not None and latest.generation > plan.generation
 
         try:
-            form_group(job_id=plan.job_id, generation=plan.generation, rank=rank,
+            store = form_group(job_id=plan.job_id, generation=plan.generation, rank=rank,
                        world_size=plan.world_size, master_addr=plan.master_addr,
                        master_port=plan.master_port, backend=self.backend,
                        collective_timeout_s=self.env.collective_timeout_s,
                        rendezvous_timeout_s=self.env.rendezvous_timeout_s,
                        superseded=superseded)
-            source, restored_from = self._agree_state(plan, rank)
+            if self._sharded is not None:
+                source, restored_from, mesh = self._agree_sharded(plan, rank, store)
+            else:
+                (source, restored_from), mesh = self._agree_state(plan, rank), None
         except (RendezvousAborted, RuntimeError) as e:
             log.warning("generation %d could not start on rank %d: %s", plan.generation,
                         rank, e)
@@ -292,6 +306,7 @@ class Session:
             self._clean = False
             return None
         gen = Generation(self, plan, rank)
+        gen._mesh = mesh
         gen._record_start(source, restored_from, time.monotonic() - t0)
         if self._stats is not None:
             self._stats.generation_started(generation=plan.generation,
@@ -319,24 +334,9 @@ class Session:
         peers to serve it, so a job never starts from scratch while a
         commit exists."""
         world = plan.world_size
-        mine = torch.tensor([self._state_step, int(self._clean)], dtype=torch.int64)
-        gathered = [torch.zeros_like(mine) for _ in range(world)]
-        dist.all_gather(gathered, mine)
-        handed_to_gloo(mine, *gathered)
-        steps = [int(t[0]) for t in gathered]
-        clean = all(int(t[1]) for t in gathered)
+        steps, clean = self._gather_steps(world)
         best = max(steps)
-        ref = plan.restore.checkpoint if plan.restore.checkpoint.uri else None
-        if ref is not None and best < int(ref.step) and plan.restore.kind in (
-                pb.RESTORE_KIND_CHECKPOINT, pb.RESTORE_KIND_PEERS):
-            if self.restore_checkpoint is None:
-                raise RuntimeError(f"plan says restore from checkpoint {ref.uri} "
-                                   "but no restore hook is set")
-            if plan.restore.kind == pb.RESTORE_KIND_PEERS:
-                log.warning("no rank holds the state the plan expected (best step %d): "
-                            "restoring checkpoint step %d", best, ref.step)
-            self._state_step = self.restore_checkpoint(ref, self.state)
-            self._clean = False
+        if self._restore_if_newer(plan, best):
             return None, pb.RESTORE_KIND_CHECKPOINT
         if best >= 0 and clean and all(s == best for s in steps):
             return None, pb.RESTORE_KIND_PEERS  # every rank already holds the same state
@@ -355,6 +355,93 @@ class Session:
                 v.load_state_dict(received[k])
         self._state_step = best
         return source, kind
+
+    def _gather_steps(self, world: int) -> tuple[list[int], bool]:
+        """Collective: the step every rank's state holds, and whether all
+        ended the previous generation cleanly."""
+        mine = torch.tensor([self._state_step, int(self._clean)], dtype=torch.int64)
+        gathered = [torch.zeros_like(mine) for _ in range(world)]
+        dist.all_gather(gathered, mine)
+        handed_to_gloo(mine, *gathered)
+        return [int(t[0]) for t in gathered], all(int(t[1]) for t in gathered)
+
+    def _restore_if_newer(self, plan: pb.Plan, best: int) -> bool:
+        """Restores the plan's checkpoint when it is newer than every rank's
+        state (see `_agree_state`); False when it is not."""
+        ref = plan.restore.checkpoint if plan.restore.checkpoint.uri else None
+        if ref is None or best >= int(ref.step) or plan.restore.kind not in (
+                pb.RESTORE_KIND_CHECKPOINT, pb.RESTORE_KIND_PEERS):
+            return False
+        self._restore(ref, f"no rank holds the state the plan expected (best step {best})"
+                      if plan.restore.kind == pb.RESTORE_KIND_PEERS else "")
+        return True
+
+    def _restore(self, ref: pb.CheckpointRef, why: str) -> None:
+        if self.restore_checkpoint is None:
+            raise RuntimeError(f"plan says restore from checkpoint {ref.uri} "
+                               "but no restore hook is set")
+        if why:
+            log.warning("%s: restoring checkpoint step %d", why, ref.step)
+        self._state_step = self.restore_checkpoint(ref, self.state)
+        self._clean = False
+
+    def _agree_sharded(self, plan: pb.Plan, rank: int, store: dist.Store
+                       ) -> tuple[int | None, int, DeviceMesh]:
+        """`_agree_state` for the sharded form: builds the model on the new
+        mesh and fills it from the ranks holding the newest shards (in
+        memory), else from the plan's checkpoint, else keeps it as built."""
+        sm = self._sharded
+        assert sm is not None
+        held = sm.capture()
+        steps, _ = self._gather_steps(plan.world_size)
+        best = max(steps)
+        t0 = time.monotonic()
+        mesh = build_mesh(MeshLayout.from_plan(plan), self.device.type)
+        sm.rebuild(mesh)
+        # the build takes the script's time, not a collective's: wait for the
+        # slowest rank's build under the rendezvous deadline (a store wait)
+        store.set(f"built/{rank}", "1")
+        store.wait([f"built/{r}" for r in range(plan.world_size)],
+                   datetime.timedelta(seconds=self.env.rendezvous_timeout_s))
+        self.state["model"], self.state["optimizer"] = sm.model, sm.optimizer
+        built_s, t0 = time.monotonic() - t0, time.monotonic()
+        if self._restore_if_newer(plan, best):
+            return None, pb.RESTORE_KIND_CHECKPOINT, mesh
+        if best < 0:
+            self._state_step = 0
+            return 0, pb.RESTORE_KIND_NONE, mesh
+        source = steps.index(best)
+        have = {k: rows for k, (_, rows) in held.items()} if steps[rank] == best else {}
+        haves = all_gather_objects(have, plan.world_size)
+        keys: dict[str, Rows] = {k: r for h in haves for k, r in h.items()}  # type: ignore[union-attr]
+        targets = sm.targets(keys)
+        needs = all_gather_objects({k: r for k, (_, r) in targets.items()}, plan.world_size)
+        transfers = plan_transfers(haves, needs)  # type: ignore[arg-type]
+        if transfers is None:
+            ref = plan.restore.checkpoint if plan.restore.checkpoint.uri else None
+            if ref is None:
+                log.error("shards of step %d have no live holder and nothing was committed: "
+                          "starting from the built model", best)
+                self._state_step = 0
+                return 0, pb.RESTORE_KIND_NONE, mesh
+            self._restore(ref, f"shards of step {best} have no live holder")
+            return None, pb.RESTORE_KIND_CHECKPOINT, mesh
+        received = exchange(transfers, rank, held, targets)
+        del held
+        extra = {k: v for k, v in self.state.items() if k not in ("model", "optimizer")}
+        mine = ({"hyper": sm.hyperparameters(), "extra": {k: v.state_dict() for k, v in
+                                                          extra.items()}}
+                if rank == source else None)
+        replicated = _broadcast_object(mine, source, rank)
+        sm.set_hyperparameters(replicated["hyper"])
+        if rank != source:
+            for k, v in extra.items():
+                v.load_state_dict(replicated["extra"][k])
+        log.info("resharded step %d in memory: %d transfers, %d bytes received here "
+                 "(built in %.2fs, exchanged in %.2fs)", best, len(transfers), received,
+                 built_s, time.monotonic() - t0)
+        self._state_step = best
+        return source, pb.RESTORE_KIND_PEERS, mesh
 
     def close(self) -> None:
         """Flushes the last step report and drops the process group. Idempotent."""
@@ -430,7 +517,8 @@ def state_digest(state: dict[str, Any]) -> str:
         if isinstance(obj, torch.nn.Module):
             for key, t in sorted(obj.state_dict().items()):
                 h.update(key.encode())
-                h.update(t.detach().cpu().contiguous().numpy().tobytes())
+                local = t.to_local() if hasattr(t, "to_local") else t  # DTensor: this shard
+                h.update(local.detach().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()
 
 
@@ -497,6 +585,16 @@ class Generation:
                 s.finished = True  # no coordinator to confirm the end
             else:  # wait for the coordinator's word (see _next_plan)
                 s._final = self._report_final if self.rank == 0 else (lambda: None)
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The registered model (the sharded form: as built on this generation's mesh)."""
+        return self.session.state["model"]
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The registered optimizer (the sharded form: built with the model)."""
+        return self.session.state["optimizer"]
 
     @property
     def mesh(self) -> DeviceMesh:
