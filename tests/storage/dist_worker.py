@@ -36,7 +36,8 @@ def build(parallel: str, world: int, seed: int,
         from torch.distributed.fsdp import fully_shard
 
         # (replicate, shard): HSDP over a 2-D mesh when given, else FSDP over all ranks
-        mesh = init_device_mesh("cpu", tuple(mesh_shape or (world,)))
+        shape = tuple(mesh_shape or (world,))
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard")[-len(shape):])
         for layer in model:
             if isinstance(layer, nn.Linear):
                 fully_shard(layer, mesh=mesh)
