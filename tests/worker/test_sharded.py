@@ -6,8 +6,8 @@ memory when nodes leave and join."""
 from __future__ import annotations
 
 import json
+import re
 import signal
-import sys
 from pathlib import Path
 
 import pytest
@@ -33,6 +33,13 @@ def digests(root: Path) -> list[dict]:
         out += [{**json.loads(line), "generation": generation}
                 for line in path.read_text().splitlines()]
     return out
+
+
+def member_id(agent) -> str:  # noqa: ANN001
+    """The member id the agent joined as (from its log)."""
+    found = re.search(r"as member (m-[0-9a-f]+)", agent.log())
+    assert found, agent.log()
+    return found.group(1)
 
 
 def assert_resharded_bit_identical(root: Path, world: int) -> None:
@@ -90,3 +97,25 @@ def test_sharded_form_refuses_model_and_build_together():
 
     with pytest.raises(ValueError, match="either build= .* or model="):
         Session(build=lambda mesh: None, model=object(), num_samples=4, global_batch_size=2)
+
+
+FSDP_ACROSS_NODES = {**SPEC, "name": "fsdp-nodes", "min_workers": 2, "max_workers": 3,
+                     "layout": {"shard": 2}, "max_steps": 60}
+
+
+@pytest.mark.parametrize("cluster", [FSDP_ACROSS_NODES], indirect=True)
+def test_fsdp_across_nodes_losing_a_shard_restores_the_newest_commit_at_its_step(cluster):
+    """shard=2 over two one-rank nodes: the lost node's rows have no live
+    holder, so the spare that replaces it and the survivor restore the newest
+    commit, never step 0."""
+    agents = [cluster.start(n, script=FSDP_TRAIN) for n in ("a", "b", "c")]
+    cluster.wait_world(2, min_step=14, timeout_s=120)  # c is the hot spare (dp 3 % shard 2)
+    committed = wait_for(lambda: cluster.job().status.last_checkpoint.step, 30, "a commit")
+    active = set(cluster.job().status.members)
+    victim = next(a for a in agents if member_id(a) in active)
+    victim.signal_node(signal.SIGKILL)
+    job = cluster.wait_succeeded(timeout_s=150)
+    assert job.status.num_restores >= 1, job.status
+    restarts = [r for r in digests(cluster.root) if r["when"] == "start" and r["step"] > 0]
+    assert restarts and all(r["step"] >= committed for r in restarts), (committed, restarts)
+    cluster.audit()
