@@ -14,7 +14,7 @@ twice, through the library's own start-of-generation agreement
 
 Prints both times, their ratio (target ≥ 10x) and the load average.
 
-    .venv/bin/python bench/sharded_recovery.py [--layers 4 --width 2048]
+    .venv/bin/python bench/sharded_recovery.py [--layers 5 --width 2048]
 """
 
 from __future__ import annotations
@@ -79,6 +79,7 @@ def agreement(args, ctx_step: int):  # noqa: ANN001, ANN201
 
 def rank_main(rank: int, args: argparse.Namespace, tmp: str, q: mp.Queue) -> None:
     from springback.storage import Checkpointer, committed_checkpoints, model_state_dict
+    from springback.v1 import types_pb2 as pb
 
     torch.set_num_threads(1)
     store = dist.FileStore(os.path.join(tmp, "g1"), 4)
@@ -110,7 +111,8 @@ def rank_main(rank: int, args: argparse.Namespace, tmp: str, q: mp.Queue) -> Non
     source, kind, _ = first.agree_sharded(plan(2, replicate=1), rank, dist.PrefixStore("a", store2))
     train_step(first.ctx.state["model"], first.ctx.state["optimizer"], args.width)
     memory_s = time.perf_counter() - t0
-    ref = committed_checkpoints(args.base)[0].to_checkpoint_ref()
+    newest = committed_checkpoints(args.base)[-1]
+    ref = pb.CheckpointRef(uri=newest.uri, step=newest.step, generation=newest.generation)
     fresh = agreement(args, -1)  # a rank that holds nothing: the storage path
     t0 = time.perf_counter()
     _, kind_s3, _ = fresh.agree_sharded(plan(2, 1, ref), rank, dist.PrefixStore("b", store2))
@@ -125,7 +127,7 @@ def rank_main(rank: int, args: argparse.Namespace, tmp: str, q: mp.Queue) -> Non
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--layers", type=int, default=5)
     ap.add_argument("--width", type=int, default=2048)
     args = ap.parse_args()
     ctx = mp.get_context("spawn")
