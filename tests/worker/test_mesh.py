@@ -43,3 +43,25 @@ def test_a_plan_without_a_layout_is_plain_data_parallel():
 def test_a_layout_that_does_not_cover_the_world_is_refused():
     with pytest.raises(ValueError, match="world_size 4"):
         MeshLayout.from_plan(layout_plan(4, dp=2, tp=1, pp=1, replicate=1, shard=1))
+
+
+@pytest.mark.timeout(120)
+def test_the_two_ranks_of_a_tp_group_train_on_the_same_whole_batch(fake_job):
+    from collections import defaultdict
+
+    from springback.worker.audit import read_records
+
+    for m in ("a", "b"):
+        fake_job.spawn(m)
+    fake_job.publish(["a", "b"], "tp=2", layout=pb.ParallelLayout(
+        dp=1, tp=2, pp=1, ep=1, replicate=1, shard=1))
+    for m in ("a", "b"):
+        assert fake_job.procs[m].wait(timeout=90) == 0, f"{m} failed, see {fake_job.root}"
+    by_step: dict[int, dict[int, list]] = defaultdict(dict)
+    for r in read_records(fake_job.audit_dir):
+        by_step[r["step"]][r["rank"]] = r["samples"]
+    stream = SampleStream(num_samples=256, global_batch_size=12, seed=0)
+    assert sorted(by_step) == list(range(1, 41))
+    for step, ranks in by_step.items():
+        assert ranks[0] == ranks[1], step  # TP peers: the same batch
+        assert [i for _, i in ranks[0]] == stream.batch(step, 1, 0).indices.tolist()
