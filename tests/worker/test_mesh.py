@@ -65,3 +65,24 @@ def test_the_two_ranks_of_a_tp_group_train_on_the_same_whole_batch(fake_job):
     for step, ranks in by_step.items():
         assert ranks[0] == ranks[1], step  # TP peers: the same batch
         assert [i for _, i in ranks[0]] == stream.batch(step, 1, 0).indices.tolist()
+
+
+def test_a_checkpoint_manifest_records_the_generations_layout(tmp_path):
+    from types import SimpleNamespace
+
+    import torch
+
+    from springback.storage import committed_checkpoints, job_checkpoint_uri
+    from springback.worker.checkpointing import GenerationCheckpoints
+
+    plan = layout_plan(1, dp=1, tp=1, pp=1, ep=1, replicate=1, shard=1)
+    plan.job_id, plan.generation = "job-l", 1
+    plan.spec.checkpoint.uri = f"file://{tmp_path}/ck"
+    ctx = SimpleNamespace(state={"model": torch.nn.Linear(2, 1)}, reporter=None,
+                          env=SimpleNamespace(job_id="job-l"))
+    checkpoints = GenerationCheckpoints(ctx=ctx, plan=plan, rank=0)
+    assert checkpoints.save(1, (0, 2), wait=True)
+    checkpoints.close(wait_for_commit=True)
+    (ckpt,) = committed_checkpoints(job_checkpoint_uri(plan.spec.checkpoint.uri, "job-l"))
+    assert ckpt.manifest.layout == {"dp": 1, "replicate": 1, "shard": 1, "tp": 1, "pp": 1,
+                                    "ep": 1}
