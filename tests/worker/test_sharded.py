@@ -103,6 +103,7 @@ FSDP_ACROSS_NODES = {**SPEC, "name": "fsdp-nodes", "min_workers": 2, "max_worker
                      "layout": {"shard": 2}, "max_steps": 60}
 
 
+@pytest.mark.soak  # ~60 s: three agents; the default run keeps the HSDP test above
 @pytest.mark.parametrize("cluster", [FSDP_ACROSS_NODES], indirect=True)
 def test_fsdp_across_nodes_losing_a_shard_restores_the_newest_commit_at_its_step(cluster):
     """shard=2 over two one-rank nodes: the lost node's rows have no live
