@@ -12,8 +12,19 @@ Rules, in order:
 * Candidates are the live, non-draining members: survivors of the previous
   plan first (in their old node-rank order), then joiners by join order.
 * The active set is the longest prefix of candidates, at most max_workers,
-  whose world size is a multiple of tp * pp and whose dp is a multiple of ep.
-  Fewer than min_workers active means WAIT. The rest are hot spares.
+  whose world size is a multiple of tp * pp, whose dp (world / (tp * pp)) is
+  a multiple of ep and, when the spec fixes ``layout.shard``, of shard.
+  Fewer than min_workers active means WAIT; when enough members are live but
+  no prefix satisfies the layout, the WAIT plan's reason names the layout
+  field at fault. The rest are hot spares.
+* Layout (see `worker/mesh.py` for the mesh the ranks build from it): global
+  ranks are ordered pp (outermost), then dp, then tp (innermost), so with
+  equal ranks per node and tp dividing them a TP group stays inside one
+  node. dp splits into replicate x shard (HSDP): the spec's ``layout.shard``
+  when set, else shard = gcd(dp, ranks per node / tp), i.e. shard inside a
+  node and replicate across nodes, so a lost node leaves a full replica (1
+  when tp does not divide the ranks per node, or the nodes differ in size:
+  then every dp rank keeps a full replica, like DDP).
 * Survivors keep their node rank when it is still in range; the others fill
   the vacant ranks in candidate order. Global ranks are contiguous in
   node-rank order, so with equal ranks per node a survivor keeps its ranks.
@@ -31,6 +42,7 @@ Rules, in order:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
@@ -87,18 +99,46 @@ def _ordered_candidates(
     return [t[2] for t in survivors] + [t[2] for t in joiners], old_rank
 
 
-def _active_count(candidates: Sequence[pb.Member], spec: pb.JobSpec) -> int:
-    group = max(spec.layout.tp, 1) * max(spec.layout.pp, 1)
-    ep = max(spec.layout.ep, 1)
+def _layout_fault(world: int, spec: pb.JobSpec) -> str:
+    """Why a world of `world` ranks cannot take the spec's layout ('' when it can)."""
+    tp, pp = max(spec.layout.tp, 1), max(spec.layout.pp, 1)
+    if not world or world % (tp * pp):
+        return f"layout.tp * layout.pp = {tp * pp} does not divide the world of {world} ranks"
+    dp = world // (tp * pp)
+    if dp % max(spec.layout.ep, 1):
+        return f"layout.ep = {spec.layout.ep} does not divide the data-parallel size {dp}"
+    if spec.layout.shard and dp % spec.layout.shard:
+        return f"layout.shard = {spec.layout.shard} does not divide the data-parallel size {dp}"
+    return ""
+
+
+def _active_count(candidates: Sequence[pb.Member], spec: pb.JobSpec) -> tuple[int, str]:
+    """(members to activate, '') or (0, why the layout fails the largest
+    world that has enough members; '' when too few are live)."""
     limit = min(spec.max_workers, len(candidates))
     prefix = [0]
     for m in candidates[:limit]:
         prefix.append(prefix[-1] + m.num_local_ranks)
     for n in range(limit, max(spec.min_workers, 1) - 1, -1):
-        world = prefix[n]
-        if world and world % group == 0 and (world // group) % ep == 0:
-            return n
-    return 0
+        if not _layout_fault(prefix[n], spec):
+            return n, ""
+    if limit >= max(spec.min_workers, 1):
+        return 0, _layout_fault(prefix[limit], spec)
+    return 0, ""
+
+
+def resolve_layout(spec: pb.JobSpec, active: Sequence[pb.Member]) -> pb.ParallelLayout:
+    """The generation's layout for the `active` members (see the module
+    docstring's layout rule); the world must satisfy `_layout_fault`."""
+    tp, pp, ep = spec.layout.tp or 1, spec.layout.pp or 1, spec.layout.ep or 1
+    world = sum(m.num_local_ranks for m in active)
+    dp = world // (tp * pp)
+    shard = spec.layout.shard
+    if not shard:
+        sizes = {m.num_local_ranks for m in active}
+        per_node = sizes.pop() if len(sizes) == 1 else 0
+        shard = math.gcd(dp, per_node // tp) if per_node and per_node % tp == 0 else 1
+    return pb.ParallelLayout(dp=dp, tp=tp, pp=pp, ep=ep, replicate=dp // shard, shard=shard)
 
 
 def _assign_ranks(plan: pb.Plan, active: Sequence[pb.Member], old_rank: dict[str, int]) -> None:
@@ -144,17 +184,13 @@ def make_plan(
         return plan
     candidates, old_rank = _ordered_candidates(members, previous)
     proven = set(holders)
-    holders = {m.id for m in candidates if m.id in proven}
-    n = 0 if job.status.state == pb.JOB_STATE_PAUSED else _active_count(candidates, spec)
+    live_holders = {m.id for m in candidates if m.id in proven}
+    n, fault = (0, "") if job.status.state == pb.JOB_STATE_PAUSED else _active_count(
+        candidates, spec)
     if n == 0:
-        # Hold: keep the state holders listed (with their old ranks) so the
-        # plan that follows knows who can serve state.
-        plan.action = pb.PLAN_ACTION_WAIT
-        kept = [m for m in previous.members if m.member_id in holders] if previous else []
-        plan.members.extend(kept)
-        plan.spares.extend(m.id for m in candidates if m.id not in holders)
-        plan.step = progress.step
-        plan.cursor.CopyFrom(progress.cursor)
+        _hold(plan, candidates, previous, live_holders, progress)
+        if fault:
+            plan.reason = f"{reason}; waiting: {fault}" if reason else f"waiting: {fault}"
         return plan
 
     active = candidates[:n]
@@ -162,27 +198,44 @@ def make_plan(
     _assign_ranks(plan, active, old_rank)
     plan.spares.extend(m.id for m in candidates[n:])
     plan.world_size = sum(m.num_local_ranks for m in active)
-    tp, pp, ep = spec.layout.tp or 1, spec.layout.pp or 1, spec.layout.ep or 1
-    plan.layout.CopyFrom(pb.ParallelLayout(dp=plan.world_size // (tp * pp), tp=tp, pp=pp, ep=ep))
+    plan.layout.CopyFrom(resolve_layout(spec, active))
     head = next(m for m in active if m.id == plan.members[0].member_id)
     plan.master_addr = head.host
     plan.master_port = head.rendezvous_port
+    _choose_restore(plan, live_holders, progress, newest_checkpoint, requested_checkpoint)
+    return plan
 
+
+def _hold(plan: pb.Plan, candidates: Sequence[pb.Member], previous: pb.Plan | None,
+          holders: set[str], progress: Progress) -> None:
+    """A WAIT plan that keeps the state holders listed (with their old ranks)
+    so the plan that follows knows who can serve state."""
+    plan.action = pb.PLAN_ACTION_WAIT
+    kept = [m for m in previous.members if m.member_id in holders] if previous else []
+    plan.members.extend(kept)
+    plan.spares.extend(m.id for m in candidates if m.id not in holders)
+    plan.step = progress.step
+    plan.cursor.CopyFrom(progress.cursor)
+
+
+def _choose_restore(plan: pb.Plan, holders: set[str], progress: Progress,
+                    newest: pb.CheckpointRef | None,
+                    requested: pb.CheckpointRef | None) -> None:
+    """Where a RUN plan's state comes from (the module docstring's last rule)."""
     source = next((m for m in plan.members if m.member_id in holders), None)
-    if requested_checkpoint is not None:
-        _restore_from_checkpoint(plan, requested_checkpoint)
+    if requested is not None:
+        _restore_from_checkpoint(plan, requested)
     elif source is not None:
         plan.restore.kind = pb.RESTORE_KIND_PEERS
         plan.restore.source_rank = source.first_rank
-        if newest_checkpoint is not None:  # if the holders turn out to hold nothing
-            plan.restore.checkpoint.CopyFrom(newest_checkpoint)
+        if newest is not None:  # if the holders turn out to hold nothing
+            plan.restore.checkpoint.CopyFrom(newest)
         plan.step = progress.step
         plan.cursor.CopyFrom(progress.cursor)
-    elif newest_checkpoint is not None:
-        _restore_from_checkpoint(plan, newest_checkpoint)
+    elif newest is not None:
+        _restore_from_checkpoint(plan, newest)
     else:
         plan.restore.kind = pb.RESTORE_KIND_NONE
-    return plan
 
 
 def _restore_from_checkpoint(plan: pb.Plan, ref: pb.CheckpointRef) -> None:

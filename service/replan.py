@@ -111,7 +111,7 @@ def _update_status(status: pb.JobStatus, plan: pb.Plan, reason: str) -> None:
             status.state = pb.JOB_STATE_PENDING
     del status.spares[:]
     status.spares.extend(plan.spares)
-    status.message = reason
+    status.message = plan.reason  # the planner may say why the job waits (a layout)
     status.updated_at.CopyFrom(timestamp_now())
 
 

@@ -26,7 +26,8 @@ _SCHEMA: dict[str, Any] = {
     "name": (str, True),
     "min_workers": (int, False),
     "max_workers": (int, False),
-    "layout": ({"tp": (int, False), "pp": (int, False), "ep": (int, False)}, False),
+    "layout": ({"tp": (int, False), "pp": (int, False), "ep": (int, False),
+                "shard": (int, False)}, False),
     "data": (
         {"num_samples": (int, True), "global_batch_size": (int, True), "seed": (int, False)},
         True,

@@ -44,6 +44,8 @@ import torch.distributed as dist
 
 from springback.v1 import types_pb2 as pb
 from springback.v1 import worker_service_pb2 as wpb
+from springback.worker.context import RankContext
+from springback.worker.mesh import MeshLayout
 from springback.worker.rendezvous import handed_to_gloo
 
 log = logging.getLogger(__name__)
@@ -56,14 +58,16 @@ RPC_TIMEOUT_S = 10.0
 class GenerationCheckpoints:
     """One generation's checkpointer for one rank."""
 
-    def __init__(self, *, session: Any, plan: pb.Plan, rank: int) -> None:
+    def __init__(self, *, ctx: RankContext, plan: pb.Plan, rank: int) -> None:
+        """`ctx` gives the registered state, the rank's environment and the
+        coordinator's reporter (None: commits are not recorded)."""
         from springback.storage import Checkpointer, job_checkpoint_uri
 
-        self._session = session
+        self._ctx = ctx
         self._plan = plan
         self._rank = rank
         self.every_steps = int(plan.spec.checkpoint.every_steps)
-        self.base_uri = job_checkpoint_uri(plan.spec.checkpoint.uri, plan.job_id or session.env.job_id)
+        self.base_uri = job_checkpoint_uri(plan.spec.checkpoint.uri, plan.job_id or ctx.env.job_id)
         self._ckpt = Checkpointer(self.base_uri, rank=rank,
                                   world_size=plan.world_size,
                                   on_commit=self._on_commit if rank == 0 else None,
@@ -72,7 +76,7 @@ class GenerationCheckpoints:
     def _state(self) -> dict[str, Any]:
         from springback.storage import model_state_dict
 
-        state = self._session.state
+        state = self._ctx.state
         return model_state_dict(state["model"], state.get("optimizer"), extra_state=extra_state(state))
 
     @property
@@ -110,8 +114,8 @@ class GenerationCheckpoints:
         # With the optimizer, the copy to host memory overlaps the next forward
         # and backward; its next step() waits for the copy (storage's pre-hook).
         self._ckpt.save(step, self._state(), generation=self._plan.generation, cursor=cursor,
-                        layout={"dp": self._plan.world_size},
-                        optimizer=self._session.state.get("optimizer"))
+                        layout=MeshLayout.from_plan(self._plan).as_dict(),
+                        optimizer=self._ctx.state.get("optimizer"))
         if wait:
             try:
                 self._ckpt.wait(DRAIN_SAVE_TIMEOUT_S)
@@ -144,7 +148,7 @@ class GenerationCheckpoints:
             self._ckpt.close(0)
 
     def _stub(self):  # noqa: ANN202
-        reporter = self._session._reporter
+        reporter = self._ctx.reporter
         return None if reporter is None else reporter.stub
 
     def _on_commit(self, info: Any) -> None:
@@ -153,7 +157,7 @@ class GenerationCheckpoints:
         stub = self._stub()
         if stub is None:
             return
-        env = self._session.env
+        env = self._ctx.env
         try:
             resp = stub.CommitCheckpoint(wpb.CommitCheckpointRequest(
                 job_id=env.job_id, member_id=env.member_id, generation=self._plan.generation,
@@ -173,7 +177,7 @@ class GenerationCheckpoints:
         stub = self._stub()
         if stub is None:
             return
-        env = self._session.env
+        env = self._ctx.env
         try:
             stub.ReportCheckpointError(wpb.ReportCheckpointErrorRequest(
                 job_id=env.job_id, member_id=env.member_id, generation=self._plan.generation,

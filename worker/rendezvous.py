@@ -79,8 +79,9 @@ def _connect(host: str, port: int, deadline: float,
 def form_group(*, job_id: str, generation: int, rank: int, world_size: int,
                master_addr: str, master_port: int, backend: str,
                collective_timeout_s: float, rendezvous_timeout_s: float,
-               superseded: Callable[[], bool]) -> None:
-    """Initialises the default process group for one generation.
+               superseded: Callable[[], bool]) -> dist.Store:
+    """Initialises the default process group for one generation; returns
+    the generation's own store (keys under it are this generation's only).
 
     Blocks until all `world_size` ranks arrived (up to `rendezvous_timeout_s`).
     Raises RendezvousAborted when `superseded()` turns true or the deadline
@@ -103,6 +104,7 @@ def form_group(*, job_id: str, generation: int, rank: int, world_size: int,
     dist.init_process_group(backend, store=dist.PrefixStore("pg/", prefix), rank=rank,
                             world_size=world_size,
                             timeout=datetime.timedelta(seconds=collective_timeout_s))
+    return dist.PrefixStore("sb/", prefix)
 
 
 def _reset_group_count() -> None:

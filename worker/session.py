@@ -54,13 +54,13 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import io
+import importlib.util
 import json
 import logging
 import os
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -78,12 +78,17 @@ from springback.worker.rendezvous import (
     is_collective_failure,
     leave_group,
 )
+from springback.worker.mesh import MeshLayout, build_mesh
+from springback.worker.agreement import StateAgreement
+from springback.worker.context import DEFAULT_PLAN_WAIT_S, RankContext
 from springback.worker.sampler import Batch, SampleStream
+from springback.worker.sharded import BuildFn, ShardedModel
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 log = logging.getLogger(__name__)
 
-DEFAULT_PLAN_WAIT_S = 300.0
-"""The plan wait when neither the job (failures.plan_wait_s) nor Session sets one."""
 FINAL_RESEND_S = 1.0
 
 RestoreHook = Callable[[pb.CheckpointRef, dict[str, Any]], int]
@@ -99,15 +104,22 @@ class Session:
                  num_samples: int | None = None, global_batch_size: int | None = None,
                  seed: int | None = None, max_steps: int | None = None,
                  backend: str = "gloo", restore_checkpoint: RestoreHook | None = None,
-                 plan_wait_s: float | None = None, env: RankEnv | None = None) -> None:
+                 plan_wait_s: float | None = None, env: RankEnv | None = None,
+                 build: BuildFn | None = None) -> None:
         """`model`/`optimizer`/`state` (objects with state_dict/load_state_dict)
-        are what survivors hand to joiners. Data and max_steps come from the job
+        are what survivors hand to joiners. With `build` (the sharded-model
+        form, see `worker/sharded.py`) instead of model and optimizer, the
+        library builds them on every generation's mesh and reshards their
+        state in memory; `state=` entries are handed over whole. Data and max_steps come from the job
         spec in the plan; the keyword arguments are fallbacks for standalone runs
         (``python train.py`` without an agent: one rank, world size 1).
         ``backend="nccl"`` makes ``cuda:<local rank>`` current (`self.device`)
         and forms every generation's group as ``cpu:gloo,cuda:nccl``: CUDA
         tensors (DDP, FSDP) go over NCCL, the library's own collectives over
         gloo; RuntimeError when no CUDA device is visible."""
+        if build is not None and (model is not None or optimizer is not None):
+            raise ValueError("Session: pass either build= (sharded) or model=/optimizer=, "
+                             "not both")
         self.env = env or _activated(RankEnv.from_environ())
         self.state: dict[str, Any] = dict(state or {})
         if model is not None:
@@ -116,38 +128,38 @@ class Session:
             self.state["optimizer"] = optimizer
         self.backend = group_backend(backend)
         self.device = rank_device(backend, self.env.local_rank)
-        if restore_checkpoint is None and "model" in self.state:
+        if restore_checkpoint is None and ("model" in self.state or build is not None):
             from springback.worker.checkpointing import restore_from_checkpoint
             restore_checkpoint = restore_from_checkpoint
-        self.restore_checkpoint = restore_checkpoint
         self._plan_wait_override_s = plan_wait_s  # else the job's failures.plan_wait_s
         self._fallback = (num_samples, global_batch_size, seed, max_steps)
-        self._state_step = -1  # step the in-memory state holds; -1: none yet
-        self._clean = False    # the last generation ended at an agreed boundary
         self._generation = 0
         self._was_member = False
-        self._wait_s = plan_wait_s or DEFAULT_PLAN_WAIT_S  # the plan wait, from the job
-        self._final: Callable[[], None] | None = None  # resends the final step report
-        self._last_loss = float("nan")
-        self.finished = False
         self._standalone_store: dist.TCPStore | None = None
-        self._stats: RankStats | None = None
+        self.ctx = RankContext(env=self.env, state=self.state, device=self.device,
+                               wait_s=plan_wait_s or DEFAULT_PLAN_WAIT_S)
         if self.env.control_dir:
-            self._channel: PlanChannel | None = PlanChannel(self.env.control_dir)
-            self._stats = RankStats(self.env.control_dir, self.env.local_rank)
+            self.ctx.channel = PlanChannel(self.env.control_dir)
+            self.ctx.stats = RankStats(self.env.control_dir, self.env.local_rank)
         else:
-            self._channel = None
-            self._standalone_plan = self._make_standalone_plan()
-        self._reporter = None
+            self.ctx.standalone_plan = self._make_standalone_plan()
         if self.env.coordinator and self.env.job_id:
             from springback.worker.reporter import StepReporter
-            self._reporter = StepReporter(self.env.coordinator, self.env.token,
-                                          self.env.job_id, self.env.member_id)
+            self.ctx.reporter = StepReporter(self.env.coordinator, self.env.token,
+                                             self.env.job_id, self.env.member_id)
+        self._agreement = StateAgreement(self.ctx, restore_checkpoint,
+                                         ShardedModel(build) if build is not None else None)
+
+    @property
+    def finished(self) -> bool:
+        """The job ended for this rank (max_steps confirmed, stopped, or drained
+        as the last holder)."""
+        return self.ctx.finished
 
     @property
     def step(self) -> int:
         """Last step whose update the in-memory state holds (0 before training)."""
-        return max(self._state_step, 0)
+        return self.ctx.step
 
     # -- plans ---------------------------------------------------------------
 
@@ -168,41 +180,11 @@ class Session:
         plan.spec.max_steps = max_steps or 0
         return plan
 
-    def _latest(self) -> pb.Plan | None:
-        if self._channel is None:
-            return self._standalone_plan
-        return self._channel.latest()
-
     def _me(self, plan: pb.Plan) -> pb.PlanMember | None:
         for m in plan.members:
             if m.member_id == self.env.member_id:
                 return m
         return None
-
-    def _newer_plan_within(self, generation: int, timeout_s: float, broken: str = "") -> bool:
-        """Waits until any plan (of whatever action) newer than `generation`
-        was published; False when `timeout_s` passed first.
-
-        With `broken` (why this rank's generation broke) and a coordinator,
-        a plan that has not come within one collective timeout (the agent
-        sets it to the liveness timeout: long enough for a dead peer to
-        expire) is asked for: the rank reports the broken generation with its
-        state kept, and again every collective timeout while it waits, so a
-        break without a membership change (a reset link, a peer's transient
-        error) is replanned instead of waiting out the whole plan wait."""
-        start = time.monotonic()
-        deadline = start + timeout_s
-        ask_every = max(self.env.collective_timeout_s, 1.0)
-        next_ask = start + ask_every
-        while (latest := self._latest()) is None or latest.generation <= generation:
-            now = time.monotonic()
-            if now >= deadline:
-                return False
-            if broken and self._reporter is not None and now >= next_ask:
-                self._reporter.report_broken(generation, broken)
-                next_ask = time.monotonic() + ask_every
-            time.sleep(0.02)
-        return True
 
     def _next_plan(self) -> pb.Plan | None:
         """Waits for a plan newer than the current generation that this rank acts
@@ -211,10 +193,10 @@ class Session:
         After max_steps the wait is bounded by the plan wait (RuntimeError:
         the coordinator never confirmed the end), and rank 0 re-sends the
         final step report every second meanwhile."""
-        deadline = time.monotonic() + self._wait_s
+        deadline = time.monotonic() + self.ctx.wait_s
         resent = 0.0
         while True:
-            plan = self._latest()
+            plan = self.ctx.latest()
             if plan is not None and plan.generation > self._generation:
                 if plan.action == pb.PLAN_ACTION_STOP:
                     return None
@@ -228,16 +210,16 @@ class Session:
                     log.info("member %s is not in generation %d: leaving",
                              self.env.member_id, plan.generation)
                     return None
-            if self._channel is None:
+            if self.ctx.channel is None:
                 return None  # standalone: the only plan was used
-            if self._final is not None:
+            if self.ctx.final is not None:
                 now = time.monotonic()
                 if now >= deadline:
                     raise RuntimeError(
                         f"max_steps reached in generation {self._generation} but the "
-                        f"coordinator confirmed no end within {self._wait_s:.0f}s")
+                        f"coordinator confirmed no end within {self.ctx.wait_s:.0f}s")
                 if now - resent >= FINAL_RESEND_S:
-                    self._final()
+                    self.ctx.final()
                     resent = now
             time.sleep(0.02)
 
@@ -253,21 +235,21 @@ class Session:
         RuntimeError is raised, so the rank exits, its agent reports the
         failure and the coordinator plans again instead of the job hanging."""
         try:
-            while not self.finished:
+            while not self.ctx.finished:
                 plan = self._next_plan()
                 if plan is None:
-                    self.finished = self.finished or self._final is not None
+                    self.ctx.finished = self.ctx.finished or self.ctx.final is not None
                     break
-                self._final = None
-                self._wait_s = (self._plan_wait_override_s or plan.spec.failures.plan_wait_s
+                self.ctx.final = None
+                self.ctx.wait_s = (self._plan_wait_override_s or plan.spec.failures.plan_wait_s
                                 or DEFAULT_PLAN_WAIT_S)
                 gen = self._start(plan)
                 if gen is None:
-                    if not self._newer_plan_within(plan.generation, self._wait_s,
-                                                   broken="the generation could not start"):
+                    if not self.ctx.newer_plan_within(plan.generation, self.ctx.wait_s,
+                                                      broken="the generation could not start"):
                         raise RuntimeError(
                             f"generation {plan.generation} could not start and no newer plan "
-                            f"came within {self._wait_s:.0f}s")
+                            f"came within {self.ctx.wait_s:.0f}s")
                     continue
                 try:
                     yield gen
@@ -286,27 +268,31 @@ class Session:
         self._clear_gradients()
 
         def superseded() -> bool:
-            latest = self._latest()
+            latest = self.ctx.latest()
             return latest is not None and latest.generation > plan.generation
 
         try:
-            form_group(job_id=plan.job_id, generation=plan.generation, rank=rank,
+            store = form_group(job_id=plan.job_id, generation=plan.generation, rank=rank,
                        world_size=plan.world_size, master_addr=plan.master_addr,
                        master_port=plan.master_port, backend=self.backend,
                        collective_timeout_s=self.env.collective_timeout_s,
                        rendezvous_timeout_s=self.env.rendezvous_timeout_s,
                        superseded=superseded)
-            source, restored_from = self._agree_state(plan, rank)
+            if self._agreement.sharded is not None:
+                source, restored_from, mesh = self._agreement.agree_sharded(plan, rank, store)
+            else:
+                (source, restored_from), mesh = self._agreement.agree(plan, rank), None
         except (RendezvousAborted, RuntimeError) as e:
             log.warning("generation %d could not start on rank %d: %s", plan.generation,
                         rank, e)
             leave_group()
-            self._clean = False
+            self.ctx.clean = False
             return None
-        gen = Generation(self, plan, rank)
+        gen = Generation(self.ctx, plan, rank)
+        gen._mesh = mesh
         gen._record_start(source, restored_from, time.monotonic() - t0)
-        if self._stats is not None:
-            self._stats.generation_started(generation=plan.generation,
+        if self.ctx.stats is not None:
+            self.ctx.stats.generation_started(generation=plan.generation,
                                            world_size=plan.world_size, rank=rank, step=self.step)
         return gen
 
@@ -321,59 +307,12 @@ class Session:
             if isinstance(obj, (torch.nn.Module, torch.optim.Optimizer)):
                 obj.zero_grad(set_to_none=True)
 
-    def _agree_state(self, plan: pb.Plan, rank: int) -> tuple[int | None, int]:
-        """Makes every rank's state identical; returns (source rank or None,
-        where the state came from: a `RestoreKind`).
-
-        The newest state any rank holds wins, unless the plan's checkpoint is
-        newer: with no rank holding state (every rank crashed, all holders
-        lost) the plan's checkpoint is restored even when the plan expected
-        peers to serve it, so a job never starts from scratch while a
-        commit exists."""
-        world = plan.world_size
-        mine = torch.tensor([self._state_step, int(self._clean)], dtype=torch.int64)
-        gathered = [torch.zeros_like(mine) for _ in range(world)]
-        dist.all_gather(gathered, mine)
-        handed_to_gloo(mine, *gathered)
-        steps = [int(t[0]) for t in gathered]
-        clean = all(int(t[1]) for t in gathered)
-        best = max(steps)
-        ref = plan.restore.checkpoint if plan.restore.checkpoint.uri else None
-        if ref is not None and best < int(ref.step) and plan.restore.kind in (
-                pb.RESTORE_KIND_CHECKPOINT, pb.RESTORE_KIND_PEERS):
-            if self.restore_checkpoint is None:
-                raise RuntimeError(f"plan says restore from checkpoint {ref.uri} "
-                                   "but no restore hook is set")
-            if plan.restore.kind == pb.RESTORE_KIND_PEERS:
-                log.warning("no rank holds the state the plan expected (best step %d): "
-                            "restoring checkpoint step %d", best, ref.step)
-            self._state_step = self.restore_checkpoint(ref, self.state)
-            self._clean = False
-            return None, pb.RESTORE_KIND_CHECKPOINT
-        if best >= 0 and clean and all(s == best for s in steps):
-            return None, pb.RESTORE_KIND_PEERS  # every rank already holds the same state
-        if best < 0:
-            source, best = 0, 0  # fresh start: rank 0's initialisation wins
-            kind = pb.RESTORE_KIND_NONE
-        elif (plan.restore.kind == pb.RESTORE_KIND_PEERS and plan.restore.source_rank < world
-              and steps[plan.restore.source_rank] == best):
-            source, kind = plan.restore.source_rank, pb.RESTORE_KIND_PEERS
-        else:
-            source, kind = steps.index(best), pb.RESTORE_KIND_PEERS
-        mine_state = {k: v.state_dict() for k, v in self.state.items()} if rank == source else None
-        received = _broadcast_object(mine_state, source, rank)
-        if rank != source:
-            for k, v in self.state.items():
-                v.load_state_dict(received[k])
-        self._state_step = best
-        return source, kind
-
     def close(self) -> None:
         """Flushes the last step report and drops the process group. Idempotent."""
         leave_group()
-        if self._reporter is not None:
-            self._reporter.close()
-            self._reporter = None
+        if self.ctx.reporter is not None:
+            self.ctx.reporter.close()
+            self.ctx.reporter = None
 
 
 def _activated(rank_env: RankEnv) -> RankEnv:
@@ -410,28 +349,21 @@ def rank_device(backend: str, local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
-def _broadcast_object(obj: Any, source: int, rank: int) -> Any:
-    """`obj` of rank `source`, on every rank (torch-serialised, two broadcasts);
-    unlike dist.broadcast_object_list its tensors are registered with
-    `handed_to_gloo`, so the group can be torn down safely afterwards."""
-    if rank == source:
-        buf = io.BytesIO()
-        torch.save(obj, buf)
-        data = torch.frombuffer(bytearray(buf.getbuffer()), dtype=torch.uint8)
-        size = torch.tensor([data.numel()], dtype=torch.int64)
-    else:
-        size = torch.zeros(1, dtype=torch.int64)
-    dist.broadcast(size, src=source)
-    if rank != source:
-        data = torch.empty(int(size.item()), dtype=torch.uint8)
-    dist.broadcast(data, src=source)
-    handed_to_gloo(size, data)
-    if rank == source:
-        return obj
-    # to host memory: the source's CUDA device index may not exist here;
-    # load_state_dict copies onto this rank's own device
-    return torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=False,
-                      map_location="cpu")
+_LIBRARY_DIRS = tuple(os.path.dirname(str(origin)) + os.sep for origin in (
+    torch.__file__, __file__, importlib.util.find_spec("springback.storage").origin))  # type: ignore[union-attr]
+
+
+def _raised_by_script(exc: BaseException) -> bool:
+    """True when `exc` was raised by the script's own code (the innermost
+    frame of its traceback is outside torch and springback): a user's
+    RuntimeError that happens to read like a collective's is never taken for
+    a membership change."""
+    tb = exc.__traceback__
+    if tb is None:
+        return False
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    return not os.path.abspath(tb.tb_frame.f_code.co_filename).startswith(_LIBRARY_DIRS)
 
 
 def state_digest(state: dict[str, Any]) -> str:
@@ -442,7 +374,8 @@ def state_digest(state: dict[str, Any]) -> str:
         if isinstance(obj, torch.nn.Module):
             for key, t in sorted(obj.state_dict().items()):
                 h.update(key.encode())
-                h.update(t.detach().cpu().contiguous().numpy().tobytes())
+                local = t.to_local() if hasattr(t, "to_local") else t  # DTensor: this shard
+                h.update(local.detach().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()
 
 
@@ -450,27 +383,33 @@ class Generation:
     """One membership epoch as seen by one rank: rank, world size, process group,
     and the batches of the steps it runs. Use as a context manager."""
 
-    def __init__(self, session: Session, plan: pb.Plan, rank: int) -> None:
-        self.session = session
+    def __init__(self, ctx: RankContext, plan: pb.Plan, rank: int) -> None:
+        self.ctx = ctx
         self.plan = plan
         self.generation = plan.generation
         self.rank = rank
         self.world_size = plan.world_size
-        self.local_rank = session.env.local_rank
+        self.local_rank = ctx.env.local_rank
         self.max_steps = plan.spec.max_steps or 2**62
         data = plan.spec.data
         self.stream = SampleStream(num_samples=int(data.num_samples),
                                    global_batch_size=int(data.global_batch_size),
                                    seed=int(data.seed))
         self.group = dist.group.WORLD
+        self.layout = MeshLayout.from_plan(plan)
+        self.dp_rank = self.layout.dp_rank(rank)
+        """This rank's data-parallel coordinate: ranks sharing it (TP and PP
+        peers) get the same batches."""
+        self.dp_size = self.layout.dp
+        self._mesh: DeviceMesh | None = None
         self._loss = float("nan")
-        self._audit = (AuditLog(session.env.audit_dir, self.generation, rank)
-                       if session.env.audit_dir else None)
+        self._audit = (AuditLog(ctx.env.audit_dir, self.generation, rank)
+                       if ctx.env.audit_dir else None)
         self._checkpoints = None
         self._drain_saved_step: int | None = None  # step of this generation's drain save
-        if plan.spec.checkpoint.uri and "model" in session.state:
+        if plan.spec.checkpoint.uri and "model" in ctx.state:
             from springback.worker.checkpointing import GenerationCheckpoints
-            self._checkpoints = GenerationCheckpoints(session=session, plan=plan, rank=rank)
+            self._checkpoints = GenerationCheckpoints(ctx=ctx, plan=plan, rank=rank)
 
     # -- the step loop ---------------------------------------------------------
 
@@ -480,29 +419,48 @@ class Generation:
         Stops after max_steps, or at the end of a step when any rank has seen a
         newer plan (all ranks stop at the same step). Raises what a failed
         collective raises; ``with gen:`` turns that into a quiet end."""
-        s = self.session
-        s._clean = False
-        while s._state_step < self.max_steps:
-            step = s._state_step + 1
-            batch = self.stream.batch(step, self.world_size, self.rank)
+        s = self.ctx
+        s.clean = False
+        while s.state_step < self.max_steps:
+            step = s.state_step + 1
+            batch = self.stream.batch(step, self.dp_size, self.dp_rank)
             if self._audit is not None:
                 self._audit.record(batch)
             self._loss = float("nan")
             yield batch
-            s._state_step = step
+            s.state_step = step
             switch = self._end_step(batch)
-            if s._stats is not None:
-                s._stats.step_done(step, checkpoint_stall_s=None if self._checkpoints is None
+            if s.stats is not None:
+                s.stats.step_done(step, checkpoint_stall_s=None if self._checkpoints is None
                                    else self._checkpoints.stall_s)
             if switch:
                 break
-        s._clean = True
-        if s._state_step >= self.max_steps and not s.finished:
+        s.clean = True
+        if s.state_step >= self.max_steps and not s.finished:
             self._record_state("end")
-            if s._channel is None or s._reporter is None:
+            if s.channel is None or s.reporter is None:
                 s.finished = True  # no coordinator to confirm the end
             else:  # wait for the coordinator's word (see _next_plan)
-                s._final = self._report_final if self.rank == 0 else (lambda: None)
+                s.final = self._report_final if self.rank == 0 else (lambda: None)
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The registered model (the sharded form: as built on this generation's mesh)."""
+        return self.ctx.state["model"]
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The registered optimizer (the sharded form: built with the model)."""
+        return self.ctx.state["optimizer"]
+
+    @property
+    def mesh(self) -> DeviceMesh:
+        """The generation's named DeviceMesh (dims `MESH_DIMS`: pp, replicate,
+        shard, tp) over its process group, built on first use (a collective:
+        every rank of the generation must ask for it, in the same order)."""
+        if self._mesh is None:
+            self._mesh = build_mesh(self.layout, self.ctx.device.type)
+        return self._mesh
 
     def report(self, *, loss: float) -> None:
         """Attaches this rank's mean loss over its batch to the current step."""
@@ -511,13 +469,13 @@ class Generation:
     def _end_step(self, batch: Batch) -> bool:
         """The agreed step boundary: one all-reduce of (newest generation seen,
         loss share). Returns True when the ranks must move to a newer plan."""
-        s = self.session
-        latest = s._latest()
+        s = self.ctx
+        latest = s.latest()
         seen = max(latest.generation if latest is not None else 0, self.generation)
-        if s._reporter is not None and s._reporter.coordinator_generation > seen:
-            seen = s._reporter.coordinator_generation
+        if s.reporter is not None and s.reporter.coordinator_generation > seen:
+            seen = s.reporter.coordinator_generation
         share = 0.0 if self._loss != self._loss else self._loss * len(batch.indices)
-        channel = s._channel
+        channel = s.channel
         draining = 1.0 if channel is not None and channel.draining() else 0.0
         last_holder = 1.0 if channel is not None and channel.last_holder() else 0.0
         t = torch.tensor([float(seen), share / batch.global_batch_size, draining, last_holder],
@@ -554,61 +512,61 @@ class Generation:
     def _report_final(self) -> None:
         """Rank 0, after max_steps: sends the final step report again unless the
         coordinator took it."""
-        s = self.session
-        if s._reporter is None or s._reporter.accepted == (self.generation, s.step):
+        s = self.ctx
+        if s.reporter is None or s.reporter.accepted == (self.generation, s.step):
             return  # taken: the STOP plan is on its way
         epoch, offset = self.stream.cursor_after(s.step)
-        s._reporter.submit(generation=self.generation, step=s.step,
+        s.reporter.submit(generation=self.generation, step=s.step,
                            samples_consumed=s.step * self.stream.global_batch_size,
-                           loss=s._last_loss, epoch=epoch, offset=offset)
+                           loss=s.last_loss, epoch=epoch, offset=offset)
 
     def _after_step(self, step: int, loss: float) -> None:
         """Rank 0: the step's local record first, then the report (whoever sees
         the job finish can read every step's record)."""
-        s = self.session
+        s = self.ctx
         metrics.append({"event": "step", "generation": self.generation,
                         "world_size": self.world_size, "step": step, "loss": loss})
         epoch, offset = self.stream.cursor_after(step)
-        s._last_loss = loss
-        if s._reporter is not None:
-            s._reporter.submit(generation=self.generation, step=step,
+        s.last_loss = loss
+        if s.reporter is not None:
+            s.reporter.submit(generation=self.generation, step=step,
                                samples_consumed=step * self.stream.global_batch_size,
                                loss=loss, epoch=epoch, offset=offset)
             if step >= self.max_steps:
-                s._reporter.flush()
+                s.reporter.flush()
 
     # -- bookkeeping -----------------------------------------------------------
 
     def _record_start(self, source: int | None, restored_from: int, formed_s: float) -> None:
-        s = self.session
-        if self.rank == 0 and s._reporter is not None:
+        s = self.ctx
+        if self.rank == 0 and s.reporter is not None:
             epoch, offset = self.stream.cursor_after(s.step)
-            s._reporter.start(generation=self.generation, step=s.step,
+            s.reporter.start(generation=self.generation, step=s.step,
                               samples_consumed=s.step * self.stream.global_batch_size,
                               restored_from=restored_from, epoch=epoch, offset=offset)
         if self.rank == 0:
             metrics.append({"event": "generation", "generation": self.generation,
-                     "world_size": self.world_size, "step": self.session.step,
+                     "world_size": self.world_size, "step": self.ctx.step,
                      "source_rank": -1 if source is None else source,
                      "formed_s": round(formed_s, 4), "reason": self.plan.reason})
         log.info("rank %d/%d joined generation %d at step %d (state from %s)", self.rank,
-                 self.world_size, self.generation, self.session.step,
+                 self.world_size, self.generation, self.ctx.step,
                  "memory" if source is None else f"rank {source}")
         self._record_state("start")
 
     def _record_state(self, when: str) -> None:
-        if not self.session.env.audit_dir:
+        if not self.ctx.env.audit_dir:
             return
-        path = os.path.join(self.session.env.audit_dir,
+        path = os.path.join(self.ctx.env.audit_dir,
                             f"state-g{self.generation:06d}-r{self.rank:05d}.jsonl")
         with open(path, "a", encoding="utf-8") as f:
             f.write(json.dumps({"generation": self.generation, "rank": self.rank,
-                                "when": when, "step": self.session.step,
-                                "digest": state_digest(self.session.state)}) + "\n")
+                                "when": when, "step": self.ctx.step,
+                                "digest": state_digest(self.ctx.state)}) + "\n")
 
     def _close(self) -> None:
         if self._checkpoints is not None:
-            self._checkpoints.close(wait_for_commit=self.session._clean)
+            self._checkpoints.close(wait_for_commit=self.ctx.clean)
             self._checkpoints = None
         if self._audit is not None:
             self._audit.close()
@@ -622,17 +580,17 @@ class Generation:
         """A failed collective ends the generation quietly once a newer plan
         comes (the state is kept meanwhile, up to the plan wait); anything
         else, and a collective failure that no plan follows, propagates."""
-        if exc is None or not is_collective_failure(exc):
+        if exc is None or not is_collective_failure(exc) or _raised_by_script(exc):
             return False
-        s = self.session
-        s._clean = False
+        s = self.ctx
+        s.clean = False
         why = str(exc).splitlines()[0] if str(exc) else repr(exc)
         log.warning("generation %d broke on rank %d at step %d: %s", self.generation,
                     self.rank, s.step + 1, why)
         leave_group()
-        if not s._newer_plan_within(self.generation, s._wait_s,
-                                    broken=f"rank {self.rank} at step {s.step + 1}: {why}"[:200]):
+        if not s.newer_plan_within(self.generation, s.wait_s,
+                                   broken=f"rank {self.rank} at step {s.step + 1}: {why}"[:200]):
             log.error("no new generation within %.0fs of a failed collective: giving up "
-                      "the state", s._wait_s)
+                      "the state", s.wait_s)
             return False
         return True

@@ -10,6 +10,7 @@ goodput and the exactly-once audit of the training samples.
 
     deploy/local/demo.sh              # sets up the venv first, then runs this
     .venv/bin/python deploy/local/demo.py [--max-steps N] [--state-dir DIR]
+    deploy/local/demo.sh --sharded    # FSDP2/HSDP: two agents of two ranks (train_fsdp.py)
 
 Safe to run twice: each run starts from an empty state directory, and
 processes left over by an interrupted earlier run (recorded in its pid file)
@@ -102,8 +103,19 @@ def main() -> int:
     p.add_argument("--max-steps", type=int, default=600)
     p.add_argument("--state-dir", default=os.path.join(tempfile.gettempdir(),
                                                         f"springback-demo-{os.getuid()}"))
-    p.add_argument("--liveness-timeout-s", type=float, default=2.0)
+    p.add_argument("--liveness-timeout-s", type=float, default=None,
+                   help="also the ranks' collective timeout (default 2 s; 6 s with --sharded: a "
+                        "freshly built FSDP2 model's first steps on a loaded 2-core machine "
+                        "took longer than 2 s)")
+    p.add_argument("--sharded", action="store_true",
+                   help="the FSDP2/HSDP variant (examples/tinylm/train_fsdp.py) on two nodes of "
+                        "two ranks; the kill and the join reshard the state in memory")
     args = p.parse_args()
+    if args.liveness_timeout_s is None:
+        args.liveness_timeout_s = 6.0 if args.sharded else 2.0
+    script, spec_file, nproc, first_workers = (
+        ("train_fsdp.py", "job_fsdp.yaml", "2", (1, 2)) if args.sharded
+        else ("train.py", "job.yaml", "1", (1, 2, 3)))
 
     from springback.service.client import Client
     from springback.service.local import free_port
@@ -149,7 +161,7 @@ def main() -> int:
             say(f"coordinator-{i} {addresses[-1]}")
         coordinators = ",".join(addresses)
         client = Client(addresses)
-        spec = load_spec_file(str(EXAMPLE / "job.yaml"))
+        spec = load_spec_file(str(EXAMPLE / spec_file))
         spec.max_steps = args.max_steps
         spec.checkpoint.uri = f"file://{state}/checkpoints"
         deadline = time.monotonic() + 30
@@ -170,11 +182,12 @@ def main() -> int:
 
         def start_worker(name: str) -> None:
             procs.start(name, [PY, "-m", "springback.service.cli", "run", "--job", job.id,
-                               "--coordinator", coordinators, "--",
-                               PY, str(EXAMPLE / "train.py")], state / f"{name}.log", env=env)
-            say(f"{name} started (springback run --job {job.id} -- python train.py)")
+                               "--coordinator", coordinators, "--nproc-per-node", nproc, "--",
+                               PY, str(EXAMPLE / script)], state / f"{name}.log", env=env)
+            say(f"{name} started (springback run --job {job.id} --nproc-per-node {nproc} -- "
+                f"python {script})")
 
-        for i in (1, 2, 3):
+        for i in first_workers:
             start_worker(f"worker-{i}")
 
         # -- the live view and the faults -------------------------------------

@@ -139,3 +139,43 @@ def test_every_plan_is_consistent(alive, survivors, tp, min_workers, max_workers
         for m in p.members:  # a survivor keeps its rank whenever it is still in range
             if m.member_id in old and old[m.member_id] < len(planned):
                 assert m.node_rank == old[m.member_id]
+
+
+def sharded_job(shard: int = 0, tp: int = 1, **kw) -> pb.Job:
+    j = job(tp=tp, **kw)
+    j.spec.layout.shard = shard
+    return j
+
+
+class TestMeshLayout:
+    def test_shard_inside_a_node_and_replicate_across_nodes(self):
+        p = plan(sharded_job(), members("a", "b", ranks=2))
+        assert (p.layout.dp, p.layout.replicate, p.layout.shard) == (4, 2, 2)
+
+    def test_tp_takes_its_ranks_from_the_node_first(self):
+        p = plan(sharded_job(tp=2), members("a", "b", ranks=4))
+        assert (p.layout.dp, p.layout.tp, p.layout.replicate, p.layout.shard) == (4, 2, 2, 2)
+
+    def test_unequal_nodes_keep_a_full_replica_on_every_dp_rank(self):
+        ms = members("a", "b", ranks=2)
+        ms[1].num_local_ranks = 1
+        p = plan(sharded_job(), ms)
+        assert (p.layout.replicate, p.layout.shard) == (3, 1)
+
+    def test_the_specs_shard_degree_wins_and_limits_the_active_set(self):
+        p = plan(sharded_job(shard=4), members("a", "b", "c", ranks=2))
+        assert p.world_size == 4 and list(p.spares) == ["c"]
+        assert (p.layout.replicate, p.layout.shard) == (1, 4)
+
+    def test_a_layout_the_live_members_cannot_satisfy_waits_naming_the_field(self):
+        p = plan(sharded_job(shard=4), members("a", ranks=2), reason="member a joined")
+        assert p.action == pb.PLAN_ACTION_WAIT
+        assert "layout.shard = 4" in p.reason and "data-parallel size 2" in p.reason
+
+    def test_too_few_members_waits_without_blaming_the_layout(self):
+        p = plan(sharded_job(shard=4, min_workers=2), members("a", ranks=2), reason="r")
+        assert p.action == pb.PLAN_ACTION_WAIT and p.reason == "r"
+
+    def test_tp_that_no_world_satisfies_names_tp(self):
+        p = plan(sharded_job(tp=4, min_workers=1, max_workers=1), members("a", ranks=2))
+        assert p.action == pb.PLAN_ACTION_WAIT and "layout.tp" in p.reason

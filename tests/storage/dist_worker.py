@@ -25,7 +25,8 @@ import torch.distributed as dist
 from torch import nn
 
 
-def build(parallel: str, world: int, seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+def build(parallel: str, world: int, seed: int,
+          mesh_shape: list[int] | None = None) -> tuple[nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(16, 33), nn.ReLU(), nn.Linear(33, 7))  # 33: uneven shards
     if parallel == "ddp":
@@ -34,7 +35,9 @@ def build(parallel: str, world: int, seed: int) -> tuple[nn.Module, torch.optim.
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
-        mesh = init_device_mesh("cpu", (world,))
+        # (replicate, shard): HSDP over a 2-D mesh when given, else FSDP over all ranks
+        shape = tuple(mesh_shape or (world,))
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard")[-len(shape):])
         for layer in model:
             if isinstance(layer, nn.Linear):
                 fully_shard(layer, mesh=mesh)
@@ -64,7 +67,7 @@ def main() -> None:
     dist.init_process_group("gloo", init_method=f"file://{a['rendezvous']}", rank=rank, world_size=world)
     try:
         if a["mode"] == "save":
-            model, opt = build(a["parallel"], world, seed=0)
+            model, opt = build(a["parallel"], world, seed=0, mesh_shape=a.get("mesh"))
             g = torch.Generator().manual_seed(100 + rank)
             for _ in range(3):
                 loss = model(torch.randn(4, 16, generator=g)).square().mean()
@@ -79,7 +82,7 @@ def main() -> None:
             if rank == 0:
                 torch.save(full, a["out"])
         else:
-            model, opt = build(a["parallel"], world, seed=1234)
+            model, opt = build(a["parallel"], world, seed=1234, mesh_shape=a.get("mesh"))
             res = restore_model(a["base"], model, opt, restore_rng=True)
             full = full_state(model, opt)
             # one more step works on the restored state

@@ -41,9 +41,9 @@ class TestTwoJobsOnOneUri:
             plan = pb.Plan(job_id=job_id, generation=2, world_size=1)
             plan.spec.checkpoint.uri = uri
             plan.spec.checkpoint.every_steps = 10
-            session = SimpleNamespace(state={"model": model}, _reporter=None,
+            session = SimpleNamespace(state={"model": model}, reporter=None,
                                       env=SimpleNamespace(job_id=job_id))
-            gc = GenerationCheckpoints(session=session, plan=plan, rank=0)
+            gc = GenerationCheckpoints(ctx=session, plan=plan, rank=0)
             assert gc.save(10, (0, 120), wait=True)  # same step, same generation
             gc.close(wait_for_commit=True)
             models[job_id] = model

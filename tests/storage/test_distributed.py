@@ -96,6 +96,22 @@ def test_saved_by_two_ranks_restores_bit_identical_on_three_and_one(parallel, tm
         assert_tree_equal(expected["optim"], got["optim"], "optim")
 
 
+@pytest.mark.soak  # six processes importing torch: ~110 s on a loaded 2-core machine
+@pytest.mark.timeout(300)
+def test_saved_with_shard_4_restores_bit_identical_as_replicate_2_by_shard_1(tmp_path):
+    base = f"file://{tmp_path}/ckpts"
+    ref = tmp_path / "ref.pt"
+    save = {"mode": "save", "parallel": "fsdp", "base": base, "out": str(ref), "mesh": [1, 4]}
+    join_all(launch(4, save, tmp_path, "save"), tmp_path, "save")
+    out = tmp_path / "restored.pt"
+    restore = {"mode": "restore", "parallel": "fsdp", "base": base, "out": str(out), "mesh": [2, 1]}
+    join_all(launch(2, restore, tmp_path, "restore"), tmp_path, "restore")
+    expected, got = torch.load(ref, weights_only=False), torch.load(out, weights_only=False)
+    assert (got["step"], got["writers"]) == (3, 4)
+    assert_tree_equal(expected["model"], got["model"], "model")
+    assert_tree_equal(expected["optim"], got["optim"], "optim")
+
+
 @pytest.mark.timeout(120)
 def test_rank_killed_mid_upload_leaves_no_committed_half_checkpoint_and_it_is_cleaned(tmp_path):
     base = f"file://{tmp_path}/ckpts"

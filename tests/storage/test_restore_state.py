@@ -110,8 +110,8 @@ class TestSessionStateEntries:
             state["sched"].step()
         plan = pb.Plan(job_id="job-s", generation=1, world_size=1)
         plan.spec.checkpoint.uri = f"file://{tmp_path}/ck"
-        session = SimpleNamespace(state=state, _reporter=None, env=SimpleNamespace(job_id="job-s"))
-        checkpoints = GenerationCheckpoints(session=session, plan=plan, rank=0)
+        session = SimpleNamespace(state=state, reporter=None, env=SimpleNamespace(job_id="job-s"))
+        checkpoints = GenerationCheckpoints(ctx=session, plan=plan, rank=0)
         checkpoints.save(5, (0, 60), wait=True)
         checkpoints.close(wait_for_commit=True)
         (ckpt,) = committed_checkpoints(job_checkpoint_uri(plan.spec.checkpoint.uri, "job-s"))

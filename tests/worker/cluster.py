@@ -32,7 +32,8 @@ def children(pid: int) -> list[int]:
 
 class AgentProcess:
     def __init__(self, root: Path, name: str, job_id: str, coordinator: str, *extra: str,
-                 env: dict[str, str] | None = None, nproc: int = 1) -> None:
+                 env: dict[str, str] | None = None, nproc: int = 1,
+                 script: str = TINY_TRAIN) -> None:
         self.name = name
         self.log_path = root / f"agent-{name}.log"
         environ = dict(os.environ, **{
@@ -41,7 +42,7 @@ class AgentProcess:
         self.process = subprocess.Popen(
             [sys.executable, "-m", "springback.worker.agent", "--job", job_id,
              "--coordinator", coordinator, "--nproc-per-node", str(nproc),
-             "--drain-timeout-s", "30", *extra, "--", sys.executable, TINY_TRAIN],
+             "--drain-timeout-s", "30", *extra, "--", sys.executable, script],
             env=environ, stdout=open(self.log_path, "ab"), stderr=subprocess.STDOUT)
 
     @property

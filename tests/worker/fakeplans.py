@@ -55,7 +55,8 @@ class FakeJob:
         self.procs[member] = proc
         return proc
 
-    def publish(self, members: list[str], reason: str = "", source_rank: int = 0) -> pb.Plan:
+    def publish(self, members: list[str], reason: str = "", source_rank: int = 0,
+                layout: pb.ParallelLayout | None = None) -> pb.Plan:
         self.generation += 1
         plan = pb.Plan(job_id="fake", generation=self.generation, action=pb.PLAN_ACTION_RUN,
                        world_size=len(members), master_addr="127.0.0.1",
@@ -65,6 +66,8 @@ class FakeJob:
             plan.members.add(member_id=m, node_rank=i, first_rank=i, num_local_ranks=1)
         plan.restore.kind = pb.RESTORE_KIND_PEERS
         plan.restore.source_rank = source_rank
+        if layout is not None:
+            plan.layout.CopyFrom(layout)
         for pub in self.publishers.values():
             pub.publish(plan)
         return plan

@@ -50,14 +50,16 @@ PLAN_ACTION_WAIT: PlanAction
 PLAN_ACTION_STOP: PlanAction
 
 class Layout(_message.Message):
-    __slots__ = ("tp", "pp", "ep")
+    __slots__ = ("tp", "pp", "ep", "shard")
     TP_FIELD_NUMBER: _ClassVar[int]
     PP_FIELD_NUMBER: _ClassVar[int]
     EP_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
     tp: int
     pp: int
     ep: int
-    def __init__(self, tp: _Optional[int] = ..., pp: _Optional[int] = ..., ep: _Optional[int] = ...) -> None: ...
+    shard: int
+    def __init__(self, tp: _Optional[int] = ..., pp: _Optional[int] = ..., ep: _Optional[int] = ..., shard: _Optional[int] = ...) -> None: ...
 
 class DataSpec(_message.Message):
     __slots__ = ("num_samples", "global_batch_size", "seed")
@@ -232,16 +234,20 @@ class PlanMember(_message.Message):
     def __init__(self, member_id: _Optional[str] = ..., host: _Optional[str] = ..., node_rank: _Optional[int] = ..., first_rank: _Optional[int] = ..., num_local_ranks: _Optional[int] = ...) -> None: ...
 
 class ParallelLayout(_message.Message):
-    __slots__ = ("dp", "tp", "pp", "ep")
+    __slots__ = ("dp", "tp", "pp", "ep", "replicate", "shard")
     DP_FIELD_NUMBER: _ClassVar[int]
     TP_FIELD_NUMBER: _ClassVar[int]
     PP_FIELD_NUMBER: _ClassVar[int]
     EP_FIELD_NUMBER: _ClassVar[int]
+    REPLICATE_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
     dp: int
     tp: int
     pp: int
     ep: int
-    def __init__(self, dp: _Optional[int] = ..., tp: _Optional[int] = ..., pp: _Optional[int] = ..., ep: _Optional[int] = ...) -> None: ...
+    replicate: int
+    shard: int
+    def __init__(self, dp: _Optional[int] = ..., tp: _Optional[int] = ..., pp: _Optional[int] = ..., ep: _Optional[int] = ..., replicate: _Optional[int] = ..., shard: _Optional[int] = ...) -> None: ...
 
 class RestoreSource(_message.Message):
     __slots__ = ("kind", "source_rank", "checkpoint")

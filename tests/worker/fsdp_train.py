@@ -1,0 +1,155 @@
+"""A tiny FSDP2 / HSDP training script for the sharded-training tests, in the
+library's sharded-model form (`Session(build=...)`).
+
+Like tiny_train.py it trains a per-sample *counter* (its own FSDP unit, so
+its float64 rows are sharded like any parameter) by plain SGD with the
+learning rate equal to the global batch size: each applied update adds 1 to
+the entry of every sample of the step, through in-memory reshards and
+checkpoint restores alike. The rest of the model trains with AdamW, whose
+exp_avg, exp_avg_sq and step are resharded with it.
+
+Every rank appends, to ``<audit>/digest-g<generation>-r<rank>.jsonl``, a
+SHA-256 of the *gathered* full model and optimizer state when a generation
+starts, before every step (the state of the step before: the optimizer
+step stays the last thing of the loop body) and when it ends cleanly, so a test can prove a reshard
+bit-identical. At the end it
+writes the gathered counter as ``applied-*.json`` (tests/worker/applied.py).
+
+Environment knobs: TINY_STEP_SLEEP_S slows each step; FSDP_BUILD_RAISE=1
+makes the build function raise (a bug in the user's code).
+"""
+
+import hashlib
+import json
+import os
+import sys
+import time
+
+import torch
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+)
+from torch.distributed.fsdp import fully_shard
+
+from springback.worker import Session
+from springback.worker.env import AUDIT_DIR
+
+NUM_COUNTED = 256  # the tests' job has 256 samples
+FULL = StateDictOptions(full_state_dict=True)
+
+
+def features(indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    x = torch.stack([torch.sin(indices * 0.1 * k) for k in range(1, 9)], dim=1)
+    return x, x @ (torch.arange(1, 9, dtype=torch.float32) / 8) + 0.5
+
+
+class Counter(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(NUM_COUNTED, dtype=torch.float64))
+
+    def forward(self, indices: torch.Tensor) -> torch.Tensor:
+        return self.weight[indices]
+
+
+class Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.hidden = torch.nn.Linear(8, 16)
+        self.out = torch.nn.Linear(16, 1)
+        self.counter = Counter()
+
+    def forward(self, x: torch.Tensor, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.out(torch.tanh(self.hidden(x))).sum(dim=1), self.counter(indices)
+
+
+def build(mesh):  # noqa: ANN001, ANN201 - the form a user writes
+    if os.environ.get("FSDP_BUILD_RAISE") == "1":
+        raise ValueError("fsdp_train: no such layer 'decoder.7'")
+    torch.manual_seed(0)
+    model = Net()
+    dp = mesh["replicate", "shard"]
+    for unit in (model.hidden, model.out, model.counter):
+        fully_shard(unit, mesh=dp)
+    fully_shard(model, mesh=dp)
+    trained = [p for n, p in model.named_parameters() if not n.startswith("counter.")]
+    return model, torch.optim.AdamW(trained, lr=0.05)
+
+
+def digest(model: torch.nn.Module, opt: torch.optim.Optimizer) -> str:
+    """Collective: SHA-256 of the gathered full state."""
+    h = hashlib.sha256()
+    for part in (get_model_state_dict(model, options=FULL),
+                 get_optimizer_state_dict(model, opt, options=FULL)):
+        for key, value in sorted(_flat(part).items()):
+            h.update(key.encode())
+            h.update(value.contiguous().numpy().tobytes() if isinstance(value, torch.Tensor)
+                     else repr(value).encode())
+    return h.hexdigest()
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        elif isinstance(v, list):
+            out.update(_flat(dict(enumerate(v)), f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def record(gen, when: str, step: int) -> None:  # noqa: ANN001
+    value = digest(gen.model, gen.optimizer)
+    audit = os.environ.get(AUDIT_DIR)
+    if audit:
+        name = f"digest-g{gen.generation:04d}-r{gen.rank}.jsonl"
+        with open(os.path.join(audit, name), "a") as f:
+            f.write(json.dumps({"when": when, "step": step, "world_size": gen.world_size,
+                                "digest": value}) + "\n")
+
+
+def main() -> int:
+    torch.set_num_threads(1)
+    session = Session(build=build, num_samples=NUM_COUNTED, global_batch_size=12, max_steps=40)
+    sleep_s = float(os.environ.get("TINY_STEP_SLEEP_S", "0"))
+    counter = None
+    for gen in session.generations():
+        with gen:
+            model, opt = gen.model, gen.optimizer
+            counter = model.counter
+            record(gen, "start", session.step)
+            for batch in gen.batches():
+                record(gen, "before", batch.step - 1)
+                indices = torch.as_tensor(batch.indices)
+                x, y = features(indices.to(torch.float32))
+                prediction, counted = model(x, indices)
+                per_sample = (prediction - y) ** 2
+                loss = (per_sample.sum() - counted.sum()) * batch.loss_scale
+                loss.backward()
+                opt.step()
+                with torch.no_grad():  # plain SGD, lr = B: +1 per applied sample
+                    counter.weight.add_(counter.weight.grad, alpha=-batch.global_batch_size)
+                opt.zero_grad()
+                counter.weight.grad = None
+                gen.report(loss=per_sample.mean().item() if len(per_sample) else 0.0)
+                if sleep_s:
+                    time.sleep(sleep_s)
+            record(gen, "end", session.step)  # a clean end: every rank is here
+            if session.step >= gen.max_steps:
+                full = get_model_state_dict(gen.model, options=FULL)  # every rank: collective
+                audit_dir = os.environ.get(AUDIT_DIR)
+                if audit_dir and gen.rank == 0:
+                    path = os.path.join(audit_dir, f"applied-p{os.getpid()}.json")
+                    with open(path + ".tmp", "w", encoding="utf-8") as f:
+                        json.dump({"step": session.step,
+                                   "counter": full["counter.weight"].tolist()}, f)
+                    os.replace(path + ".tmp", path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

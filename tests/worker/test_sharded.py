@@ -1,0 +1,122 @@
+"""Elastic sharded training end to end: an FSDP2 / HSDP script in the
+library's sharded-model form (tests/worker/fsdp_train.py) on real agents,
+real coordinator and etcd, multi-process gloo; the state is resharded in
+memory when nodes leave and join."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+from pathlib import Path
+
+import pytest
+from cluster import steps
+from sbtest import wait_for
+from springback.v1 import types_pb2 as pb
+from test_elastic import BATCH, NUM_SAMPLES, cluster  # noqa: F401 - the fixture
+
+FSDP_TRAIN = str(Path(__file__).with_name("fsdp_train.py"))
+SPEC = {"name": "sharded", "min_workers": 1, "max_workers": 2,
+        "data": {"num_samples": NUM_SAMPLES, "global_batch_size": BATCH, "seed": 1},
+        "checkpoint": {"uri": "set by the fixture", "every_steps": 10},
+        "max_steps": 160}
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def digests(root: Path) -> list[dict]:
+    """Every rank's records of the gathered state (fsdp_train.py's docstring)."""
+    out = []
+    for path in sorted((root / "audit").glob("digest-g*-r*.jsonl")):
+        generation = int(path.stem.split("-")[1].removeprefix("g"))
+        out += [{**json.loads(line), "generation": generation}
+                for line in path.read_text().splitlines()]
+    return out
+
+
+def member_id(agent) -> str:  # noqa: ANN001
+    """The member id the agent joined as (from its log)."""
+    found = re.search(r"as member (m-[0-9a-f]+)", agent.log())
+    assert found, agent.log()
+    return found.group(1)
+
+
+def assert_resharded_bit_identical(root: Path, world: int) -> None:
+    """The gathered state at the start of each generation of `world` ranks
+    equals the gathered state an earlier generation held at that step."""
+    records = digests(root)
+    starts = [r for r in records if r["when"] == "start" and r["world_size"] == world
+              and r["step"] > 0]
+    assert starts, f"no generation of {world} ranks started from a trained state"
+    for start in starts:
+        earlier = {r["digest"] for r in records
+                   if r["step"] == start["step"] and r["generation"] < start["generation"]}
+        assert earlier == {start["digest"]}, (start, earlier)
+
+
+@pytest.mark.parametrize("cluster", [SPEC], indirect=True)
+def test_hsdp_join_2_to_4_then_node_loss_4_to_2_reshard_in_memory_bit_identical(cluster):
+    fsdp = {"script": FSDP_TRAIN, "nproc": 2, "env": {"TINY_STEP_SLEEP_S": "0.2"}}
+    a = cluster.start("a", **fsdp)
+    cluster.wait_world(2, min_step=3, timeout_s=120)
+    b = cluster.start("b", **fsdp)  # joins while a trains on: 2 -> 4 ranks
+    cluster.wait_world(4, min_step=max(r["step"] for r in steps(cluster.root)) + 3,
+                       timeout_s=120)
+    b.signal_node(signal.SIGKILL)  # a whole replica of replicate=2 x shard=2
+    cluster.wait_world(2, min_step=max(r["step"] for r in steps(cluster.root)) + 2,
+                       timeout_s=90)
+    job = cluster.wait_succeeded(timeout_s=120)
+    assert a.wait(30) == 0, a.log()
+    # from memory: no checkpoint read, no step redone (the other replica held every row)
+    assert job.status.num_restores == 0 and job.status.steps_redone == 0, job.status
+    assert job.status.last_checkpoint.step >= 10  # a commit existed all along
+    assert "restoring checkpoint" not in a.log()
+    assert_resharded_bit_identical(cluster.root, world=4)
+    assert_resharded_bit_identical(cluster.root, world=2)
+    cluster.audit()  # exactly once: sampler records and the applied counter
+
+
+BAD_BUILD = {**SPEC, "name": "bad-build", "failures": {"max_per_step": 1}, "max_steps": 5}
+
+
+@pytest.mark.parametrize("cluster", [BAD_BUILD], indirect=True)
+def test_a_build_function_that_raises_fails_the_rank_with_its_error_and_the_job(cluster):
+    a = cluster.start("a", script=FSDP_TRAIN, env={"FSDP_BUILD_RAISE": "1"})
+    job = wait_for(lambda: (j := cluster.job()).status.state == pb.JOB_STATE_FAILED and j,
+                   90, "the job to fail on the rank's failure")
+    assert job.status.num_failures >= 1 and job.status.step == 0
+    assert a.wait(60) is not None
+    log = a.log()
+    assert "BuildFailed: the build function 'build' raised ValueError: fsdp_train: no such " \
+           "layer 'decoder.7'" in log, log
+
+
+def test_sharded_form_refuses_model_and_build_together():
+    from springback.worker import Session
+
+    with pytest.raises(ValueError, match="either build= .* or model="):
+        Session(build=lambda mesh: None, model=object(), num_samples=4, global_batch_size=2)
+
+
+FSDP_ACROSS_NODES = {**SPEC, "name": "fsdp-nodes", "min_workers": 2, "max_workers": 3,
+                     "layout": {"shard": 2}, "max_steps": 60}
+
+
+@pytest.mark.soak  # ~60 s: three agents; the default run keeps the HSDP test above
+@pytest.mark.parametrize("cluster", [FSDP_ACROSS_NODES], indirect=True)
+def test_fsdp_across_nodes_losing_a_shard_restores_the_newest_commit_at_its_step(cluster):
+    """shard=2 over two one-rank nodes: the lost node's rows have no live
+    holder, so the spare that replaces it and the survivor restore the newest
+    commit, never step 0."""
+    agents = [cluster.start(n, script=FSDP_TRAIN) for n in ("a", "b", "c")]
+    cluster.wait_world(2, min_step=14, timeout_s=120)  # c is the hot spare (dp 3 % shard 2)
+    committed = wait_for(lambda: cluster.job().status.last_checkpoint.step, 30, "a commit")
+    active = set(cluster.job().status.members)
+    victim = next(a for a in agents if member_id(a) in active)
+    victim.signal_node(signal.SIGKILL)
+    job = cluster.wait_succeeded(timeout_s=150)
+    assert job.status.num_restores >= 1, job.status
+    restarts = [r for r in digests(cluster.root) if r["when"] == "start" and r["step"] > 0]
+    assert restarts and all(r["step"] >= committed for r in restarts), (committed, restarts)
+    cluster.audit()
