@@ -18,6 +18,7 @@ from google.protobuf.duration_pb2 import Duration
 from springback.service.commits import Commits
 from springback.service.coordinator import Coordinator
 from springback.service.errors import SpringbackError, grpc_code
+from springback.service.evidence import PeerLossEvidence
 from springback.service.history import delete_job
 from springback.service.jobs import JobControl
 from springback.service.liveness import EtcdReachability
@@ -141,6 +142,7 @@ class WorkerServicer(ws_grpc.WorkerServiceServicer):
                  liveness: EtcdReachability | None = None) -> None:
         self.coordinator = coordinator
         self.membership = Membership(coordinator, liveness)
+        self.evidence = PeerLossEvidence(coordinator)
         self.commits = Commits(coordinator)
 
     @_handle
@@ -173,8 +175,10 @@ class WorkerServicer(ws_grpc.WorkerServiceServicer):
     @_handle_stream
     def WatchPlans(self, request: ws.WatchPlansRequest,
                    context: grpc.ServicerContext) -> Iterator[ws.WatchPlansResponse]:
-        for plan in self.coordinator.watch_plans(request.job_id, context.is_active,
-                                                 member_id=request.member_id):
+        plans = self.coordinator.watch_plans(request.job_id, context.is_active,
+                                             member_id=request.member_id)
+        for plan in self.evidence.track_stream(context, request.job_id, request.member_id,
+                                               plans):
             yield ws.WatchPlansResponse(plan=plan)
 
     @_handle
@@ -195,6 +199,11 @@ class WorkerServicer(ws_grpc.WorkerServiceServicer):
     @_handle
     def ReportFailure(self, request: ws.ReportFailureRequest,
                       context: grpc.ServicerContext) -> ws.ReportFailureResponse:
+        if request.lost_member_id:  # a peer's process is gone, not ours
+            generation = self.evidence.reset_reported(
+                request.job_id, request.member_id, request.generation,
+                request.lost_member_id, request.lost_rank)
+            return ws.ReportFailureResponse(generation=generation)
         generation = self.membership.report_failure(
             request.job_id, request.member_id, request.generation, request.reason)
         return ws.ReportFailureResponse(generation=generation)

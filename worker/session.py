@@ -73,6 +73,7 @@ from springback.worker.audit import AuditLog
 from springback.worker.boundary import Agreed, StepBoundary, Vote
 from springback.worker.control import PlanChannel, await_activation
 from springback.worker.env import LOCAL_RANK, STANDBY_FILE, RankEnv
+from springback.worker.peerloss import report_lost_peer
 from springback.worker.rankstats import RankStats
 from springback.worker.rendezvous import (
     RendezvousAborted,
@@ -629,6 +630,8 @@ class Generation:
         log.warning("generation %d broke on rank %d at step %d: %s", self.generation,
                     self.rank, s.step + 1, str(exc).splitlines()[0] if str(exc) else exc)
         self._boundary.abandon()
+        report_lost_peer(exc, plan=self.plan, rank=self.rank, member_id=s.env.member_id,
+                         stub=s._reporter.stub if s._reporter is not None else None)
         leave_group()
         if not s._newer_plan_within(self.generation, s._wait_s):
             log.error("no new generation within %.0fs of a failed collective: giving up "
