@@ -549,6 +549,19 @@ class Generation:
                     last_holder=channel is not None and channel.last_holder(),
                     ended_t=time.time())
 
+    def _settle_last_vote(self) -> None:
+        """Leaving the generation without a broken collective (the user's own
+        error, a break out of the loop): waits for the vote in flight so rank
+        0 still records and reports the last finished step. A failure here
+        is logged only: it must not mask the user's exception."""
+        try:
+            last = self._boundary.settle()
+        except Exception as e:  # noqa: BLE001 - the user's error is what propagates
+            log.warning("the last step's agreement failed on the way out: %s", e)
+            return
+        if self.rank == 0 and last is not None:
+            self._after_step(last)
+
     def _report_final(self) -> None:
         """Rank 0, after max_steps: sends the final step report again unless the
         coordinator took it."""
@@ -624,6 +637,7 @@ class Generation:
         comes (the state is kept meanwhile, up to the plan wait); anything
         else, and a collective failure that no plan follows, propagates."""
         if exc is None or not is_collective_failure(exc):
+            self._settle_last_vote()  # the last finished step is still recorded
             return False
         s = self.session
         s._clean = False
