@@ -47,3 +47,19 @@ def train_step(ddp: torch.nn.Module, opt: torch.optim.Optimizer, indices,  # noq
     if STEP_SLEEP_S:
         time.sleep(STEP_SLEEP_S)  # stand-in for compute
     return per_sample.mean().item() if len(per_sample) else 0.0
+
+
+def step_indices(step: int, world: int, rank: int) -> torch.Tensor:
+    """This rank's share of the global batch of `step` (1-based): the step's
+    window of a per-epoch seeded permutation, split across ranks (the torchrun
+    and torchft baselines; Springback's Session serves its own batches)."""
+    first = (step - 1) * GLOBAL_BATCH
+    perms: dict[int, torch.Tensor] = {}
+    out = []
+    for pos in range(first, first + GLOBAL_BATCH):
+        epoch, i = divmod(pos, NUM_SAMPLES)
+        if epoch not in perms:
+            perms[epoch] = torch.randperm(NUM_SAMPLES,
+                                          generator=torch.Generator().manual_seed(SEED + epoch))
+        out.append(int(perms[epoch][i]))
+    return torch.tensor_split(torch.tensor(out), world)[rank]

@@ -40,21 +40,6 @@ def log(rank: int, record: dict) -> None:
             f.write(json.dumps({"t": time.time(), **record}) + "\n")
 
 
-def step_indices(step: int, world: int, rank: int) -> torch.Tensor:
-    """This rank's share of the global batch of `step` (1-based): the step's
-    window of a per-epoch seeded permutation, split across ranks."""
-    first = (step - 1) * C.GLOBAL_BATCH
-    perms: dict[int, torch.Tensor] = {}
-    out = []
-    for pos in range(first, first + C.GLOBAL_BATCH):
-        epoch, i = divmod(pos, C.NUM_SAMPLES)
-        if epoch not in perms:
-            perms[epoch] = torch.randperm(C.NUM_SAMPLES,
-                                          generator=torch.Generator().manual_seed(C.SEED + epoch))
-        out.append(int(perms[epoch][i]))
-    return torch.tensor_split(torch.tensor(out), world)[rank]
-
-
 def main() -> int:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=GLOO_TIMEOUT_S))
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -74,7 +59,7 @@ def main() -> int:
     scale = world / C.GLOBAL_BATCH  # DDP averages over ranks; local sum x world/G = global mean
     while step < C.MAX_STEPS:
         step += 1
-        loss = C.train_step(ddp, opt, step_indices(step, world, rank), scale)
+        loss = C.train_step(ddp, opt, C.step_indices(step, world, rank), scale)
         log(rank, {"event": "step", "run": run, "step": step, "world_size": world, "loss": loss})
         if step % CKPT_EVERY == 0 or step == C.MAX_STEPS:
             msd, osd = get_state_dict(ddp, opt)

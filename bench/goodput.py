@@ -1,47 +1,38 @@
-"""Goodput under a preemption trace: Springback vs torchrun elastic + DCP
-checkpoint-restart, side by side, same training logic, same trace, one run.
+"""Goodput under a preemption trace: Springback vs torchft vs torchrun elastic +
+DCP, side by side, same training logic, same trace, one run.
 
-Both systems train bench/_goodput_common.py's model (a small MLP; each step
+Every system trains bench/_goodput_common.py's model (a small MLP; each step
 sleeps --step-sleep-s to stand in for compute) for the same --max-steps on
 --nodes local "nodes" (one rank each, gloo, loopback only). The trace: every
 --kill-every-s seconds one node (agent and ranks) is SIGKILLed, and a
 replacement node starts --replace-after-s seconds later, until the job ends.
 
-* Springback: etcd + an in-process coordinator + one
-  ``python -m springback.worker.agent`` per node running
-  bench/_springback_train.py. Victims rotate over all nodes (oldest first).
-* torchrun (baseline): one ``torchrun --nnodes=2:N --rdzv-backend=c10d`` per
-  node running bench/_torchrun_train.py (DDP; DCP save every --ckpt-every steps,
-  load of the latest at start). The first node hosts the c10d rendezvous store,
-  and killing it ends the rendezvous for everyone, so with c10d the trace kills
-  only NON-HOST nodes (oldest first). Settings chosen so the baseline is not
-  unfairly slow: --monitor-interval 0.5, rdzv-conf join_timeout=60,
-  last_call_timeout=1, close_timeout=5, keep-alive at torch's defaults
-  (interval 5 s x 3, --rdzv-conf), gloo timeout --gloo-timeout-s (10 s; a rank
-  whose peer died can hang in its collective until then), max-restarts 100.
+* Springback: etcd + an in-process coordinator (liveness timeout
+  --liveness-timeout-s, 5 s: the default) + one ``python -m
+  springback.worker.agent`` per node running bench/_springback_train.py.
+  Victims rotate over all nodes (oldest first).
+* torchft 0.2.0 and torchrun elastic + DCP (etcd-v2; c10d as a second
+  option): see bench/_baselines.py for their settings and why.
 
-  Observed on a 2-core machine with torch 2.13: after the first kill and
-  replacement the baseline's re-rendezvous did not complete; the host agent
-  crashed with DistStoreError waiting for a participant's role info (60 s
-  read_timeout), ending the job. Seen with 20 s and with 40 s between kills and
-  with keep-alive 1 s x 3; compare pytorch/pytorch#147064. The bench then reports
-  the baseline as failed and why.
+Install the baselines first (``bash bench/setup.sh``: its own venv,
+.bench-venv, CPU torch 2.13.0) and run the bench with that venv's python:
 
-Goodput = useful steps x median undisturbed step time / wall time, wall time
-from the moment the nodes are started to the job's last step (so start-up, the
-imports and the first rendezvous, counts for both). Useful steps are the steps
-of the final lineage: Springback's committed final step (survivors keep every
-finished step, nothing is redone); for torchrun the distinct steps logged up to
-its final step (a step redone after a restart counts once). The median
-undisturbed step time is each system's own median interval between consecutive
-steps of one generation (torchrun: of one worker-group start). "executed" counts
-the step records logged (Springback: rank 0 logs each step after its final
-all-reduce, so a step finished just as rank 0's node was killed has no record
-and executed can fall a step or two short of useful; torchrun: every logged
-step, redone ones included).
+    .bench-venv/bin/python bench/goodput.py [--max-steps 1500] [--kill-every-s 20]
+        [--replace-after-s 5] [--only springback,torchft,torchrun]
+        [--torchft-heartbeat-ms 5000,2000] [--plot timeline.png] [--json runs.jsonl]
 
-    python bench/goodput.py [--max-steps 1500] [--kill-every-s 20] [--replace-after-s 5]
-                            [--nodes 3] [--ckpt-every 20] [--only springback|torchrun]
+Reported per system: goodput = useful steps x median undisturbed step / wall
+time (wall time from the moment the nodes are started to the job's last step,
+so start-up counts); time to the first step; lost seconds per kill = (wall -
+time to the first step - useful x median step) / kills; steps redone
+(Springback: the coordinator's count; the baselines: logged steps beyond the
+distinct ones); per-step overhead = the system's median undisturbed step minus
+a plain single-process step of the same model on one rank's batch, measured
+in the same run; and the ratios Springback / each baseline. Useful steps are
+the steps of the final lineage: Springback's committed final step; for the
+baselines the distinct steps logged up to the final one. The load average is
+printed with the numbers: the machine is shared, and absolute goodput falls
+with its load (every system equally exposed, one after the other).
 """
 
 from __future__ import annotations
@@ -82,6 +73,7 @@ class Nodes:
         self.work = work
         self.procs: dict[str, subprocess.Popen] = {}
         self.alive: list[str] = []
+        self.kill_times: list[float] = []
 
     def start(self, name: str, argv: list[str], env: dict[str, str]) -> None:
         log = open(self.work / f"{name}.log", "ab")  # noqa: SIM115
@@ -113,6 +105,7 @@ class Nodes:
 
     def kill(self, name: str) -> None:
         proc = self.procs[name]
+        self.kill_times.append(time.time())
         if proc.poll() is None:
             self._kill_tree(proc.pid)
         proc.wait()
@@ -193,6 +186,7 @@ def springback_side(args, work: Path) -> dict:  # noqa: ANN001
             def done() -> bool:
                 status = client.get_job(job.id).status
                 state, final["step"] = status.state, status.step
+                final["redone"] = status.steps_redone
                 if state in (pb.JOB_STATE_FAILED, pb.JOB_STATE_CANCELLED):
                     raise RuntimeError(f"springback job ended {pb.JobState.Name(state)}")
                 return state == pb.JOB_STATE_SUCCEEDED
@@ -206,65 +200,15 @@ def springback_side(args, work: Path) -> dict:  # noqa: ANN001
     gens = [e for e in events if e["event"] == "generation"]
     # the job's committed final step: survivors keep every finished step, nothing is redone
     useful = final["step"]
-    return {"system": "springback", "t0": t0, "end": steps[-1]["t"], "useful": useful,
-            "first": steps[0]["t"],
+    return {"system": f"springback lt {args.liveness_timeout_s:g}s", "t0": t0,
+            "end": steps[-1]["t"], "useful": useful, "first": steps[0]["t"],
             "executed": len(steps), "generations": len(gens), "kills": kills,
-            "median_step": median_step(steps, "generation"), "note": "kills any node"}
+            "redone": final.get("redone", 0), "steps": steps, "key": "generation",
+            "kill_times": nodes.kill_times,
+            "note": "kills any node"}
 
 
-def torchrun_side(args, work: Path) -> dict:  # noqa: ANN001
-    from springback.service.local import free_port
-
-    events_path, ckpt = work / "events.jsonl", work / "ckpt"
-    ckpt.mkdir()
-    port = free_port()
-    nodes = Nodes(work)
-    host = "torchrun-node0"
-    env = dict(os.environ, GOODPUT_EVENTS=str(events_path), GOODPUT_CKPT_DIR=str(ckpt),
-               GOODPUT_CKPT_EVERY=str(args.ckpt_every), GOODPUT_STEP_SLEEP_S=str(args.step_sleep_s),
-               GOODPUT_MAX_STEPS=str(args.max_steps),
-               GOODPUT_GLOO_TIMEOUT_S=str(args.gloo_timeout_s),
-               GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-               LOGLEVEL=os.environ.get("LOGLEVEL", "INFO"))
-
-    def start_node(name: str) -> None:
-        conf = (f"join_timeout=60,last_call_timeout=1,close_timeout=5,{args.rdzv_conf},"
-                f"is_host={'true' if name == host else 'false'}")
-        nodes.start(name, [PY, "-m", "torch.distributed.run", f"--nnodes=2:{args.nodes}",
-                           "--nproc-per-node=1", "--rdzv-backend=c10d",
-                           f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=goodput-bench",
-                           f"--rdzv-conf={conf}", "--max-restarts=100", "--monitor-interval=0.5",
-                           "--local-addr=127.0.0.1", str(BENCH / "_torchrun_train.py")], env)
-
-    def done() -> bool:
-        if nodes.procs[host].poll() not in (None, 0):
-            log = (work / f"{host}.log").read_text(errors="replace")
-            why = ""
-            if "DistStoreError" in log and "role_info" in log:
-                why = (": its agent crashed (DistStoreError) waiting for the role info of a "
-                       "rendezvous participant that was killed or never started its worker "
-                       "group; torchrun does not recover from this")
-            raise RuntimeError(f"torchrun host node exited {nodes.procs[host].returncode}{why}")
-        return any(e["event"] == "done" for e in _read(events_path))
-
-    try:
-        t0, kills = run_trace(nodes, start_node, done,
-                              lambda alive: [n for n in alive if n != host], args, "torchrun")
-    finally:
-        nodes.stop_all()
-    events = _read(events_path)
-    steps = [e for e in events if e["event"] == "step"]
-    starts = [e for e in events if e["event"] == "start"]
-    end = next(e for e in events if e["event"] == "done")
-    # the final lineage covers steps 1..max_steps; a step redone after a restart counts once
-    useful = len({s["step"] for s in steps if s["step"] <= end["step"]})
-    return {"system": "torchrun+DCP", "t0": t0, "end": end["t"], "useful": useful,
-            "first": steps[0]["t"],
-            "executed": len(steps), "generations": len(starts), "kills": kills,
-            "median_step": median_step(steps, "run"), "note": "kills non-host nodes only"}
-
-
-def main() -> int:
+def _parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--nodes", type=int, default=3)
     p.add_argument("--max-steps", type=int, default=1500)
@@ -273,14 +217,75 @@ def main() -> int:
     p.add_argument("--replace-after-s", type=float, default=5.0)
     p.add_argument("--ckpt-every", type=int, default=20,
                    help="torchrun side: DCP save every K steps")
-    p.add_argument("--liveness-timeout-s", type=float, default=2.0, help="springback side")
-    p.add_argument("--rdzv-conf", default="keep_alive_interval=5,keep_alive_max_attempt=3",
-                   help="torchrun side: more --rdzv-conf (default: torch's keep-alive defaults)")
+    p.add_argument("--liveness-timeout-s", type=float, default=5.0,
+                   help="springback's liveness timeout; torchft's manager timeout")
+    p.add_argument("--torchft-heartbeat-ms", default="5000,2000",
+                   help="torchft Lighthouse heartbeat timeouts, one side each")
+    p.add_argument("--torchrun-rdzv", choices=["etcd-v2", "c10d"], default="etcd-v2")
+    p.add_argument("--rdzv-conf", default="keep_alive_interval=1,keep_alive_max_attempt=3",
+                   help="torchrun side: more --rdzv-conf")
     p.add_argument("--gloo-timeout-s", type=float, default=10.0, help="torchrun side")
     p.add_argument("--timeout-s", type=float, default=900.0, help="give up on a side after this")
-    p.add_argument("--only", choices=["springback", "torchrun"])
+    p.add_argument("--only", default="springback,torchft,torchrun",
+                   help="comma-separated sides to run")
     p.add_argument("--work-dir", help="logs and state (default: a new temp dir)")
-    args = p.parse_args()
+    p.add_argument("--plot", help="write a PNG timeline (steps over time, kills marked) here")
+    p.add_argument("--json", help="append the summary as one JSON line to this file")
+    return p.parse_args()
+
+
+def _sides(args: argparse.Namespace, work: Path) -> list[tuple[str, Callable[[], dict]]]:
+    import _baselines as B
+    wanted = set(args.only.split(","))
+    sides: list[tuple[str, Callable[[], dict]]] = []
+    if "springback" in wanted:
+        sides.append(("springback", lambda: springback_side(args, work / "springback")))
+    if "torchft" in wanted:
+        for hb in (int(x) for x in args.torchft_heartbeat_ms.split(",") if x):
+            d = work / f"torchft-hb{hb}"
+            sides.append((f"torchft-hb{hb}", lambda d=d, hb=hb: B.torchft_side(
+                args, d, Nodes(d), run_trace, _read, hb)))
+    if "torchrun" in wanted:
+        d = work / "torchrun"
+        sides.append(("torchrun", lambda: B.torchrun_side(args, d, Nodes(d), run_trace, _read)))
+    return sides
+
+
+def _summary(r: dict, plain_s: float) -> dict:
+    """One side's numbers: goodput, start-up, lost seconds per kill, overhead."""
+    med = median_step(r["steps"], r["key"])
+    wall = r["end"] - r["t0"]
+    first = r["first"] - r["t0"]
+    lost = wall - first - r["useful"] * med
+    return {"system": r["system"], "wall_s": wall, "first_step_s": first, "useful": r["useful"],
+            "executed": r["executed"], "kills": r["kills"],
+            "redone": r.get("redone", max(0, r["executed"] - r["useful"])),
+            "step_ms": med * 1000, "overhead_ms": (med - plain_s) * 1000,
+            "lost_per_kill_s": lost / r["kills"] if r["kills"] else float("nan"),
+            "goodput": r["useful"] * med / wall, "note": r["note"]}
+
+
+def _print_table(rows: list[dict], plain_s: float, failures: dict[str, str]) -> None:
+    print(f"\nplain single process: {plain_s * 1000:.1f} ms per step (same model, one "
+          f"rank's batch); load average {[round(x, 2) for x in os.getloadavg()]}")
+    print(f"{'system':<20}{'wall s':>8}{'1st step s':>11}{'useful':>8}{'exec':>6}{'kills':>6}"
+          f"{'redone':>7}{'lost s/kill':>12}{'step ms':>9}{'ovh ms':>8}{'goodput':>9}  note")
+    for r in rows:
+        print(f"{r['system']:<20}{r['wall_s']:>8.1f}{r['first_step_s']:>11.1f}{r['useful']:>8}"
+              f"{r['executed']:>6}{r['kills']:>6}{r['redone']:>7}{r['lost_per_kill_s']:>12.2f}"
+              f"{r['step_ms']:>9.1f}{r['overhead_ms']:>+8.1f}{r['goodput']:>9.1%}  {r['note']}")
+    for name, why in failures.items():
+        print(f"{name:<20}FAILED: {why}")
+    sb = next((r for r in rows if r["system"].startswith("springback")), None)
+    for r in rows:
+        if sb is not None and r is not sb:
+            print(f"springback / {r['system']}: goodput {sb['goodput'] / r['goodput']:.2f}x, "
+                  f"per-step overhead {sb['overhead_ms']:+.1f} vs {r['overhead_ms']:+.1f} ms")
+
+
+def main() -> int:
+    args = _parse()
+    args.python = PY
 
     def on_signal(signum: int, _frame: object) -> None:
         raise KeyboardInterrupt
@@ -289,40 +294,33 @@ def main() -> int:
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="springback-goodput-"))
     print(f"trace: {args.nodes} nodes, SIGKILL one node every {args.kill_every_s:.0f} s, "
           f"replacement {args.replace_after_s:.0f} s later; max_steps {args.max_steps}; "
-          f"logs in {work}", flush=True)
+          f"logs in {work}; load average {[round(x, 2) for x in os.getloadavg()]}", flush=True)
+    import _baselines as B
+    plain_s = B.plain_step_s(args.nodes)
     results, failures = [], {}
-    sides = [("springback", springback_side), ("torchrun", torchrun_side)]
-    for name, fn in sides:
-        if args.only and args.only != name:
-            continue
+    for name, fn in _sides(args, work):
         (work / name).mkdir(parents=True, exist_ok=True)
         print(f"-- {name}", flush=True)
         try:
-            results.append(fn(args, work / name))
+            results.append(fn())
         except KeyboardInterrupt:
             print("interrupted; every process stopped")
             return 130
-        except Exception as exc:  # noqa: BLE001 - report the failed side, keep the other
+        except Exception as exc:  # noqa: BLE001 - report the failed side, keep the others
             failures[name] = f"{type(exc).__name__}: {exc}"
             print(f"  [{name}] FAILED: {failures[name]} (logs in {work / name})", flush=True)
-    print()
-    print(f"{'system':<14}{'wall s':>8}{'1st step s':>11}{'useful':>8}{'executed':>10}"
-          f"{'kills':>7}{'gens':>6}{'step ms':>9}{'goodput':>9}  note")
-    goodput = {}
-    for r in results:
-        wall = r["end"] - r["t0"]
-        g = r["useful"] * r["median_step"] / wall
-        goodput[r["system"]] = g
-        print(f"{r['system']:<14}{wall:>8.1f}{r['first'] - r['t0']:>11.1f}{r['useful']:>8}"
-              f"{r['executed']:>10}{r['kills']:>7}{r['generations']:>6}"
-              f"{r['median_step'] * 1000:>9.1f}{g:>9.1%}  {r['note']}")
-    for name, why in failures.items():
-        print(f"{name:<14}FAILED: {why}")
-    if len(goodput) == 2:
-        print(f"\ngoodput ratio springback / torchrun = "
-              f"{goodput['springback'] / goodput['torchrun+DCP']:.2f}x")
-    elif "torchrun" in failures and "springback" in goodput:
-        print("\ngoodput ratio springback / torchrun: n/a (the torchrun baseline failed)")
+    rows = [_summary(r, plain_s) for r in results]
+    _print_table(rows, plain_s, failures)
+    if args.plot and results:
+        from _goodput_plot import timeline
+        timeline(results, args, args.plot)
+        print(f"timeline: {args.plot}")
+    if args.json:
+        with open(args.json, "a") as f:
+            f.write(json.dumps({"trace": {"kill_every_s": args.kill_every_s,
+                                          "max_steps": args.max_steps},
+                                "load_average": os.getloadavg(), "plain_ms": plain_s * 1000,
+                                "rows": rows, "failures": failures}) + "\n")
     return 1 if failures else 0
 
 

@@ -24,6 +24,7 @@ from google.protobuf.duration_pb2 import Duration
 from springback.service.commits import Commits
 from springback.service.coordinator import Coordinator
 from springback.service.errors import SpringbackError, grpc_code
+from springback.service.evidence import PeerLossEvidence
 from springback.service.heartbeats import Heartbeats
 from springback.service.history import delete_job
 from springback.service.interceptors import in_thread
@@ -153,6 +154,7 @@ class WorkerServicer(ws_grpc.WorkerServiceServicer):
                  heartbeats: Heartbeats | None = None) -> None:
         self.coordinator = coordinator
         self.membership = Membership(coordinator, liveness)
+        self.evidence = PeerLossEvidence(coordinator)
         self.commits = Commits(coordinator)
         self.plan_streams = plan_streams
         self.heartbeats = heartbeats
@@ -207,20 +209,21 @@ class WorkerServicer(ws_grpc.WorkerServiceServicer):
         if self.plan_streams is None:
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, "plan streams need the aio server")
             return
+        by_client = False
+        self.evidence.stream_opened(request.job_id, request.member_id)
         try:
             async for response in self.plan_streams.stream(request.job_id, request.member_id):
                 yield response
+        except (asyncio.CancelledError, GeneratorExit):
+            by_client = True  # the agent's side ended it (or its process died)
+            raise
         except SpringbackError as e:
             await context.abort(grpc_code(e), str(e))
         except Exception as e:  # a bug: INTERNAL, logged
             log.exception("WatchPlans failed")
             await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}")
         finally:
-            self.plan_stream_ended(request.job_id, request.member_id)
-
-    def plan_stream_ended(self, job_id: str, member_id: str) -> None:
-        """A member's plan stream ended (any way: STOP, error, the agent gone);
-        the hook for evidence that a member's agent is gone. Nothing yet."""
+            self.evidence.stream_ended(request.job_id, request.member_id, by_client=by_client)
 
     @_handle
     def ReportStep(self, request: ws.ReportStepRequest,
@@ -240,6 +243,11 @@ class WorkerServicer(ws_grpc.WorkerServiceServicer):
     @_handle
     def ReportFailure(self, request: ws.ReportFailureRequest,
                       context: grpc.ServicerContext) -> ws.ReportFailureResponse:
+        if request.lost_member_id:  # a peer's process is gone, not ours
+            generation = self.evidence.reset_reported(
+                request.job_id, request.member_id, request.generation,
+                request.lost_member_id, request.lost_rank)
+            return ws.ReportFailureResponse(generation=generation)
         generation = self.membership.report_failure(
             request.job_id, request.member_id, request.generation, request.reason,
             state_kept=request.state_kept)

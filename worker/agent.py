@@ -53,7 +53,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
-import torch.distributed as dist
 
 from springback.service.channel import Backoff, connect, parse_addresses
 from springback.service.metrics import Registry
@@ -80,7 +79,14 @@ from springback.worker.ranks import LocalRanks, with_parent_death
 from springback.worker.rankstats import read_all as read_rank_stats
 from springback.worker.restart import RestartRanks
 from springback.worker.standalone import run_standalone
-from springback.worker.startup import DrainedBeforeJoin, JobFinished, StartupRefused, check_job
+from springback.worker.startup import (
+    DrainedBeforeJoin,
+    JobFinished,
+    RendezvousStore,
+    StartupClock,
+    StartupRefused,
+    check_job,
+)
 
 log = logging.getLogger("springback.agent")
 
@@ -163,7 +169,8 @@ class Agent:
         self.config = config
         self._channel = connect(config.coordinator or parse_addresses(None), token=config.token)
         self._stub = wgrpc.WorkerServiceStub(self._channel)
-        self._store = dist.TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False)
+        # torch's import takes seconds: the store starts beside the ranks' set-up
+        self._rendezvous = RendezvousStore()
         self._workdir = tempfile.mkdtemp(prefix=f"springback-agent-{config.job_id}-")
         self._drain_reason: str | None = None
         self._lock = threading.Lock()
@@ -199,7 +206,7 @@ class Agent:
         # One token per join, reused by its retries: a retry after a lost reply
         # gets the member the first attempt registered, not a second one.
         req = wpb.JoinJobRequest(job_id=self.config.job_id, host=self.config.host,
-                                 rendezvous_port=self._store.port,
+                                 rendezvous_port=self._rendezvous.get().port,
                                  num_local_ranks=self.config.nproc_per_node,
                                  join_token=uuid.uuid4().hex)
         deadline = time.monotonic() + self.config.connect_timeout_s
@@ -320,7 +327,7 @@ class Agent:
         return {"member_id": self.member.id, "control_dir": self._publisher.directory,
                 "collective_timeout_s": self._collective_timeout_s()}
 
-    def _start_ranks(self) -> None:
+    def _start_ranks(self, phases: StartupClock) -> None:
         """Starts the local ranks as standbys, waits until every one has done
         its set-up (up to `ready_timeout_s`), and only then joins: the
         generation that admits this node does not wait for a cold start.
@@ -329,15 +336,20 @@ class Agent:
         with the first plan that runs this node."""
         if self._restart is not None:
             self._join()
+            phases.done("join")
             return
         standbys = self._local.start_all(
             self.config.nproc_per_node, self._rank_env(0), timeout_s=self.config.ready_timeout_s,
             abort=lambda: self._drain_reason is not None)
+        phases.done("ranks' set-up (their imports and script up to Session())")
         if self._drain_reason is not None:
             raise DrainedBeforeJoin(self._drain_reason)
         if not all(s.ready() for s in standbys):
             log.warning("ranks not ready after %.0fs: joining anyway", self.config.ready_timeout_s)
+        self._rendezvous.get()
+        phases.done("rendezvous store (the agent's torch import)")
         self._join()
+        phases.done("join")
         for lr, standby in enumerate(standbys):
             standby.activate(lr, self._identity())
         self._local.ensure_spare(self._rank_env(0))
@@ -383,9 +395,12 @@ class Agent:
                 metrics_server = serve_metrics(self._metrics_registry(), self.config.metrics_listen)
                 host, port = metrics_server.server_address[:2]
                 log.info("metrics on http://%s:%d/metrics", host, port)
+            phases = StartupClock()
             self._check_job()
+            phases.done("job check")
             self._rank_logs.start()
-            self._start_ranks()
+            self._start_ranks(phases)
+            log.info("start-up: %s", phases.summary())
             return self._supervise()
         except (JobFinished, DrainedBeforeJoin) as e:
             log.warning("not joining: %s", e)
@@ -408,7 +423,7 @@ class Agent:
             self._stop.set()
             self._kill_ranks()
             self._rank_logs.close()
-            self._store = None
+            self._rendezvous.close()
             shutil.rmtree(self._workdir, ignore_errors=True)
 
     def _metrics_registry(self) -> Registry:

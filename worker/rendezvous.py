@@ -12,6 +12,12 @@ arriving). Only when all ranks are present is ``init_process_group`` called,
 with the short collective timeout, so a collective hung on a dead or stopped
 peer raises within that timeout instead of torch's 30-minute default.
 
+Once the group is connected every rank publishes the local addresses of its
+sockets under the generation's prefix and reads its peers': gloo's error for
+a peer whose process died ("connection closed by peer [ip]:port") then names
+the peer's rank (`lost_peer_rank`), which the coordinator takes as evidence
+that the peer's node is gone (service/evidence.py).
+
 Tearing a gloo group down has a trap: a gloo worker thread that finished a
 collective on tensors Python also knows releases them under the GIL, and the
 group's destructor joins those threads while the GIL is held (for instance
@@ -24,7 +30,11 @@ library registers the tensors it hands to collectives (`handed_to_gloo`) and
 from __future__ import annotations
 
 import datetime
+import ipaddress
+import json
 import logging
+import os
+import re
 import time
 import weakref
 from collections.abc import Callable
@@ -104,6 +114,7 @@ def form_group(*, job_id: str, generation: int, rank: int, world_size: int,
     dist.init_process_group(backend, store=dist.PrefixStore("pg/", prefix), rank=rank,
                             world_size=world_size,
                             timeout=datetime.timedelta(seconds=collective_timeout_s))
+    _exchange_endpoints(prefix, rank, world_size)
     return dist.PrefixStore("sb/", prefix)
 
 
@@ -140,6 +151,83 @@ _COLLECTIVE_ERROR_MARKERS = (
     "gloo/transport", "Connection reset by peer", "Connection closed by peer",
     "Timed out waiting", "NCCL", "Socket Timeout", "Broken pipe",
 )
+
+
+_endpoint_ranks: dict[str, int] = {}  # "ip:port" of a peer's socket -> its rank
+
+
+def _own_endpoints() -> list[str]:
+    """The local addresses ("ip:port") of this process's TCP sockets (Linux /proc)."""
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue  # closed meanwhile
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    out = []
+    for table, width in (("/proc/self/net/tcp", 4), ("/proc/self/net/tcp6", 16)):
+        try:
+            with open(table) as f:
+                lines = f.readlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if len(fields) > 9 and fields[9] in inodes:
+                out.append(_endpoint(fields[1], width))
+    return out
+
+
+def _endpoint(hex_address: str, width: int) -> str:
+    """/proc/net/tcp's "0100007F:1F90" as "127.0.0.1:8080" (v4-mapped v6 as v4)."""
+    host, port = hex_address.split(":")
+    raw = bytes.fromhex(host)
+    # each 32-bit word is in host (little-endian) order
+    raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+    ip = ipaddress.ip_address(raw) if width == 4 else ipaddress.IPv6Address(raw)
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return f"{ip}:{int(port, 16)}"
+
+
+def _exchange_endpoints(prefix: dist.Store, rank: int, world_size: int) -> None:
+    """Every rank publishes its sockets' local addresses once the group is
+    connected (gloo connects the full mesh in `init_process_group`) and reads
+    its peers', so that a later "connection closed by peer [ip]:port" names the
+    peer's rank (`lost_peer_rank`). One set and one multi-get on the store."""
+    prefix.set(f"endpoints/{rank}", json.dumps(_own_endpoints()))
+    peers = [r for r in range(world_size) if r != rank]
+    _endpoint_ranks.clear()
+    if not peers:
+        return
+    for peer, raw in zip(peers, prefix.multi_get([f"endpoints/{r}" for r in peers]),
+                         strict=True):
+        for endpoint in json.loads(bytes(raw).decode()):
+            _endpoint_ranks[endpoint] = peer
+
+
+_PEER_GONE = re.compile(r"(?:Connection (?:closed|reset) by peer|Broken pipe).*?"
+                        r"\[([0-9A-Fa-f.:]+)\]:(\d+)|\[([0-9A-Fa-f.:]+)\]:(\d+).*?"
+                        r"(?:Connection (?:closed|reset) by peer|Broken pipe)", re.S)
+
+
+def lost_peer_rank(exc: BaseException) -> int | None:
+    """The rank of the peer whose process is gone, when `exc` is gloo's
+    "connection closed/reset by peer [ip]:port" for a socket of this
+    generation's group; None for anything else (a timeout: the peer may be
+    alive but stopped or cut off; an address no peer published)."""
+    match = _PEER_GONE.search(str(exc))
+    if match is None:
+        return None
+    ip, text = (match.group(1), match.group(2)) if match.group(1) else (
+        match.group(3), match.group(4))
+    port = int(text)
+    # gloo (torch 2.13) prints the port in network byte order: try both
+    swapped = ((port & 0xFF) << 8) | (port >> 8)
+    found = _endpoint_ranks.get(f"{ip}:{port}")
+    return found if found is not None else _endpoint_ranks.get(f"{ip}:{swapped}")
 
 
 def is_collective_failure(exc: BaseException) -> bool:

@@ -48,13 +48,14 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import grpc
-import torch.distributed as dist
 
 from springback.v1 import types_pb2 as pb
 from springback.v1 import worker_service_pb2 as wpb
 from springback.worker import env as E
 
 if TYPE_CHECKING:
+    import torch.distributed as dist
+
     from springback.worker.agent import Agent
 
 log = logging.getLogger("springback.agent")
@@ -115,6 +116,8 @@ class GenerationStores:
         """Node rank 0: starts a new store server and publishes its port.
         Others: waits for that port up to `MASTER_PORT_TIMEOUT_S`; None when
         `abandon()` turned true (a newer plan, a drain) or the time ran out."""
+        import torch.distributed as dist  # loaded by the agent's store already
+
         if me.node_rank == 0:
             self._hosted = None  # the previous generation's server stops with it
             self._hosted = dist.TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False)
@@ -134,6 +137,8 @@ class GenerationStores:
         return None
 
     def _client(self, host: str, port: int) -> dist.TCPStore:
+        import torch.distributed as dist
+
         if (host, port) not in self._clients:
             self._clients[(host, port)] = dist.TCPStore(
                 host, port, is_master=False, wait_for_workers=False,
@@ -154,7 +159,7 @@ class RestartRanks:
         self._failure_reported = False
         self._finished = False     # every rank of this generation exited 0
         self._finish_deadline: float | None = None
-        self._stores = GenerationStores(agent._store, agent.config.job_id)
+        self._stores = GenerationStores(agent._rendezvous.get(), agent.config.job_id)
         self._relayed_step = 0
         self._start_sent = False
         self._relayed_checkpoint = 0

@@ -41,8 +41,10 @@ Failure semantics:
   generation, in which the final step is reported again. A final report that
   a flaky network lost therefore never leaves a "finished" job pending.
 * A new plan (join, drain) is switched to at a step boundary agreed by all
-  ranks: every step ends with one small all-reduce that carries the newest
-  generation any rank has seen and the step's loss.
+  ranks: every step ends with one small MAX all-reduce of the newest
+  generation each rank has seen (and the step's loss), overlapped with the
+  next step and read at its end (`boundary`): all ranks switch at the same
+  step, one step after the plan was first seen.
 * Every registered module's and optimizer's gradients are cleared when a
   generation starts: a step that broke mid-backward is run again from zero
   gradients, so its samples are applied once.
@@ -68,8 +70,10 @@ import torch.distributed as dist
 from springback.v1 import types_pb2 as pb
 from springback.worker import metrics
 from springback.worker.audit import AuditLog
+from springback.worker.boundary import Agreed, StepBoundary, Vote
 from springback.worker.control import PlanChannel, await_activation
 from springback.worker.env import LOCAL_RANK, STANDBY_FILE, RankEnv
+from springback.worker.peerloss import report_lost_peer
 from springback.worker.rankstats import RankStats
 from springback.worker.rendezvous import (
     RendezvousAborted,
@@ -402,6 +406,7 @@ class Generation:
         peers) get the same batches."""
         self.dp_size = self.layout.dp
         self._mesh: DeviceMesh | None = None
+        self._boundary = StepBoundary(rank, self.world_size)
         self._loss = float("nan")
         self._audit = (AuditLog(ctx.env.audit_dir, self.generation, rank)
                        if ctx.env.audit_dir else None)
@@ -467,26 +472,16 @@ class Generation:
         self._loss = float(loss)
 
     def _end_step(self, batch: Batch) -> bool:
-        """The agreed step boundary: one all-reduce of (newest generation seen,
-        loss share). Returns True when the ranks must move to a newer plan."""
-        s = self.ctx
-        latest = s.latest()
-        seen = max(latest.generation if latest is not None else 0, self.generation)
-        if s.reporter is not None and s.reporter.coordinator_generation > seen:
-            seen = s.reporter.coordinator_generation
-        share = 0.0 if self._loss != self._loss else self._loss * len(batch.indices)
-        channel = s.channel
-        draining = 1.0 if channel is not None and channel.draining() else 0.0
-        last_holder = 1.0 if channel is not None and channel.last_holder() else 0.0
-        t = torch.tensor([float(seen), share / batch.global_batch_size, draining, last_holder],
-                         dtype=torch.float64)
-        dist.all_reduce(t)
-        handed_to_gloo(t)
-        newer = t[0].item() > self.world_size * self.generation + 0.5
-        stop = t[3].item() > 0  # every rank agrees: the state leaves with us
+        """The agreed step boundary (`boundary.StepBoundary`): this step's vote
+        goes out, the previous step's agreed vote decides, the same on every
+        rank. Returns True when the ranks must leave for a newer plan (or stop)."""
+        agreed = self._boundary.vote(self._vote(batch))
+        newer = agreed is not None and agreed.newest_generation > self.generation
+        stop = agreed is not None and agreed.last_holder  # the state leaves with us
         final = batch.step >= self.max_steps
         if self._checkpoints is not None:
-            drain = (t[2].item() > 0 and self._drain_saved_step is None) or (
+            drain = (agreed is not None and agreed.draining
+                     and self._drain_saved_step is None) or (
                 stop and self._drain_saved_step != batch.step)
             every = self._checkpoints.every_steps
             if drain or final or (every and batch.step % every == 0):
@@ -499,15 +494,47 @@ class Generation:
         elif stop:
             log.error("last holder of the state is draining without checkpoint.uri: "
                       "the job will restart from scratch")
-        if self.rank == 0:
-            self._after_step(batch.step, t[1].item())
+        if self.rank == 0 and agreed is not None:
+            self._after_step(agreed)
+        if newer or stop or final:  # leaving: nothing stays in flight
+            last = self._boundary.settle()
+            if self.rank == 0 and last is not None:
+                self._after_step(last)
         if stop:
-            s.finished = True
+            self.ctx.finished = True
             self._record_state("drained")
             return True
         if newer:
             self._record_state("switch")
         return newer
+
+    def _vote(self, batch: Batch) -> Vote:
+        """This rank's contribution to the agreement at the end of `batch`'s step."""
+        s = self.ctx
+        latest = s.latest()
+        seen = max(latest.generation if latest is not None else 0, self.generation)
+        if s.reporter is not None and s.reporter.coordinator_generation > seen:
+            seen = s.reporter.coordinator_generation
+        share = 0.0 if self._loss != self._loss else self._loss * len(batch.indices)
+        channel = s.channel
+        return Vote(step=batch.step, generation_seen=seen,
+                    loss_share=share / batch.global_batch_size,
+                    draining=channel is not None and channel.draining(),
+                    last_holder=channel is not None and channel.last_holder(),
+                    ended_t=time.time())
+
+    def _settle_last_vote(self) -> None:
+        """Leaving the generation without a broken collective (the user's own
+        error, a break out of the loop): waits for the vote in flight so rank
+        0 still records and reports the last finished step. A failure here
+        is logged only: it must not mask the user's exception."""
+        try:
+            last = self._boundary.settle()
+        except Exception as e:  # noqa: BLE001 - the user's error is what propagates
+            log.warning("the last step's agreement failed on the way out: %s", e)
+            return
+        if self.rank == 0 and last is not None:
+            self._after_step(last)
 
     def _report_final(self) -> None:
         """Rank 0, after max_steps: sends the final step report again unless the
@@ -520,11 +547,13 @@ class Generation:
                            samples_consumed=s.step * self.stream.global_batch_size,
                            loss=s.last_loss, epoch=epoch, offset=offset)
 
-    def _after_step(self, step: int, loss: float) -> None:
+    def _after_step(self, agreed: Agreed) -> None:
         """Rank 0: the step's local record first, then the report (whoever sees
-        the job finish can read every step's record)."""
+        the job finish can read every step's record). The record's ``t`` is
+        when the step ended, not when its agreement was read."""
         s = self.ctx
-        metrics.append({"event": "step", "generation": self.generation,
+        step, loss = agreed.step, agreed.loss
+        metrics.append({"event": "step", "t": agreed.ended_t, "generation": self.generation,
                         "world_size": self.world_size, "step": step, "loss": loss})
         epoch, offset = self.stream.cursor_after(step)
         s.last_loss = loss
@@ -565,6 +594,7 @@ class Generation:
                                 "digest": state_digest(self.ctx.state)}) + "\n")
 
     def _close(self) -> None:
+        self._boundary.abandon()
         if self._checkpoints is not None:
             self._checkpoints.close(wait_for_commit=self.ctx.clean)
             self._checkpoints = None
@@ -581,12 +611,16 @@ class Generation:
         comes (the state is kept meanwhile, up to the plan wait); anything
         else, and a collective failure that no plan follows, propagates."""
         if exc is None or not is_collective_failure(exc) or _raised_by_script(exc):
+            self._settle_last_vote()  # the last finished step is still recorded
             return False
         s = self.ctx
         s.clean = False
         why = str(exc).splitlines()[0] if str(exc) else repr(exc)
         log.warning("generation %d broke on rank %d at step %d: %s", self.generation,
                     self.rank, s.step + 1, why)
+        self._boundary.abandon()
+        report_lost_peer(exc, plan=self.plan, rank=self.rank, member_id=s.env.member_id,
+                         stub=s.reporter.stub if s.reporter is not None else None)
         leave_group()
         if not s.newer_plan_within(self.generation, s.wait_s,
                                    broken=f"rank {self.rank} at step {s.step + 1}: {why}"[:200]):

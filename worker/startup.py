@@ -1,15 +1,26 @@
-"""The node agent's start-up check: is there a job to join, and may we?
+"""The node agent's start-up: the job check, the rendezvous store, the clock.
 
 `check_job` runs before any rank starts, so a typo in ``--job``, a wrong
 token or a coordinator that is not running is reported in seconds, not after
 the script's own start-up (imports, data, model), and never as a silent wait.
+
+Where a node's start-up goes (`StartupClock`, logged by the agent as one
+``start-up:`` line): the agent's interpreter and imports, the job check, the
+ranks' set-up (their interpreter, torch and the script up to ``Session()``),
+the rendezvous store, the join. torch's import is the largest single part and
+the agent needs torch only for its rendezvous store (a TCPStore server), so
+`RendezvousStore` imports it in a background thread while the ranks start:
+the agent no longer imports torch before it starts them.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import grpc
 
@@ -88,3 +99,65 @@ def check_nnodes(job: pb.Job, nnodes: tuple[int, int] | None) -> None:
             f"--nnodes {lo}:{hi} does not match job {job.id} (min_workers {want[0]}, "
             f"max_workers {want[1]}): change the job with "
             f"`springback job scale {job.id} --min {lo} --max {hi}` or drop --nnodes")
+
+
+class RendezvousStore:
+    """The node's rendezvous store, a TCPStore server on port 0 (all
+    interfaces), created in a background thread from construction on.
+    `get` blocks until it exists; raises RuntimeError (with the cause) when it
+    could not be created. `close` drops it (its server stops with it)."""
+
+    def __init__(self) -> None:
+        self._ready = threading.Event()
+        self._store: Any = None
+        self._error: BaseException | None = None
+        threading.Thread(target=self._create, name="rendezvous-store", daemon=True).start()
+
+    def _create(self) -> None:
+        try:
+            import torch.distributed as dist
+
+            self._store = dist.TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False)
+        except BaseException as e:  # noqa: BLE001 - handed to the caller of get()
+            self._error = e
+        finally:
+            self._ready.set()
+
+    def get(self) -> Any:
+        self._ready.wait()
+        if self._error is not None:
+            raise RuntimeError(f"the node's rendezvous store: {self._error}") from self._error
+        return self._store
+
+    def close(self) -> None:
+        self._store = None
+
+
+def process_age_s() -> float:
+    """Seconds since this process was started (Linux /proc; 0.0 elsewhere)."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime_s = float(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0.0
+    return max(0.0, uptime_s - start_ticks / os.sysconf("SC_CLK_TCK"))
+
+
+class StartupClock:
+    """The durations of a node's start-up phases, from the process start."""
+
+    def __init__(self) -> None:
+        self._last = time.monotonic()
+        self.phases: list[tuple[str, float]] = [("interpreter and agent imports",
+                                                 process_age_s())]
+
+    def done(self, phase: str) -> None:
+        now = time.monotonic()
+        self.phases.append((phase, now - self._last))
+        self._last = now
+
+    def summary(self) -> str:
+        total = sum(s for _, s in self.phases)
+        return ", ".join(f"{name} {s:.2f} s" for name, s in self.phases) + f"; total {total:.2f} s"

@@ -121,18 +121,22 @@ class ReportStepResponse(_message.Message):
     def __init__(self, generation: _Optional[int] = ...) -> None: ...
 
 class ReportFailureRequest(_message.Message):
-    __slots__ = ("job_id", "member_id", "generation", "reason", "state_kept")
+    __slots__ = ("job_id", "member_id", "generation", "reason", "state_kept", "lost_member_id", "lost_rank")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     STATE_KEPT_FIELD_NUMBER: _ClassVar[int]
+    LOST_MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
+    LOST_RANK_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     member_id: str
     generation: int
     reason: str
     state_kept: bool
-    def __init__(self, job_id: _Optional[str] = ..., member_id: _Optional[str] = ..., generation: _Optional[int] = ..., reason: _Optional[str] = ..., state_kept: _Optional[bool] = ...) -> None: ...
+    lost_member_id: str
+    lost_rank: int
+    def __init__(self, job_id: _Optional[str] = ..., member_id: _Optional[str] = ..., generation: _Optional[int] = ..., reason: _Optional[str] = ..., state_kept: _Optional[bool] = ..., lost_member_id: _Optional[str] = ..., lost_rank: _Optional[int] = ...) -> None: ...
 
 class ReportFailureResponse(_message.Message):
     __slots__ = ("generation",)

@@ -1,0 +1,183 @@
+"""The goodput benchmark's baselines (bench/goodput.py): torchft 0.2.0 and
+torchrun elastic + DCP, on the same model, data, step and trace as
+Springback, plus a plain single-process step of the same model.
+
+Both baselines are optional: `bench/setup.sh` installs them into .bench-venv
+(CPU torch 2.13.0, torchft 0.2.0 on it, python-etcd for the etcd-v2
+rendezvous); run the bench with that venv's python.
+
+* torchft: a Lighthouse (``torchft_lighthouse``; quorum tick 100 ms and join
+  timeout 10 s, the fast-recovery settings of torchft's examples; heartbeat
+  timeout as given, 5 s by default, as torchft's own default and Springback's
+  liveness timeout), one replica group per node (bench/_torchft_train.py).
+  Victims: any node (the Lighthouse is not a node).
+* torchrun: ``torchrun --nnodes=2:N`` per node with the etcd-v2 rendezvous
+  (an etcd started with --enable-v2), ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``
+  and keep-alive 1 s x 3, DCP save every --ckpt-every steps
+  (bench/_torchrun_train.py). Victims: any node. ``--torchrun-rdzv c10d`` is
+  the documented second option: the first node hosts the c10d store, so only
+  non-host nodes are killed. Without TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 the
+  baseline never finishes with torch 2.13: a node with cached store info skips
+  publishing the master address for the new round, the agents deadlock and
+  the store host dies with DistStoreError.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import subprocess
+import time
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "bench"
+
+
+def plain_step_s(num_ranks: int, steps: int = 60) -> float:
+    """Median step of the same model in one plain process (no torch.distributed)
+    on one rank's share of the global batch: the per-step overhead baseline."""
+    import _goodput_common as C
+
+    model, opt = C.make_model()
+    times = []
+    for step in range(1, steps + 1):
+        t = time.perf_counter()
+        C.train_step(model, opt, C.step_indices(step, num_ranks, 0), num_ranks / C.GLOBAL_BATCH)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times[5:])
+
+
+def _free_port() -> int:
+    from springback.service.local import free_port
+    return free_port()
+
+
+def _wait_http(url: str, timeout_s: float, proc: subprocess.Popen) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{proc.args[0]} exited {proc.returncode}")
+        try:
+            urllib.request.urlopen(url, timeout=1).read()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{url} did not answer within {timeout_s:.0f} s") from None
+            time.sleep(0.1)
+
+
+def torchft_side(args: Any, work: Path, nodes: Any, run_trace: Callable[..., tuple[float, int]],
+                 read: Callable[[Path], list[dict]], heartbeat_ms: int) -> dict:
+    """Runs the trace on torchft; returns the side's record (see goodput.py)."""
+    events_path = work / "events.jsonl"
+    port = _free_port()
+    lighthouse = subprocess.Popen(
+        [str(Path(args.python).parent / "torchft_lighthouse"),
+         "--bind", f"127.0.0.1:{port}", "--min_replicas", "2", "--quorum_tick_ms", "100",
+         "--join_timeout_ms", "10000", "--heartbeat_timeout_ms", str(heartbeat_ms)],
+        stdout=open(work / "lighthouse.log", "ab"), stderr=subprocess.STDOUT)  # noqa: SIM115
+    env = dict(os.environ, GOODPUT_EVENTS=str(events_path),
+               GOODPUT_STEP_SLEEP_S=str(args.step_sleep_s), GOODPUT_MAX_STEPS=str(args.max_steps),
+               GOODPUT_TIMEOUT_S=str(args.liveness_timeout_s),
+               TORCHFT_LIGHTHOUSE=f"http://127.0.0.1:{port}", OMP_NUM_THREADS="1",
+               PYTHONUNBUFFERED="1", PYTHONPATH=str(BENCH))
+
+    def start_node(name: str) -> None:
+        nodes.start(name, [args.python, str(BENCH / "_torchft_train.py")],
+                    dict(env, GOODPUT_NODE=name))
+
+    def done() -> bool:
+        return any(e["event"] == "done" for e in read(events_path))
+
+    try:
+        t0, kills = run_trace(nodes, start_node, done, lambda alive: list(alive), args,
+                              f"torchft-hb{heartbeat_ms}")
+    finally:
+        nodes.stop_all()
+        lighthouse.kill()
+        lighthouse.wait()
+    events = read(events_path)
+    steps = [e for e in events if e["event"] == "step"]
+    end = next(e for e in events if e["event"] == "done")
+    useful = len({s["step"] for s in steps if s["step"] <= end["step"]})
+    return {"system": f"torchft hb {heartbeat_ms / 1000:g}s", "t0": t0, "end": end["t"],
+            "useful": useful, "first": steps[0]["t"], "executed": len(steps),
+            "generations": len({(s["world_size"]) for s in steps}), "kills": kills,
+            "steps": steps, "key": "world_size", "kill_times": nodes.kill_times,
+            "note": "kills any node"}
+
+
+def _etcd_v2(work: Path) -> tuple[subprocess.Popen, int]:
+    from springback.service.local import etcd_binary
+
+    client, peer = _free_port(), _free_port()
+    proc = subprocess.Popen(
+        [etcd_binary(), "--enable-v2", "--data-dir", str(work / "etcd-v2"),
+         "--listen-client-urls", f"http://127.0.0.1:{client}",
+         "--advertise-client-urls", f"http://127.0.0.1:{client}",
+         "--listen-peer-urls", f"http://127.0.0.1:{peer}",
+         "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
+         "--initial-cluster", f"default=http://127.0.0.1:{peer}"],
+        stdout=open(work / "etcd-v2.log", "ab"), stderr=subprocess.STDOUT)  # noqa: SIM115
+    _wait_http(f"http://127.0.0.1:{client}/v2/keys", 20, proc)
+    return proc, client
+
+
+def torchrun_side(args: Any, work: Path, nodes: Any, run_trace: Callable[..., tuple[float, int]],
+                  read: Callable[[Path], list[dict]]) -> dict:
+    """Runs the trace on torchrun elastic + DCP; returns the side's record."""
+    events_path, ckpt = work / "events.jsonl", work / "ckpt"
+    ckpt.mkdir()
+    etcd = None
+    host = "torchrun-node0"
+    if args.torchrun_rdzv == "etcd-v2":
+        etcd, port = _etcd_v2(work)
+    else:
+        port = _free_port()
+    env = dict(os.environ, GOODPUT_EVENTS=str(events_path), GOODPUT_CKPT_DIR=str(ckpt),
+               GOODPUT_CKPT_EVERY=str(args.ckpt_every), GOODPUT_STEP_SLEEP_S=str(args.step_sleep_s),
+               GOODPUT_MAX_STEPS=str(args.max_steps),
+               GOODPUT_GLOO_TIMEOUT_S=str(args.gloo_timeout_s),
+               TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
+               GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+               PYTHONPATH=str(BENCH), LOGLEVEL=os.environ.get("LOGLEVEL", "INFO"))
+
+    def start_node(name: str) -> None:
+        conf = f"join_timeout=60,last_call_timeout=1,close_timeout=5,{args.rdzv_conf}"
+        if args.torchrun_rdzv == "c10d":
+            conf += f",is_host={'true' if name == host else 'false'}"
+        nodes.start(name, [args.python, "-m", "torch.distributed.run", f"--nnodes=2:{args.nodes}",
+                           "--nproc-per-node=1", f"--rdzv-backend={args.torchrun_rdzv}",
+                           f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=goodput-bench",
+                           f"--rdzv-conf={conf}", "--max-restarts=100", "--monitor-interval=0.5",
+                           "--local-addr=127.0.0.1", str(BENCH / "_torchrun_train.py")], env)
+
+    def done() -> bool:
+        return any(e["event"] == "done" for e in read(events_path))
+
+    def victims(alive: list[str]) -> list[str]:
+        return [n for n in alive if args.torchrun_rdzv != "c10d" or n != host]
+
+    try:
+        t0, kills = run_trace(nodes, start_node, done, victims, args, "torchrun")
+    finally:
+        nodes.stop_all()
+        if etcd is not None:
+            etcd.kill()
+            etcd.wait()
+    events = read(events_path)
+    steps = [e for e in events if e["event"] == "step"]
+    starts = [e for e in events if e["event"] == "start"]
+    end = next(e for e in events if e["event"] == "done")
+    # the final lineage covers steps 1..max_steps; a step redone after a restart counts once
+    useful = len({s["step"] for s in steps if s["step"] <= end["step"]})
+    return {"system": f"torchrun {args.torchrun_rdzv}", "t0": t0, "end": end["t"],
+            "useful": useful, "first": steps[0]["t"], "executed": len(steps),
+            "generations": len(starts), "kills": kills, "steps": steps, "key": "run",
+            "kill_times": nodes.kill_times,
+            "note": "kills any node" if args.torchrun_rdzv != "c10d"
+            else "kills non-host nodes only"}

@@ -1,0 +1,34 @@
+"""The step-boundary agreement (worker/boundary.py) on real gloo ranks."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+PEER = str(Path(__file__).with_name("boundary_peer.py"))
+
+
+@pytest.mark.timeout(90)
+def test_ranks_agree_on_the_newest_generation_without_waiting_for_the_vote():
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    procs = [subprocess.Popen([sys.executable, PEER, str(r), str(store.port)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(3)]
+    outs = [p.communicate(timeout=80)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    results = [json.loads(out.strip().splitlines()[-1]) for out in outs]
+    for r in results:
+        assert r["first"] is None and r["after"] is None
+        # MAX of the generation seen; the loss shares summed; any rank's flag
+        assert r["step1"] == {"step": 1, "newest_generation": 7, "loss": 6.0,
+                              "draining": True, "last_holder": False, "ended_t": 1.0}
+        assert r["step2"] == {"step": 2, "newest_generation": 5, "loss": -6.0,
+                              "draining": False, "last_holder": True, "ended_t": 2.0}
+    # the step loop does not wait for the all-reduce: the prompt ranks' vote of
+    # step 1 returned while the last rank was still 1.5 s away from its own
+    assert results[0]["vote_s"] < 0.75 and results[1]["vote_s"] < 0.75, results

@@ -1,0 +1,93 @@
+"""A lost node is fenced on its peers' evidence (service/evidence.py), well
+before its lease expires; a stopped node, whose sockets stay open, is not."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+from cluster import AgentProcess, steps
+from sbtest import wait_for
+from springback.service.client import Client
+
+SPEC = {"name": "peer-loss", "min_workers": 2, "max_workers": 3,
+        "data": {"num_samples": 256, "global_batch_size": 12, "seed": 1},
+        "max_steps": 100_000}
+
+pytestmark = pytest.mark.timeout(150)
+
+
+def _three_nodes(start_coordinator, tmp_path, liveness_timeout_s: float):
+    server = start_coordinator(liveness_timeout_s=liveness_timeout_s)
+    wait_for(server.election.is_leader, 10, "the coordinator to lead")
+    client = Client(server.address)
+    job = client.create_job(SPEC)
+    agents = [AgentProcess(tmp_path, n, job.id, server.address) for n in ("a", "b", "c")]
+    wait_for(lambda: any(r["world_size"] == 3 and r["step"] >= 3 for r in steps(tmp_path)),
+             90, "three nodes training")
+    return client, job.id, agents
+
+
+def _world_two(client: Client, job_id: str):
+    status = client.get_job(job_id).status
+    return status if status.world_size == 2 else None
+
+
+def test_a_sigkilled_node_is_fenced_on_its_peers_word_long_before_its_lease_expires(
+        start_coordinator, tmp_path):
+    client, job_id, agents = _three_nodes(start_coordinator, tmp_path, liveness_timeout_s=12)
+    try:
+        killed_at = time.monotonic()
+        agents[2].signal_node(signal.SIGKILL)  # not node rank 0: the store survives
+        status = wait_for(lambda: _world_two(client, job_id), 30, "a generation without it")
+        fenced_s = time.monotonic() - killed_at
+        assert fenced_s < 6, f"fenced after {fenced_s:.1f}s (liveness timeout 12 s)"
+        assert "peers:" in status.message and "connections reset" in status.message, status
+        # the survivors train on at world size 2
+        wait_for(lambda: any(r["world_size"] == 2 for r in steps(tmp_path)), 30,
+                 "the survivors to train")
+    finally:
+        for agent in agents:
+            agent.stop()
+
+
+def test_a_stopped_node_is_not_fenced_before_its_liveness_timeout(start_coordinator, tmp_path):
+    client, job_id, agents = _three_nodes(start_coordinator, tmp_path, liveness_timeout_s=4)
+    try:
+        stopped_at = time.monotonic()
+        agents[2].signal_node(signal.SIGSTOP)  # alive, sockets open: peers only time out
+        status = wait_for(lambda: _world_two(client, job_id), 40, "a generation without it")
+        fenced_s = time.monotonic() - stopped_at
+        assert fenced_s >= 3.5, f"a stopped node was fenced after {fenced_s:.1f}s"
+        assert "liveness timeout" in status.message, status
+    finally:
+        for agent in agents:
+            agent.stop()
+
+
+def test_a_crashed_rank_on_a_live_node_is_reported_by_its_peers_but_its_node_stays(
+        start_coordinator, tmp_path):
+    crash = {"TINY_CRASH_AT_STEP": "6", "TINY_CRASH_MARKER": str(tmp_path / "crashed")}
+    server = start_coordinator(liveness_timeout_s=12)
+    wait_for(server.election.is_leader, 10, "the coordinator to lead")
+    client = Client(server.address)
+    job = client.create_job(SPEC)
+    agents = [AgentProcess(tmp_path, n, job.id, server.address, env=crash)
+              for n in ("a", "b", "c")]
+    try:
+        members = wait_for(lambda: (s := client.get_job(job.id).status).world_size == 3
+                           and set(s.members), 90, "three members")
+        wait_for(lambda: (tmp_path / "crashed").exists(), 60, "the crash")
+        # the crashed rank's peers saw its connection close and said so (taken,
+        # or refused because the agent's own report already made a generation)...
+        wait_for(lambda: any("reported lost peer" in a.log() or "report of lost peer" in a.log()
+                             for a in agents), 30, "a peer's report")
+        # ...but its agent is alive (plan stream open): its node keeps training
+        wait_for(lambda: any(r["world_size"] == 3 and r["step"] >= 9 for r in steps(tmp_path)),
+                 60, "three nodes training after the crash")
+        assert set(client.get_job(job.id).status.members) == members
+        assert not any("fenced" in a.log() for a in agents)
+    finally:
+        for agent in agents:
+            agent.stop()
