@@ -105,7 +105,7 @@ def main() -> int:
     args = p.parse_args()
 
     from _local_coordinator import local_coordinator
-    from springback.service.client import Client
+    from springback.client.api import Client
 
     work = Path(tempfile.mkdtemp(prefix="springback-bench-"))
     metrics = work / "metrics.jsonl"

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from springback.service import fencing, keys
 from springback.service.coordinator import Coordinator, timestamp_now
-from springback.service.errors import Conflict, FailedPrecondition, InvalidArgument, NotFound
+from springback.client.errors import Conflict, FailedPrecondition, InvalidArgument, NotFound
 from springback.v1 import types_pb2 as pb
 
 

@@ -27,7 +27,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from springback.service import keys, planner
 from springback.service.election import Election
 from springback.service.history import History
-from springback.service.errors import (
+from springback.client.errors import (
     Conflict, FailedPrecondition, NotFound, NotLeader, SpringbackError, StaleGeneration,
 )
 from springback.service.store import Store

@@ -29,10 +29,9 @@ import time
 from collections import deque
 
 from springback.service import planner
-from springback.service.cli import job_summary
-from springback.service.cli_history import event_summary
+from springback.client.summary import event_summary, job_summary
 from springback.service.coordinator import Coordinator
-from springback.service.errors import NotFound
+from springback.client.errors import NotFound
 from springback.service.jobmetrics import goodput
 from springback.v1 import types_pb2 as pb
 

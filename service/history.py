@@ -27,7 +27,7 @@ from collections.abc import Callable
 from etcd3.utils import prefix_range_end
 
 from springback.service import keys, planner
-from springback.service.errors import FailedPrecondition, NotFound
+from springback.client.errors import FailedPrecondition, NotFound
 from springback.service.store import Store
 from springback.v1 import job_service_pb2 as js
 from springback.v1 import types_pb2 as pb

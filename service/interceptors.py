@@ -26,9 +26,9 @@ from typing import Any
 
 import grpc
 
-from springback.service.channel import DEFAULT_TIMEOUT_S, connect
+from springback.client.channel import DEFAULT_TIMEOUT_S, connect
 from springback.service.election import Election
-from springback.service.errors import SpringbackError
+from springback.client.errors import SpringbackError
 
 log = logging.getLogger(__name__)
 

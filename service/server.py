@@ -25,8 +25,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from springback.service import metrics
-from springback.service.channel import MAX_MESSAGE_BYTES, read_file
+from springback.client import metrics
+from springback.client.channel import MAX_MESSAGE_BYTES, read_file
 from springback.service.coordinator import Coordinator
 from springback.service.dashboard import Dashboard
 from springback.service.election import Election

@@ -17,7 +17,7 @@ from google.protobuf.duration_pb2 import Duration
 
 from springback.service.commits import Commits
 from springback.service.coordinator import Coordinator
-from springback.service.errors import SpringbackError, grpc_code
+from springback.client.errors import SpringbackError, grpc_code
 from springback.service.history import delete_job
 from springback.service.jobs import JobControl
 from springback.service.liveness import EtcdReachability

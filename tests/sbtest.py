@@ -49,7 +49,7 @@ class CoordinatorProcess:
         self.log_path = log_path
         self._log = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "springback.service.cli", "--json", "coordinator",
+            [sys.executable, "-m", "springback.cli", "--json", "coordinator",
              "--etcd", etcd_endpoint, "--listen", "127.0.0.1:0", *extra],
             stdout=subprocess.PIPE, stderr=self._log, start_new_session=True,
             env={**os.environ, "SPRINGBACK_LOG_LEVEL": "INFO"},

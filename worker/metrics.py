@@ -16,7 +16,7 @@ import os
 import time
 from pathlib import Path
 
-from springback.worker.env import METRICS_FILE
+from springback.client.env import METRICS_FILE
 
 
 def append(record: dict) -> None:

@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from springback.worker import env as E
+from springback.client import env as E
 from springback.worker.control import activate_standby, ready_path
 from springback.worker.launch import RankOutput
 

@@ -23,7 +23,7 @@ import time
 
 import grpc
 
-from springback.service.channel import connect
+from springback.client.channel import connect
 from springback.v1 import types_pb2 as pb
 from springback.v1 import worker_service_pb2 as wpb
 from springback.v1 import worker_service_pb2_grpc as wgrpc

@@ -52,7 +52,7 @@ import torch.distributed as dist
 
 from springback.v1 import types_pb2 as pb
 from springback.v1 import worker_service_pb2 as wpb
-from springback.worker import env as E
+from springback.client import env as E
 
 if TYPE_CHECKING:
     from springback.worker.agent import Agent

@@ -69,7 +69,7 @@ from springback.v1 import types_pb2 as pb
 from springback.worker import metrics
 from springback.worker.audit import AuditLog
 from springback.worker.control import PlanChannel, await_activation
-from springback.worker.env import LOCAL_RANK, STANDBY_FILE, RankEnv
+from springback.client.env import LOCAL_RANK, STANDBY_FILE, RankEnv
 from springback.worker.rankstats import RankStats
 from springback.worker.rendezvous import (
     RendezvousAborted,

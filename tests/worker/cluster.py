@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from fakeplans import TINY_TRAIN
-from springback.worker import env as E
+from springback.client import env as E
 from springback.worker.metrics import read as read_metrics
 
 

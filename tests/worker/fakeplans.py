@@ -17,7 +17,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from springback.v1 import types_pb2 as pb
-from springback.worker import env as E
+from springback.client import env as E
 from springback.worker.control import PlanPublisher
 from springback.worker.metrics import read as read_metrics
 

@@ -28,8 +28,8 @@ from applied import check_applied
 from cluster import AgentProcess, children, steps
 from fakeplans import assert_replicas_identical
 from sbtest import wait_for
-from springback.service.client import Client
-from springback.service.local import free_port
+from springback.client.api import Client
+from springback.cli.local import free_port
 from springback.storage import verify
 from springback.v1 import types_pb2 as pb
 from springback.worker.audit import check_exactly_once

@@ -14,9 +14,15 @@ from typing import Any
 
 import yaml
 
-from springback.service import failures
-from springback.service.errors import InvalidArgument
+from springback.client.errors import InvalidArgument
 from springback.v1 import types_pb2
+
+DEFAULT_MAX_PER_STEP = 3
+"""failures.max_per_step when the spec leaves it 0 (see service/failures.py)."""
+DEFAULT_WINDOW_S = 600
+"""failures.window_s when the spec leaves it 0."""
+DEFAULT_PLAN_WAIT_S = 300
+"""failures.plan_wait_s when the spec leaves it 0."""
 
 _NAME = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
 _URI_SCHEMES = ("file://", "s3://", "memory://", "/")
@@ -136,9 +142,9 @@ def validate(spec: types_pb2.JobSpec) -> types_pb2.JobSpec:
         )
     for degree in ("tp", "pp", "ep"):
         setattr(out.layout, degree, getattr(out.layout, degree) or 1)
-    out.failures.max_per_step = out.failures.max_per_step or failures.DEFAULT_MAX_PER_STEP
-    out.failures.window_s = out.failures.window_s or failures.DEFAULT_WINDOW_S
-    out.failures.plan_wait_s = out.failures.plan_wait_s or failures.DEFAULT_PLAN_WAIT_S
+    out.failures.max_per_step = out.failures.max_per_step or DEFAULT_MAX_PER_STEP
+    out.failures.window_s = out.failures.window_s or DEFAULT_WINDOW_S
+    out.failures.plan_wait_s = out.failures.plan_wait_s or DEFAULT_PLAN_WAIT_S
     if out.data.num_samples == 0:
         raise InvalidArgument("data.num_samples", "must be positive")
     if out.data.global_batch_size == 0:

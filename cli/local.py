@@ -14,7 +14,7 @@ import socket
 import subprocess
 import time
 
-from springback.service.errors import StoreUnavailable
+from springback.client.errors import StoreUnavailable
 from springback.service.store import Store
 
 ENV_ETCD = "SPRINGBACK_ETCD"

@@ -18,47 +18,15 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from google.protobuf.json_format import MessageToDict
 
 from springback import __version__
 from springback.service import logs
-from springback.service.channel import ENV_COORDINATOR, ENV_TOKEN
-from springback.service.cli_history import add_job_commands, history_if_finished
-from springback.service.client import ApiError, Client
-from springback.service.errors import InvalidArgument
+from springback.client.channel import ENV_COORDINATOR, ENV_TOKEN
+from springback.cli.history import add_job_commands, history_if_finished
+from springback.client.summary import job_summary
+from springback.client.api import ApiError, Client
+from springback.client.errors import InvalidArgument
 from springback.v1 import types_pb2 as pb
-
-
-def job_summary(job: pb.Job) -> dict[str, Any]:
-    """The `job get --json` object."""
-    status = job.status
-    checkpoint = None
-    if status.last_checkpoint.step:
-        checkpoint = {
-            "step": status.last_checkpoint.step, "uri": status.last_checkpoint.uri,
-            "generation": status.last_checkpoint.generation,
-            "world_size": status.last_checkpoint.world_size,
-        }
-    return {
-        "id": job.id,
-        "name": job.spec.name,
-        "state": pb.JobState.Name(status.state).removeprefix("JOB_STATE_").lower(),
-        "generation": status.generation,
-        "world_size": status.world_size,
-        "members": list(status.members),
-        "spares": list(status.spares),
-        "step": status.step,
-        "max_steps": job.spec.max_steps,
-        "samples_consumed": status.samples_consumed,
-        "loss": status.loss,
-        "last_checkpoint": checkpoint,
-        "checkpoint_error": status.checkpoint_error or None,
-        "restores": status.num_restores,
-        "steps_redone": status.steps_redone,
-        "failures": status.num_failures,
-        "message": status.message,
-        "spec": MessageToDict(job.spec, preserving_proto_field_name=True),
-    }
 
 
 def _human_job(job: pb.Job) -> str:
@@ -221,7 +189,7 @@ def _serve_until_signal(stop: Callable[[], None]) -> None:
 
 
 def _up_command(args: argparse.Namespace) -> int:
-    from springback.service.local import EtcdServer
+    from springback.cli.local import EtcdServer
     from springback.service.server import CoordinatorConfig, CoordinatorServer
 
     etcd = EtcdServer(os.path.join(args.state_dir, "etcd"), client_port=args.etcd_port)
@@ -320,15 +288,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_run_command(commands: Any, common: argparse.ArgumentParser) -> None:
-    try:
-        from springback.worker.agent import add_run_arguments, run_main
-    except ModuleNotFoundError as e:  # a coordinator-only install has no torch
-        if e.name != "torch":
-            raise
-        return
+    # Imported here: the agent pulls in torch, which the other commands do not need.
+    from springback.cli.standalone import run_standalone
+    from springback.worker.agent import add_run_arguments, run_main
+
     run = commands.add_parser("run", parents=[common], help="node agent: join a job, run CMD")
     add_run_arguments(run)
-    run.set_defaults(handler=run_main)
+    run.set_defaults(handler=lambda args: run_main(args, standalone=run_standalone))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
