@@ -69,7 +69,7 @@ def _events_command(args: argparse.Namespace) -> int:
 
 
 def _delete_command(args: argparse.Namespace) -> int:
-    from springback.cli.main import _checkpoint_rows
+    from springback.cli.checkpoints import checkpoint_rows
 
     with Client(args.coordinator, token=args.token) as client:
         job = client.get_job(args.job)
@@ -82,7 +82,7 @@ def _delete_command(args: argparse.Namespace) -> int:
             from springback.storage.catalog import delete_checkpoint
 
             # Files first: if this fails, the record is still there to retry with.
-            for row in _checkpoint_rows(client, args.job):
+            for row in checkpoint_rows(client, args.job):
                 delete_checkpoint(row["uri"])
                 deleted.append(row["uri"])
             if job.spec.checkpoint.uri:

@@ -115,52 +115,10 @@ def _watch(client: Client, args: argparse.Namespace) -> None:
 
 
 def _ckpt_command(args: argparse.Namespace) -> int:
-    if args.ckpt_action == "verify":
-        from springback.storage.cli import verify_main
+    # Imported here: storage pulls in torch, which the job commands do not need.
+    from springback.cli import checkpoints
 
-        return verify_main(args.uri, as_json=args.json)
-    with _client(args) as client:
-        if args.ckpt_action == "list":
-            rows = _checkpoint_rows(client, args.job)
-            if args.json:
-                print(json.dumps(rows))
-            else:
-                for r in rows:
-                    print(f"step {r['step']:>8}  {r['time'] or '-':<27} "
-                          f"{r['size_bytes'] / 1e6:>9.1f} MB  world {r['world_size']:>3}  "
-                          f"{r['state']:<10} {r['uri']}")
-        elif args.ckpt_action == "restore":
-            _Printer(args.json).job(client.restore_job(args.job, args.step))
-    return 0
-
-
-def _checkpoint_rows(client: Client, job_id: str) -> list[dict[str, Any]]:
-    """Committed checkpoints (the coordinator's record), newest first, plus what
-    storage holds beyond them: ``partial`` (no manifest: an interrupted write,
-    cleaned up later) and ``unrecorded`` (complete on storage but never
-    committed in etcd, e.g. finished after a generation change; never restored).
-    """
-    refs = client.list_checkpoints(job_id)
-    rows = [{
-        "step": r.step, "generation": r.generation, "world_size": r.world_size,
-        "size_bytes": r.size_bytes, "state": "committed", "uri": r.uri,
-        "time": r.committed_at.ToJsonString() if r.committed_at.seconds else "",
-    } for r in refs]
-    base = client.get_job(job_id).spec.checkpoint.uri
-    if base:
-        try:
-            from springback.storage import job_checkpoint_uri
-            from springback.storage.cli import ckpt_list_uri
-
-            stored = ckpt_list_uri(job_checkpoint_uri(base, job_id))
-        except Exception as e:  # noqa: BLE001 (storage is advisory here; the record stands)
-            print(f"warning: cannot list {base}: {e}", file=sys.stderr)
-            stored = []
-        recorded = {r.uri.rstrip("/") for r in refs}
-        for row in stored:
-            if row["uri"].rstrip("/") not in recorded:
-                rows.append({**row, "state": "partial" if row["state"] == "partial" else "unrecorded"})
-    return sorted(rows, key=lambda r: (r["step"], r["generation"]), reverse=True)
+    return checkpoints.command(args, _client, _Printer(args.json))
 
 
 def _coordinator_command(args: argparse.Namespace) -> int:

@@ -23,6 +23,10 @@ DEFAULT_WINDOW_S = 600
 """failures.window_s when the spec leaves it 0."""
 DEFAULT_PLAN_WAIT_S = 300
 """failures.plan_wait_s when the spec leaves it 0."""
+DEFAULT_KEEP_LAST = 3
+"""checkpoint.keep_last when a spec file's checkpoint section has no such key.
+An explicit 0 (and 0 in a `JobSpec` message, where absent and 0 are one) keeps
+every checkpoint: the rule is `service.commits.retained`'s, the only one."""
 
 _NAME = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
 _URI_SCHEMES = ("file://", "s3://", "memory://", "/")
@@ -83,7 +87,7 @@ def spec_from_dict(value: Mapping[str, Any]) -> types_pb2.JobSpec:
     _check(value, _SCHEMA, "")
     spec = types_pb2.JobSpec()
     if value.get("checkpoint") and value["checkpoint"].get("keep_last") is None:
-        spec.checkpoint.keep_last = 3
+        spec.checkpoint.keep_last = DEFAULT_KEEP_LAST
     fields = [(spec, key, key) for key in ("name", "min_workers", "max_workers", "max_steps")]
     fields += [
         (getattr(spec, section), key, f"{section}.{key}")
@@ -125,7 +129,7 @@ def validate(spec: types_pb2.JobSpec) -> types_pb2.JobSpec:
     Defaults: min_workers 1, max_workers = min_workers, layout degrees 1,
     failures as in `service.failures` (3 per step in 600 s, plans awaited
     300 s), (checkpoint.keep_last 0 keeps every checkpoint; spec files default
-    it to 3).
+    it to `DEFAULT_KEEP_LAST`).
     """
     out = types_pb2.JobSpec()
     out.CopyFrom(spec)

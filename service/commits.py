@@ -36,7 +36,11 @@ from springback.v1 import types_pb2 as pb
 
 def retained(steps: list[int], keep_last: int, keep_every: int) -> set[int]:
     """The steps retention keeps: the newest `keep_last` (0: all), plus every
-    step that is a multiple of `keep_every` (0: none)."""
+    step that is a multiple of `keep_every` (0: none).
+
+    Springback's one retention rule: the coordinator applies it when it records
+    a commit, and storage deletes what the record no longer holds
+    (`springback.storage.prune_to_record`); storage has no rule of its own."""
     newest = sorted(steps, reverse=True)
     keep = set(newest if keep_last == 0 else newest[:keep_last])
     if keep_every:

@@ -30,7 +30,7 @@ Public API for the training library (worker) -- one ``Checkpointer`` per rank::
     verify(ckpt_uri) -> list[str]                  # problems, each naming the bad file
 
 Semantics (commit protocol, failures) are in ``commit.py``, ``checkpointer.py`` and
-``restore.py``; the CLI helpers in ``cli.py``.
+``restore.py``; ``springback ckpt`` is in the CLI package (``cli/checkpoints.py``).
 """
 
 from __future__ import annotations
