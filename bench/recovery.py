@@ -67,7 +67,7 @@ def _standby_ready(agent_pid: int) -> bool:
 
 
 def _events(path: Path) -> list[dict]:
-    from springback.worker.metrics import read
+    from springback.worker.eventlog import read
     return read(path)
 
 

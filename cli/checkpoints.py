@@ -23,7 +23,7 @@ from typing import Any, Protocol, TextIO
 from springback.client.api import Client
 from springback.storage import catalog, job_checkpoint_uri
 from springback.storage.manifest import parse_checkpoint_dir_name
-from springback.storage.store import Store, join
+from springback.storage.store import ObjectStore, join
 from springback.v1 import types_pb2 as pb
 
 
@@ -44,7 +44,7 @@ def _verify_targets(uri: str, storage_options: dict[str, Any] | None) -> list[st
     targets = [c.uri for c in catalog.committed_checkpoints(uri, storage_options=storage_options)]
     if targets:
         return targets
-    store = Store(uri, storage_options=storage_options)
+    store = ObjectStore(uri, storage_options=storage_options)
     for name, is_dir in store.list(uri):
         if is_dir:
             targets += [c.uri for c in catalog.committed_checkpoints(join(uri, name), store=store)]

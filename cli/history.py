@@ -87,9 +87,9 @@ def _delete_command(args: argparse.Namespace) -> int:
                 deleted.append(row["uri"])
             if job.spec.checkpoint.uri:
                 from springback.storage.ranklogs import delete_logs
-                from springback.storage.store import Store
+                from springback.storage.store import ObjectStore
 
-                delete_logs(Store(job.spec.checkpoint.uri), job.spec.checkpoint.uri)
+                delete_logs(ObjectStore(job.spec.checkpoint.uri), job.spec.checkpoint.uri)
         client.delete_job(args.job)
     if args.json:
         print(json.dumps({"id": args.job, "deleted": True, "checkpoints_deleted": deleted}))
@@ -105,7 +105,7 @@ def _logs_command(args: argparse.Namespace) -> int:
     """Prints the shipped rank logs (merged by time), then with --follow the
     chunks that arrive, until the job has ended and nothing new came."""
     from springback.storage.ranklogs import list_chunks, members
-    from springback.storage.store import Store
+    from springback.storage.store import ObjectStore
 
     with Client(args.coordinator, token=args.token) as client:
         job = client.get_job(args.job)
@@ -114,7 +114,7 @@ def _logs_command(args: argparse.Namespace) -> int:
             print(f"error: job {args.job} has no checkpoint.uri, so its agents ship no rank "
                   "logs (they are only in each agent's own output)", file=sys.stderr)
             return 1
-        store = Store(base)
+        store = ObjectStore(base)
         if args.member and args.member not in members(store, base):
             known = ", ".join(members(store, base)) or "none yet"
             print(f"error: --member {args.member}: no logs of that member (members with logs: "

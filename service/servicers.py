@@ -202,9 +202,9 @@ class WorkerServicer(ws_grpc.WorkerServiceServicer):
     @_handle
     def CommitCheckpoint(self, request: ws.CommitCheckpointRequest,
                          context: grpc.ServicerContext) -> ws.CommitCheckpointResponse:
-        retired, retained = self.commits.commit(
+        retained = self.commits.commit(
             request.job_id, request.member_id, request.generation, request.checkpoint)
-        return ws.CommitCheckpointResponse(retired=retired, retained=retained)
+        return ws.CommitCheckpointResponse(retained=retained)
 
     @_handle
     def ReportCheckpointError(self, request: ws.ReportCheckpointErrorRequest,

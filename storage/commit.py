@@ -23,7 +23,7 @@ directory and cleanup deletes it; the previous committed checkpoint is untouched
 Create-only: a committed directory is never written again. A writer checks that
 the manifest is absent before writing anything, and the done-records,
 ``.metadata`` and ``manifest.json`` are created with create-only writes
-(:meth:`~springback.storage.store.Store.put_bytes`), so of two writers of one
+(:meth:`~springback.storage.store.ObjectStore.put_bytes`), so of two writers of one
 checkpoint (a duplicate rank, two jobs pointed at one directory) exactly one
 commits and the other fails with
 :class:`~springback.storage.errors.CheckpointExists` naming the directory. Before
@@ -54,7 +54,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from springback.storage.errors import CheckpointExists, CommitTimeout, StorageError
 from springback.storage.manifest import (
     MANIFEST_NAME,
-    DataCursor,
+    ManifestCursor,
     FileEntry,
     Manifest,
     crc32_hex,
@@ -64,7 +64,7 @@ from springback.storage.manifest import (
 )
 from springback.storage.s3upload import S3PartWriter
 from springback.storage.snapshot import ShardSnapshot
-from springback.storage.store import Store, join
+from springback.storage.store import ObjectStore, join
 
 DCP_METADATA_NAME = ".metadata"
 RECORDS_DIR = "_springback"
@@ -149,7 +149,7 @@ def _serialize(stream: Any, snap: ShardSnapshot, file_name: str) -> tuple[list[W
 
 
 def write_shard(
-    store: Store,
+    store: ObjectStore,
     ckpt_uri: str,
     snap: ShardSnapshot,
     *,
@@ -191,7 +191,7 @@ def write_shard(
     return record
 
 
-def refuse_committed(store: Store, ckpt_uri: str) -> None:
+def refuse_committed(store: ObjectStore, ckpt_uri: str) -> None:
     """Raise :class:`CheckpointExists` if ``ckpt_uri`` holds a manifest (is committed)."""
     if any(name == MANIFEST_NAME for name, _ in store.list(ckpt_uri)):  # one LIST, fresh
         raise CheckpointExists(
@@ -200,7 +200,7 @@ def refuse_committed(store: Store, ckpt_uri: str) -> None:
             uri=ckpt_uri)
 
 
-def _create(store: Store, uri: str, data: bytes, ckpt_uri: str, conflict: str = "") -> None:
+def _create(store: ObjectStore, uri: str, data: bytes, ckpt_uri: str, conflict: str = "") -> None:
     """Create-only write; :class:`CheckpointExists` when another writer was first."""
     try:
         store.put_bytes(uri, data, create_only=True)
@@ -211,7 +211,7 @@ def _create(store: Store, uri: str, data: bytes, ckpt_uri: str, conflict: str = 
 
 
 def wait_for_records(
-    store: Store, ckpt_uri: str, world_size: int, *, timeout_s: float, poll_interval_s: float = 0.2
+    store: ObjectStore, ckpt_uri: str, world_size: int, *, timeout_s: float, poll_interval_s: float = 0.2
 ) -> list[DoneRecord]:
     """Poll until every rank's done-record exists, then read them all (ordered by rank).
 
@@ -283,13 +283,13 @@ def build_metadata(records: list[DoneRecord], ckpt_uri: str) -> Metadata:
 
 
 def commit(
-    store: Store,
+    store: ObjectStore,
     ckpt_uri: str,
     records: list[DoneRecord],
     *,
     step: int,
     generation: int,
-    cursor: DataCursor,
+    cursor: ManifestCursor,
     layout: dict[str, int],
     extra: dict[str, Any] | None = None,
 ) -> Manifest:
@@ -325,7 +325,7 @@ def commit(
     return manifest
 
 
-def load_record(store: Store, ckpt_uri: str, rank: int) -> DoneRecord:
+def load_record(store: ObjectStore, ckpt_uri: str, rank: int) -> DoneRecord:
     """Read one rank's done-record (used to restore RNG state)."""
     return pickle.loads(store.get_bytes(join(ckpt_uri, record_name(rank))))
 

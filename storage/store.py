@@ -1,7 +1,7 @@
 """A small storage layer over fsspec string URIs, with retries.
 
 URIs are plain strings (``file:///x``, ``/x``, ``s3://bucket/x``, ``memory://x``):
-``pathlib.Path`` would mangle ``s3://``. A :class:`Store` wraps the fsspec filesystem
+``pathlib.Path`` would mangle ``s3://``. A :class:`ObjectStore` wraps the fsspec filesystem
 of one URI scheme and applies :func:`~springback.storage.retry.call_with_retry` to
 every call, so transient errors (5xx, throttling, resets) are retried with backoff
 and anything else fails at once with the URI in the message.
@@ -12,8 +12,8 @@ arguments, e.g. ``{"client_kwargs": {"endpoint_url": ...}, "key": ..., "secret":
 the usual ``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY`` / ``AWS_REGION`` that
 botocore reads itself.
 
-Durability: on local files, :meth:`Store.write_file` fsyncs before returning and
-:meth:`Store.put_bytes` with ``atomic=True`` writes a temporary file and renames it,
+Durability: on local files, :meth:`ObjectStore.write_file` fsyncs before returning and
+:meth:`ObjectStore.put_bytes` with ``atomic=True`` writes a temporary file and renames it,
 so a crash leaves either the old content or the new. On S3 a PUT (or a completed
 multipart upload) is atomic by itself. Listing and existence checks bypass fsspec's
 listing cache, so polling sees other processes' writes.
@@ -62,7 +62,7 @@ def resolve_storage_options(uri: str, storage_options: dict[str, Any] | None) ->
     return opts
 
 
-class Store:
+class ObjectStore:
     """Retrying file operations on one fsspec filesystem, addressed by full URIs.
 
     On S3, files are uploaded by :class:`~springback.storage.s3upload.S3PartWriter`

@@ -66,7 +66,7 @@ import torch
 import torch.distributed as dist
 
 from springback.v1 import types_pb2 as pb
-from springback.worker import metrics
+from springback.worker import eventlog
 from springback.worker.audit import AuditLog
 from springback.worker.control import PlanChannel, await_activation
 from springback.client.env import LOCAL_RANK, STANDBY_FILE, RankEnv
@@ -550,7 +550,7 @@ class Generation:
         """Rank 0: the step's local record first, then the report (whoever sees
         the job finish can read every step's record)."""
         s = self.session
-        metrics.append({"event": "step", "generation": self.generation,
+        eventlog.append({"event": "step", "generation": self.generation,
                         "world_size": self.world_size, "step": step, "loss": loss})
         epoch, offset = self.stream.cursor_after(step)
         s._last_loss = loss
@@ -571,7 +571,7 @@ class Generation:
                               samples_consumed=s.step * self.stream.global_batch_size,
                               restored_from=restored_from, epoch=epoch, offset=offset)
         if self.rank == 0:
-            metrics.append({"event": "generation", "generation": self.generation,
+            eventlog.append({"event": "generation", "generation": self.generation,
                      "world_size": self.world_size, "step": self.session.step,
                      "source_rank": -1 if source is None else source,
                      "formed_s": round(formed_s, 4), "reason": self.plan.reason})

@@ -93,7 +93,7 @@ class Processes:
 
 
 def read_events(path: Path) -> list[dict]:
-    from springback.worker.metrics import read
+    from springback.worker.eventlog import read
     return read(path)
 
 

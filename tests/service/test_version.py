@@ -19,3 +19,9 @@ def test_version_is_the_package_metadata_version():
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == f"springback {declared}"
+
+
+def test_checkpoint_manifests_record_that_same_version():
+    from springback.storage.manifest import library_versions
+
+    assert library_versions()["springback"] == springback.__version__

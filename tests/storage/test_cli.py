@@ -11,7 +11,7 @@ import torch
 
 from springback.storage import Checkpointer
 from springback.cli.checkpoints import ckpt_list_uri, ckpt_verify, format_rows
-from springback.storage.store import Store, join
+from springback.storage.store import ObjectStore, join
 
 
 def _commit(base: str, step: int) -> str:
@@ -27,9 +27,9 @@ def test_verify_exits_zero_when_intact_and_one_naming_the_corrupt_shard(tmp_path
     out = io.StringIO()
     assert ckpt_verify(uri, out=out) == 0 and out.getvalue().startswith("OK")
     shard = join(uri, "__0_0.distcp")
-    data = bytearray(Store(base).get_bytes(shard))
+    data = bytearray(ObjectStore(base).get_bytes(shard))
     data[-10] ^= 1
-    Store(base).put_bytes(shard, bytes(data))
+    ObjectStore(base).put_bytes(shard, bytes(data))
     out = io.StringIO()
     assert ckpt_verify(uri, json_out=True, out=out) == 1
     report = json.loads(out.getvalue())
@@ -47,7 +47,7 @@ def test_verify_of_an_empty_base_exits_two(tmp_path, capsys):
 def test_list_shows_committed_and_partial_with_size_and_world(tmp_path):
     base = str(tmp_path / "ck")
     _commit(base, 1)
-    Store(base).put_bytes(join(base, "step-00000002-g2", "__0_0.distcp"), b"x")
+    ObjectStore(base).put_bytes(join(base, "step-00000002-g2", "__0_0.distcp"), b"x")
     rows = ckpt_list_uri(base)
     assert [(r["step"], r["state"], r["world_size"]) for r in rows] == [(1, "committed", 1), (2, "partial", 0)]
     assert rows[0]["size_bytes"] > 4000 and rows[0]["time"]

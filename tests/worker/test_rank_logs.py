@@ -87,9 +87,9 @@ class TestShipping:
     @staticmethod
     def shipped(base: str) -> str:
         from springback.storage.ranklogs import list_chunks
-        from springback.storage.store import Store
+        from springback.storage.store import ObjectStore
 
-        store = Store(base)
+        store = ObjectStore(base)
         return "".join(store.get_bytes(c.uri).decode() for c in list_chunks(store, base))
 
     def test_a_failed_upload_keeps_the_lines_for_the_next_flush(self, tmp_path):
