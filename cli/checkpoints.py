@@ -55,7 +55,7 @@ def ckpt_verify(uri: str, json_out: bool = False, *, storage_options: dict[str, 
     """Verify the checkpoint(s) at ``uri``; print a report; return the exit code (0/1/2)."""
     out = out or sys.stdout
     targets = _verify_targets(uri, storage_options)
-    results = [{"uri": t, "problems": catalog.verify(t, storage_options=storage_options)} for t in targets]
+    results: list[dict[str, Any]] = [{"uri": t, "problems": catalog.verify(t, storage_options=storage_options)} for t in targets]
     for r in results:
         r["ok"] = not r["problems"]
     code = 2 if not results else (0 if all(r["ok"] for r in results) else 1)

@@ -15,9 +15,13 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+
+from rich.console import Console
+from rich.live import Live
+from rich.text import Text
 
 from springback import __version__
 from springback.service import logs
@@ -98,20 +102,33 @@ def _job_command(args: argparse.Namespace) -> int:
 def _watch(client: Client, args: argparse.Namespace) -> None:
     if history_if_finished(client, args):
         return
-    live = sys.stdout.isatty() and not args.json
-    last_generation = None
-    for job, event in client.watch_job(args.job):
-        if args.json:
+    events = client.watch_job(args.job)
+    if args.json:
+        for job, event in events:
             print(json.dumps({"event": event, **job_summary(job)}), flush=True)
-            continue
-        line = _progress_line(job, event)
-        if live and job.status.generation == last_generation and event.startswith("step"):
-            print("\r" + line.ljust(100), end="", flush=True)  # progress: rewrite in place
-        else:
-            print(("\n" if live and last_generation is not None else "") + line, flush=True)
-        last_generation = job.status.generation
-    if live:
-        print()
+        return
+    console = Console(highlight=False)
+    if not console.is_terminal:
+        for job, event in events:
+            print(_progress_line(job, event), flush=True)
+        return
+    show_live(events, console)
+
+
+def show_live(events: Iterable[tuple[pb.Job, str]], console: Console) -> None:
+    """The terminal view of `job watch`: step events of one generation rewrite
+    the current line in place (a `rich` live view); a new generation or any
+    other event keeps the current line and starts a new one."""
+    current: str | None = None
+    generation = None
+    with Live(console=console, auto_refresh=False) as live:
+        for job, event in events:
+            line = _progress_line(job, event)
+            if current is not None and (job.status.generation != generation
+                                        or not event.startswith("step")):
+                live.console.print(Text(current))  # keep it above the live line
+            current, generation = line, job.status.generation
+            live.update(Text(line), refresh=True)
 
 
 def _ckpt_command(args: argparse.Namespace) -> int:

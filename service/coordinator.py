@@ -280,7 +280,7 @@ class Coordinator:
             ops = [txn.put(keys.job(job_id), job.SerializeToString())]
             if new_generation:
                 ops.append(txn.put(keys.plan(job_id), plan.SerializeToString()))
-            elif list(plan.spares) != list(previous.spares):
+            elif previous is not None and list(plan.spares) != list(previous.spares):
                 # Same generation, new hot spares: training is not interrupted.
                 del previous.spares[:]
                 previous.spares.extend(plan.spares)

@@ -29,6 +29,7 @@ import time
 from collections import deque
 
 from springback.service import planner
+from springback.client.metrics import Page
 from springback.client.summary import event_summary, job_summary
 from springback.service.coordinator import Coordinator
 from springback.client.errors import NotFound
@@ -82,7 +83,7 @@ class Dashboard:
         if self._thread.is_alive():
             self._thread.join(timeout=5)
 
-    def pages(self) -> dict[str, object]:
+    def pages(self) -> dict[str, Page]:
         """The routes for `metrics.serve`."""
         return {"/": self._route}
 

@@ -61,7 +61,7 @@ class JobControl:
         )
 
     def _transition(self, job_id: str, action: str, allowed: tuple[int, ...],
-                    done: tuple[int, ...], target: int, event: str) -> pb.Job:
+                    done: tuple[int, ...], target: pb.JobState, event: str) -> pb.Job:
         """Moves a job in `allowed` states to `target`; a job already in a `done`
         state is left as it is (the call is idempotent)."""
         def mutate(job: pb.Job) -> None:

@@ -20,6 +20,7 @@ import logging
 import time
 from concurrent import futures
 from dataclasses import dataclass
+from http.server import ThreadingHTTPServer
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -27,6 +28,7 @@ from grpc_reflection.v1alpha import reflection
 
 from springback.client import metrics
 from springback.client.channel import MAX_MESSAGE_BYTES, read_file
+from springback.client.polling import wait_until
 from springback.service.coordinator import Coordinator
 from springback.service.dashboard import Dashboard
 from springback.service.election import Election
@@ -116,7 +118,7 @@ class CoordinatorServer:
         )
         if config.tls_cert:
             credentials = grpc.ssl_server_credentials(
-                [(read_file(config.tls_key), read_file(config.tls_cert))],
+                [(read_file(config.tls_key) or b"", read_file(config.tls_cert) or b"")],
                 root_certificates=read_file(config.tls_client_ca),
                 require_client_auth=bool(config.tls_client_ca),
             )
@@ -147,7 +149,7 @@ class CoordinatorServer:
             reflection.SERVICE_NAME,
         ), self._server)
         self.registry = self._metrics()
-        self._metrics_server = None
+        self._metrics_server: ThreadingHTTPServer | None = None
         self.dashboard = Dashboard(self.coordinator)
 
     def _on_leadership(self) -> None:
@@ -197,16 +199,11 @@ class CoordinatorServer:
         if self._metrics_server is None:
             return None
         host, port = self._metrics_server.server_address[:2]
-        return f"{host}:{port}"
+        return f"{host!s}:{port}"
 
     def wait_for_leadership(self, timeout_s: float) -> bool:
         """Blocks until this replica leads (True) or `timeout_s` passes (False)."""
-        deadline = time.monotonic() + timeout_s
-        while not self.election.is_leader():
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.05)  # polling the election with a deadline
-        return True
+        return wait_until(self.election.is_leader, timeout_s=timeout_s) is not None
 
     def wait(self) -> None:
         self._server.wait_for_termination()

@@ -241,14 +241,7 @@ class Checkpointer:
                     return None
                 cf.wait([self._inflight])  # type: ignore[list-item]
             t1 = time.perf_counter()
-            if optimizer is None:
-                optimizers = []
-            else:
-                optimizers = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
-            for opt in optimizers:
-                if opt not in self._hooks:
-                    self._hooks[opt] = opt.register_step_pre_hook(self._before_step)
-            defer = storage_keys(optimizers) if optimizers else frozenset()
+            defer = self._hook_optimizers(optimizer)
             snap = self._staging.snapshot(state_dict, rank=self.rank, world_size=self.world_size, defer=defer)
             rng = capture_rng() if self.save_rng else None
             t2 = time.perf_counter()
@@ -262,6 +255,20 @@ class Checkpointer:
             args = (ckpt_uri, snap, rng, step, generation, _as_cursor(cursor), dict(layout or {}), extra)
             self._inflight = self._executor.submit(self._write, *args)
             return self._inflight
+
+    def _hook_optimizers(
+        self, optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None,
+    ) -> frozenset[int]:
+        """Makes each optimizer's next ``step()`` wait for the deferred copy (a
+        step pre-hook, registered once per optimizer); returns the storage keys
+        of their parameters and state, whose copy is deferred."""
+        if optimizer is None:
+            return frozenset()
+        optimizers = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
+        for opt in optimizers:
+            if opt not in self._hooks:
+                self._hooks[opt] = opt.register_step_pre_hook(self._before_step)
+        return storage_keys(optimizers) if optimizers else frozenset()
 
     def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         """Optimizer step pre-hook: the state may change now, so the deferred copy must be done."""

@@ -38,19 +38,20 @@ import dataclasses
 import os
 import pickle
 import socket
-import time
 import uuid
 import zlib
 from collections import ChainMap
-from typing import Any
+from typing import IO, Any, cast
 
 import torch
 from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
-from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, _StorageInfo
+from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
+from springback.client.polling import wait_until
+from springback.storage import compat
 from springback.storage.errors import CheckpointExists, CommitTimeout, StorageError
 from springback.storage.manifest import (
     MANIFEST_NAME,
@@ -140,10 +141,10 @@ def _serialize(stream: Any, snap: ShardSnapshot, file_name: str) -> tuple[list[W
         if item.type == WriteItemType.BYTE_IO:
             w.write(data)
         else:
-            torch.save(data, w)
+            torch.save(data, cast(IO[bytes], w))  # a write-only binary stream
         length = w.tell() - offset
         results.append(
-            WriteResult(index=item.index, size_in_bytes=length, storage_data=_StorageInfo(file_name, offset, length))
+            WriteResult(index=item.index, size_in_bytes=length, storage_data=compat.StorageInfo(file_name, offset, length))
         )
     return results, w
 
@@ -220,28 +221,29 @@ def wait_for_records(
     directory was deleted under the committer: waiting longer cannot help).
     Reading a record that fails to unpickle raises :class:`StorageError` naming it.
     """
-    deadline = time.monotonic() + timeout_s
     wanted = {f"rank-{r:05d}.pkl": r for r in range(world_size)}
     seen: set[str] = set()
-    while True:
+    missing = sorted(wanted.values())
+
+    def all_present() -> bool:
+        nonlocal missing
         present = {name for name, _ in store.list(join(ckpt_uri, RECORDS_DIR))}
         gone = sorted(wanted[name] for name in seen - present)
         if gone:  # done-records are never removed by their writers
             raise StorageError(
                 f"checkpoint {ckpt_uri} not committed: the done-records of ranks {gone} disappeared "
                 "while waiting (the directory was deleted, e.g. by cleanup)", uri=ckpt_uri)
-        seen |= present & wanted.keys()
+        seen.update(present & wanted.keys())
         missing = sorted(r for name, r in wanted.items() if name not in present)
-        if not missing:
-            break
-        if time.monotonic() >= deadline:
-            raise CommitTimeout(
-                f"checkpoint {ckpt_uri} not committed: ranks {missing} did not finish their shards "
-                f"within {timeout_s:.1f}s",
-                uri=ckpt_uri,
-                missing_ranks=missing,
-            )
-        time.sleep(poll_interval_s)
+        return not missing
+
+    if not wait_until(all_present, timeout_s=timeout_s, interval_s=poll_interval_s):
+        raise CommitTimeout(
+            f"checkpoint {ckpt_uri} not committed: ranks {missing} did not finish their shards "
+            f"within {timeout_s:.1f}s",
+            uri=ckpt_uri,
+            missing_ranks=missing,
+        )
     records = []
     for r in range(world_size):
         uri = join(ckpt_uri, record_name(r))
@@ -267,12 +269,7 @@ def build_metadata(records: list[DoneRecord], ckpt_uri: str) -> Metadata:
         _, md = create_default_global_save_plan(plans, rewrite_index_hints=False)
     except AssertionError as exc:
         raise ValueError(f"ranks wrote overlapping entries for {ckpt_uri}: {exc}") from exc
-    try:  # private DCP helper: checks that chunks cover each tensor without overlap
-        from torch.distributed.checkpoint.default_planner import _validate_global_plan
-
-        errors = _validate_global_plan(plans, md)
-    except ImportError:  # pragma: no cover - older torch
-        errors = []
+    errors = compat.validate_global_plan(plans, md)
     if errors:
         raise ValueError(f"inconsistent shards for {ckpt_uri}: {'; '.join(map(str, errors))[:500]}")
     md.planner_data = dict(ChainMap(*[r.mappings for r in records]))

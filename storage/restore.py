@@ -24,11 +24,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
-from springback.storage import catalog
+from springback.storage import catalog, compat
 from springback.storage.commit import load_record
 from springback.storage.errors import CheckpointMismatch, CheckpointNotFound, CorruptCheckpoint, TransientStorageError
 from springback.storage.retry import is_transient
@@ -62,10 +61,8 @@ def storage_reader(ckpt_uri: str, *, store: ObjectStore | None = None, storage_o
     """A DCP ``StorageReader`` for ``ckpt_uri`` (``FileSystemReader`` for local paths, else ``FsspecReader``)."""
     s = store or ObjectStore(ckpt_uri, storage_options=storage_options)
     if s.is_local:
-        return dcp.FileSystemReader(s.fs._strip_protocol(ckpt_uri))
-    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
-
-    return FsspecReader(ckpt_uri, **s.storage_options)
+        return dcp.FileSystemReader(compat.strip_protocol(s.fs, ckpt_uri))
+    return compat.FsspecReader(ckpt_uri, **s.storage_options)
 
 
 def load(
@@ -96,7 +93,7 @@ def load(
     saved = set(reader.read_metadata().state_dict_metadata)
     if optimizer_state_as_saved:
         _drop_unsaved_optimizer_state(state_dict, saved)
-    missing = sorted(k for k in flatten_state_dict(state_dict)[0] if k not in saved)
+    missing = sorted(k for k in compat.flatten_state_dict(state_dict)[0] if k not in saved)
     if missing:
         raise CheckpointMismatch(
             f"checkpoint {ckpt_uri} holds no entry for {', '.join(missing[:10])}"
@@ -236,6 +233,7 @@ def model_state_dict(
     """
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
+    sd: dict[str, Any]
     if optimizer is None:
         sd = {"model": get_model_state_dict(model)}
     else:
@@ -311,7 +309,7 @@ def restore_model(
         staged = detached_copy(model_state_dict(model, optimizer, extra_state=extra_state))
         result = restore(base_uri, staged, optimizer_state_as_saved=True, **kwargs)
     except BaseException:  # DCP raises CheckpointException, a BaseException
-        if pristine is not None:
+        if pristine is not None and optimizer is not None:
             optimizer.load_state_dict(pristine)
         raise
     apply_model_state_dict(model, optimizer, staged)

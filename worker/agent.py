@@ -56,6 +56,7 @@ import grpc
 import torch.distributed as dist
 
 from springback.client.channel import connect, parse_addresses
+from springback.client.polling import wait_until
 from springback.client.metrics import Registry
 from springback.client.metrics import serve as serve_metrics
 from springback.v1 import types_pb2 as pb
@@ -403,7 +404,7 @@ class Agent:
             self._stop.set()
             self._kill_ranks()
             self._rank_logs.close()
-            self._store = None
+            del self._store  # closes the rendezvous port; nothing uses it after run()
             shutil.rmtree(self._workdir, ignore_errors=True)
 
     def _metrics_registry(self) -> Registry:
@@ -524,13 +525,9 @@ class Agent:
                         e.code().name)
         if self._restart is not None:  # as torchrun: the ranks get the signal
             self._restart.signal_all(signal.SIGTERM)
-        while time.monotonic() < deadline:
-            if all(p.poll() is not None for p in self._running_ranks()):
-                break
-            if self._fenced.is_set():
-                break
-            time.sleep(0.05)
-        else:
+        if not wait_until(lambda: self._fenced.is_set() or all(
+                p.poll() is not None for p in self._running_ranks()),
+                timeout_s=deadline - time.monotonic()):
             log.warning("drain deadline of %.0fs passed: killing ranks",
                         self.config.drain_timeout_s)
         self._kill_ranks()

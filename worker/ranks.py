@@ -133,7 +133,7 @@ class LocalRanks:
         failed local rank, then starts the next spare. Returns True when warm."""
         spare, self.spare = self.spare, None
         warm = spare is not None and spare.proc.poll() is None
-        if warm:
+        if spare is not None and warm:
             spare.activate(local_rank, identity)
             self.ranks[local_rank] = spare.proc
         else:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from typing import cast
 
 import grpc
 
@@ -72,7 +73,7 @@ class StepReporter:
         req = wpb.ReportStepRequest(
             job_id=self._job_id, member_id=self._member_id, generation=generation, step=step,
             samples_consumed=samples_consumed, cursor=pb.DataCursor(epoch=epoch, offset=offset),
-            generation_start=True, restored_from=restored_from)
+            generation_start=True, restored_from=cast(pb.RestoreKind, restored_from))
         with self._cond:
             self._pending_start = req
             self._pending = None  # reports of an older generation are moot

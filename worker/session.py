@@ -66,6 +66,7 @@ import torch
 import torch.distributed as dist
 
 from springback.v1 import types_pb2 as pb
+from springback.client.polling import wait_until
 from springback.worker import eventlog
 from springback.worker.audit import AuditLog
 from springback.worker.control import PlanChannel, await_activation
@@ -182,12 +183,8 @@ class Session:
     def _newer_plan_within(self, generation: int, timeout_s: float) -> bool:
         """Waits until any plan (of whatever action) newer than `generation`
         was published; False when `timeout_s` passed first."""
-        deadline = time.monotonic() + timeout_s
-        while (latest := self._latest()) is None or latest.generation <= generation:
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(0.02)
-        return True
+        return wait_until(lambda: (p := self._latest()) is not None and p.generation > generation,
+                          timeout_s=timeout_s, interval_s=0.02) is not None
 
     def _next_plan(self) -> pb.Plan | None:
         """Waits for a plan newer than the current generation that this rank acts
