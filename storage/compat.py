@@ -8,7 +8,10 @@ test per API here, before the supported range in pyproject.toml is widened.
 
 Supported: torch 2.13 (the version the suite runs on; see pyproject.toml).
 An API that is missing raises ImportError / AttributeError at import or first
-use, naming it: there is no silent fallback.
+use, naming it: there is no silent fallback. One private torch API lives
+elsewhere: torch.distributed's group counter, reset in
+`springback.worker.rendezvous._reset_group_count` (so that starting a rank does
+not import all of `springback.storage`); its test is here with the others.
 """
 
 from __future__ import annotations
@@ -16,7 +19,6 @@ from __future__ import annotations
 from typing import Any
 
 import fsspec
-import torch.distributed as dist
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.default_planner import _validate_global_plan
@@ -30,7 +32,6 @@ __all__ = [
     "StorageInfo",
     "create_write_items",
     "flatten_state_dict",
-    "reset_group_count",
     "strip_protocol",
     "validate_global_plan",
 ]
@@ -61,9 +62,3 @@ def strip_protocol(fs: fsspec.AbstractFileSystem, uri: str) -> str:
     """`uri` as a path of `fs` (``s3://b/k`` -> ``b/k``, ``file:///x`` -> ``/x``)."""
     return fs._strip_protocol(uri)
 
-
-def reset_group_count() -> None:
-    """Sets torch's process-wide group counter back to 0 when no default group
-    exists (see `springback.worker.rendezvous`); torch has no public setter."""
-    if dist.get_pg_count() != 0 and not dist.is_initialized():
-        dist.distributed_c10d._world.group_count = 0

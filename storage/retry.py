@@ -23,14 +23,13 @@ partial continuation.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import threading
 import time
 from collections.abc import Callable
 from typing import TypeVar
 
-import aiohttp
-import botocore.exceptions
 import tenacity
 
 from springback.storage.errors import TransientStorageError
@@ -43,14 +42,22 @@ _TRANSIENT_CODES = frozenset({
     "SlowDown", "Throttling", "ThrottlingException", "RequestTimeout",
     "RequestTimeTooSkewed", "InternalError", "ServiceUnavailable",
 })
-_TRANSIENT_TYPES: tuple[type[BaseException], ...] = (
-    ConnectionError,
-    TimeoutError,
-    botocore.exceptions.HTTPClientError,  # endpoint, connect/read timeouts, closed connections
-    botocore.exceptions.IncompleteReadError,
-    aiohttp.ClientConnectionError,  # server disconnected, connector and OS errors
-    aiohttp.ClientPayloadError,
-)
+
+
+@functools.cache
+def _transient_types() -> tuple[type[BaseException], ...]:
+    # Imported on first use: every rank imports storage, few ever classify an S3 error.
+    import aiohttp
+    import botocore.exceptions
+
+    return (
+        ConnectionError,
+        TimeoutError,
+        botocore.exceptions.HTTPClientError,  # endpoint, connect/read timeouts, closed connections
+        botocore.exceptions.IncompleteReadError,
+        aiohttp.ClientConnectionError,  # server disconnected, connector and OS errors
+        aiohttp.ClientPayloadError,
+    )
 _PERMANENT_TYPES: tuple[type[BaseException], ...] = (
     FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError, NotADirectoryError,
 )
@@ -69,6 +76,8 @@ def _chain(exc: BaseException) -> list[BaseException]:
 
 
 def _transient_client_error(e: BaseException) -> bool:
+    import botocore.exceptions
+
     if not isinstance(e, botocore.exceptions.ClientError):
         return False
     error = e.response.get("Error", {}) or {}
@@ -82,7 +91,7 @@ def is_transient(exc: BaseException) -> bool:
     for e in _chain(exc):
         if isinstance(e, _PERMANENT_TYPES):
             return False
-        if isinstance(e, _TRANSIENT_TYPES) or _transient_client_error(e):
+        if isinstance(e, _transient_types()) or _transient_client_error(e):
             return True
     return False
 

@@ -33,7 +33,6 @@ import torch
 import torch.distributed as dist
 
 from springback.client.polling import wait_until
-from springback.storage import compat
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +118,11 @@ def _reset_group_count() -> None:
     destroy, so this rank's next default group would meet its peers under a
     different name and every rank would time out. The counter is reset (as
     `destroy_process_group` does) so the default group is group 0 everywhere."""
-    compat.reset_group_count()
+    if dist.get_pg_count() != 0 and not dist.is_initialized():
+        # The one private torch API outside storage/compat.py (kept here so that
+        # a rank's start does not import all of springback.storage); its test is
+        # in tests/storage/test_compat.py with the others.
+        dist.distributed_c10d._world.group_count = 0  # no public setter
 
 
 def leave_group(release_timeout_s: float = 5.0) -> None:

@@ -16,6 +16,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
 
 from springback.storage import Checkpointer, compat
+from springback.worker.rendezvous import _reset_group_count
 
 
 def test_flatten_state_dict_names_nested_entries_by_dotted_path():
@@ -79,5 +80,5 @@ def test_fsspec_reader_loads_what_the_checkpointer_wrote():
 def test_reset_group_count_puts_the_counter_back_to_zero_without_a_group():
     assert not dist.is_initialized()
     dist.distributed_c10d._world.group_count = 3  # what a failed init_process_group leaves
-    compat.reset_group_count()
+    _reset_group_count()
     assert dist.get_pg_count() == 0
