@@ -31,6 +31,8 @@ RUN case "$TORCH_VARIANT" in \
     esac
 COPY pyproject.toml README.md ./
 COPY proto proto
+COPY client client
+COPY cli cli
 COPY service service
 COPY worker worker
 COPY storage storage

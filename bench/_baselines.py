@@ -52,7 +52,7 @@ def plain_step_s(num_ranks: int, steps: int = 60) -> float:
 
 
 def _free_port() -> int:
-    from springback.service.local import free_port
+    from springback.cli.local import free_port
     return free_port()
 
 
@@ -112,7 +112,7 @@ def torchft_side(args: Any, work: Path, nodes: Any, run_trace: Callable[..., tup
 
 
 def _etcd_v2(work: Path) -> tuple[subprocess.Popen, int]:
-    from springback.service.local import etcd_binary
+    from springback.cli.local import etcd_binary
 
     client, peer = _free_port(), _free_port()
     proc = subprocess.Popen(

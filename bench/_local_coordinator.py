@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from springback.service.local import EtcdServer
+from springback.cli.local import EtcdServer
 from springback.service.server import CoordinatorConfig, CoordinatorServer
 
 LEADERSHIP_TIMEOUT_S = 20

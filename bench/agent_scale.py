@@ -25,8 +25,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
 from agentsim import SimFleet  # noqa: E402
 from sbtest import CoordinatorProcess  # noqa: E402
-from springback.service.client import Client  # noqa: E402
-from springback.service.local import EtcdServer  # noqa: E402
+from springback.client.api import Client  # noqa: E402
+from springback.cli.local import EtcdServer  # noqa: E402
 from springback.service.store import Store  # noqa: E402
 
 

@@ -27,7 +27,7 @@ from _local_coordinator import local_coordinator
 from springback.service import keys
 from springback.service.planner import Progress, make_plan
 from springback.service.server import CoordinatorServer
-from springback.service.spec import spec_from_dict
+from springback.client.spec import spec_from_dict
 from springback.v1 import types_pb2 as pb
 from springback.v1 import worker_service_pb2 as ws
 from springback.v1 import worker_service_pb2_grpc as ws_grpc

@@ -159,7 +159,7 @@ def median_step(steps: list[dict], key: str) -> float:
 
 def springback_side(args, work: Path) -> dict:  # noqa: ANN001
     from _local_coordinator import local_coordinator
-    from springback.service.client import Client
+    from springback.client.api import Client
     from springback.v1 import types_pb2 as pb
 
     metrics = work / "metrics.jsonl"

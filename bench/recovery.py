@@ -72,7 +72,7 @@ def _standby_ready(agent_pid: int) -> bool:
 
 
 def _events(path: Path) -> list[dict]:
-    from springback.worker.metrics import read
+    from springback.worker.eventlog import read
     return read(path)
 
 
@@ -110,7 +110,7 @@ def main() -> int:
     args = p.parse_args()
 
     from _local_coordinator import local_coordinator
-    from springback.service.client import Client
+    from springback.client.api import Client
 
     work = Path(tempfile.mkdtemp(prefix="springback-bench-"))
     metrics = work / "metrics.jsonl"

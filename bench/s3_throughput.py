@@ -22,7 +22,7 @@ import uuid
 import torch
 
 from springback.storage import Checkpointer, prune_to_record
-from springback.storage.store import Store
+from springback.storage.store import ObjectStore
 
 
 def _serve_moto(q: mp.Queue) -> None:
@@ -63,7 +63,7 @@ def main() -> None:
     opts = {"key": "testing", "secret": "testing", "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"}}
     n = args.mb * 2**20 // 4 // 16
     sd = {f"t{i}": torch.randn(n) for i in range(16)}
-    store = Store(f"s3://{bucket}", storage_options=opts)
+    store = ObjectStore(f"s3://{bucket}", storage_options=opts)
     base = f"s3://{bucket}/ckpt"
     ck = Checkpointer(base, rank=0, world_size=1, store=store,  # keep only the newest, as a record of one would
                       on_commit=lambda info: prune_to_record(base, [info.uri], current_generation=1, store=store))

@@ -17,26 +17,29 @@ Per step, the record holds one checkpoint:
   (FAILED_PRECONDITION), the first commit stands;
 * the same step from a later generation (training re-reached a step after a
   restore, e.g. because the recorded copy was damaged): the new ref replaces
-  the old one, which is returned as retired so its files are deleted.
+  the old one, whose files the caller then deletes (it is no longer recorded).
 
-Retention is applied in the same transaction: the refs it retires are
-returned so the caller deletes their files *after* the newer commit is
-durable, together with the refs still recorded, so the caller can also remove
-what storage holds beyond them (a retired checkpoint whose delete failed
-earlier).
+Retention is applied in the same transaction. The reply is the refs still
+recorded; the caller deletes what storage holds beyond them *after* the newer
+commit is durable (`springback.storage.prune_to_record`), which also covers a
+retired checkpoint whose delete failed earlier.
 """
 
 from __future__ import annotations
 
 from springback.service import fencing, keys
 from springback.service.coordinator import Coordinator, timestamp_now
-from springback.service.errors import Conflict, FailedPrecondition, InvalidArgument, NotFound
+from springback.client.errors import Conflict, FailedPrecondition, InvalidArgument, NotFound
 from springback.v1 import types_pb2 as pb
 
 
 def retained(steps: list[int], keep_last: int, keep_every: int) -> set[int]:
     """The steps retention keeps: the newest `keep_last` (0: all), plus every
-    step that is a multiple of `keep_every` (0: none)."""
+    step that is a multiple of `keep_every` (0: none).
+
+    Springback's one retention rule: the coordinator applies it when it records
+    a commit, and storage deletes what the record no longer holds
+    (`springback.storage.prune_to_record`); storage has no rule of its own."""
     newest = sorted(steps, reverse=True)
     keep = set(newest if keep_last == 0 else newest[:keep_last])
     if keep_every:
@@ -49,10 +52,9 @@ class Commits:
         self.coordinator = coordinator
 
     def commit(self, job_id: str, member_id: str, generation: int,
-               ref: pb.CheckpointRef) -> tuple[list[pb.CheckpointRef], list[pb.CheckpointRef]]:
-        """Records `ref` as committed; returns (the checkpoints retention
-        retires or this commit replaces, the checkpoints recorded after this
-        commit, oldest first). See the module docstring for the rules."""
+               ref: pb.CheckpointRef) -> list[pb.CheckpointRef]:
+        """Records `ref` as committed; returns the checkpoints recorded after
+        this commit, oldest first. See the module docstring for the rules."""
         if ref.step == 0:
             raise InvalidArgument("checkpoint.step", "must be positive")
         if not ref.uri:
@@ -66,7 +68,7 @@ class Commits:
         raise AssertionError("unreachable")
 
     def _commit_once(self, job_id: str, member_id: str, generation: int,
-                     ref: pb.CheckpointRef) -> tuple[list[pb.CheckpointRef], list[pb.CheckpointRef]]:
+                     ref: pb.CheckpointRef) -> list[pb.CheckpointRef]:
         coordinator = self.coordinator
         coordinator.require_leader()
         store = coordinator.store
@@ -79,7 +81,7 @@ class Commits:
         existing = [e.value for e in store.get_prefix(keys.checkpoints(job_id), pb.CheckpointRef)]
         same = next((c for c in existing if c.step == ref.step), None)
         if same is not None and same.uri == ref.uri:
-            return [], sorted(existing, key=lambda c: c.step)
+            return sorted(existing, key=lambda c: c.step)
         if same is not None and same.generation == generation:
             raise FailedPrecondition(
                 f"job {job_id}: step {ref.step} is already committed in generation {generation} "
@@ -108,7 +110,7 @@ class Commits:
         coordinator.change(job_id, f"checkpoint at step {ref.step} {what}", record,
                            extra_ops=lambda: ops, extra_compare=compare)
         kept = [c for c in others if c.step in keep] + [committed]
-        return retired, sorted(kept, key=lambda c: c.step)
+        return sorted(kept, key=lambda c: c.step)
 
     def report_error(self, job_id: str, member_id: str, generation: int, error: str) -> None:
         """Shows a persistent storage failure in the job status (training goes on).

@@ -28,7 +28,7 @@ from springback.service.replan import timestamp_now  # noqa: F401 (used by membe
 from springback.service.writer import FencedWriter
 from springback.service.election import Election
 from springback.service.history import History
-from springback.service.errors import (
+from springback.client.errors import (
     Conflict, FailedPrecondition, NotFound, NotLeader, SpringbackError, StaleGeneration,
 )
 from springback.service.store import Store

@@ -29,10 +29,10 @@ import time
 from collections import deque
 
 from springback.service import planner
-from springback.service.cli import job_summary
-from springback.service.cli_history import event_summary
+from springback.client.metrics import Page
+from springback.client.summary import event_summary, job_summary
 from springback.service.coordinator import Coordinator
-from springback.service.errors import NotFound
+from springback.client.errors import NotFound
 from springback.service.jobmetrics import goodput
 from springback.v1 import types_pb2 as pb
 
@@ -83,7 +83,7 @@ class Dashboard:
         if self._thread.is_alive():
             self._thread.join(timeout=5)
 
-    def pages(self) -> dict[str, object]:
+    def pages(self) -> dict[str, Page]:
         """The routes for `metrics.serve`."""
         return {"/": self._route}
 

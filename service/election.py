@@ -28,7 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 from springback.service import keys
-from springback.service.errors import NotLeader, SpringbackError
+from springback.client.errors import NotLeader, SpringbackError
 from springback.service.store import Store
 
 log = logging.getLogger(__name__)

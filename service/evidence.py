@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 
 from springback.service import fencing, keys
 from springback.service.coordinator import Coordinator
-from springback.service.errors import FailedPrecondition, SpringbackError
+from springback.client.errors import FailedPrecondition, SpringbackError
 from springback.v1 import types_pb2 as pb
 
 log = logging.getLogger(__name__)

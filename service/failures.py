@@ -18,9 +18,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-DEFAULT_MAX_PER_STEP = 3
-DEFAULT_WINDOW_S = 600
-DEFAULT_PLAN_WAIT_S = 300
+from springback.client.spec import DEFAULT_MAX_PER_STEP, DEFAULT_PLAN_WAIT_S, DEFAULT_WINDOW_S
+
+__all__ = ["DEFAULT_MAX_PER_STEP", "DEFAULT_PLAN_WAIT_S", "DEFAULT_WINDOW_S", "FailureStreaks"]
 
 
 @dataclass

@@ -17,7 +17,7 @@ from typing import Any
 
 from springback.service import keys
 from springback.service.coordinator import Coordinator, JobMutation
-from springback.service.errors import Conflict, FailedPrecondition, NotFound, StaleGeneration
+from springback.client.errors import Conflict, FailedPrecondition, NotFound, StaleGeneration
 from springback.v1 import types_pb2 as pb
 
 ATTEMPTS = 3

@@ -30,7 +30,7 @@ import grpc
 from etcd3 import etcdrpc
 
 from springback.service.coordinator import Coordinator
-from springback.service.errors import NotFound, StoreUnavailable
+from springback.client.errors import NotFound, StoreUnavailable
 from springback.service.liveness import PROBE_TIMEOUT_S, EtcdReachability
 from springback.service.planboard import PlanBoard
 from springback.service.store import _parse_endpoint

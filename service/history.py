@@ -23,11 +23,12 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from typing import cast
 
 from etcd3.utils import prefix_range_end
 
 from springback.service import keys, planner
-from springback.service.errors import FailedPrecondition, NotFound
+from springback.client.errors import FailedPrecondition, NotFound
 from springback.service.store import Store
 from springback.service.writer import FencedWriter
 from springback.v1 import job_service_pb2 as js
@@ -37,7 +38,7 @@ log = logging.getLogger(__name__)
 
 # Reason texts of the coordinator's callers (membership, job control, the
 # reconcile loop), most specific first.
-_KINDS: list[tuple[str, int]] = [
+_KINDS: list[tuple[str, js.ChangeKind]] = [
     ("reported a failure", js.CHANGE_KIND_RANK_FAILURE),
     ("(liveness timeout)", js.CHANGE_KIND_NODE_LOST),
     (" draining: ", js.CHANGE_KIND_DRAIN),
@@ -62,7 +63,7 @@ FAILURE_KINDS = {
 """Change kinds counted as failures (`springback_job_failures_total{kind}`)."""
 
 
-def change_kind(reason: str, state: int) -> int:
+def change_kind(reason: str, state: int) -> js.ChangeKind:
     """The `ChangeKind` of a generation made for `reason` with the job in `state`."""
     if planner.is_terminal(state):
         return js.CHANGE_KIND_FINISH
@@ -124,7 +125,7 @@ class History:
             if event is not None and event.generation == generation:
                 event.start_step = step
                 event.steps_redone = steps_redone
-                event.restore = restored_from
+                event.restore = cast(pb.RestoreKind, restored_from)
 
     def on_progress(self, job_id: str, generation: int) -> None:
         """A step of `generation` was accepted (memory only; cheap)."""

@@ -33,9 +33,9 @@ from typing import Any
 
 import grpc
 
-from springback.service.channel import DEFAULT_TIMEOUT_S, connect
+from springback.client.channel import DEFAULT_TIMEOUT_S, connect
 from springback.service.election import Election
-from springback.service.errors import SpringbackError
+from springback.client.errors import SpringbackError
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +136,7 @@ class LeaderForwarding(grpc.aio.ServerInterceptor):
                 return call(request, metadata=metadata,
                             timeout=context.time_remaining() or DEFAULT_TIMEOUT_S)
             except grpc.RpcError as e:
-                context.abort(e.code(), e.details() or "")
+                _abort(context, e.code(), e.details() or "")
 
         return forward
 

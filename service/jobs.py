@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import uuid
 
-from springback.service import keys, spec as specs
+from springback.client import spec as specs
+from springback.service import keys
 from springback.service.coordinator import Coordinator, timestamp_now
-from springback.service.errors import Conflict, InvalidArgument, NotFound
+from springback.client.errors import Conflict, InvalidArgument, NotFound
 from springback.v1 import types_pb2 as pb
 
 _LIVE = (pb.JOB_STATE_PENDING, pb.JOB_STATE_RUNNING)
@@ -55,7 +56,7 @@ class JobControl:
         )
 
     def _transition(self, job_id: str, action: str, allowed: tuple[int, ...],
-                    done: tuple[int, ...], target: int, event: str) -> pb.Job:
+                    done: tuple[int, ...], target: pb.JobState, event: str) -> pb.Job:
         """Moves a job in `allowed` states to `target`; a job already in a `done`
         state is left as it is (the call is idempotent)."""
         def mutate(job: pb.Job) -> None:

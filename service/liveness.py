@@ -28,7 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 from springback.service import keys
-from springback.service.errors import StoreUnavailable
+from springback.client.errors import StoreUnavailable
 from springback.service.store import Store
 
 log = logging.getLogger(__name__)

@@ -18,7 +18,7 @@ import uuid
 
 from springback.service import fencing, keys, planner
 from springback.service.coordinator import Coordinator, timestamp_now
-from springback.service.errors import FailedPrecondition, InvalidArgument, NotFound
+from springback.client.errors import FailedPrecondition, InvalidArgument, NotFound
 from springback.service.failures import DEFAULT_MAX_PER_STEP, DEFAULT_WINDOW_S, FailureStreaks
 from springback.service.liveness import EtcdReachability
 from springback.service.store import Store

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from springback.service import keys
-from springback.service.errors import SpringbackError
+from springback.client.errors import SpringbackError
 from springback.service.store import Entry, Store
 from springback.v1 import types_pb2 as pb
 from springback.v1 import worker_service_pb2 as ws

@@ -19,7 +19,7 @@ import asyncio
 from collections.abc import AsyncIterator
 
 from springback.service import keys
-from springback.service.errors import NotFound, StoreUnavailable
+from springback.client.errors import NotFound, StoreUnavailable
 from springback.service.liveness import EtcdReachability
 from springback.service.planboard import PlanBoard, Posted
 from springback.service.store import Store

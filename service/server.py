@@ -29,13 +29,15 @@ from concurrent import futures
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+from http.server import ThreadingHTTPServer
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from springback.service import metrics
-from springback.service.channel import MAX_MESSAGE_BYTES, read_file
+from springback.client import metrics
+from springback.client.channel import MAX_MESSAGE_BYTES, read_file
+from springback.client.polling import wait_until
 from springback.service.coordinator import Coordinator
 from springback.service.dashboard import Dashboard
 from springback.service.election import Election
@@ -264,7 +266,7 @@ class CoordinatorServer:
             reflection.SERVICE_NAME,
         ), self._server)
         self.registry = self._metrics()
-        self._metrics_server = None
+        self._metrics_server: ThreadingHTTPServer | None = None
         self.dashboard = Dashboard(self.coordinator)
 
     async def _make_server(self, interceptors: list[grpc.aio.ServerInterceptor]) -> grpc.aio.Server:
@@ -348,16 +350,11 @@ class CoordinatorServer:
         if self._metrics_server is None:
             return None
         host, port = self._metrics_server.server_address[:2]
-        return f"{host}:{port}"
+        return f"{host!s}:{port}"
 
     def wait_for_leadership(self, timeout_s: float) -> bool:
         """Blocks until this replica leads (True) or `timeout_s` passes (False)."""
-        deadline = time.monotonic() + timeout_s
-        while not self.election.is_leader():
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.05)  # polling the election with a deadline
-        return True
+        return wait_until(self.election.is_leader, timeout_s=timeout_s) is not None
 
     def wait(self) -> None:
         self._loop.run(self._server.wait_for_termination())

@@ -23,7 +23,7 @@ from google.protobuf.duration_pb2 import Duration
 
 from springback.service.commits import Commits
 from springback.service.coordinator import Coordinator
-from springback.service.errors import SpringbackError, grpc_code
+from springback.client.errors import SpringbackError, grpc_code
 from springback.service.evidence import PeerLossEvidence
 from springback.service.heartbeats import Heartbeats
 from springback.service.history import delete_job
@@ -256,9 +256,9 @@ class WorkerServicer(ws_grpc.WorkerServiceServicer):
     @_handle
     def CommitCheckpoint(self, request: ws.CommitCheckpointRequest,
                          context: grpc.ServicerContext) -> ws.CommitCheckpointResponse:
-        retired, retained = self.commits.commit(
+        retained = self.commits.commit(
             request.job_id, request.member_id, request.generation, request.checkpoint)
-        return ws.CommitCheckpointResponse(retired=retired, retained=retained)
+        return ws.CommitCheckpointResponse(retained=retained)
 
     @_handle
     def ReportCheckpointError(self, request: ws.ReportCheckpointErrorRequest,

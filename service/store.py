@@ -19,7 +19,7 @@ import etcd3.exceptions
 import grpc
 from google.protobuf.message import Message
 
-from springback.service.errors import InvalidArgument, StoreUnavailable
+from springback.client.errors import InvalidArgument, StoreUnavailable
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from springback.service.errors import Conflict
+from springback.client.errors import Conflict
 from springback.service.store import Store
 
 Fence = Callable[[], list[Any]]

@@ -30,12 +30,10 @@ Public API for the training library (worker) -- one ``Checkpointer`` per rank::
     verify(ckpt_uri) -> list[str]                  # problems, each naming the bad file
 
 Semantics (commit protocol, failures) are in ``commit.py``, ``checkpointer.py`` and
-``restore.py``; the CLI helpers in ``cli.py``.
+``restore.py``; ``springback ckpt`` is in the CLI package (``cli/checkpoints.py``).
 """
 
 from __future__ import annotations
-
-__version__ = "0.1.0"
 
 from springback.storage.catalog import (
     CheckpointInfo,
@@ -58,7 +56,7 @@ from springback.storage.errors import (
     StorageError,
     TransientStorageError,
 )
-from springback.storage.manifest import DataCursor, FileEntry, Manifest
+from springback.storage.manifest import ManifestCursor, FileEntry, Manifest
 from springback.storage.restore import (
     RestoreResult,
     apply_model_state_dict,
@@ -69,7 +67,7 @@ from springback.storage.restore import (
 )
 from springback.storage.resume import RestartCheckpoints  # noqa: F401 (restart mode's helper)
 from springback.storage.retry import RetryPolicy
-from springback.storage.store import ENV_S3_ENDPOINT_URL, Store
+from springback.storage.store import ENV_S3_ENDPOINT_URL, ObjectStore
 
 __all__ = [
     "ENV_S3_ENDPOINT_URL",
@@ -82,13 +80,13 @@ __all__ = [
     "CommitInfo",
     "CommitTimeout",
     "CorruptCheckpoint",
-    "DataCursor",
+    "ManifestCursor",
     "FileEntry",
     "Manifest",
     "RestoreResult",
     "RetryPolicy",
     "StorageError",
-    "Store",
+    "ObjectStore",
     "TransientStorageError",
     "apply_model_state_dict",
     "clean_partial",

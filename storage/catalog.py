@@ -21,7 +21,7 @@ from typing import Any
 
 from springback.storage.errors import CheckpointNotFound, StorageError
 from springback.storage.manifest import MANIFEST_NAME, Manifest, crc32_hex, parse_checkpoint_dir_name
-from springback.storage.store import Store, join
+from springback.storage.store import ObjectStore, join
 
 log = logging.getLogger(__name__)
 
@@ -58,11 +58,11 @@ def job_checkpoint_uri(checkpoint_uri: str, job_id: str) -> str:
     return join(checkpoint_uri, job_id)
 
 
-def _store(uri: str, store: Store | None, storage_options: dict[str, Any] | None) -> Store:
-    return store if store is not None else Store(uri, storage_options=storage_options)
+def _store(uri: str, store: ObjectStore | None, storage_options: dict[str, Any] | None) -> ObjectStore:
+    return store if store is not None else ObjectStore(uri, storage_options=storage_options)
 
 
-def read_manifest(ckpt_uri: str, *, store: Store | None = None, storage_options: dict[str, Any] | None = None) -> Manifest:
+def read_manifest(ckpt_uri: str, *, store: ObjectStore | None = None, storage_options: dict[str, Any] | None = None) -> Manifest:
     """Read and parse ``<ckpt_uri>/manifest.json``.
 
     Raises :class:`CheckpointNotFound` if absent (the checkpoint is partial or gone),
@@ -81,7 +81,7 @@ def read_manifest(ckpt_uri: str, *, store: Store | None = None, storage_options:
 
 
 def list_checkpoints(
-    base_uri: str, *, store: Store | None = None, storage_options: dict[str, Any] | None = None
+    base_uri: str, *, store: ObjectStore | None = None, storage_options: dict[str, Any] | None = None
 ) -> list[CheckpointInfo]:
     """All checkpoint directories under ``base_uri``, oldest first (by step, then generation)."""
     s = _store(base_uri, store, storage_options)
@@ -104,7 +104,7 @@ def list_checkpoints(
 
 
 def committed_checkpoints(
-    base_uri: str, *, store: Store | None = None, storage_options: dict[str, Any] | None = None
+    base_uri: str, *, store: ObjectStore | None = None, storage_options: dict[str, Any] | None = None
 ) -> list[CheckpointInfo]:
     """Committed checkpoints under ``base_uri``, oldest first."""
     return [c for c in list_checkpoints(base_uri, store=store, storage_options=storage_options) if c.committed]
@@ -113,7 +113,7 @@ def committed_checkpoints(
 def verify(
     ckpt_uri: str,
     *,
-    store: Store | None = None,
+    store: ObjectStore | None = None,
     storage_options: dict[str, Any] | None = None,
     ranks: tuple[int, int] | None = None,
 ) -> list[str]:
@@ -151,7 +151,7 @@ def verify(
     return problems
 
 
-def delete_checkpoint(ckpt_uri: str, *, store: Store | None = None, storage_options: dict[str, Any] | None = None) -> None:
+def delete_checkpoint(ckpt_uri: str, *, store: ObjectStore | None = None, storage_options: dict[str, Any] | None = None) -> None:
     """Delete one checkpoint: manifest first (it becomes partial), then the rest. Idempotent."""
     s = _store(ckpt_uri, store, storage_options)
     s.rm(join(ckpt_uri, MANIFEST_NAME))
@@ -162,7 +162,7 @@ def clean_partial(
     base_uri: str,
     *,
     current_generation: int | None = None,
-    store: Store | None = None,
+    store: ObjectStore | None = None,
     storage_options: dict[str, Any] | None = None,
 ) -> list[str]:
     """Delete partial checkpoints that can no longer commit; return their URIs.
@@ -194,7 +194,7 @@ def _can_never_commit(c: CheckpointInfo, all_ckpts: list[CheckpointInfo], curren
 
 
 def _delete_partials(all_ckpts: list[CheckpointInfo], current_generation: int | None,
-                     s: Store) -> list[str]:
+                     s: ObjectStore) -> list[str]:
     """`clean_partial` over a listing already made."""
     deleted = []
     for c in all_ckpts:
@@ -210,7 +210,7 @@ def prune_to_record(
     recorded_uris: Iterable[str],
     *,
     current_generation: int,
-    store: Store | None = None,
+    store: ObjectStore | None = None,
     storage_options: dict[str, Any] | None = None,
 ) -> list[str]:
     """Make storage converge to the coordinator's record; return what was deleted.

@@ -53,10 +53,10 @@ import torch
 
 from springback.storage import catalog
 from springback.storage.commit import DoneRecord, commit, wait_for_records, write_shard
-from springback.storage.manifest import DataCursor, Manifest, checkpoint_dir_name
+from springback.storage.manifest import ManifestCursor, Manifest, checkpoint_dir_name
 from springback.storage.retry import RetryPolicy
 from springback.storage.snapshot import ShardSnapshot, StagingArea, storage_keys
-from springback.storage.store import Store, join
+from springback.storage.store import ObjectStore, join
 
 log = logging.getLogger(__name__)
 
@@ -110,14 +110,14 @@ def _default_rank_world() -> tuple[int, int]:
     return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def _as_cursor(cursor: DataCursor | tuple[int, int] | dict[str, int] | None) -> DataCursor:
+def _as_cursor(cursor: ManifestCursor | tuple[int, int] | dict[str, int] | None) -> ManifestCursor:
     if cursor is None:
-        return DataCursor()
-    if isinstance(cursor, DataCursor):
+        return ManifestCursor()
+    if isinstance(cursor, ManifestCursor):
         return cursor
     if isinstance(cursor, dict):
-        return DataCursor(**cursor)
-    return DataCursor(epoch=int(cursor[0]), offset=int(cursor[1]))
+        return ManifestCursor(**cursor)
+    return ManifestCursor(epoch=int(cursor[0]), offset=int(cursor[1]))
 
 
 def capture_rng() -> dict[str, torch.Tensor]:
@@ -163,7 +163,7 @@ class Checkpointer:
         save_rng: bool = True,
         on_commit: Callable[[CommitInfo], None] | None = None,
         on_error: Callable[[BaseException], None] | None = None,
-        store: Store | None = None,
+        store: ObjectStore | None = None,
     ) -> None:
         if policy not in ("block", "skip"):
             raise ValueError(f"policy must be 'block' or 'skip', got {policy!r}")
@@ -175,7 +175,7 @@ class Checkpointer:
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} is not in [0, world_size={self.world_size})")
         self.base_uri = base_uri.rstrip("/")
-        self.store = store or Store(base_uri, storage_options=storage_options, retry=retry)
+        self.store = store or ObjectStore(base_uri, storage_options=storage_options, retry=retry)
         self.commit_timeout_s = commit_timeout_s
         self.poll_interval_s = poll_interval_s
         self.policy = policy
@@ -205,7 +205,7 @@ class Checkpointer:
         state_dict: dict[str, Any],
         *,
         generation: int,
-        cursor: DataCursor | tuple[int, int] | dict[str, int] | None = None,
+        cursor: ManifestCursor | tuple[int, int] | dict[str, int] | None = None,
         layout: dict[str, int] | None = None,
         extra: dict[str, Any] | None = None,
         optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
@@ -241,14 +241,7 @@ class Checkpointer:
                     return None
                 cf.wait([self._inflight])  # type: ignore[list-item]
             t1 = time.perf_counter()
-            if optimizer is None:
-                optimizers = []
-            else:
-                optimizers = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
-            for opt in optimizers:
-                if opt not in self._hooks:
-                    self._hooks[opt] = opt.register_step_pre_hook(self._before_step)
-            defer = storage_keys(optimizers) if optimizers else frozenset()
+            defer = self._hook_optimizers(optimizer)
             snap = self._staging.snapshot(state_dict, rank=self.rank, world_size=self.world_size, defer=defer)
             rng = capture_rng() if self.save_rng else None
             t2 = time.perf_counter()
@@ -262,6 +255,20 @@ class Checkpointer:
             args = (ckpt_uri, snap, rng, step, generation, _as_cursor(cursor), dict(layout or {}), extra)
             self._inflight = self._executor.submit(self._write, *args)
             return self._inflight
+
+    def _hook_optimizers(
+        self, optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None,
+    ) -> frozenset[int]:
+        """Makes each optimizer's next ``step()`` wait for the deferred copy (a
+        step pre-hook, registered once per optimizer); returns the storage keys
+        of their parameters and state, whose copy is deferred."""
+        if optimizer is None:
+            return frozenset()
+        optimizers = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
+        for opt in optimizers:
+            if opt not in self._hooks:
+                self._hooks[opt] = opt.register_step_pre_hook(self._before_step)
+        return storage_keys(optimizers) if optimizers else frozenset()
 
     def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         """Optimizer step pre-hook: the state may change now, so the deferred copy must be done."""
@@ -288,7 +295,7 @@ class Checkpointer:
         rng: dict[str, torch.Tensor] | None,
         step: int,
         generation: int,
-        cursor: DataCursor,
+        cursor: ManifestCursor,
         layout: dict[str, int],
         extra: dict[str, Any] | None,
     ) -> CommitInfo | DoneRecord:

@@ -23,7 +23,7 @@ directory and cleanup deletes it; the previous committed checkpoint is untouched
 Create-only: a committed directory is never written again. A writer checks that
 the manifest is absent before writing anything, and the done-records,
 ``.metadata`` and ``manifest.json`` are created with create-only writes
-(:meth:`~springback.storage.store.Store.put_bytes`), so of two writers of one
+(:meth:`~springback.storage.store.ObjectStore.put_bytes`), so of two writers of one
 checkpoint (a duplicate rank, two jobs pointed at one directory) exactly one
 commits and the other fails with
 :class:`~springback.storage.errors.CheckpointExists` naming the directory. Before
@@ -38,23 +38,24 @@ import dataclasses
 import os
 import pickle
 import socket
-import time
 import uuid
 import zlib
 from collections import ChainMap
-from typing import Any
+from typing import IO, Any, cast
 
 import torch
 from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
-from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, _StorageInfo
+from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
+from springback.client.polling import wait_until
+from springback.storage import compat
 from springback.storage.errors import CheckpointExists, CommitTimeout, StorageError
 from springback.storage.manifest import (
     MANIFEST_NAME,
-    DataCursor,
+    ManifestCursor,
     FileEntry,
     Manifest,
     crc32_hex,
@@ -64,7 +65,7 @@ from springback.storage.manifest import (
 )
 from springback.storage.s3upload import S3PartWriter
 from springback.storage.snapshot import ShardSnapshot
-from springback.storage.store import Store, join
+from springback.storage.store import ObjectStore, join
 
 DCP_METADATA_NAME = ".metadata"
 RECORDS_DIR = "_springback"
@@ -140,16 +141,16 @@ def _serialize(stream: Any, snap: ShardSnapshot, file_name: str) -> tuple[list[W
         if item.type == WriteItemType.BYTE_IO:
             w.write(data)
         else:
-            torch.save(data, w)
+            torch.save(data, cast(IO[bytes], w))  # a write-only binary stream
         length = w.tell() - offset
         results.append(
-            WriteResult(index=item.index, size_in_bytes=length, storage_data=_StorageInfo(file_name, offset, length))
+            WriteResult(index=item.index, size_in_bytes=length, storage_data=compat.StorageInfo(file_name, offset, length))
         )
     return results, w
 
 
 def write_shard(
-    store: Store,
+    store: ObjectStore,
     ckpt_uri: str,
     snap: ShardSnapshot,
     *,
@@ -191,7 +192,7 @@ def write_shard(
     return record
 
 
-def refuse_committed(store: Store, ckpt_uri: str) -> None:
+def refuse_committed(store: ObjectStore, ckpt_uri: str) -> None:
     """Raise :class:`CheckpointExists` if ``ckpt_uri`` holds a manifest (is committed)."""
     if any(name == MANIFEST_NAME for name, _ in store.list(ckpt_uri)):  # one LIST, fresh
         raise CheckpointExists(
@@ -200,7 +201,7 @@ def refuse_committed(store: Store, ckpt_uri: str) -> None:
             uri=ckpt_uri)
 
 
-def _create(store: Store, uri: str, data: bytes, ckpt_uri: str, conflict: str = "") -> None:
+def _create(store: ObjectStore, uri: str, data: bytes, ckpt_uri: str, conflict: str = "") -> None:
     """Create-only write; :class:`CheckpointExists` when another writer was first."""
     try:
         store.put_bytes(uri, data, create_only=True)
@@ -211,7 +212,7 @@ def _create(store: Store, uri: str, data: bytes, ckpt_uri: str, conflict: str = 
 
 
 def wait_for_records(
-    store: Store, ckpt_uri: str, world_size: int, *, timeout_s: float, poll_interval_s: float = 0.2
+    store: ObjectStore, ckpt_uri: str, world_size: int, *, timeout_s: float, poll_interval_s: float = 0.2
 ) -> list[DoneRecord]:
     """Poll until every rank's done-record exists, then read them all (ordered by rank).
 
@@ -220,28 +221,29 @@ def wait_for_records(
     directory was deleted under the committer: waiting longer cannot help).
     Reading a record that fails to unpickle raises :class:`StorageError` naming it.
     """
-    deadline = time.monotonic() + timeout_s
     wanted = {f"rank-{r:05d}.pkl": r for r in range(world_size)}
     seen: set[str] = set()
-    while True:
+    missing = sorted(wanted.values())
+
+    def all_present() -> bool:
+        nonlocal missing
         present = {name for name, _ in store.list(join(ckpt_uri, RECORDS_DIR))}
         gone = sorted(wanted[name] for name in seen - present)
         if gone:  # done-records are never removed by their writers
             raise StorageError(
                 f"checkpoint {ckpt_uri} not committed: the done-records of ranks {gone} disappeared "
                 "while waiting (the directory was deleted, e.g. by cleanup)", uri=ckpt_uri)
-        seen |= present & wanted.keys()
+        seen.update(present & wanted.keys())
         missing = sorted(r for name, r in wanted.items() if name not in present)
-        if not missing:
-            break
-        if time.monotonic() >= deadline:
-            raise CommitTimeout(
-                f"checkpoint {ckpt_uri} not committed: ranks {missing} did not finish their shards "
-                f"within {timeout_s:.1f}s",
-                uri=ckpt_uri,
-                missing_ranks=missing,
-            )
-        time.sleep(poll_interval_s)
+        return not missing
+
+    if not wait_until(all_present, timeout_s=timeout_s, interval_s=poll_interval_s):
+        raise CommitTimeout(
+            f"checkpoint {ckpt_uri} not committed: ranks {missing} did not finish their shards "
+            f"within {timeout_s:.1f}s",
+            uri=ckpt_uri,
+            missing_ranks=missing,
+        )
     records = []
     for r in range(world_size):
         uri = join(ckpt_uri, record_name(r))
@@ -267,12 +269,7 @@ def build_metadata(records: list[DoneRecord], ckpt_uri: str) -> Metadata:
         _, md = create_default_global_save_plan(plans, rewrite_index_hints=False)
     except AssertionError as exc:
         raise ValueError(f"ranks wrote overlapping entries for {ckpt_uri}: {exc}") from exc
-    try:  # private DCP helper: checks that chunks cover each tensor without overlap
-        from torch.distributed.checkpoint.default_planner import _validate_global_plan
-
-        errors = _validate_global_plan(plans, md)
-    except ImportError:  # pragma: no cover - older torch
-        errors = []
+    errors = compat.validate_global_plan(plans, md)
     if errors:
         raise ValueError(f"inconsistent shards for {ckpt_uri}: {'; '.join(map(str, errors))[:500]}")
     md.planner_data = dict(ChainMap(*[r.mappings for r in records]))
@@ -283,13 +280,13 @@ def build_metadata(records: list[DoneRecord], ckpt_uri: str) -> Metadata:
 
 
 def commit(
-    store: Store,
+    store: ObjectStore,
     ckpt_uri: str,
     records: list[DoneRecord],
     *,
     step: int,
     generation: int,
-    cursor: DataCursor,
+    cursor: ManifestCursor,
     layout: dict[str, int],
     extra: dict[str, Any] | None = None,
 ) -> Manifest:
@@ -325,7 +322,7 @@ def commit(
     return manifest
 
 
-def load_record(store: Store, ckpt_uri: str, rank: int) -> DoneRecord:
+def load_record(store: ObjectStore, ckpt_uri: str, rank: int) -> DoneRecord:
     """Read one rank's done-record (used to restore RNG state)."""
     return pickle.loads(store.get_bytes(join(ckpt_uri, record_name(rank))))
 

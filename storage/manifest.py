@@ -64,7 +64,7 @@ class FileEntry:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class DataCursor:
+class ManifestCursor:
     """Where the data stream stands: the next sample is ``offset`` in ``epoch``."""
 
     epoch: int = 0
@@ -77,7 +77,7 @@ class Manifest:
     generation: int
     world_size: int
     layout: dict[str, int]
-    cursor: DataCursor
+    cursor: ManifestCursor
     files: tuple[FileEntry, ...]
     versions: dict[str, str]
     created_at: str
@@ -108,7 +108,7 @@ class Manifest:
                 generation=int(d["generation"]),
                 world_size=int(d["world_size"]),
                 layout={str(k): int(v) for k, v in d.get("layout", {}).items()},
-                cursor=DataCursor(**d["cursor"]),
+                cursor=ManifestCursor(**d["cursor"]),
                 files=tuple(FileEntry(**f) for f in d["files"]),
                 versions=dict(d.get("versions", {})),
                 created_at=str(d["created_at"]),
@@ -122,7 +122,7 @@ class Manifest:
 def library_versions() -> dict[str, str]:
     import torch
 
-    from springback.storage import __version__
+    from springback import __version__
 
     return {"torch": torch.__version__, "springback": __version__, "python": platform.python_version()}
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 from typing import NamedTuple
 
-from springback.storage.store import Store, join
+from springback.storage.store import ObjectStore, join
 
 LOGS_DIR = "logs"
 _CHUNK = re.compile(r"^(\d{13})-(\d{6})\.log$")
@@ -36,7 +36,7 @@ def logs_uri(base_uri: str) -> str:
     return join(base_uri, LOGS_DIR)
 
 
-def write_chunk(store: Store, base_uri: str, member_id: str, unix_ms: int, seq: int,
+def write_chunk(store: ObjectStore, base_uri: str, member_id: str, unix_ms: int, seq: int,
                 data: bytes) -> str:
     """Writes one chunk (atomically; retried by `store`); returns its URI.
     Raises the store's error when its retries run out (nothing partial is left)."""
@@ -45,12 +45,12 @@ def write_chunk(store: Store, base_uri: str, member_id: str, unix_ms: int, seq: 
     return uri
 
 
-def members(store: Store, base_uri: str) -> list[str]:
+def members(store: ObjectStore, base_uri: str) -> list[str]:
     """Members that shipped logs, sorted."""
     return sorted(name for name, is_dir in store.list(logs_uri(base_uri)) if is_dir)
 
 
-def list_chunks(store: Store, base_uri: str, member_id: str | None = None) -> list[Chunk]:
+def list_chunks(store: ObjectStore, base_uri: str, member_id: str | None = None) -> list[Chunk]:
     """Every chunk (of one member, or of all), oldest first."""
     chunks = []
     for member in [member_id] if member_id else members(store, base_uri):
@@ -62,6 +62,6 @@ def list_chunks(store: Store, base_uri: str, member_id: str | None = None) -> li
     return sorted(chunks)
 
 
-def delete_logs(store: Store, base_uri: str) -> None:
+def delete_logs(store: ObjectStore, base_uri: str) -> None:
     """Deletes every rank log of the job (idempotent)."""
     store.rm_tree(logs_uri(base_uri))

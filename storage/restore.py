@@ -24,16 +24,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
-from springback.storage import catalog
+from springback.storage import catalog, compat
 from springback.storage.commit import load_record
 from springback.storage.errors import CheckpointMismatch, CheckpointNotFound, CorruptCheckpoint, TransientStorageError
 from springback.storage.retry import is_transient
 from springback.storage.manifest import Manifest
-from springback.storage.store import Store
+from springback.storage.store import ObjectStore
 
 log = logging.getLogger(__name__)
 
@@ -58,14 +57,12 @@ def _dist_group(process_group: Any) -> tuple[int, int, bool]:
     return 0, 1, False
 
 
-def storage_reader(ckpt_uri: str, *, store: Store | None = None, storage_options: dict[str, Any] | None = None) -> Any:
+def storage_reader(ckpt_uri: str, *, store: ObjectStore | None = None, storage_options: dict[str, Any] | None = None) -> Any:
     """A DCP ``StorageReader`` for ``ckpt_uri`` (``FileSystemReader`` for local paths, else ``FsspecReader``)."""
-    s = store or Store(ckpt_uri, storage_options=storage_options)
+    s = store or ObjectStore(ckpt_uri, storage_options=storage_options)
     if s.is_local:
-        return dcp.FileSystemReader(s.fs._strip_protocol(ckpt_uri))
-    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
-
-    return FsspecReader(ckpt_uri, **s.storage_options)
+        return dcp.FileSystemReader(compat.strip_protocol(s.fs, ckpt_uri))
+    return compat.FsspecReader(ckpt_uri, **s.storage_options)
 
 
 def load(
@@ -74,7 +71,7 @@ def load(
     *,
     storage_options: dict[str, Any] | None = None,
     process_group: Any = None,
-    store: Store | None = None,
+    store: ObjectStore | None = None,
     optimizer_state_as_saved: bool = False,
 ) -> Manifest:
     """Load one committed checkpoint into ``state_dict`` in place (no verification, no fallback).
@@ -90,13 +87,13 @@ def load(
     (``state_dict`` may then be partly loaded: load into copies to keep the
     originals, as :func:`restore_model` does).
     """
-    s = store or Store(ckpt_uri, storage_options=storage_options)
+    s = store or ObjectStore(ckpt_uri, storage_options=storage_options)
     manifest = catalog.read_manifest(ckpt_uri, store=s)
     reader = storage_reader(ckpt_uri, store=s)
     saved = set(reader.read_metadata().state_dict_metadata)
     if optimizer_state_as_saved:
         _drop_unsaved_optimizer_state(state_dict, saved)
-    missing = sorted(k for k in flatten_state_dict(state_dict)[0] if k not in saved)
+    missing = sorted(k for k in compat.flatten_state_dict(state_dict)[0] if k not in saved)
     if missing:
         raise CheckpointMismatch(
             f"checkpoint {ckpt_uri} holds no entry for {', '.join(missing[:10])}"
@@ -107,7 +104,7 @@ def load(
     return manifest
 
 
-def _load_retrying(state_dict: dict[str, Any], reader: Any, process_group: Any, store: Store, ckpt_uri: str) -> None:
+def _load_retrying(state_dict: dict[str, Any], reader: Any, process_group: Any, store: ObjectStore, ckpt_uri: str) -> None:
     """``dcp.load``, repeated whole on transient read errors within the store's retry policy.
 
     Every entry is read again, so a retry is complete. DCP gathers every rank's
@@ -148,7 +145,7 @@ def _drop_unsaved_optimizer_state(state_dict: dict[str, Any], saved: set[str]) -
     return dropped
 
 
-def _agreed_problems(ckpt_uri: str, store: Store, rank: int, world: int, distributed: bool, pg: Any) -> list[str]:
+def _agreed_problems(ckpt_uri: str, store: ObjectStore, rank: int, world: int, distributed: bool, pg: Any) -> list[str]:
     mine = catalog.verify(ckpt_uri, store=store, ranks=(rank, world))
     if not distributed:
         return mine
@@ -167,7 +164,7 @@ def restore(
     process_group: Any = None,
     verify_checksums: bool = True,
     restore_rng: bool = False,
-    store: Store | None = None,
+    store: ObjectStore | None = None,
     optimizer_state_as_saved: bool = False,
 ) -> RestoreResult:
     """Load the newest intact committed checkpoint under ``base_uri`` into ``state_dict``.
@@ -183,7 +180,7 @@ def restore(
     candidate is bad, :class:`CheckpointMismatch` when ``state_dict`` has entries
     the chosen checkpoint lacks (see :func:`load`; nothing is loaded then).
     """
-    s = store or Store(base_uri, storage_options=storage_options)
+    s = store or ObjectStore(base_uri, storage_options=storage_options)
     rank, world, distributed = _dist_group(process_group)
     candidates = [c.uri for c in reversed(catalog.committed_checkpoints(base_uri, store=s)) if (step is None or c.step == step) and (max_step is None or c.step <= max_step)]
     if distributed:  # everyone tries the same list, even if a commit lands meanwhile
@@ -236,6 +233,7 @@ def model_state_dict(
     """
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
+    sd: dict[str, Any]
     if optimizer is None:
         sd = {"model": get_model_state_dict(model)}
     else:
@@ -311,7 +309,7 @@ def restore_model(
         staged = detached_copy(model_state_dict(model, optimizer, extra_state=extra_state))
         result = restore(base_uri, staged, optimizer_state_as_saved=True, **kwargs)
     except BaseException:  # DCP raises CheckpointException, a BaseException
-        if pristine is not None:
+        if pristine is not None and optimizer is not None:
             optimizer.load_state_dict(pristine)
         raise
     apply_model_state_dict(model, optimizer, staged)

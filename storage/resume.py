@@ -51,7 +51,7 @@ from springback.storage.restore import model_state_dict, restore_model
 
 log = logging.getLogger(__name__)
 
-# The same names as in springback.worker.env (storage does not import the worker).
+# The same names as in springback.client.env (storage does not import the worker).
 ENV_CHECKPOINT_URI = "SPRINGBACK_CHECKPOINT_URI"
 """Set by the agent in restart mode: the job spec's ``checkpoint.uri``."""
 ENV_RESTORE_MAX_STEP = "SPRINGBACK_RESTORE_MAX_STEP"

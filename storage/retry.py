@@ -1,10 +1,18 @@
-"""Retry with exponential backoff for transient storage errors.
+"""The one retry policy of Springback's storage: exponential backoff with
+jitter for transient errors, within an attempt budget and a deadline
+(`RetryPolicy`), run by ``tenacity``.
 
-What counts as transient (retried): connection resets / refused / timeouts, HTTP 5xx
-and throttling answers from S3-compatible stores (``SlowDown``, ``Throttling``,
-``RequestTimeout``, ``InternalError``, ``ServiceUnavailable``), and aiohttp/botocore
-connection errors. Everything else -- missing files, files a create-only write found, permissions, bad arguments --
-fails at once. s3fs and botocore wrap and re-raise errors, so the whole
+It is the only layer that retries: `ObjectStore` turns s3fs's and botocore's
+own retries off (`LOWER_RETRIES_OFF`), so one fault costs one retry decision
+here and a `RetryPolicy`'s numbers mean what they say.
+
+What counts as transient (retried), by exception type and structured error
+code, never by message text: connection resets / refusals / timeouts, HTTP 5xx
+and 429, S3's throttling and availability codes (``SlowDown``, ``Throttling``,
+``RequestTimeout``, ``InternalError``, ``ServiceUnavailable``, ...), and
+botocore's and aiohttp's connection errors. Everything else -- missing files,
+files a create-only write found, permissions, bad arguments -- fails at once.
+s3fs translates botocore errors into OSErrors raised from them, so the whole
 ``__cause__``/``__context__`` chain is inspected.
 
 A retried operation must be idempotent: callers pass a function that redoes the
@@ -15,12 +23,14 @@ partial continuation.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
-import random
 import threading
 import time
 from collections.abc import Callable
 from typing import TypeVar
+
+import tenacity
 
 from springback.storage.errors import TransientStorageError
 
@@ -28,38 +38,32 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-_TRANSIENT_CODES = frozenset(
-    {
-        "SlowDown",
-        "Throttling",
-        "ThrottlingException",
-        "RequestTimeout",
-        "RequestTimeTooSkewed",
-        "InternalError",
-        "ServiceUnavailable",
-        "503",
-        "500",
-        "502",
-        "504",
-    }
+_TRANSIENT_CODES = frozenset({
+    "SlowDown", "Throttling", "ThrottlingException", "RequestTimeout",
+    "RequestTimeTooSkewed", "InternalError", "ServiceUnavailable",
+})
+
+
+@functools.cache
+def _transient_types() -> tuple[type[BaseException], ...]:
+    # Imported on first use: every rank imports storage, few ever classify an S3 error.
+    import aiohttp
+    import botocore.exceptions
+
+    return (
+        ConnectionError,
+        TimeoutError,
+        botocore.exceptions.HTTPClientError,  # endpoint, connect/read timeouts, closed connections
+        botocore.exceptions.IncompleteReadError,
+        aiohttp.ClientConnectionError,  # server disconnected, connector and OS errors
+        aiohttp.ClientPayloadError,
+    )
+_PERMANENT_TYPES: tuple[type[BaseException], ...] = (
+    FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError, NotADirectoryError,
 )
-_TRANSIENT_NAMES = frozenset(
-    {
-        # botocore
-        "EndpointConnectionError",
-        "ConnectionClosedError",
-        "ReadTimeoutError",
-        "ConnectTimeoutError",
-        "ResponseStreamingError",
-        "IncompleteReadError",
-        # aiohttp
-        "ServerDisconnectedError",
-        "ClientOSError",
-        "ClientConnectorError",
-        "ClientPayloadError",
-        "ServerTimeoutError",
-    }
-)
+
+LOWER_RETRIES_OFF = {"retries": {"max_attempts": 1, "mode": "standard"}}
+"""botocore ``config_kwargs`` that make it try once (this module retries)."""
 
 
 def _chain(exc: BaseException) -> list[BaseException]:
@@ -71,23 +75,23 @@ def _chain(exc: BaseException) -> list[BaseException]:
     return seen
 
 
+def _transient_client_error(e: BaseException) -> bool:
+    import botocore.exceptions
+
+    if not isinstance(e, botocore.exceptions.ClientError):
+        return False
+    error = e.response.get("Error", {}) or {}
+    status = int((e.response.get("ResponseMetadata", {}) or {}).get("HTTPStatusCode", 0) or 0)
+    return str(error.get("Code", "")) in _TRANSIENT_CODES or status >= 500 or status == 429
+
+
 def is_transient(exc: BaseException) -> bool:
-    """Return True if ``exc`` (or anything in its cause chain) is worth retrying."""
+    """True if ``exc`` (or anything in its cause chain) is worth retrying; a
+    permanent error met first in the chain (e.g. FileNotFoundError) wins."""
     for e in _chain(exc):
-        if isinstance(e, (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError, NotADirectoryError)):
+        if isinstance(e, _PERMANENT_TYPES):
             return False
-        if isinstance(e, (ConnectionError, TimeoutError)):
-            return True
-        if type(e).__name__ in _TRANSIENT_NAMES:
-            return True
-        response = getattr(e, "response", None)
-        if isinstance(response, dict):  # botocore ClientError
-            err = response.get("Error", {}) or {}
-            status = (response.get("ResponseMetadata", {}) or {}).get("HTTPStatusCode", 0) or 0
-            if str(err.get("Code", "")) in _TRANSIENT_CODES or int(status) >= 500 or int(status) == 429:
-                return True
-        text = str(e)
-        if any(code in text for code in ("SlowDown", "ServiceUnavailable", "(503)", "(500)", "InternalError")):
+        if isinstance(e, _transient_types()) or _transient_client_error(e):
             return True
     return False
 
@@ -99,7 +103,9 @@ class RetryPolicy:
     max_attempts: int = 8
     """Total tries, the first included."""
     initial_backoff_s: float = 0.05
-    """Sleep before the second try; doubles each time, with +-50% jitter."""
+    """Scale of the sleep before the second try; the bound doubles each try
+    (up to `max_backoff_s`) and each sleep is drawn at random below it
+    ("full jitter", so ranks retrying together spread out)."""
     max_backoff_s: float = 5.0
     """Upper bound of one sleep."""
     deadline_s: float = 120.0
@@ -138,28 +144,32 @@ def call_with_retry(
 
     Raises the original exception for non-transient errors, and
     :class:`TransientStorageError` (naming ``what`` and ``uri``, chained to the last
-    error) when the retry budget is spent.
+    error) when the retry budget (attempts or deadline) is spent. Blocks the
+    calling thread for the backoff sleeps.
     """
+
+    def before_sleep(state: tenacity.RetryCallState) -> None:
+        if stats is not None:
+            stats._add(retries=1)
+        log.warning("transient error on %s %s (attempt %d), retrying in %.2fs: %r", what, uri,
+                    state.attempt_number, state.upcoming_sleep,
+                    state.outcome.exception() if state.outcome else None)
+
+    retrying = tenacity.Retrying(
+        retry=tenacity.retry_if_exception(is_transient),
+        stop=(tenacity.stop_after_attempt(policy.max_attempts)
+              | tenacity.stop_after_delay(policy.deadline_s)),
+        wait=tenacity.wait_random_exponential(multiplier=policy.initial_backoff_s,
+                                              max=policy.max_backoff_s),
+        before_sleep=before_sleep,
+    )
     start = time.monotonic()
-    backoff = policy.initial_backoff_s
-    attempt = 0
-    while True:
-        attempt += 1
-        try:
-            return fn()
-        except Exception as exc:  # noqa: BLE001 - classified below
-            if not is_transient(exc):
-                raise
-            elapsed = time.monotonic() - start
-            if attempt >= policy.max_attempts or elapsed >= policy.deadline_s:
-                if stats is not None:
-                    stats._add(gave_up=1)
-                raise TransientStorageError(
-                    f"{what} {uri} failed after {attempt} attempts in {elapsed:.1f}s: {exc!r}", uri=uri
-                ) from exc
-            if stats is not None:
-                stats._add(retries=1)
-            sleep_s = min(policy.max_backoff_s, backoff) * random.uniform(0.5, 1.5)
-            log.warning("transient error on %s %s (attempt %d), retrying in %.2fs: %r", what, uri, attempt, sleep_s, exc)
-            time.sleep(sleep_s)
-            backoff *= 2
+    try:
+        return retrying(fn)
+    except tenacity.RetryError as e:
+        exc = e.last_attempt.exception()
+        if stats is not None:
+            stats._add(gave_up=1)
+        raise TransientStorageError(
+            f"{what} {uri} failed after {e.last_attempt.attempt_number} attempts in "
+            f"{time.monotonic() - start:.1f}s: {exc!r}", uri=uri) from exc

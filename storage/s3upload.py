@@ -17,7 +17,7 @@ botocore does not compute the same checksum a second time.
 Host memory: part buffers are recycled; at most ``max_concurrency + 1`` of them
 (``part_size`` each) exist. Failure: any error aborts the multipart upload (no
 object appears) and is raised from ``write`` or ``close``; retrying is the
-caller's business (the Store rewrites the whole file).
+caller's business (the ObjectStore rewrites the whole file).
 """
 
 from __future__ import annotations

@@ -40,11 +40,11 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
-from torch.distributed.checkpoint.planner_helpers import _create_write_items
 from torch.distributed.tensor import DTensor
+
+from springback.storage import compat
 
 _OBJECT_WEIGHT = 64  # nominal bytes of a non-tensor entry, for the balance
 
@@ -153,24 +153,8 @@ class StagingArea:
         synchronized) when this returns, so the caller may mutate those entries at
         once. Raises ``ValueError`` for entries it cannot checkpoint (Partial DTensors).
         """
-        flat, mappings = flatten_state_dict(state_dict)
-        owned: list[tuple[WriteItem, Any]] = []
-        replicated: dict[str, tuple[WriteItem, Any]] = {}
-        sizes: dict[str, int] = {}
-        for fqn, obj in flat.items():
-            if isinstance(obj, DTensor):
-                if _owns_dtensor(obj):
-                    (item,) = _create_write_items(fqn, obj)
-                    owned.append((item, obj.to_local()))
-            elif isinstance(obj, torch.Tensor):
-                (item,) = _create_write_items(fqn, obj)
-                replicated[fqn] = (item, obj)
-                sizes[fqn] = obj.numel() * obj.element_size()
-            else:
-                replicated[fqn] = (_create_write_items(fqn, obj)[0], obj)
-                sizes[fqn] = _OBJECT_WEIGHT
-        owner = assign_replicated(sizes, world_size)
-        owned.extend(v for fqn, v in replicated.items() if owner[fqn] == rank)
+        flat, mappings = compat.flatten_state_dict(state_dict)
+        owned = _owned_items(flat, rank=rank, world_size=world_size)
 
         items: list[WriteItem] = []
         data: list[torch.Tensor | bytes] = []
@@ -207,6 +191,30 @@ class StagingArea:
             if key not in live:
                 del self._buffers[key]
         return ShardSnapshot(items=items, data=data, mappings=mappings, num_bytes=num_bytes, pending=pending, after=after)
+
+
+def _owned_items(flat: dict[str, Any], *, rank: int, world_size: int) -> list[tuple[WriteItem, Any]]:
+    """The write items this rank stores, with their data: the local shards of
+    its DTensors, plus the replicated entries (plain tensors, other objects)
+    that `assign_replicated` gives it."""
+    owned: list[tuple[WriteItem, Any]] = []
+    replicated: dict[str, tuple[WriteItem, Any]] = {}
+    sizes: dict[str, int] = {}
+    for fqn, obj in flat.items():
+        if isinstance(obj, DTensor):
+            if _owns_dtensor(obj):
+                (item,) = compat.create_write_items(fqn, obj)
+                owned.append((item, obj.to_local()))
+        elif isinstance(obj, torch.Tensor):
+            (item,) = compat.create_write_items(fqn, obj)
+            replicated[fqn] = (item, obj)
+            sizes[fqn] = obj.numel() * obj.element_size()
+        else:
+            replicated[fqn] = (compat.create_write_items(fqn, obj)[0], obj)
+            sizes[fqn] = _OBJECT_WEIGHT
+    owner = assign_replicated(sizes, world_size)
+    owned.extend(v for fqn, v in replicated.items() if owner[fqn] == rank)
+    return owned
 
 
 def _storage_key(t: torch.Tensor) -> int:

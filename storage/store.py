@@ -1,10 +1,12 @@
 """A small storage layer over fsspec string URIs, with retries.
 
 URIs are plain strings (``file:///x``, ``/x``, ``s3://bucket/x``, ``memory://x``):
-``pathlib.Path`` would mangle ``s3://``. A :class:`Store` wraps the fsspec filesystem
+``pathlib.Path`` would mangle ``s3://``. A :class:`ObjectStore` wraps the fsspec filesystem
 of one URI scheme and applies :func:`~springback.storage.retry.call_with_retry` to
 every call, so transient errors (5xx, throttling, resets) are retried with backoff
-and anything else fails at once with the URI in the message.
+and anything else fails at once with the URI in the message. That policy is the
+only retry layer: on S3, s3fs's and botocore's own retries are turned off
+(botocore ``config_kwargs["retries"]`` unless the caller sets one).
 
 S3 configuration, in priority order: explicit ``storage_options`` (s3fs keyword
 arguments, e.g. ``{"client_kwargs": {"endpoint_url": ...}, "key": ..., "secret":
@@ -12,8 +14,8 @@ arguments, e.g. ``{"client_kwargs": {"endpoint_url": ...}, "key": ..., "secret":
 the usual ``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY`` / ``AWS_REGION`` that
 botocore reads itself.
 
-Durability: on local files, :meth:`Store.write_file` fsyncs before returning and
-:meth:`Store.put_bytes` with ``atomic=True`` writes a temporary file and renames it,
+Durability: on local files, :meth:`ObjectStore.write_file` fsyncs before returning and
+:meth:`ObjectStore.put_bytes` with ``atomic=True`` writes a temporary file and renames it,
 so a crash leaves either the old content or the new. On S3 a PUT (or a completed
 multipart upload) is atomic by itself. Listing and existence checks bypass fsspec's
 listing cache, so polling sees other processes' writes.
@@ -25,12 +27,13 @@ import os
 import uuid
 import zlib
 from collections.abc import Callable
-from typing import Any, BinaryIO, TypeVar
+from typing import Any, BinaryIO, TypeVar, cast
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from springback.storage.retry import RetryPolicy, RetryStats, call_with_retry
+from springback.storage import compat
+from springback.storage.retry import LOWER_RETRIES_OFF, RetryPolicy, RetryStats, call_with_retry
 from springback.storage.s3upload import S3PartWriter
 
 T = TypeVar("T")
@@ -59,10 +62,13 @@ def resolve_storage_options(uri: str, storage_options: dict[str, Any] | None) ->
             client_kwargs["endpoint_url"] = endpoint
         if client_kwargs:
             opts["client_kwargs"] = client_kwargs
+        config_kwargs = dict(opts.get("config_kwargs") or {})
+        config_kwargs.setdefault("retries", LOWER_RETRIES_OFF["retries"])  # one retry layer: ours
+        opts["config_kwargs"] = config_kwargs
     return opts
 
 
-class Store:
+class ObjectStore:
     """Retrying file operations on one fsspec filesystem, addressed by full URIs.
 
     On S3, files are uploaded by :class:`~springback.storage.s3upload.S3PartWriter`
@@ -92,12 +98,14 @@ class Store:
         self.stats = stats or RetryStats()
         self.is_local = isinstance(self.fs, LocalFileSystem)
         self.is_s3 = type(self.fs).__name__ == "S3FileSystem"
+        if self.is_s3:
+            self.fs.retries = 1  # s3fs tries once; `retry` is the one policy
         self.part_size = part_size
         self.max_concurrency = max_concurrency
 
     # -- helpers -------------------------------------------------------------
     def _path(self, uri: str) -> str:
-        return self.fs._strip_protocol(uri)
+        return compat.strip_protocol(self.fs, uri)
 
     def _call(self, what: str, uri: str, fn: Callable[[], T]) -> T:
         return call_with_retry(fn, what=what, uri=uri, policy=self.retry, stats=self.stats)
@@ -120,7 +128,7 @@ class Store:
             self._ensure_parent(path)
             if self.is_s3:
                 with S3PartWriter(self.fs, path, part_size=self.part_size, max_concurrency=self.max_concurrency) as w:
-                    return produce(w)
+                    return produce(cast(BinaryIO, w))  # a write-only binary file
             with self.fs.open(path, "wb") as f:
                 result = produce(f)
                 if self.is_local:

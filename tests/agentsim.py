@@ -1,6 +1,6 @@
 """Members driven the way `springback run` drives them, without ranks.
 
-`SimMember` joins with a join token over a `springback.service.channel`
+`SimMember` joins with a join token over a `springback.client.channel`
 channel (the agent's: round-robin, health-checked, retrying idempotent calls)
 and heartbeats on its own thread with the agent's cadence and deadline
 (every liveness/4, deadline at least 1 s), counting every outcome, so fault
@@ -18,7 +18,7 @@ from collections import Counter
 
 import grpc
 
-from springback.service.channel import Backoff, _service_config, connect
+from springback.client.channel import Backoff, _service_config, connect
 from springback.v1 import types_pb2 as pb
 from springback.v1 import worker_service_pb2 as ws
 from springback.v1 import worker_service_pb2_grpc as ws_grpc

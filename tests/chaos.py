@@ -53,7 +53,7 @@ from cluster import AgentProcess, children
 from etcdcluster import EtcdCluster
 from netproxy import NetProxy
 from sbtest import CoordinatorProcess
-from springback.service.local import free_port
+from springback.cli.local import free_port
 
 FAULTS = ("kill-node", "kill-rank", "stop-node", "drain-node", "skewed-node",
           "reset-rank-links", "slow-agent-links", "reset-agent-links", "refuse-agent-links",

@@ -7,8 +7,8 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from sbtest import CoordinatorProcess
-from springback.service.client import Client
-from springback.service.local import EtcdServer
+from springback.client.api import Client
+from springback.cli.local import EtcdServer
 from springback.service.server import CoordinatorConfig, CoordinatorServer
 
 

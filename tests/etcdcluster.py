@@ -1,6 +1,6 @@
 """A real etcd cluster of several members on loopback, for fault tests.
 
-Each member is a `springback.service.local.EtcdServer` process with its own
+Each member is a `springback.cli.local.EtcdServer` process with its own
 data directory and ports; `kill` and `start` one to lose it and bring it back
 (its data stays), `raft_leader` says which member leads raft now.
 """
@@ -11,7 +11,7 @@ import os
 
 import etcd3
 
-from springback.service.local import EtcdServer
+from springback.cli.local import EtcdServer
 
 
 class EtcdCluster:

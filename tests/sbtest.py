@@ -11,10 +11,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import urllib.request
 from collections.abc import Callable
 from typing import TypeVar
+
+from springback.client.polling import wait_until
 
 T = TypeVar("T")
 
@@ -25,21 +26,23 @@ def wait_for(predicate: Callable[[], T], timeout_s: float, what: str, interval_s
     Exceptions raised by the predicate count as "not yet" (the last one is
     reported on timeout).
     """
-    deadline = time.monotonic() + timeout_s
     last_error: BaseException | None = None
-    while True:
+
+    def attempt() -> T | None:
+        nonlocal last_error
         try:
-            value = predicate()
-            if value:
-                return value
+            return predicate()
         except Exception as e:  # noqa: BLE001 (reported below)
             last_error = e
-        if time.monotonic() > deadline:
-            raise AssertionError(
-                f"timed out after {timeout_s}s waiting for {what}"
-                + (f" (last error: {last_error!r})" if last_error else "")
-            )
-        time.sleep(interval_s)  # polling interval of a condition with a deadline
+            return None
+
+    value = wait_until(attempt, timeout_s=timeout_s, interval_s=interval_s)
+    if not value:
+        raise AssertionError(
+            f"timed out after {timeout_s}s waiting for {what}"
+            + (f" (last error: {last_error!r})" if last_error else "")
+        )
+    return value
 
 
 class CoordinatorProcess:
@@ -49,7 +52,7 @@ class CoordinatorProcess:
         self.log_path = log_path
         self._log = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "springback.service.cli", "--json", "coordinator",
+            [sys.executable, "-m", "springback.cli", "--json", "coordinator",
              "--etcd", etcd_endpoint, "--listen", "127.0.0.1:0", *extra],
             stdout=subprocess.PIPE, stderr=self._log, start_new_session=True,
             env={**os.environ, "SPRINGBACK_LOG_LEVEL": "INFO"},

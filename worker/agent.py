@@ -54,13 +54,14 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from springback.service.channel import Backoff, connect, parse_addresses
-from springback.service.metrics import Registry
-from springback.service.metrics import serve as serve_metrics
+from springback.client.channel import Backoff, connect, parse_addresses
+from springback.client.polling import wait_until
+from springback.client.metrics import Registry
+from springback.client.metrics import serve as serve_metrics
 from springback.v1 import types_pb2 as pb
 from springback.v1 import worker_service_pb2 as wpb
 from springback.v1 import worker_service_pb2_grpc as wgrpc
-from springback.worker import env as E
+from springback.client import env as E
 from springback.worker.agentmetrics import RankRecoveries
 from springback.worker.control import PlanPublisher
 from springback.worker.launch import (
@@ -78,7 +79,6 @@ from springback.worker.ranklogs import RankLogs, rank_label
 from springback.worker.ranks import LocalRanks, with_parent_death
 from springback.worker.rankstats import read_all as read_rank_stats
 from springback.worker.restart import RestartRanks
-from springback.worker.standalone import run_standalone
 from springback.worker.startup import (
     DrainedBeforeJoin,
     JobFinished,
@@ -544,13 +544,9 @@ class Agent:
                         e.code().name)
         if self._restart is not None:  # as torchrun: the ranks get the signal
             self._restart.signal_all(signal.SIGTERM)
-        while time.monotonic() < deadline:
-            if all(p.poll() is not None for p in self._running_ranks()):
-                break
-            if self._fenced.is_set():
-                break
-            time.sleep(0.05)
-        else:
+        if not wait_until(lambda: self._fenced.is_set() or all(
+                p.poll() is not None for p in self._running_ranks()),
+                timeout_s=deadline - time.monotonic()):
             log.warning("drain deadline of %.0fs passed: killing ranks",
                         self.config.drain_timeout_s)
         self._kill_ranks()
@@ -653,9 +649,17 @@ def _run_agent(config: AgentConfig, drained_exit_code: int = EXIT_OK) -> int:
     return drained_exit_code if status == EXIT_OK and drained else status
 
 
-def run_main(args: argparse.Namespace) -> int:
+Standalone = Callable[[str, "tuple[int, int] | None", Callable[[str, str], int]], int]
+"""``(name, nnodes, run_agent) -> status``: brings up a local etcd + coordinator,
+submits a one-node job and returns ``run_agent(coordinator, job_id)``. The CLI
+passes `springback.cli.standalone.run_standalone`; the agent itself knows no
+coordinator code."""
+
+
+def run_main(args: argparse.Namespace, standalone: Standalone | None = None) -> int:
     """Runs the agent for parsed `run` arguments; returns the exit status
-    (2 for bad arguments, with the flag named on stderr)."""
+    (2 for bad arguments, with the flag named on stderr). ``--standalone``
+    needs `standalone` (given by the `springback` CLI)."""
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log.setLevel(logging.INFO)
     coordinator = getattr(args, "coordinator", None)
@@ -663,10 +667,13 @@ def run_main(args: argparse.Namespace) -> int:
         if args.standalone and (args.job or coordinator):
             raise ValueError("--standalone starts its own coordinator and job: "
                              "drop --job and --coordinator")
+        if args.standalone and standalone is None:
+            raise ValueError("--standalone is a `springback run` option (the CLI starts "
+                             "the local coordinator)")
         if not args.standalone and not args.job:
             raise ValueError("--job is required (or --standalone)")
         config = _config_from_args(args, args.job or "standalone", coordinator)
-        if not args.standalone:
+        if standalone is None or not args.standalone:
             return _run_agent(config, args.drained_exit_code)
         nnodes = parse_nnodes(args.nnodes)
     except ValueError as e:
@@ -674,7 +681,7 @@ def run_main(args: argparse.Namespace) -> int:
         return 2
     name = os.path.splitext(os.path.basename(config.command[-1]))[0].lower()
     name = "".join(c if c.isalnum() else "-" for c in name).strip("-") or "standalone"
-    return run_standalone(name, nnodes, lambda address, job_id: _run_agent(
+    return standalone(name, nnodes, lambda address, job_id: _run_agent(
         dataclasses.replace(config, coordinator=address, job_id=job_id)))
 
 

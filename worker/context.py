@@ -19,7 +19,7 @@ import torch
 
 from springback.v1 import types_pb2 as pb
 from springback.worker.control import PlanChannel
-from springback.worker.env import RankEnv
+from springback.client.env import RankEnv
 from springback.worker.rankstats import RankStats
 
 DEFAULT_PLAN_WAIT_S = 300.0

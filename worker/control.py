@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Callable
 
 from springback.v1 import types_pb2 as pb
 
@@ -90,18 +89,6 @@ class PlanChannel:
 
     def last_holder(self) -> bool:
         return os.path.exists(self._last_holder_path)
-
-    def wait(self, accept: Callable[[pb.Plan], bool], deadline: float,
-             poll_s: float = 0.02) -> pb.Plan | None:
-        """Polls until `accept(plan)` holds or `deadline` (time.monotonic) passes;
-        returns the accepted plan or None on timeout."""
-        while True:
-            plan = self.latest()
-            if plan is not None and accept(plan):
-                return plan
-            if time.monotonic() >= deadline:
-                return None
-            time.sleep(poll_s)
 
 
 def activate_standby(path: str, *, local_rank: int, member_id: str, control_dir: str,

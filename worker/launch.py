@@ -28,7 +28,7 @@ import subprocess
 import sys
 import threading
 from dataclasses import dataclass, field
-from typing import IO
+from typing import IO, TextIO
 
 MODES = ("auto", "library", "restart")
 
@@ -237,7 +237,7 @@ class RankOutput:
         return proc
 
 
-def _tee(pipe: IO[bytes], log_file: IO[bytes], console: IO[str]) -> None:
+def _tee(pipe: IO[bytes], log_file: IO[bytes], console: TextIO) -> None:
     with pipe, log_file:
         for line in iter(pipe.readline, b""):
             log_file.write(line)

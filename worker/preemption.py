@@ -10,7 +10,6 @@ block longer than ~100 ms per poll.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from typing import Protocol
 
 
@@ -34,16 +33,3 @@ class FileNotice:
                 text = ""
             return f"preemption notice {self.path}" + (f": {text}" if text else "")
         return None
-
-
-class CallableNotice:
-    """Wraps a function returning a reason (or None); exceptions count as no notice."""
-
-    def __init__(self, fn: Callable[[], str | None]) -> None:
-        self.fn = fn
-
-    def poll(self) -> str | None:
-        try:
-            return self.fn()
-        except Exception:  # noqa: BLE001 - a flaky poller must not kill the agent
-            return None

@@ -102,9 +102,9 @@ class RankLogs:
                             "they could be shipped\n".encode())
         try:
             from springback.storage.ranklogs import write_chunk
-            from springback.storage.store import Store
+            from springback.storage.store import ObjectStore
 
-            store = self._stores.get(base) or self._stores.setdefault(base, Store(base))
+            store = self._stores.get(base) or self._stores.setdefault(base, ObjectStore(base))
             write_chunk(store, base, member, int(time.time() * 1000), seq, b"".join(lines))
             return True
         except Exception as e:  # noqa: BLE001 (storage trouble must never stop the ranks)

@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from springback.worker import env as E
+from springback.client import env as E
 from springback.worker.control import activate_standby, ready_path
 from springback.worker.launch import RankOutput
 
@@ -133,7 +133,7 @@ class LocalRanks:
         failed local rank, then starts the next spare. Returns True when warm."""
         spare, self.spare = self.spare, None
         warm = spare is not None and spare.proc.poll() is None
-        if warm:
+        if spare is not None and warm:
             spare.activate(local_rank, identity)
             self.ranks[local_rank] = spare.proc
         else:

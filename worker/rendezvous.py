@@ -42,6 +42,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from springback.client.polling import wait_until
+
 log = logging.getLogger(__name__)
 
 
@@ -57,13 +59,11 @@ def handed_to_gloo(*tensors: torch.Tensor) -> None:
 
 
 def _await_gloo_release(timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while any(r() is not None for r in _handed):
-        if time.monotonic() >= deadline:
-            log.warning("gloo still holds collective tensors after %.1fs; "
-                        "tearing the group down anyway", timeout_s)
-            break
-        time.sleep(0.001)  # releases the GIL for the worker thread that needs it
+    # A short interval: each sleep releases the GIL for the gloo thread that needs it.
+    if not wait_until(lambda: all(r() is None for r in _handed), timeout_s=timeout_s,
+                      interval_s=0.001):
+        log.warning("gloo still holds collective tensors after %.1fs; "
+                    "tearing the group down anyway", timeout_s)
     _handed.clear()
 
 
@@ -74,15 +74,22 @@ class RendezvousAborted(Exception):
 def _connect(host: str, port: int, deadline: float,
              superseded: Callable[[], bool]) -> dist.TCPStore:
     last: Exception | None = None
-    while time.monotonic() < deadline:
-        if superseded():
-            raise RendezvousAborted("a newer plan was published while connecting")
+
+    def connected() -> dist.TCPStore | None:
+        nonlocal last
         try:
             return dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
                                  timeout=datetime.timedelta(seconds=5))
         except (RuntimeError, dist.DistError) as e:  # master unreachable (yet)
             last = e
-            time.sleep(0.1)
+            return None
+
+    store = wait_until(connected, timeout_s=deadline - time.monotonic(), interval_s=0.1,
+                       abandon=superseded)
+    if store is not None:
+        return store
+    if superseded():
+        raise RendezvousAborted("a newer plan was published while connecting")
     raise RendezvousAborted(f"rendezvous store {host}:{port} unreachable: {last}")
 
 
@@ -102,14 +109,13 @@ def form_group(*, job_id: str, generation: int, rank: int, world_size: int,
     store = _connect(master_addr, master_port, deadline, superseded)
     prefix = dist.PrefixStore(f"springback/{job_id}/g{generation}/", store)
     prefix.add("arrived", 1)
-    while prefix.add("arrived", 0) < world_size:
+    if not wait_until(lambda: prefix.add("arrived", 0) >= world_size, interval_s=0.01,
+                      timeout_s=deadline - time.monotonic(), abandon=superseded):
         if superseded():
             raise RendezvousAborted("a newer plan was published before all ranks arrived")
-        if time.monotonic() >= deadline:
-            raise RendezvousAborted(
-                f"only {prefix.add('arrived', 0)}/{world_size} ranks arrived within "
-                f"{rendezvous_timeout_s:.0f}s")
-        time.sleep(0.01)
+        raise RendezvousAborted(
+            f"only {prefix.add('arrived', 0)}/{world_size} ranks arrived within "
+            f"{rendezvous_timeout_s:.0f}s")
     _reset_group_count()
     dist.init_process_group(backend, store=dist.PrefixStore("pg/", prefix), rank=rank,
                             world_size=world_size,
@@ -126,6 +132,9 @@ def _reset_group_count() -> None:
     different name and every rank would time out. The counter is reset (as
     `destroy_process_group` does) so the default group is group 0 everywhere."""
     if dist.get_pg_count() != 0 and not dist.is_initialized():
+        # The one private torch API outside storage/compat.py (kept here so that
+        # a rank's start does not import all of springback.storage); its test is
+        # in tests/storage/test_compat.py with the others.
         dist.distributed_c10d._world.group_count = 0  # no public setter
 
 

@@ -10,9 +10,10 @@ with the next report.
 is not replaced by later step reports: it is sent first and retried every
 `START_RETRY_S` until the coordinator takes it or fences it, because the
 coordinator learns from it which members hold state and how far training
-rewound. A FAILED_PRECONDITION reply means this rank's generation
-is no longer current (it was fenced or a new plan exists): `stale` turns true
-and the training loop moves to the next plan at its next step boundary.
+rewound. A FAILED_PRECONDITION or NOT_FOUND reply means this rank's
+generation is no longer current (it was fenced or a new plan exists): the
+report is dropped, a start report is not retried, and the training loop learns
+of the next plan from its agent (the plan channel), not from here.
 """
 
 from __future__ import annotations
@@ -20,10 +21,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from typing import cast
 
 import grpc
 
-from springback.service.channel import connect
+from springback.client.channel import connect
 from springback.v1 import types_pb2 as pb
 from springback.v1 import worker_service_pb2 as wpb
 from springback.v1 import worker_service_pb2_grpc as wgrpc
@@ -48,7 +50,6 @@ class StepReporter:
         self._pending_start: wpb.ReportStepRequest | None = None
         self._in_flight = False
         self._closed = False
-        self.stale = False
         self.coordinator_generation = 0
         self.accepted: tuple[int, int] = (0, 0)  # (generation, step) of the last report taken
         self.num_failures = 0
@@ -72,7 +73,7 @@ class StepReporter:
         req = wpb.ReportStepRequest(
             job_id=self._job_id, member_id=self._member_id, generation=generation, step=step,
             samples_consumed=samples_consumed, cursor=pb.DataCursor(epoch=epoch, offset=offset),
-            generation_start=True, restored_from=restored_from)
+            generation_start=True, restored_from=cast(pb.RestoreKind, restored_from))
         with self._cond:
             self._pending_start = req
             self._pending = None  # reports of an older generation are moot
@@ -138,8 +139,6 @@ class StepReporter:
             except grpc.RpcError as e:
                 fenced = e.code() in (grpc.StatusCode.FAILED_PRECONDITION,
                                       grpc.StatusCode.NOT_FOUND)
-                if fenced:
-                    self.stale = True
                 retry = req.generation_start and not fenced
                 self.num_failures += 1
                 log.warning("ReportStep(step=%d, generation=%d%s) failed: %s %s", req.step,

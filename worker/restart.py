@@ -51,7 +51,8 @@ import grpc
 
 from springback.v1 import types_pb2 as pb
 from springback.v1 import worker_service_pb2 as wpb
-from springback.worker import env as E
+from springback.client.polling import wait_until
+from springback.client import env as E
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -123,9 +124,9 @@ class GenerationStores:
             self._hosted = dist.TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False)
             self._agent_store.set(self._key(plan.generation), str(self._hosted.port))
             return self._hosted.port
-        deadline = time.monotonic() + MASTER_PORT_TIMEOUT_S
         key = self._key(plan.generation)
-        while time.monotonic() < deadline and not abandon():
+
+        def published_port() -> int | None:
             try:
                 client = self._client(plan.master_addr, plan.master_port)
                 if client.check([key]):
@@ -133,8 +134,9 @@ class GenerationStores:
             except (RuntimeError, dist.DistError) as e:  # master not reachable (yet)
                 log.debug("master store %s:%d: %s", plan.master_addr, plan.master_port, e)
                 self._clients.pop((plan.master_addr, plan.master_port), None)
-            time.sleep(0.05)
-        return None
+            return None
+
+        return wait_until(published_port, timeout_s=MASTER_PORT_TIMEOUT_S, abandon=abandon)
 
     def _client(self, host: str, port: int) -> dist.TCPStore:
         import torch.distributed as dist
@@ -198,7 +200,7 @@ class RestartRanks:
         self._finish_deadline = None
         self._relayed_step = self._relayed_checkpoint = 0
         self._start_sent = False
-        me = next((m for m in plan.members if m.member_id == self.agent.member.id), None)
+        me = next((m for m in plan.members if m.member_id == self._member_id()), None)
         self._me = me
         if plan.action != pb.PLAN_ACTION_RUN or me is None:
             log.info("generation %d: this node runs no ranks (%s)", plan.generation,
@@ -317,12 +319,17 @@ class RestartRanks:
         restored = pb.RESTORE_KIND_CHECKPOINT if step else pb.RESTORE_KIND_NONE
         try:
             agent._stub.ReportStep(wpb.ReportStepRequest(
-                job_id=agent.config.job_id, member_id=agent.member.id, generation=self.generation,
+                job_id=agent.config.job_id, member_id=self._member_id(), generation=self.generation,
                 step=step, loss=loss, generation_start=start,
                 restored_from=restored if start else pb.RESTORE_KIND_UNSPECIFIED),
                 timeout=RPC_TIMEOUT_S)
         except grpc.RpcError as e:
             log.warning("ReportStep(step=%d) failed: %s %s", step, e.code().name, e.details())
+
+    def _member_id(self) -> str:
+        member = self.agent.member
+        assert member is not None, "restart mode runs after the agent joined"
+        return member.id
 
     def _commit(self, ckpt: dict) -> None:
         agent = self.agent
@@ -331,7 +338,7 @@ class RestartRanks:
                                cursor=pb.DataCursor(epoch=ckpt["epoch"], offset=ckpt["offset"]))
         try:
             resp = agent._stub.CommitCheckpoint(wpb.CommitCheckpointRequest(
-                job_id=agent.config.job_id, member_id=agent.member.id,
+                job_id=agent.config.job_id, member_id=self._member_id(),
                 generation=self.generation, checkpoint=ref), timeout=RPC_TIMEOUT_S)
             log.info("checkpoint of step %d recorded", ref.step)
         except grpc.RpcError as e:
@@ -374,12 +381,9 @@ class RestartRanks:
     def stop_all(self, grace_s: float = STOP_GRACE_S) -> None:
         """SIGTERM, then SIGKILL after `grace_s`, and reap. Idempotent."""
         self.signal_all(signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        while any(p.poll() is None for p in self.ranks.values()):
-            if time.monotonic() > deadline:
-                self.kill_all()
-                break
-            time.sleep(0.02)
+        if not wait_until(lambda: all(p.poll() is not None for p in self.ranks.values()),
+                          timeout_s=grace_s, interval_s=0.02):
+            self.kill_all()
         self.ranks.clear()
 
     def kill_all(self) -> None:

@@ -68,11 +68,11 @@ import torch
 import torch.distributed as dist
 
 from springback.v1 import types_pb2 as pb
-from springback.worker import metrics
+from springback.worker import eventlog
 from springback.worker.audit import AuditLog
 from springback.worker.boundary import Agreed, StepBoundary, Vote
 from springback.worker.control import PlanChannel, await_activation
-from springback.worker.env import LOCAL_RANK, STANDBY_FILE, RankEnv
+from springback.client.env import LOCAL_RANK, STANDBY_FILE, RankEnv
 from springback.worker.peerloss import report_lost_peer
 from springback.worker.rankstats import RankStats
 from springback.worker.rendezvous import (
@@ -553,7 +553,7 @@ class Generation:
         when the step ended, not when its agreement was read."""
         s = self.ctx
         step, loss = agreed.step, agreed.loss
-        metrics.append({"event": "step", "t": agreed.ended_t, "generation": self.generation,
+        eventlog.append({"event": "step", "t": agreed.ended_t, "generation": self.generation,
                         "world_size": self.world_size, "step": step, "loss": loss})
         epoch, offset = self.stream.cursor_after(step)
         s.last_loss = loss
@@ -574,7 +574,7 @@ class Generation:
                               samples_consumed=s.step * self.stream.global_batch_size,
                               restored_from=restored_from, epoch=epoch, offset=offset)
         if self.rank == 0:
-            metrics.append({"event": "generation", "generation": self.generation,
+            eventlog.append({"event": "generation", "generation": self.generation,
                      "world_size": self.world_size, "step": self.ctx.step,
                      "source_rank": -1 if source is None else source,
                      "formed_s": round(formed_s, 4), "reason": self.plan.reason})

@@ -94,7 +94,7 @@ class Processes:
 
 
 def read_events(path: Path) -> list[dict]:
-    from springback.worker.metrics import read
+    from springback.worker.eventlog import read
     return read(path)
 
 
@@ -117,9 +117,9 @@ def main() -> int:
         ("train_fsdp.py", "job_fsdp.yaml", "2", (1, 2)) if args.sharded
         else ("train.py", "job.yaml", "1", (1, 2, 3)))
 
-    from springback.service.client import Client
-    from springback.service.local import free_port
-    from springback.service.spec import load_spec_file
+    from springback.client.api import Client
+    from springback.cli.local import free_port
+    from springback.client.spec import load_spec_file
     from springback.v1 import types_pb2 as pb
     from springback.worker.audit import check_exactly_once
 
@@ -151,7 +151,7 @@ def main() -> int:
         addresses = []
         for i in (1, 2):
             proc = procs.start(f"coordinator-{i}", [
-                PY, "-m", "springback.service.cli", "--json", "coordinator", "--etcd", etcd_url,
+                PY, "-m", "springback.cli", "--json", "coordinator", "--etcd", etcd_url,
                 "--listen", "127.0.0.1:0", "--liveness-timeout-s", str(args.liveness_timeout_s)],
                 state / f"coordinator-{i}.log", stdout=subprocess.PIPE)
             line = proc.stdout.readline()
@@ -181,7 +181,7 @@ def main() -> int:
                    TINYLM_MAX_STEPS=str(args.max_steps))
 
         def start_worker(name: str) -> None:
-            procs.start(name, [PY, "-m", "springback.service.cli", "run", "--job", job.id,
+            procs.start(name, [PY, "-m", "springback.cli", "run", "--job", job.id,
                                "--coordinator", coordinators, "--nproc-per-node", nproc, "--",
                                PY, str(EXAMPLE / script)], state / f"{name}.log", env=env)
             say(f"{name} started (springback run --job {job.id} --nproc-per-node {nproc} -- "

@@ -3,9 +3,10 @@
 The package root re-exports the Python client (`Client`, and `ApiError`, which
 every failed call raises; `InvalidSpec` is the ApiError of a spec refused
 before sending); the generated API lives in
-``springback.v1``, the coordinator in ``springback.service``, the node agent
-and training library in ``springback.worker`` and checkpoints in
-``springback.storage``.
+``springback.v1``, the client and what every side shares in
+``springback.client``, the coordinator in ``springback.service``, the node
+agent and training library in ``springback.worker``, checkpoints in
+``springback.storage`` and the command line in ``springback.cli``.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ def __getattr__(name: str):
     # Imported lazily so `import springback.worker` in a training script does not
     # pull the whole client in.
     if name in ("ApiError", "Client", "InvalidSpec"):
-        from springback.service import client
+        from springback.client import api
 
-        return getattr(client, name)
+        return getattr(api, name)
     raise AttributeError(f"module 'springback' has no attribute {name!r}")

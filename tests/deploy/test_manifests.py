@@ -16,7 +16,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from springback.service.cli import build_parser
+from springback.cli.main import build_parser
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "kubernetes"

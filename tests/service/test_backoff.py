@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from springback.service.channel import Backoff
+from springback.client.channel import Backoff
 
 
 class TestBackoff:

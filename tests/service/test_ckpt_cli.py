@@ -19,7 +19,7 @@ pytestmark = pytest.mark.timeout(90)
 
 
 def _cli(address: str, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "springback.service.cli", "--coordinator", address,
+    return subprocess.run([sys.executable, "-m", "springback.cli", "--coordinator", address,
                            *args], capture_output=True, text=True, timeout=60)
 
 

@@ -32,7 +32,7 @@ class TestClientErrors:
         spec = tmp_path / "job.yaml"
         spec.write_text("name: x\nmin_workers: 1\nmax_workers: 1\nmax_steps: 0\n"
                         "data: {num_samples: 8, global_batch_size: 2}\n")
-        out = subprocess.run([sys.executable, "-m", "springback.service.cli", "--coordinator",
+        out = subprocess.run([sys.executable, "-m", "springback.cli", "--coordinator",
                               coordinator_address, "job", "submit", str(spec)],
                              capture_output=True, text=True, timeout=60)
         assert out.returncode == 2, out.stderr

@@ -19,7 +19,7 @@ import pytest
 from agentsim import SimMember
 from etcdcluster import EtcdCluster
 from sbtest import wait_for
-from springback.service.client import ApiError, Client
+from springback.client.api import ApiError, Client
 
 LIVENESS_S = 3.0
 

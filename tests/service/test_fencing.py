@@ -23,8 +23,8 @@ import pytest
 from netproxy import NetProxy
 from sbtest import leader_of, scrape, wait_for
 from springback.service import keys
-from springback.service.client import ApiError, Client
-from springback.service.local import free_port
+from springback.client.api import ApiError, Client
+from springback.cli.local import free_port
 from springback.service.store import Store
 from springback.v1 import job_service_pb2 as js
 from springback.v1 import job_service_pb2_grpc as js_grpc

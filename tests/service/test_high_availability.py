@@ -9,7 +9,7 @@ import pytest
 
 from sbtest import wait_for
 from springback.service import keys
-from springback.service.client import ApiError, Client
+from springback.client.api import ApiError, Client
 from springback.service.store import Store
 from springback.v1 import types_pb2 as pb
 from springback.v1 import worker_service_pb2 as ws

@@ -12,7 +12,7 @@ import grpc
 import pytest
 
 from sbtest import wait_for
-from springback.service.client import ApiError
+from springback.client.api import ApiError
 from springback.v1 import job_service_pb2 as js
 from springback.v1 import job_service_pb2_grpc as js_grpc
 from springback.v1 import types_pb2 as pb
@@ -120,7 +120,7 @@ class TestBadInput:
 
 def _cli(address: str, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "springback.service.cli", "--coordinator", address, *args],
+        [sys.executable, "-m", "springback.cli", "--coordinator", address, *args],
         capture_output=True, text=True, timeout=30, env={**os.environ},
     )
 
@@ -172,7 +172,7 @@ class TestCommandLine:
     def test_watch_prints_until_the_job_ends(self, coordinator_address, client, make_spec):
         job = client.create_job(make_spec())
         watcher = subprocess.Popen(
-            [sys.executable, "-m", "springback.service.cli", "--coordinator", coordinator_address,
+            [sys.executable, "-m", "springback.cli", "--coordinator", coordinator_address,
              "--json", "job", "watch", job.id], stdout=subprocess.PIPE, text=True,
         )
         first = json.loads(watcher.stdout.readline())

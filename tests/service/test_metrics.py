@@ -16,7 +16,7 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def test_metrics_show_leadership_jobs_and_generations(start_coordinator, make_spec):
-    from springback.service.client import Client
+    from springback.client.api import Client
 
     server = start_coordinator(metrics_listen="127.0.0.1:0")
     wait_for(server.election.is_leader, 10, "leadership")
@@ -44,7 +44,7 @@ def test_job_metrics_count_failures_recoveries_and_goodput(start_coordinator, ma
     import grpc
     from prometheus_client.parser import text_string_to_metric_families
 
-    from springback.service.client import Client
+    from springback.client.api import Client
     from springback.v1 import types_pb2 as pb
     from springback.v1 import worker_service_pb2 as ws
     from springback.v1 import worker_service_pb2_grpc as ws_grpc
@@ -120,7 +120,7 @@ def test_json_logs_are_one_object_per_line():
 
 def test_a_non_leader_s_dashboard_lists_the_jobs_from_etcd_and_says_it_does_not_lead(
         start_coordinator, make_spec):
-    from springback.service.client import Client
+    from springback.client.api import Client
 
     leader = start_coordinator(token="t0k")
     wait_for(leader.election.is_leader, 10, "leadership")

@@ -14,7 +14,7 @@ from agentsim import SimMember
 from netproxy import NetProxy
 from sbtest import wait_for
 from springback.service import keys
-from springback.service.client import Client
+from springback.client.api import Client
 from springback.v1 import worker_service_pb2 as ws
 from springback.v1 import worker_service_pb2_grpc as ws_grpc
 

@@ -9,7 +9,7 @@ import pytest
 
 from agentsim import SimMember
 from sbtest import leader_of, wait_for
-from springback.service.client import Client
+from springback.client.api import Client
 from springback.service.store import Store
 
 pytestmark = pytest.mark.timeout(60)

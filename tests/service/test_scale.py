@@ -9,7 +9,7 @@ import pytest
 from agentsim import SimFleet, SimMember
 from sbtest import wait_for
 from springback.service import keys
-from springback.service.client import Client
+from springback.client.api import Client
 from springback.service.store import Store
 from springback.v1 import worker_service_pb2 as ws
 

@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from springback.service.errors import InvalidArgument
-from springback.service.spec import load_spec_file, spec_from_dict
+from springback.client.errors import InvalidArgument
+from springback.client.spec import load_spec_file, spec_from_dict
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -10,15 +10,15 @@ import sys
 import pytest
 
 from sbtest import scrape
-from springback.service.client import Client
-from springback.service.local import free_port
+from springback.client.api import Client
+from springback.cli.local import free_port
 
 pytestmark = pytest.mark.timeout(60)
 
 
 def test_up_serves_jobs_and_stops_cleanly_on_sigterm(tmp_path, make_spec):
     up = subprocess.Popen(
-        [sys.executable, "-m", "springback.service.cli", "up", "--state-dir", str(tmp_path),
+        [sys.executable, "-m", "springback.cli", "up", "--state-dir", str(tmp_path),
          "--etcd-port", str(free_port()), "--listen", "127.0.0.1:0"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
@@ -39,7 +39,7 @@ def test_up_serves_jobs_and_stops_cleanly_on_sigterm(tmp_path, make_spec):
 
 def test_up_serves_metrics_when_asked(tmp_path, make_spec):
     up = subprocess.Popen(
-        [sys.executable, "-m", "springback.service.cli", "up", "--state-dir", str(tmp_path),
+        [sys.executable, "-m", "springback.cli", "up", "--state-dir", str(tmp_path),
          "--etcd-port", str(free_port()), "--listen", "127.0.0.1:0",
          "--metrics-listen", "127.0.0.1:0"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -62,7 +62,7 @@ def test_up_serves_metrics_when_asked(tmp_path, make_spec):
 def test_up_without_an_etcd_binary_says_how_to_get_one(tmp_path):
     env = {**os.environ, "PATH": str(tmp_path), "SPRINGBACK_ETCD": ""}
     out = subprocess.run(
-        [sys.executable, "-m", "springback.service.cli", "up", "--state-dir", str(tmp_path)],
+        [sys.executable, "-m", "springback.cli", "up", "--state-dir", str(tmp_path)],
         capture_output=True, text=True, timeout=30, env=env,
     )
     assert out.returncode == 2

@@ -98,9 +98,9 @@ def main() -> None:
 
 def hang(a: dict, rank: int, world: int) -> None:
     from springback.storage import Checkpointer, CommitTimeout
-    from springback.storage.store import Store
+    from springback.storage.store import ObjectStore
 
-    class BlockingStore(Store):
+    class BlockingStore(ObjectStore):
         """Blocks forever after the first 64 KiB of one checkpoint's shard (a stuck upload)."""
 
         def write_file(self, uri, produce):
@@ -123,7 +123,7 @@ def hang(a: dict, rank: int, world: int) -> None:
 
             return super().write_file(uri, blocked)
 
-    store = BlockingStore(a["base"]) if rank == a["hang_rank"] else Store(a["base"])
+    store = BlockingStore(a["base"]) if rank == a["hang_rank"] else ObjectStore(a["base"])
     ck = Checkpointer(a["base"], rank=rank, world_size=world, store=store, commit_timeout_s=a["commit_timeout_s"], poll_interval_s=0.05)
     sd = {"w": torch.randn(512, 512), "b": torch.randn(512), "x": torch.randn(300, 300)}
     ck.save(1, sd, generation=1)
@@ -143,16 +143,16 @@ def die_before_commit(a: dict, rank: int, world: int) -> None:
     from pathlib import Path
 
     from springback.storage import Checkpointer
-    from springback.storage.store import Store
+    from springback.storage.store import ObjectStore
 
-    class DiesAtCommit(Store):
+    class DiesAtCommit(ObjectStore):
         def put_bytes(self, uri, data, **kw):
             if "step-00000002" in uri and uri.endswith("/.metadata"):
                 Path(a["out"]).touch()
                 threading.Event().wait()  # until SIGKILL
             return super().put_bytes(uri, data, **kw)
 
-    store = DiesAtCommit(a["base"]) if rank == 0 else Store(a["base"])
+    store = DiesAtCommit(a["base"]) if rank == 0 else ObjectStore(a["base"])
     ck = Checkpointer(a["base"], rank=rank, world_size=world, store=store, poll_interval_s=0.05)
     sd = {"w": torch.full((256, 256), 1.0), "b": torch.randn(256)}
     ck.save(1, sd, generation=1).result(timeout=60)

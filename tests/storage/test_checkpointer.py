@@ -27,7 +27,7 @@ from sbtest import wait_for
 from springback.storage import StorageError
 from springback.storage.commit import record_name
 from springback.storage.manifest import MANIFEST_NAME
-from springback.storage.store import Store, join, resolve_storage_options
+from springback.storage.store import ObjectStore, join, resolve_storage_options
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -98,7 +98,7 @@ class TestCommitProtocol:
         sd = make_state(2)
         info, rec1 = save_all_ranks(base_uri, 1, [sd, sd])
         rank1_fqns = {i.index.fqn for i in rec1.items}
-        rec0 = pickle.loads(Store(base_uri).get_bytes(join(info.uri, record_name(0))))
+        rec0 = pickle.loads(ObjectStore(base_uri).get_bytes(join(info.uri, record_name(0))))
         rank0_fqns = {i.index.fqn for i in rec0.items}
         assert rank0_fqns and rank1_fqns and not (rank0_fqns & rank1_fqns)
         assert rank0_fqns | rank1_fqns == {"model.w1", "model.b1", "model.w2", "model.emb", "step_count", "meta.lr", "meta.names"}
@@ -154,7 +154,7 @@ class TestCommitProtocol:
                           on_error=errors.append)
         fut = c0.save(3, make_state(6), generation=1)
         ckpt_uri = join(base_uri, "step-00000003-g1")
-        store = Store(base_uri)
+        store = ObjectStore(base_uri)
         wait_for(lambda: store.exists(join(ckpt_uri, record_name(0))), 30, "rank 0's done-record")
         store.rm_tree(ckpt_uri)  # e.g. a cleanup that wrongly took it for dead
         with pytest.raises(StorageError, match=r"ranks \[0\] disappeared"):
@@ -196,8 +196,8 @@ class TestCommitHookAndRng:
 
 
 class TestOverlapPolicy:
-    def _blocked_store(self, base_uri: str, release: threading.Event, entered: threading.Event) -> Store:
-        class Gated(Store):
+    def _blocked_store(self, base_uri: str, release: threading.Event, entered: threading.Event) -> ObjectStore:
+        class Gated(ObjectStore):
             def write_file(self, uri, produce):
                 entered.set()
                 assert release.wait(30)
@@ -266,7 +266,7 @@ class TestCorruption:
         old, new = make_state(9), make_state(10)
         save_all_ranks(base_uri, 1, [old, old])
         info, _ = save_all_ranks(base_uri, 2, [new, new])
-        store = Store(base_uri)
+        store = ObjectStore(base_uri)
         shard = join(info.uri, "__1_0.distcp")
         data = bytearray(store.get_bytes(shard))
         data[len(data) // 2] ^= 0xFF
@@ -282,7 +282,7 @@ class TestCorruption:
         old, new = make_state(40), make_state(41)
         save_all_ranks(base_uri, 1, [old, old])
         info, _ = save_all_ranks(base_uri, 2, [new, new])
-        store = Store(base_uri)
+        store = ObjectStore(base_uri)
         shard = join(info.uri, "__0_0.distcp")
         data = store.get_bytes(shard)
         store.rm(shard)
@@ -298,7 +298,7 @@ class TestCorruption:
         sd = make_state(11)
         save_all_ranks(base_uri, 1, [sd, sd])
         info, _ = save_all_ranks(base_uri, 2, [sd, sd])
-        Store(base_uri).rm(join(info.uri, "__0_0.distcp"))
+        ObjectStore(base_uri).rm(join(info.uri, "__0_0.distcp"))
         assert any("__0_0.distcp: missing" in p for p in verify(info.uri))
         with pytest.raises(CorruptCheckpoint, match="__0_0.distcp"):
             restore(base_uri, zeros_like_state(sd), step=2)
@@ -309,7 +309,7 @@ class TestCorruption:
         out = zeros_like_state(states[1])
         assert restore(base_uri, out, max_step=2).step == 2  # 3 is newer than the plan's ref
         assert_state_equal(out, states[2])
-        Store(base_uri).rm(join(infos[2].uri, "__0_0.distcp"))
+        ObjectStore(base_uri).rm(join(infos[2].uri, "__0_0.distcp"))
         out = zeros_like_state(states[1])
         result = restore(base_uri, out, max_step=2)
         assert result.step == 1 and [u for u, _ in result.skipped] == [infos[2].uri]
@@ -334,7 +334,7 @@ class TestRetentionAndCleanup:
 
     def test_clean_partial_deletes_only_what_can_no_longer_commit(self, base_uri):
         sd = make_state(15)
-        store = Store(base_uri)
+        store = ObjectStore(base_uri)
         save_all_ranks(base_uri, 2, [sd])
         for name in ("step-00000001-g1", "step-00000003-g1", "step-00000004-g2"):
             store.put_bytes(join(base_uri, name, "__0_0.distcp"), b"partial")
@@ -344,7 +344,7 @@ class TestRetentionAndCleanup:
 
     def test_prune_to_record_deletes_what_the_record_does_not_hold(self, base_uri):
         sd = make_state(17)
-        store = Store(base_uri)
+        store = ObjectStore(base_uri)
         infos = {step: save_all_ranks(base_uri, step, [sd], generation=2)[0] for step in (1, 2, 3, 4)}
         for name in ("step-00000003-g1", "step-00000006-g2"):
             store.put_bytes(join(base_uri, name, "__0_0.distcp"), b"partial")
@@ -372,7 +372,7 @@ class TestRetentionAndCleanup:
         info = ranks[0].save(60, sd, generation=3).result(timeout=30)
         assert info.manifest.step == 60 and verify(info.uri) == []
         # the same generation's newer commit proves an older partial of it dead
-        Store(base_uri).put_bytes(join(base_uri, "step-00000058-g3", "__0_0.distcp"), b"partial")
+        ObjectStore(base_uri).put_bytes(join(base_uri, "step-00000058-g3", "__0_0.distcp"), b"partial")
         assert clean_partial(base_uri, current_generation=3) == [join(base_uri, "step-00000058-g3")]
         for c in ranks:
             c.close()
@@ -380,7 +380,7 @@ class TestRetentionAndCleanup:
     def test_manifest_is_written_last_and_is_json(self, base_uri):
         sd = make_state(16)
         info, _ = save_all_ranks(base_uri, 1, [sd, sd])
-        m = json.loads(Store(base_uri).get_bytes(join(info.uri, MANIFEST_NAME)))
+        m = json.loads(ObjectStore(base_uri).get_bytes(join(info.uri, MANIFEST_NAME)))
         assert m["format"] == "springback.checkpoint/v1" and m["size_bytes"] == info.manifest.size_bytes
 
 

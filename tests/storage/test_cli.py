@@ -1,4 +1,4 @@
-"""``springback ckpt verify`` / ``list`` helpers: exit codes and output name the bad shard."""
+"""``springback ckpt verify`` / ``list`` (cli/checkpoints.py): exit codes and output name the bad shard."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import sys
 import torch
 
 from springback.storage import Checkpointer
-from springback.storage.cli import ckpt_list_uri, ckpt_verify, format_rows, verify_main
-from springback.storage.store import Store, join
+from springback.cli.checkpoints import ckpt_list_uri, ckpt_verify, format_rows
+from springback.storage.store import ObjectStore, join
 
 
 def _commit(base: str, step: int) -> str:
@@ -27,27 +27,27 @@ def test_verify_exits_zero_when_intact_and_one_naming_the_corrupt_shard(tmp_path
     out = io.StringIO()
     assert ckpt_verify(uri, out=out) == 0 and out.getvalue().startswith("OK")
     shard = join(uri, "__0_0.distcp")
-    data = bytearray(Store(base).get_bytes(shard))
+    data = bytearray(ObjectStore(base).get_bytes(shard))
     data[-10] ^= 1
-    Store(base).put_bytes(shard, bytes(data))
+    ObjectStore(base).put_bytes(shard, bytes(data))
     out = io.StringIO()
     assert ckpt_verify(uri, json_out=True, out=out) == 1
     report = json.loads(out.getvalue())
     assert report["ok"] is False and "__0_0.distcp" in report["checkpoints"][0]["problems"][0]
-    proc = subprocess.run([sys.executable, "-m", "springback.storage.cli", "verify", base], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run([sys.executable, "-m", "springback.cli", "ckpt", "verify", base], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1 and "__0_0.distcp" in proc.stdout
 
 
 def test_verify_of_an_empty_base_exits_two(tmp_path, capsys):
     assert ckpt_verify(str(tmp_path), out=io.StringIO()) == 2
-    assert verify_main(str(tmp_path), as_json=True) == 2  # the name service/cli.py calls
+    assert ckpt_verify(str(tmp_path), json_out=True) == 2
     assert json.loads(capsys.readouterr().out) == {"ok": False, "checkpoints": []}
 
 
 def test_list_shows_committed_and_partial_with_size_and_world(tmp_path):
     base = str(tmp_path / "ck")
     _commit(base, 1)
-    Store(base).put_bytes(join(base, "step-00000002-g2", "__0_0.distcp"), b"x")
+    ObjectStore(base).put_bytes(join(base, "step-00000002-g2", "__0_0.distcp"), b"x")
     rows = ckpt_list_uri(base)
     assert [(r["step"], r["state"], r["world_size"]) for r in rows] == [(1, "committed", 1), (2, "partial", 0)]
     assert rows[0]["size_bytes"] > 4000 and rows[0]["time"]

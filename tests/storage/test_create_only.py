@@ -19,7 +19,7 @@ from springback.storage import (
     restore,
     verify,
 )
-from springback.storage.store import Store
+from springback.storage.store import ObjectStore
 from springback.v1 import types_pb2 as pb
 from springback.worker.checkpointing import GenerationCheckpoints
 
@@ -84,7 +84,7 @@ class TestCreateOnly:
         # both pass the "not committed yet" check before either claims its rank
         both_checked = threading.Barrier(2, timeout=30)
 
-        class Racing(Store):
+        class Racing(ObjectStore):
             def put_bytes(self, uri, data, **kw):
                 if uri.endswith(".claim"):
                     both_checked.wait()

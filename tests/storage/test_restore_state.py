@@ -18,7 +18,7 @@ from springback.storage import (
     model_state_dict,
     restore_model,
 )
-from springback.storage.store import Store, join
+from springback.storage.store import ObjectStore, join
 from springback.v1 import types_pb2 as pb
 from springback.worker.checkpointing import GenerationCheckpoints, restore_from_checkpoint
 
@@ -88,7 +88,7 @@ class TestAllOrNothing:
     def test_a_restore_that_fails_while_reading_leaves_the_model_as_it_was(self, tmp_path):
         base, model, opt = trained_checkpoint(tmp_path, world=2)  # two shard files
         (ckpt,) = committed_checkpoints(base)
-        Store(base).rm(join(ckpt.uri, "__1_0.distcp"))  # lost after the commit
+        ObjectStore(base).rm(join(ckpt.uri, "__1_0.distcp"))  # lost after the commit
         model2, opt2 = build(99)
         before = params(model2)
         with pytest.raises(BaseException, match="__1_0.distcp|No such file"):  # DCP wraps the error

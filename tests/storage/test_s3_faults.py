@@ -10,7 +10,7 @@ import torch
 
 from springback.storage import Checkpointer, RetryPolicy, TransientStorageError, list_checkpoints, restore, verify
 from springback.storage.retry import is_transient
-from springback.storage.store import Store
+from springback.storage.store import ObjectStore
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -58,13 +58,13 @@ def _no_lower_retries(endpoint: str, make_s3_options) -> dict:
     return make_s3_options(endpoint, config_kwargs={"retries": {"max_attempts": 1, "mode": "standard"}})
 
 
-def _store(bucket: str, opts: dict, retry: RetryPolicy) -> Store:
-    store = Store(bucket, storage_options=opts, retry=retry)
+def _store(bucket: str, opts: dict, retry: RetryPolicy) -> ObjectStore:
+    store = ObjectStore(bucket, storage_options=opts, retry=retry)
     store.fs.retries = 1
     return store
 
 
-def _save(base: str, store: Store, step: int, sd: dict, world: int = 2):
+def _save(base: str, store: ObjectStore, step: int, sd: dict, world: int = 2):
     ckpts = [Checkpointer(base, rank=r, world_size=world, store=store, commit_timeout_s=30, poll_interval_s=0.05) for r in range(world)]
     futs = [c.save(step, sd, generation=1) for c in ckpts]
     for c in ckpts:

@@ -9,14 +9,14 @@ import zlib
 import pytest
 
 from springback.storage.s3upload import S3PartWriter
-from springback.storage.store import Store
+from springback.storage.store import ObjectStore
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("size", [0, 3 << 20, 5 << 20, (5 << 20) + 1, (5 << 20) * 3 + 12345])
 def test_upload_is_byte_exact_and_checksummed_for_single_put_and_multipart(s3_bucket, size):
     bucket, opts = s3_bucket
-    store = Store(bucket, storage_options=opts, part_size=5 << 20, max_concurrency=3)
+    store = ObjectStore(bucket, storage_options=opts, part_size=5 << 20, max_concurrency=3)
     data = os.urandom(size)
     uri = f"{bucket}/obj-{size}"
 
@@ -35,7 +35,7 @@ def test_upload_is_byte_exact_and_checksummed_for_single_put_and_multipart(s3_bu
 @pytest.mark.timeout(120)
 def test_an_error_mid_upload_aborts_and_leaves_no_object(s3_bucket):
     bucket, opts = s3_bucket
-    store = Store(bucket, storage_options=opts)
+    store = ObjectStore(bucket, storage_options=opts)
     path = f"{bucket.removeprefix('s3://')}/broken"
     with pytest.raises(RuntimeError):
         with S3PartWriter(store.fs, path, part_size=5 << 20) as w:
@@ -49,7 +49,7 @@ def test_an_error_mid_upload_aborts_and_leaves_no_object(s3_bucket):
 def test_part_size_below_the_s3_minimum_is_rejected(s3_bucket):
     bucket, opts = s3_bucket
     with pytest.raises(ValueError, match="5 MiB"):
-        S3PartWriter(Store(bucket, storage_options=opts).fs, "x/y", part_size=1 << 20)
+        S3PartWriter(ObjectStore(bucket, storage_options=opts).fs, "x/y", part_size=1 << 20)
 
 
 @pytest.mark.parametrize(("la", "lb"), [(0, 5), (7, 0), (100, 33), (5 << 20, 1_234_567)])

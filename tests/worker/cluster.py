@@ -14,8 +14,8 @@ import sys
 from pathlib import Path
 
 from fakeplans import TINY_TRAIN
-from springback.worker import env as E
-from springback.worker.metrics import read as read_metrics
+from springback.client import env as E
+from springback.worker.eventlog import read as read_metrics
 
 
 def children(pid: int) -> list[int]:

@@ -17,9 +17,9 @@ from pathlib import Path
 import torch.distributed as dist
 
 from springback.v1 import types_pb2 as pb
-from springback.worker import env as E
+from springback.client import env as E
 from springback.worker.control import PlanPublisher
-from springback.worker.metrics import read as read_metrics
+from springback.worker.eventlog import read as read_metrics
 
 TINY_TRAIN = str(Path(__file__).with_name("tiny_train.py"))
 

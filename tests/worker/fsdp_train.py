@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import fully_shard
 
 from springback.worker import Session
-from springback.worker.env import AUDIT_DIR
+from springback.client.env import AUDIT_DIR
 
 NUM_COUNTED = 256  # the tests' job has 256 samples
 FULL = StateDictOptions(full_state_dict=True)

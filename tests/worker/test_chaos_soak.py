@@ -30,7 +30,7 @@ from chaos import FAULTS, Deployment, Faults
 from cluster import steps
 from fakeplans import assert_replicas_identical
 from sbtest import wait_for
-from springback.service.client import Client
+from springback.client.api import Client
 from springback.storage import verify
 from springback.v1 import types_pb2 as pb
 from springback.worker.audit import check_exactly_once

@@ -47,7 +47,7 @@ def browser(tmp_path):
 def running_job(tmp_path, start_coordinator):
     """A coordinator with a token and a dashboard, and a job that is training
     after a rank crash and a restore from its checkpoint."""
-    from springback.service.client import Client
+    from springback.client.api import Client
 
     server = start_coordinator(metrics_listen="127.0.0.1:0", token=TOKEN)
     wait_for(server.election.is_leader, 10, "leadership")

@@ -17,7 +17,7 @@ from applied import check_applied
 from cluster import AgentProcess, children, steps
 from fakeplans import assert_replicas_identical
 from sbtest import scrape, wait_for
-from springback.service.local import free_port
+from springback.cli.local import free_port
 from springback.v1 import types_pb2 as pb
 from springback.worker.audit import check_exactly_once, read_records
 

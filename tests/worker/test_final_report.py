@@ -8,8 +8,8 @@ import pytest
 
 from cluster import AgentProcess, steps
 from sbtest import wait_for
-from springback.service.client import Client
-from springback.service.local import free_port
+from springback.client.api import Client
+from springback.cli.local import free_port
 from springback.v1 import types_pb2 as pb
 
 SPEC = {"name": "tiny", "min_workers": 2, "max_workers": 2,

@@ -53,7 +53,7 @@ class TestOnGpu:
     def test_the_torchrun_example_runs_on_nccl_under_springback(self, tmp_path):
         nproc = min(2, torch.cuda.device_count())
         out = subprocess.run(
-            [sys.executable, "-m", "springback.service.cli", "run", "--standalone",
+            [sys.executable, "-m", "springback.cli", "run", "--standalone",
              "--nproc-per-node", str(nproc), "--", sys.executable, EXAMPLE, "--steps", "10",
              "--checkpoint-every", "5", "--checkpoint-uri", f"file://{tmp_path}/ckpt"],
             capture_output=True, text=True, timeout=170)

@@ -21,7 +21,7 @@ SPEC = {"name": "history", "min_workers": 2, "max_workers": 2,
 
 
 def cli(address: str, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "springback.service.cli", "--coordinator", address,
+    return subprocess.run([sys.executable, "-m", "springback.cli", "--coordinator", address,
                            *args], capture_output=True, text=True, timeout=60)
 
 

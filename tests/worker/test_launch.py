@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from sbtest import wait_for
-from springback.service.local import free_port
+from springback.cli.local import free_port
 from springback.worker.launch import choose_mode, parse_nnodes, parse_streams, uses_session
 
 HERE = Path(__file__).parent
@@ -23,7 +23,7 @@ MARKER_TRAIN = str(HERE / "marker_train.py")
 
 
 def springback(*args: str, env: dict[str, str] | None = None, **kw) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "springback.service.cli", *args],
+    return subprocess.Popen([sys.executable, "-m", "springback.cli", *args],
                             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
 
@@ -57,7 +57,7 @@ class TestAgentStartUp:
 
     def test_a_wrong_token_is_refused_before_any_rank_starts(self, tmp_path, start_coordinator,
                                                              make_spec):
-        from springback.service.client import Client
+        from springback.client.api import Client
 
         server = start_coordinator(token="right")
         wait_for(server.election.is_leader, 10, "leadership")
@@ -85,7 +85,7 @@ class TestAgentStartUp:
         job = client.create_job(make_spec(min_workers=2))  # one agent: it never runs
         log_path = tmp_path / "agent.log"
         proc = subprocess.Popen(
-            [sys.executable, "-m", "springback.service.cli", "run", "--job", job.id,
+            [sys.executable, "-m", "springback.cli", "run", "--job", job.id,
              "--coordinator", coordinator_address, "--", sys.executable, MARKER_TRAIN],
             env={**os.environ, "MARKER_FILE": str(tmp_path / "m")},
             stdout=open(log_path, "wb"), stderr=subprocess.STDOUT)

@@ -9,7 +9,7 @@ import time
 import pytest
 from cluster import AgentProcess, steps
 from sbtest import wait_for
-from springback.service.client import Client
+from springback.client.api import Client
 
 SPEC = {"name": "peer-loss", "min_workers": 2, "max_workers": 3,
         "data": {"num_samples": 256, "global_batch_size": 12, "seed": 1},

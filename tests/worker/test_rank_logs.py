@@ -20,7 +20,7 @@ LINE = re.compile(r"^\[rank(\d)\] trained step (\d+) in generation \d+$")
 
 
 def cli(address: str, *args: str, **kw) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "springback.service.cli", "--coordinator",
+    return subprocess.Popen([sys.executable, "-m", "springback.cli", "--coordinator",
                              address, "job", "logs", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, **kw)
 
@@ -54,14 +54,14 @@ def test_job_logs_show_every_rank_s_lines_with_its_rank(tmp_path, client, coordi
 
     members = sorted(p.name for p in (tmp_path / "ckpt" / "logs").iterdir())
     assert len(members) == 2
-    out = subprocess.run([sys.executable, "-m", "springback.service.cli", "--coordinator",
+    out = subprocess.run([sys.executable, "-m", "springback.cli", "--coordinator",
                           coordinator_address, "job", "logs", "--member", members[0], job.id],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     ranks = {m[1] for m in map(LINE.match, out.stdout.splitlines()) if m}
     assert len(ranks) in (1, 2) and len(out.stdout.splitlines()) == 20 * len(ranks)  # one node's
 
-    wrong = subprocess.run([sys.executable, "-m", "springback.service.cli", "--coordinator",
+    wrong = subprocess.run([sys.executable, "-m", "springback.cli", "--coordinator",
                             coordinator_address, "job", "logs", "--member", "m-nope", job.id],
                            capture_output=True, text=True, timeout=60)
     assert wrong.returncode == 1 and "m-nope" in wrong.stderr and members[0] in wrong.stderr
@@ -87,9 +87,9 @@ class TestShipping:
     @staticmethod
     def shipped(base: str) -> str:
         from springback.storage.ranklogs import list_chunks
-        from springback.storage.store import Store
+        from springback.storage.store import ObjectStore
 
-        store = Store(base)
+        store = ObjectStore(base)
         return "".join(store.get_bytes(c.uri).decode() for c in list_chunks(store, base))
 
     def test_a_failed_upload_keeps_the_lines_for_the_next_flush(self, tmp_path):

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from sbtest import wait_for
-from springback.service.local import free_port
+from springback.cli.local import free_port
 from springback.v1 import types_pb2 as pb
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -98,7 +98,7 @@ def start_agent(tmp_path: Path, name: str, job_id: str, coordinator: str, env: d
                 *extra: str) -> subprocess.Popen:
     """`springback run` of the unmodified example, its output in agent-<name>.log."""
     return subprocess.Popen(
-        [sys.executable, "-m", "springback.service.cli", "run", "--job", job_id,
+        [sys.executable, "-m", "springback.cli", "run", "--job", job_id,
          "--coordinator", coordinator, *extra, "--", sys.executable, EXAMPLE,
          "--steps", str(STEPS), "--checkpoint-every", str(EVERY), "--step-sleep-s", "0.05"],
         env=env, stdout=open(tmp_path / f"agent-{name}.log", "wb"), stderr=subprocess.STDOUT)

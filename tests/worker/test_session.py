@@ -10,7 +10,7 @@ import pytest
 from applied import check_applied
 from fakeplans import assert_replicas_identical
 from sbtest import wait_for
-from springback.worker import env as E
+from springback.client import env as E
 from springback.worker.audit import check_exactly_once
 
 

@@ -34,7 +34,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from springback.worker import Session
-from springback.worker.env import AUDIT_DIR
+from springback.client.env import AUDIT_DIR
 
 NUM_SAMPLES, GLOBAL_BATCH = 256, 12  # standalone fallbacks; a job's spec overrides them
 MAX_COUNTED = 8192  # sample indices the counter covers (jobs of the tests are smaller)

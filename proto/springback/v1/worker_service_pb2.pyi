@@ -157,12 +157,10 @@ class CommitCheckpointRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., member_id: _Optional[str] = ..., generation: _Optional[int] = ..., checkpoint: _Optional[_Union[_types_pb2.CheckpointRef, _Mapping]] = ...) -> None: ...
 
 class CommitCheckpointResponse(_message.Message):
-    __slots__ = ("retired", "retained")
-    RETIRED_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("retained",)
     RETAINED_FIELD_NUMBER: _ClassVar[int]
-    retired: _containers.RepeatedCompositeFieldContainer[_types_pb2.CheckpointRef]
     retained: _containers.RepeatedCompositeFieldContainer[_types_pb2.CheckpointRef]
-    def __init__(self, retired: _Optional[_Iterable[_Union[_types_pb2.CheckpointRef, _Mapping]]] = ..., retained: _Optional[_Iterable[_Union[_types_pb2.CheckpointRef, _Mapping]]] = ...) -> None: ...
+    def __init__(self, retained: _Optional[_Iterable[_Union[_types_pb2.CheckpointRef, _Mapping]]] = ...) -> None: ...
 
 class ReportCheckpointErrorRequest(_message.Message):
     __slots__ = ("job_id", "member_id", "generation", "error")

@@ -15,50 +15,22 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from google.protobuf.json_format import MessageToDict
+
+from rich.console import Console
+from rich.live import Live
+from rich.text import Text
 
 from springback import __version__
 from springback.service import logs
-from springback.service.channel import ENV_COORDINATOR, ENV_TOKEN
-from springback.service.cli_history import add_job_commands, history_if_finished
-from springback.service.client import ApiError, Client
-from springback.service.errors import InvalidArgument
+from springback.client.channel import ENV_COORDINATOR, ENV_TOKEN
+from springback.cli.history import add_job_commands, history_if_finished
+from springback.client.summary import job_summary
+from springback.client.api import ApiError, Client
+from springback.client.errors import InvalidArgument
 from springback.v1 import types_pb2 as pb
-
-
-def job_summary(job: pb.Job) -> dict[str, Any]:
-    """The `job get --json` object."""
-    status = job.status
-    checkpoint = None
-    if status.last_checkpoint.step:
-        checkpoint = {
-            "step": status.last_checkpoint.step, "uri": status.last_checkpoint.uri,
-            "generation": status.last_checkpoint.generation,
-            "world_size": status.last_checkpoint.world_size,
-        }
-    return {
-        "id": job.id,
-        "name": job.spec.name,
-        "state": pb.JobState.Name(status.state).removeprefix("JOB_STATE_").lower(),
-        "generation": status.generation,
-        "world_size": status.world_size,
-        "members": list(status.members),
-        "spares": list(status.spares),
-        "step": status.step,
-        "max_steps": job.spec.max_steps,
-        "samples_consumed": status.samples_consumed,
-        "loss": status.loss,
-        "last_checkpoint": checkpoint,
-        "checkpoint_error": status.checkpoint_error or None,
-        "restores": status.num_restores,
-        "steps_redone": status.steps_redone,
-        "failures": status.num_failures,
-        "message": status.message,
-        "spec": MessageToDict(job.spec, preserving_proto_field_name=True),
-    }
 
 
 def _human_job(job: pb.Job) -> str:
@@ -130,69 +102,40 @@ def _job_command(args: argparse.Namespace) -> int:
 def _watch(client: Client, args: argparse.Namespace) -> None:
     if history_if_finished(client, args):
         return
-    live = sys.stdout.isatty() and not args.json
-    last_generation = None
-    for job, event in client.watch_job(args.job):
-        if args.json:
+    events = client.watch_job(args.job)
+    if args.json:
+        for job, event in events:
             print(json.dumps({"event": event, **job_summary(job)}), flush=True)
-            continue
-        line = _progress_line(job, event)
-        if live and job.status.generation == last_generation and event.startswith("step"):
-            print("\r" + line.ljust(100), end="", flush=True)  # progress: rewrite in place
-        else:
-            print(("\n" if live and last_generation is not None else "") + line, flush=True)
-        last_generation = job.status.generation
-    if live:
-        print()
+        return
+    console = Console(highlight=False)
+    if not console.is_terminal:
+        for job, event in events:
+            print(_progress_line(job, event), flush=True)
+        return
+    show_live(events, console)
+
+
+def show_live(events: Iterable[tuple[pb.Job, str]], console: Console) -> None:
+    """The terminal view of `job watch`: step events of one generation rewrite
+    the current line in place (a `rich` live view); a new generation or any
+    other event keeps the current line and starts a new one."""
+    current: str | None = None
+    generation = None
+    with Live(console=console, auto_refresh=False) as live:
+        for job, event in events:
+            line = _progress_line(job, event)
+            if current is not None and (job.status.generation != generation
+                                        or not event.startswith("step")):
+                live.console.print(Text(current))  # keep it above the live line
+            current, generation = line, job.status.generation
+            live.update(Text(line), refresh=True)
 
 
 def _ckpt_command(args: argparse.Namespace) -> int:
-    if args.ckpt_action == "verify":
-        from springback.storage.cli import verify_main
+    # Imported here: storage pulls in torch, which the job commands do not need.
+    from springback.cli import checkpoints
 
-        return verify_main(args.uri, as_json=args.json)
-    with _client(args) as client:
-        if args.ckpt_action == "list":
-            rows = _checkpoint_rows(client, args.job)
-            if args.json:
-                print(json.dumps(rows))
-            else:
-                for r in rows:
-                    print(f"step {r['step']:>8}  {r['time'] or '-':<27} "
-                          f"{r['size_bytes'] / 1e6:>9.1f} MB  world {r['world_size']:>3}  "
-                          f"{r['state']:<10} {r['uri']}")
-        elif args.ckpt_action == "restore":
-            _Printer(args.json).job(client.restore_job(args.job, args.step))
-    return 0
-
-
-def _checkpoint_rows(client: Client, job_id: str) -> list[dict[str, Any]]:
-    """Committed checkpoints (the coordinator's record), newest first, plus what
-    storage holds beyond them: ``partial`` (no manifest: an interrupted write,
-    cleaned up later) and ``unrecorded`` (complete on storage but never
-    committed in etcd, e.g. finished after a generation change; never restored).
-    """
-    refs = client.list_checkpoints(job_id)
-    rows = [{
-        "step": r.step, "generation": r.generation, "world_size": r.world_size,
-        "size_bytes": r.size_bytes, "state": "committed", "uri": r.uri,
-        "time": r.committed_at.ToJsonString() if r.committed_at.seconds else "",
-    } for r in refs]
-    base = client.get_job(job_id).spec.checkpoint.uri
-    if base:
-        try:
-            from springback.storage import job_checkpoint_uri
-            from springback.storage.cli import ckpt_list_uri
-
-            stored = ckpt_list_uri(job_checkpoint_uri(base, job_id))
-        except Exception as e:  # noqa: BLE001 (storage is advisory here; the record stands)
-            print(f"warning: cannot list {base}: {e}", file=sys.stderr)
-            stored = []
-        recorded = {r.uri.rstrip("/") for r in refs}
-        for row in stored:
-            if row["uri"].rstrip("/") not in recorded:
-                rows.append({**row, "state": "partial" if row["state"] == "partial" else "unrecorded"})
-    return sorted(rows, key=lambda r: (r["step"], r["generation"]), reverse=True)
+    return checkpoints.command(args, _client, _Printer(args.json))
 
 
 def _coordinator_command(args: argparse.Namespace) -> int:
@@ -221,7 +164,7 @@ def _serve_until_signal(stop: Callable[[], None]) -> None:
 
 
 def _up_command(args: argparse.Namespace) -> int:
-    from springback.service.local import EtcdServer
+    from springback.cli.local import EtcdServer
     from springback.service.server import CoordinatorConfig, CoordinatorServer
 
     etcd = EtcdServer(os.path.join(args.state_dir, "etcd"), client_port=args.etcd_port)
@@ -320,15 +263,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_run_command(commands: Any, common: argparse.ArgumentParser) -> None:
-    try:
-        from springback.worker.agent import add_run_arguments, run_main
-    except ModuleNotFoundError as e:  # a coordinator-only install has no torch
-        if e.name != "torch":
-            raise
-        return
+    # Imported here: the agent pulls in torch, which the other commands do not need.
+    from springback.cli.standalone import run_standalone
+    from springback.worker.agent import add_run_arguments, run_main
+
     run = commands.add_parser("run", parents=[common], help="node agent: join a job, run CMD")
     add_run_arguments(run)
-    run.set_defaults(handler=run_main)
+    run.set_defaults(handler=lambda args: run_main(args, standalone=run_standalone))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -95,6 +95,77 @@ class Registry:
         return generate_latest(self.prometheus)
 
 
+class _Server(http.server.ThreadingHTTPServer):
+    """The HTTP server of `serve`; its handler reads what to serve from here."""
+
+    daemon_threads = True
+
+    def __init__(self, address: tuple[str, int], registry: Registry,
+                 routes: dict[str, Page], token: str | None) -> None:
+        super().__init__(address, _Handler)
+        self.registry = registry
+        self.routes = routes
+        self.token = token
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    server: _Server
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server naming)
+        path = self.path.split("?")[0]
+        if path == "/metrics":
+            self._reply(200, CONTENT_TYPE_LATEST, self.server.registry.render())
+            return
+        handler = next((h for p, h in self.server.routes.items()
+                        if path == p or path.startswith(p.rstrip("/") + "/")), None)
+        if handler is None:
+            self._reply(404, "text/plain", b"not found: /metrics and the dashboard are served\n")
+            return
+        token = self.server.token
+        if token and not self._authorized(token):
+            return
+        try:
+            status, content_type, body = handler(self.path)
+        except Exception as e:  # noqa: BLE001 (one bad page must not stop the server)
+            log.exception("page %s failed", self.path)
+            status, content_type, body = 500, "text/plain", f"internal error: {e}\n".encode()
+        self._reply(status, content_type, body)
+
+    def _authorized(self, token: str) -> bool:
+        """True for a request carrying the token; otherwise replies (401 or
+        the redirect that sets the cookie) and returns False."""
+        def same(given: str) -> bool:
+            return hmac.compare_digest(given.encode(), token.encode())
+
+        query = urllib.parse.parse_qs(urllib.parse.urlsplit(self.path).query)
+        if same(query.get("token", [""])[0]):
+            self._reply(303, "text/plain", b"", {
+                "Location": urllib.parse.urlsplit(self.path).path,
+                "Set-Cookie": f"{COOKIE}={token}; HttpOnly; SameSite=Strict; Path=/"})
+            return False
+        cookies = http.cookies.SimpleCookie(self.headers.get("Cookie", ""))
+        if same(self.headers.get("Authorization", "").removeprefix("Bearer ")) or (
+                COOKIE in cookies and same(cookies[COOKIE].value)):
+            return True
+        self._reply(401, "text/plain",
+                    b"missing or wrong bearer token (browsers: open the page with ?token=...)\n",
+                    {"WWW-Authenticate": "Bearer"})
+        return False
+
+    def _reply(self, status: int, content_type: str, body: bytes,
+               headers: dict[str, Any] | None = None) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        for k, v in (headers or {}).items():
+            self.send_header(k, str(v))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (the base's name)
+        pass
+
+
 def serve(registry: Registry, listen: str, *, pages: dict[str, Page] | None = None,
           token: str | None = None) -> http.server.ThreadingHTTPServer:
     """Starts the endpoint; returns the server (``server_address`` has the port).
@@ -107,63 +178,6 @@ def serve(registry: Registry, listen: str, *, pages: dict[str, Page] | None = No
     Anything else gets 401. Raises OSError if `listen` cannot be bound.
     """
     host, _, port = listen.rpartition(":")
-    routes = dict(pages or {})
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 (http.server naming)
-            path = self.path.split("?")[0]
-            if path == "/metrics":
-                self._reply(200, CONTENT_TYPE_LATEST, registry.render())
-                return
-            handler = next((h for p, h in routes.items()
-                            if path == p or path.startswith(p.rstrip("/") + "/")), None)
-            if handler is None:
-                self._reply(404, "text/plain", b"not found: /metrics and the dashboard are served\n")
-                return
-            if token and not self._authorized(token):
-                return
-            try:
-                status, content_type, body = handler(self.path)
-            except Exception as e:  # noqa: BLE001 (one bad page must not stop the server)
-                log.exception("page %s failed", self.path)
-                status, content_type, body = 500, "text/plain", f"internal error: {e}\n".encode()
-            self._reply(status, content_type, body)
-
-        def _authorized(self, token: str) -> bool:
-            """True for a request carrying the token; otherwise replies (401 or
-            the redirect that sets the cookie) and returns False."""
-            def same(given: str) -> bool:
-                return hmac.compare_digest(given.encode(), token.encode())
-
-            query = urllib.parse.parse_qs(urllib.parse.urlsplit(self.path).query)
-            if same(query.get("token", [""])[0]):
-                self._reply(303, "text/plain", b"", {
-                    "Location": urllib.parse.urlsplit(self.path).path,
-                    "Set-Cookie": f"{COOKIE}={token}; HttpOnly; SameSite=Strict; Path=/"})
-                return False
-            cookies = http.cookies.SimpleCookie(self.headers.get("Cookie", ""))
-            if same(self.headers.get("Authorization", "").removeprefix("Bearer ")) or (
-                    COOKIE in cookies and same(cookies[COOKIE].value)):
-                return True
-            self._reply(401, "text/plain",
-                        b"missing or wrong bearer token (browsers: open the page with ?token=...)\n",
-                        {"WWW-Authenticate": "Bearer"})
-            return False
-
-        def _reply(self, status: int, content_type: str, body: bytes,
-                   headers: dict[str, Any] | None = None) -> None:
-            self.send_response(status)
-            self.send_header("Content-Type", content_type)
-            self.send_header("Content-Length", str(len(body)))
-            for k, v in (headers or {}).items():
-                self.send_header(k, str(v))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = http.server.ThreadingHTTPServer((host or "127.0.0.1", int(port)), Handler)
-    server.daemon_threads = True
+    server = _Server((host or "127.0.0.1", int(port)), registry, dict(pages or {}), token)
     threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
     return server

@@ -14,54 +14,16 @@ import sys
 import time
 from typing import Any
 
-from google.protobuf.timestamp_pb2 import Timestamp
 
 from springback.service import planner
-from springback.service.client import Client
+from springback.client.api import Client
+from springback.client.summary import history_summary
 from springback.v1 import job_service_pb2 as js
 from springback.v1 import types_pb2 as pb
 
 
 FOLLOW_POLL_S = 1.0
 FOLLOW_GRACE_S = 5.0
-
-
-def _time(ts: Timestamp) -> str | None:
-    return ts.ToJsonString() if ts.seconds or ts.nanos else None
-
-
-def _enum(name: str, prefix: str) -> str:
-    return name.removeprefix(prefix).lower()
-
-
-def event_summary(event: js.GenerationEvent) -> dict[str, Any]:
-    """One generation of `job events --json`."""
-    return {
-        "generation": event.generation,
-        "time": _time(event.created_at),
-        "kind": _enum(js.ChangeKind.Name(event.kind), "CHANGE_KIND_"),
-        "reason": event.reason,
-        "action": _enum(pb.PlanAction.Name(event.action), "PLAN_ACTION_"),
-        "world_size": event.world_size,
-        "members": list(event.members),
-        "restore": _enum(pb.RestoreKind.Name(event.restore), "RESTORE_KIND_"),
-        "start_step": event.start_step,
-        "steps_redone": event.steps_redone,
-        "recovery_s": event.recovery.ToNanoseconds() / 1e9 if event.HasField("recovery") else None,
-        "first_step_at": _time(event.first_step_at),
-    }
-
-
-def history_summary(job: pb.Job, events: list[js.GenerationEvent]) -> dict[str, Any]:
-    """The `job events --json` object."""
-    return {
-        "id": job.id, "name": job.spec.name,
-        "state": _enum(pb.JobState.Name(job.status.state), "JOB_STATE_"),
-        "created_at": _time(job.created_at), "started_at": _time(job.started_at),
-        "finished_at": _time(job.finished_at), "step": job.status.step,
-        "message": job.status.message,
-        "generations": [event_summary(e) for e in events],
-    }
 
 
 def _human_history(summary: dict[str, Any]) -> str:
@@ -107,7 +69,7 @@ def _events_command(args: argparse.Namespace) -> int:
 
 
 def _delete_command(args: argparse.Namespace) -> int:
-    from springback.service.cli import _checkpoint_rows
+    from springback.cli.checkpoints import checkpoint_rows
 
     with Client(args.coordinator, token=args.token) as client:
         job = client.get_job(args.job)
@@ -120,14 +82,14 @@ def _delete_command(args: argparse.Namespace) -> int:
             from springback.storage.catalog import delete_checkpoint
 
             # Files first: if this fails, the record is still there to retry with.
-            for row in _checkpoint_rows(client, args.job):
+            for row in checkpoint_rows(client, args.job):
                 delete_checkpoint(row["uri"])
                 deleted.append(row["uri"])
             if job.spec.checkpoint.uri:
                 from springback.storage.ranklogs import delete_logs
-                from springback.storage.store import Store
+                from springback.storage.store import ObjectStore
 
-                delete_logs(Store(job.spec.checkpoint.uri), job.spec.checkpoint.uri)
+                delete_logs(ObjectStore(job.spec.checkpoint.uri), job.spec.checkpoint.uri)
         client.delete_job(args.job)
     if args.json:
         print(json.dumps({"id": args.job, "deleted": True, "checkpoints_deleted": deleted}))
@@ -143,7 +105,7 @@ def _logs_command(args: argparse.Namespace) -> int:
     """Prints the shipped rank logs (merged by time), then with --follow the
     chunks that arrive, until the job has ended and nothing new came."""
     from springback.storage.ranklogs import list_chunks, members
-    from springback.storage.store import Store
+    from springback.storage.store import ObjectStore
 
     with Client(args.coordinator, token=args.token) as client:
         job = client.get_job(args.job)
@@ -152,7 +114,7 @@ def _logs_command(args: argparse.Namespace) -> int:
             print(f"error: job {args.job} has no checkpoint.uri, so its agents ship no rank "
                   "logs (they are only in each agent's own output)", file=sys.stderr)
             return 1
-        store = Store(base)
+        store = ObjectStore(base)
         if args.member and args.member not in members(store, base):
             known = ", ".join(members(store, base)) or "none yet"
             print(f"error: --member {args.member}: no logs of that member (members with logs: "

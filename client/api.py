@@ -14,9 +14,9 @@ from typing import Any
 
 import grpc
 
-from springback.service import spec as specs
-from springback.service.channel import DEFAULT_TIMEOUT_S, connect
-from springback.service.errors import InvalidArgument
+from springback.client import spec as specs
+from springback.client.channel import DEFAULT_TIMEOUT_S, connect
+from springback.client.errors import InvalidArgument
 from springback.v1 import job_service_pb2 as js
 from springback.v1 import job_service_pb2_grpc as js_grpc
 from springback.v1 import types_pb2 as pb

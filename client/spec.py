@@ -14,9 +14,19 @@ from typing import Any
 
 import yaml
 
-from springback.service import failures
-from springback.service.errors import InvalidArgument
+from springback.client.errors import InvalidArgument
 from springback.v1 import types_pb2
+
+DEFAULT_MAX_PER_STEP = 3
+"""failures.max_per_step when the spec leaves it 0 (see service/failures.py)."""
+DEFAULT_WINDOW_S = 600
+"""failures.window_s when the spec leaves it 0."""
+DEFAULT_PLAN_WAIT_S = 300
+"""failures.plan_wait_s when the spec leaves it 0."""
+DEFAULT_KEEP_LAST = 3
+"""checkpoint.keep_last when a spec file's checkpoint section has no such key.
+An explicit 0 (and 0 in a `JobSpec` message, where absent and 0 are one) keeps
+every checkpoint: the rule is `service.commits.retained`'s, the only one."""
 
 _NAME = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
 _URI_SCHEMES = ("file://", "s3://", "memory://", "/")
@@ -78,7 +88,7 @@ def spec_from_dict(value: Mapping[str, Any]) -> types_pb2.JobSpec:
     _check(value, _SCHEMA, "")
     spec = types_pb2.JobSpec()
     if value.get("checkpoint") and value["checkpoint"].get("keep_last") is None:
-        spec.checkpoint.keep_last = 3
+        spec.checkpoint.keep_last = DEFAULT_KEEP_LAST
     fields = [(spec, key, key) for key in ("name", "min_workers", "max_workers", "max_steps")]
     fields += [
         (getattr(spec, section), key, f"{section}.{key}")
@@ -120,7 +130,7 @@ def validate(spec: types_pb2.JobSpec) -> types_pb2.JobSpec:
     Defaults: min_workers 1, max_workers = min_workers, layout degrees 1,
     failures as in `service.failures` (3 per step in 600 s, plans awaited
     300 s), (checkpoint.keep_last 0 keeps every checkpoint; spec files default
-    it to 3).
+    it to `DEFAULT_KEEP_LAST`).
     """
     out = types_pb2.JobSpec()
     out.CopyFrom(spec)
@@ -137,9 +147,9 @@ def validate(spec: types_pb2.JobSpec) -> types_pb2.JobSpec:
         )
     for degree in ("tp", "pp", "ep"):
         setattr(out.layout, degree, getattr(out.layout, degree) or 1)
-    out.failures.max_per_step = out.failures.max_per_step or failures.DEFAULT_MAX_PER_STEP
-    out.failures.window_s = out.failures.window_s or failures.DEFAULT_WINDOW_S
-    out.failures.plan_wait_s = out.failures.plan_wait_s or failures.DEFAULT_PLAN_WAIT_S
+    out.failures.max_per_step = out.failures.max_per_step or DEFAULT_MAX_PER_STEP
+    out.failures.window_s = out.failures.window_s or DEFAULT_WINDOW_S
+    out.failures.plan_wait_s = out.failures.plan_wait_s or DEFAULT_PLAN_WAIT_S
     if out.data.num_samples == 0:
         raise InvalidArgument("data.num_samples", "must be positive")
     if out.data.global_batch_size == 0:

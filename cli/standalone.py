@@ -38,8 +38,8 @@ def run_standalone(name: str, nnodes: tuple[int, int] | None,
                    run_agent: Callable[[str, str], int]) -> int:
     """Brings up etcd + a coordinator, submits the job, returns
     ``run_agent(coordinator_address, job_id)``, then tears everything down."""
-    from springback.service.client import Client
-    from springback.service.local import EtcdServer
+    from springback.client.api import Client
+    from springback.cli.local import EtcdServer
     from springback.service.server import CoordinatorConfig, CoordinatorServer
 
     spec = standalone_spec(name, nnodes)

@@ -1,5 +1,6 @@
-"""The step and generation log that global rank 0 writes when
-`SPRINGBACK_METRICS_FILE` is set: one JSON object per line.
+"""The step and generation event log that global rank 0 writes when
+`SPRINGBACK_METRICS_FILE` is set: one JSON object per line (an event log, not
+metrics: the Prometheus families are `worker/rankstats.py`'s).
 
 Events: ``{"event": "step", "t", "generation", "world_size", "step", "loss"}``
 after every step, and ``{"event": "generation", "t", "generation",
@@ -16,7 +17,7 @@ import os
 import time
 from pathlib import Path
 
-from springback.worker.env import METRICS_FILE
+from springback.client.env import METRICS_FILE
 
 
 def append(record: dict) -> None:

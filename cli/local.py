@@ -12,9 +12,9 @@ import os
 import shutil
 import socket
 import subprocess
-import time
 
-from springback.service.errors import StoreUnavailable
+from springback.client.polling import wait_until
+from springback.client.errors import StoreUnavailable
 from springback.service.store import Store
 
 ENV_ETCD = "SPRINGBACK_ETCD"
@@ -91,20 +91,22 @@ class EtcdServer:
     def wait_serving(self, timeout_s: float = 20.0) -> None:
         """Blocks until this member answers a (quorum) read; raises on timeout."""
         assert self.process is not None, "start() first"
-        deadline = time.monotonic() + timeout_s
+        process = self.process
         store = Store(self.endpoint, timeout_s=1.0)
+
+        def serving() -> bool:
+            if process.poll() is not None:
+                raise RuntimeError(f"etcd exited with {process.returncode}: {self._tail()}")
+            try:
+                store.get("/springback/v1/ping")
+                return True
+            except StoreUnavailable:
+                return False
+
         try:
-            while True:
-                if self.process.poll() is not None:
-                    raise RuntimeError(f"etcd exited with {self.process.returncode}: {self._tail()}")
-                try:
-                    store.get("/springback/v1/ping")
-                    return
-                except StoreUnavailable:
-                    if time.monotonic() > deadline:
-                        self.stop()
-                        raise RuntimeError(f"etcd did not start within {timeout_s}s: {self._tail()}") from None
-                    time.sleep(0.1)  # polling a condition with a deadline
+            if not wait_until(serving, timeout_s=timeout_s, interval_s=0.1):
+                self.stop()
+                raise RuntimeError(f"etcd did not start within {timeout_s}s: {self._tail()}")
         finally:
             store.close()
 

@@ -1,0 +1,84 @@
+"""One test per private torch / fsspec API behind storage/compat.py: what
+Springback relies on each to do. Run these first on a new torch or fsspec
+before widening the supported range in pyproject.toml."""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+
+import fsspec
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
+
+from springback.storage import Checkpointer, compat
+from springback.worker.rendezvous import _reset_group_count
+
+
+def test_flatten_state_dict_names_nested_entries_by_dotted_path():
+    flat, mappings = compat.flatten_state_dict({"model": {"w": torch.ones(2)}, "step": 3})
+    assert set(flat) == {"model.w", "step"} and set(mappings) == {"model.w", "step"}
+
+
+def test_create_write_items_gives_one_tensor_item_or_one_bytes_item():
+    (tensor_item,) = compat.create_write_items("w", torch.zeros(4, 2))
+    assert tensor_item.type == WriteItemType.TENSOR and tensor_item.index.fqn == "w"
+    assert list(tensor_item.tensor_data.size) == [4, 2]
+    (bytes_item,) = compat.create_write_items("extra", {"epoch": 1})
+    assert bytes_item.type == WriteItemType.BYTE_IO
+
+
+def test_storage_info_and_write_items_survive_the_done_records_pickle():
+    info = compat.StorageInfo("__0_0.distcp", 128, 64)
+    assert pickle.loads(pickle.dumps(info)) == info
+    assert (info.relative_path, info.offset, info.length) == ("__0_0.distcp", 128, 64)
+    (item,) = compat.create_write_items("w", torch.zeros(3))
+    again = pickle.loads(pickle.dumps(item))
+    assert again.index == item.index and again.tensor_data.size == item.tensor_data.size
+
+
+def _plan(fqn: str, rows: tuple[int, int], total: int) -> SavePlan:
+    """One rank's plan holding rows [rows[0], rows[1]) of a (total, 2) tensor."""
+    (item,) = compat.create_write_items(fqn, torch.zeros(total, 2))
+    offsets, sizes = torch.Size([rows[0], 0]), torch.Size([rows[1] - rows[0], 2])
+    data = dataclasses.replace(item.tensor_data, chunk=ChunkStorageMetadata(offsets, sizes))
+    shard = dataclasses.replace(item, index=MetadataIndex(fqn, offsets), type=WriteItemType.SHARD,
+                                tensor_data=data)
+    return SavePlan(items=[shard])
+
+
+def test_validate_global_plan_names_chunks_that_overlap_and_passes_a_tiling():
+    tiling = [_plan("w", (0, 2), 4), _plan("w", (2, 4), 4)]
+    _, md = create_default_global_save_plan(tiling, rewrite_index_hints=False)
+    assert compat.validate_global_plan(tiling, md) == []
+    overlap = [_plan("w", (0, 3), 4), _plan("w", (1, 4), 4)]
+    _, md = create_default_global_save_plan(overlap, rewrite_index_hints=False)
+    assert compat.validate_global_plan(overlap, md)
+
+
+def test_strip_protocol_gives_the_filesystem_path():
+    local = fsspec.filesystem("file")
+    assert compat.strip_protocol(local, "file:///tmp/ck/step-1") == "/tmp/ck/step-1"
+    memory = fsspec.filesystem("memory")
+    assert compat.strip_protocol(memory, "memory://bucket/ck").lstrip("/") == "bucket/ck"
+
+
+def test_fsspec_reader_loads_what_the_checkpointer_wrote():
+    base = "memory://compat-reader"
+    ckpt = Checkpointer(base, rank=0, world_size=1)
+    info = ckpt.save(1, {"w": torch.arange(6.0)}, generation=1).result(timeout=30)
+    ckpt.close()
+    loaded = {"w": torch.zeros(6)}
+    dcp.load(loaded, storage_reader=compat.FsspecReader(info.uri))
+    assert torch.equal(loaded["w"], torch.arange(6.0))
+
+
+def test_reset_group_count_puts_the_counter_back_to_zero_without_a_group():
+    assert not dist.is_initialized()
+    dist.distributed_c10d._world.group_count = 3  # what a failed init_process_group leaves
+    _reset_group_count()
+    assert dist.get_pg_count() == 0
