@@ -43,7 +43,7 @@ class Health(health_pb2_grpc.HealthServicer):
             context.abort(grpc.StatusCode.NOT_FOUND, f"unknown service {request.service!r}")
         return health_pb2.HealthCheckResponse(status=status)
 
-    async def Watch(self, request: health_pb2.HealthCheckRequest,  # type: ignore[override]
+    async def Watch(self, request: health_pb2.HealthCheckRequest,
                     context: grpc.aio.ServicerContext) -> AsyncIterator[health_pb2.HealthCheckResponse]:
         sent: Status | None = None
         while True:

@@ -29,7 +29,7 @@ import threading
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from concurrent import futures
-from typing import Any
+from typing import Any, NoReturn
 
 import grpc
 
@@ -65,6 +65,13 @@ async def in_thread(pool: futures.ThreadPoolExecutor, items: Iterable[Any]) -> A
     loop = asyncio.get_running_loop()
     while (item := await loop.run_in_executor(pool, next, iterator, _END)) is not _END:
         yield item
+
+
+def _abort(context: grpc.ServicerContext, code: grpc.StatusCode, details: str) -> NoReturn:
+    """`context.abort` of a synchronous handler, which always raises; typed so
+    the checker knows."""
+    context.abort(code, details)
+    raise AssertionError("grpc's ServicerContext.abort returned")
 
 
 class BearerAuth(grpc.aio.ServerInterceptor):
@@ -125,7 +132,7 @@ class LeaderForwarding(grpc.aio.ServerInterceptor):
     def _leader_channel(self, context: grpc.ServicerContext) -> grpc.Channel:
         channel, why = self._find_leader()
         if channel is None:
-            context.abort(grpc.StatusCode.UNAVAILABLE, why)
+            _abort(context, grpc.StatusCode.UNAVAILABLE, why)
         return channel
 
     def _unary(self, method: str, metadata: list) -> Callable:
@@ -147,6 +154,7 @@ class LeaderForwarding(grpc.aio.ServerInterceptor):
             channel, why = await asyncio.to_thread(self._find_leader)
             if channel is None:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, why)
+                return  # abort raised already
             call = channel.unary_stream(method)(
                 request, metadata=metadata, timeout=context.time_remaining())
             self.num_forwarded += 1

@@ -185,6 +185,9 @@ class WorkerServicer(ws_grpc.WorkerServiceServicer):
     async def Heartbeat(self, request: ws.HeartbeatRequest,
                         context: grpc.aio.ServicerContext) -> ws.HeartbeatResponse:
         """On this replica's loop, no thread (`heartbeats`)."""
+        if self.heartbeats is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "heartbeats need the aio server")
+            raise AssertionError("abort returned")
         try:
             generation = await self.heartbeats.beat(request.job_id, request.member_id)
         except SpringbackError as e:

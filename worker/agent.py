@@ -465,7 +465,7 @@ class Agent:
                     log.warning("fenced: ranks stopped, exiting")
                     return EXIT_FENCED
                 log.warning("fenced: ranks stopped, joining again as a new member")
-                self._start_ranks()
+                self._start_ranks(StartupClock())
             if self._drain_reason is None:
                 for source in self.config.preemption:
                     reason = source.poll()

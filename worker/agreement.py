@@ -26,7 +26,7 @@ import datetime
 import io
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -156,8 +156,8 @@ class StateAgreement:
         best = max(steps)
         source = steps.index(best)
         have = {k: rows for k, (_, rows) in held.items()} if steps[rank] == best else {}
-        haves = all_gather_objects(have, plan.world_size)
-        keys: dict[str, Rows] = {k: r for h in haves for k, r in h.items()}  # type: ignore[union-attr]
+        haves = cast(list[dict[str, Rows]], all_gather_objects(have, plan.world_size))
+        keys: dict[str, Rows] = {k: r for h in haves for k, r in h.items()}
         targets = sm.targets(keys)
         needs = all_gather_objects({k: r for k, (_, r) in targets.items()}, plan.world_size)
         transfers = plan_transfers(haves, needs)  # type: ignore[arg-type]
