@@ -34,10 +34,13 @@ class TestReplicaCutOffFromEtcd:
     def test_it_stops_serving_liveness_and_members_stay_alive_through_the_others(
         self, etcd, start_coordinator, make_spec
     ):
-        leader = start_coordinator()
+        # Liveness 4 s (production: 5 s): detecting the cut (~1 s) plus one
+        # heartbeat's deadline on it must fit well inside one timeout, also on
+        # a loaded machine (at 2 s the full suite expired a member here once).
+        leader = start_coordinator(liveness_timeout_s=4.0)
         wait_for(leader.election.is_leader, 10, "the first replica to lead")
         with NetProxy(etcd.endpoint) as link, Client(leader.address) as client:
-            cut = start_coordinator(etcd=link.url)
+            cut = start_coordinator(etcd=link.url, liveness_timeout_s=4.0)
             job = client.create_job(make_spec(max_workers=2))
             members = [SimMember([leader.address, cut.address], job.id, port=9800 + i)
                        for i in range(2)]
