@@ -78,7 +78,6 @@ from springback.worker.rankstats import RankStats
 from springback.worker.rendezvous import (
     RendezvousAborted,
     form_group,
-    handed_to_gloo,
     is_collective_failure,
     leave_group,
 )
