@@ -234,6 +234,7 @@ class Coordinator:
         members = self.members(job_id)
         checkpoints = self.list_checkpoints(job_id)
         job = self._with_progress(job_entry.value)
+        ended = planner.is_terminal(job.status.state)
         if mutate is not None:
             mutate(job)
         progress = self._progress.get(job_id)  # after mutate: a start sets it
@@ -243,6 +244,7 @@ class Coordinator:
             previous_signature=self._signature_of(job_id, previous) if previous else None,
             members=members, checkpoints=checkpoints, progress=progress, reason=reason,
             stateless=stateless, draining=draining, force_generation=force_generation,
+            ended=ended,
         ))
         self.last_replan_s = decision.planning_s
         history_ops = self.history.on_change(job, decision.plan if decision.new_generation else None)

@@ -47,6 +47,9 @@ class Inputs:
     stateless: Collection[str] = ()
     draining: Collection[str] = ()
     force_generation: bool = False
+    ended: bool = False
+    """The job had ended (a terminal state) before the caller's mutation: its
+    status message, which says why it ended, is kept."""
 
 
 @dataclass(frozen=True)
@@ -103,7 +106,7 @@ def _stamp_generation(status: pb.JobStatus, plan: pb.Plan, previous: pb.Plan | N
     status.members.extend(m.member_id for m in plan.members if plan.world_size)
 
 
-def _update_status(status: pb.JobStatus, plan: pb.Plan, reason: str) -> None:
+def _update_status(status: pb.JobStatus, plan: pb.Plan, ended: bool) -> None:
     if not planner.is_terminal(status.state):
         if plan.action == pb.PLAN_ACTION_RUN:
             status.state = pb.JOB_STATE_RUNNING
@@ -111,7 +114,8 @@ def _update_status(status: pb.JobStatus, plan: pb.Plan, reason: str) -> None:
             status.state = pb.JOB_STATE_PENDING
     del status.spares[:]
     status.spares.extend(plan.spares)
-    status.message = plan.reason  # the planner may say why the job waits (a layout)
+    if not ended:  # an ended job's message says why it ended; members leaving later keep it
+        status.message = plan.reason  # the planner may say why the job waits (a layout)
     status.updated_at.CopyFrom(timestamp_now())
 
 
@@ -132,7 +136,7 @@ def replan(inputs: Inputs) -> Decision:
                       or signature != inputs.previous_signature)
     if new_generation:
         _stamp_generation(job.status, plan, previous, requested)
-    _update_status(job.status, plan, inputs.reason)
+    _update_status(job.status, plan, inputs.ended)
     plan_write: pb.Plan | None = plan if new_generation else None
     if not new_generation and previous is not None and list(plan.spares) != list(previous.spares):
         plan_write = pb.Plan()

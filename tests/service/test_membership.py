@@ -287,6 +287,21 @@ class TestCommits:
         plans = [r.plan for r in stream]
         assert plans[-1].action == pb.PLAN_ACTION_STOP
 
+    def test_an_ended_job_keeps_why_it_ended_when_its_members_leave(
+        self, coordinator, client, workers, make_spec
+    ):
+        job = client.create_job(make_spec(max_workers=1, max_steps=5))
+        a = join(workers, job.id, 9311)
+        generation = plan_of(coordinator, job.id).generation
+        workers.ReportStep(ws.ReportStepRequest(job_id=job.id, member_id=a, generation=generation,
+                                                step=5, samples_consumed=160), timeout=5)
+        assert client.get_job(job.id).status.message == "reached max_steps 5"
+        workers.LeaveJob(ws.LeaveJobRequest(job_id=job.id, member_id=a, reason="ranks finished"),
+                         timeout=5)
+        status = client.get_job(job.id).status
+        assert not status.members and status.state == pb.JOB_STATE_SUCCEEDED
+        assert status.message == "reached max_steps 5"
+
     def test_a_persistent_storage_failure_shows_in_the_job_until_the_next_commit(
         self, coordinator, client, workers, make_spec
     ):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -80,6 +81,30 @@ class FakeJob:
         while not any(r["step"] >= step for r in self.steps()):
             assert time.monotonic() < deadline, f"step {step} not reached"
             time.sleep(0.05)
+
+    def finish(self, members: list[str], timeout_s: float = 90) -> None:
+        """Waits for `members`' ranks to exit 0 within `timeout_s` together.
+        A rank still running then has its Python stacks dumped into its log
+        (tiny_train registers SIGUSR1 with faulthandler), and the assertion
+        carries the log's tail: a hang in CI says where it hung."""
+        deadline = time.monotonic() + timeout_s
+        for m in members:
+            proc = self.procs[m]
+            try:
+                code = proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                proc.send_signal(signal.SIGUSR1)
+                log = self.root / f"{m}.log"
+                until = time.monotonic() + 5
+                while time.monotonic() < until and (
+                        "most recent call first" not in log.read_text(errors="replace")):
+                    time.sleep(0.05)
+                raise AssertionError(f"{m} still running after {timeout_s:.0f}s; its log, "
+                                     f"stacks last:\n{self.log_tail(m)}") from None
+            assert code == 0, f"{m} exited {code}; its log:\n{self.log_tail(m)}"
+
+    def log_tail(self, member: str, chars: int = 6000) -> str:
+        return (self.root / f"{member}.log").read_text(errors="replace")[-chars:]
 
     def close(self) -> None:
         for p in self.procs.values():

@@ -55,8 +55,7 @@ def test_the_two_ranks_of_a_tp_group_train_on_the_same_whole_batch(fake_job):
         fake_job.spawn(m)
     fake_job.publish(["a", "b"], "tp=2", layout=pb.ParallelLayout(
         dp=1, tp=2, pp=1, ep=1, replicate=1, shard=1))
-    for m in ("a", "b"):
-        assert fake_job.procs[m].wait(timeout=90) == 0, f"{m} failed, see {fake_job.root}"
+    fake_job.finish(["a", "b"])
     by_step: dict[int, dict[int, list]] = defaultdict(dict)
     for r in read_records(fake_job.audit_dir):
         by_step[r["step"]][r["rank"]] = r["samples"]

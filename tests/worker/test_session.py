@@ -14,13 +14,6 @@ from springback.client import env as E
 from springback.worker.audit import check_exactly_once
 
 
-def _finish(job, members, timeout_s=90):
-    deadline = time.monotonic() + timeout_s
-    for m in members:
-        left = max(deadline - time.monotonic(), 0.1)
-        assert job.procs[m].wait(timeout=left) == 0, f"{m} failed, see {job.root}/{m}.log"
-
-
 @pytest.mark.timeout(120)
 class TestGenerationSwitch:
     def test_survivors_of_a_killed_peer_finish_with_identical_state_and_exact_samples(
@@ -32,7 +25,7 @@ class TestGenerationSwitch:
         fake_job.procs["b"].send_signal(signal.SIGKILL)
         fake_job.procs["b"].wait()
         fake_job.publish(["a", "c"], "b died")
-        _finish(fake_job, ["a", "c"])
+        fake_job.finish(["a", "c"])
         report = check_exactly_once(fake_job.audit_dir, num_samples=256,
                                     global_batch_size=12, last_step=40)
         assert report.ok, report
@@ -48,7 +41,7 @@ class TestGenerationSwitch:
         fake_job.wait_step(6)
         fake_job.spawn("c")
         fake_job.publish(["a", "b", "c"], "c joined")
-        _finish(fake_job, ["a", "b", "c"])
+        fake_job.finish(["a", "b", "c"])
         report = check_exactly_once(fake_job.audit_dir, num_samples=256,
                                     global_batch_size=12, last_step=40)
         assert report.ok, report
@@ -90,7 +83,7 @@ class TestFailureSemantics:
             assert fake_job.procs["a"].poll() is None, log.read_text()
             time.sleep(0.2)
         fake_job.publish(["a"], "b died, late plan")
-        _finish(fake_job, ["a"])
+        fake_job.finish(["a"])
         records = [r for r in fake_job.steps() if r["generation"] == 2]
         assert min(r["step"] for r in records) > 8, "a started again instead of going on"
         applied = check_applied(fake_job.audit_dir, num_samples=256, global_batch_size=12,
