@@ -281,10 +281,11 @@ class Session:
                        collective_timeout_s=self.env.collective_timeout_s,
                        rendezvous_timeout_s=self.env.rendezvous_timeout_s,
                        superseded=superseded)
-            if self._agreement.sharded is not None:
-                source, restored_from, mesh = self._agreement.agree_sharded(plan, rank, store)
-            else:
-                (source, restored_from), mesh = self._agreement.agree(plan, rank), None
+            with self.ctx.busy("agreeing on the state"):  # reads no plan meanwhile
+                if self._agreement.sharded is not None:
+                    source, restored_from, mesh = self._agreement.agree_sharded(plan, rank, store)
+                else:
+                    (source, restored_from), mesh = self._agreement.agree(plan, rank), None
         except (RendezvousAborted, RuntimeError) as e:
             log.warning("generation %d could not start on rank %d: %s", plan.generation,
                         rank, e)
