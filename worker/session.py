@@ -73,7 +73,7 @@ from springback.worker.audit import AuditLog
 from springback.worker.boundary import Agreed, StepBoundary, Vote
 from springback.worker.control import PlanChannel, await_activation
 from springback.client.env import LOCAL_RANK, STANDBY_FILE, RankEnv
-from springback.worker.peerloss import report_lost_peer
+from springback.worker.peerloss import lost_peer
 from springback.worker.rankstats import RankStats
 from springback.worker.rendezvous import (
     RendezvousAborted,
@@ -619,8 +619,10 @@ class Generation:
         log.warning("generation %d broke on rank %d at step %d: %s", self.generation,
                     self.rank, s.step + 1, why)
         self._boundary.abandon()
-        report_lost_peer(exc, plan=self.plan, rank=self.rank, member_id=s.env.member_id,
-                         stub=s.reporter.stub if s.reporter is not None else None)
+        lost = lost_peer(exc, self.plan, s.env.member_id)
+        if lost is not None and s.reporter is not None:
+            s.reporter.report_lost_peer(self.plan, rank=self.rank, peer=lost[0],
+                                        lost_member_id=lost[1])
         leave_group()
         if not s.newer_plan_within(self.generation, s.wait_s,
                                    broken=f"rank {self.rank} at step {s.step + 1}: {why}"[:200]):
