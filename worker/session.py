@@ -314,6 +314,8 @@ class Session:
     def close(self) -> None:
         """Flushes the last step report and drops the process group. Idempotent."""
         leave_group()
+        if self.ctx.stats is not None:  # what the script does next reads no plan
+            self.ctx.stats.busy("done training")
         if self.ctx.reporter is not None:
             self.ctx.reporter.close()
             self.ctx.reporter = None

@@ -30,7 +30,8 @@ survivors (nothing lost, at most the step in flight redone).
 Limits: ranks that do not use `Session` (restart mode, torchrun-style
 scripts) write no statistics and are not watched; a rank that has not reached
 `Session()` yet (importing, building) is not watched either (its peers'
-rendezvous deadline applies). A statistics file left by an earlier process of
+rendezvous deadline applies), nor one whose `generations()` loop has ended
+(what its script does after training reads no plan). A statistics file left by an earlier process of
 the same local rank is recognised by its pid and ignored.
 """
 
