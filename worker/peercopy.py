@@ -301,7 +301,7 @@ class GenerationCopies:
         t0 = time.monotonic()
         if self._in_flight is not None:
             self._complete()
-        if step % self.every_steps == 0 and self.every_steps > 0:
+        if self.every_steps > 0 and step % self.every_steps == 0:
             try:
                 held = self.sm.shards()
             except NotReshardable as e:
