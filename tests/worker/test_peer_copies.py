@@ -111,3 +111,31 @@ def test_a_snapshot_holds_the_shards_at_its_step_and_the_store_offers_them_by_st
     assert store.offer()[8]["own"] and len(store.offer()[8]["rows"]) == 2
     store.keep_from(12)
     assert store.offer() == {}
+
+
+@pytest.mark.timeout(120)
+def test_a_node_lost_mid_transfer_rolls_back_to_the_previous_complete_copy(tmp_path):
+    """peercopy_peer.py: step 2's copies complete, node 1 dies before sending
+    step 4's; the survivors' step-4 snapshots do not cover its rows, so they
+    roll back to step 2, bit for bit, instead of to a checkpoint."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).with_name("peercopy_peer.py")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    logs = [open(tmp_path / f"rank{r}.log", "w") for r in range(4)]
+    procs = [subprocess.Popen([sys.executable, str(script), str(r), str(tmp_path)], env=env,
+                              stdout=logs[r], stderr=subprocess.STDOUT) for r in range(4)]
+    try:
+        codes = [p.wait(timeout=100) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    out = "\n".join((tmp_path / f"rank{r}.log").read_text()[-2000:] for r in range(4))
+    assert codes == [0, 0, 0, 0], out
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert (result["step"], result["kind"]) == (2, "RESTORE_KIND_PEER_COPY"), out
+    assert result["digest"] == result["digests"]["2"] != result["digests"]["4"]
