@@ -118,6 +118,18 @@ def newest_commit(args):  # noqa: ANN001, ANN201
     return pb.CheckpointRef(uri=newest.uri, step=newest.step, generation=newest.generation)
 
 
+def lose_node_1(rank: int, tmp: str, name: str) -> dist.Store | None:
+    """Node 1 (ranks 2 and 3) is lost: the survivors form a new 2-rank group
+    (returns its store; None on the lost ranks)."""
+    dist.barrier()
+    dist.destroy_process_group()
+    if rank >= 2:
+        return None
+    store = dist.FileStore(os.path.join(tmp, name), 2)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+    return store
+
+
 def rank_main(rank: int, args: argparse.Namespace, tmp: str, q: mp.Queue) -> None:
     torch.set_num_threads(1)
     store = dist.FileStore(os.path.join(tmp, "g1"), 4)
@@ -135,12 +147,9 @@ def rank_main(rank: int, args: argparse.Namespace, tmp: str, q: mp.Queue) -> Non
     state_mib = sum(t.to_local().numel() * t.element_size() for t in
                     [*model.parameters(), *(v for s in opt.state.values() for v in s.values()
                                             if isinstance(v, torch.Tensor) and v.dim())])
-    dist.barrier()
-    dist.destroy_process_group()
-    if rank >= 2:
-        return  # the lost node
-    store2 = dist.FileStore(os.path.join(tmp, "g2"), 2)
-    dist.init_process_group("gloo", store=store2, rank=rank, world_size=2)
+    store2 = lose_node_1(rank, tmp, "g2")
+    if store2 is None:
+        return
     memory_agree_s, memory_s, kind = next_step_via(first, plan(2, replicate=1), rank,
                                                    dist.PrefixStore("a", store2), args)
     fresh = agreement(args, -1)  # a rank that holds nothing: the storage path
@@ -202,12 +211,9 @@ def fsdp_rank_main(rank: int, args: argparse.Namespace, tmp: str, q: mp.Queue) -
     ctx.state_step = step + 1
     held_mib = first.copies.nbytes() / 2**20
     shard_mib = sum(t.numel() * t.element_size() for t, _ in first.sharded.shards().values()) / 2**20
-    dist.barrier()
-    dist.destroy_process_group()
-    if rank >= 2:
-        return  # the lost node
-    store2 = dist.FileStore(os.path.join(tmp, "f2"), 2)
-    dist.init_process_group("gloo", store=store2, rank=rank, world_size=2)
+    store2 = lose_node_1(rank, tmp, "f2")
+    if store2 is None:
+        return
     ref = newest_commit(args)
     copy_agree_s, copy_s, kind = next_step_via(
         first, plan(2, 1, ref, kind=pb.RESTORE_KIND_PEERS), rank, dist.PrefixStore("a", store2),
