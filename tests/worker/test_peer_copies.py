@@ -53,6 +53,11 @@ def test_a_lost_fsdp_node_is_recovered_from_its_peer_copy_without_reading_a_chec
         assert "restoring checkpoint" not in agent.log(), agent.log()
     assert "came from peer copies: rolled back to step" in "".join(a.log() for a in cluster.agents)
     assert job.status.steps_redone <= K, job.status  # ... but at most K steps redone
+    _, events = cluster.api.list_job_events(cluster.job_id)
+    rolled_back = [e for e in events if e.restore == pb.RESTORE_KIND_PEER_COPY]
+    assert len(rolled_back) == 1, events  # what the coordinator learnt: the kind, the redo
+    assert rolled_back[0].start_step % K == 0 and rolled_back[0].steps_redone == \
+        job.status.steps_redone, rolled_back
     rolled = [r for r in digests(cluster.root) if r["when"] == "start" and r["step"] > 0]
     assert rolled and all(r["step"] % K == 0 and r["step"] >= committed for r in rolled), rolled
     assert_resharded_bit_identical(cluster.root, world=2)  # the copy step's state, bit for bit
