@@ -237,7 +237,8 @@ class PeerCopyStore:
                                        owners=[r for r, _ in pieces])
             if transfers is None:
                 continue
-            received = exchange(transfers, rank, lambda t: self.piece_for(step, t), targets)
+            received = exchange(transfers, rank, lambda t: self.piece_for(step, t), targets,
+                                host=True)
             self._restore_whole(ctx, sm, owners[0], rank, step)
             log.warning("a lost node's shards came from peer copies: rolled back to step %d "
                         "(%d transfers, %d bytes received here)", step, len(transfers), received)

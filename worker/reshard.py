@@ -126,10 +126,12 @@ def plan_transfers(have: list[dict[str, Rows]], need: list[dict[str, Rows]],
 
 def exchange(transfers: list[Transfer], rank: int,
              held: dict[str, tuple[torch.Tensor, Rows]] | Callable[[Transfer], Piece],
-             target: dict[str, tuple[torch.Tensor, Rows]]) -> int:
+             target: dict[str, tuple[torch.Tensor, Rows]], *, host: bool = False) -> int:
     """Runs `transfers` (every rank calls it with the same list): copies held
     rows into this rank's `target` views. `held` maps a key to this rank's
     piece, or is a function giving the piece that covers a transfer's rows.
+    With `host` the pieces travel in host memory whatever the target's
+    device (the held pieces are host copies: `worker/peercopy.py`).
     Returns the bytes received from other ranks."""
     ops: list[dist.P2POp] = []
     landing: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -146,7 +148,8 @@ def exchange(transfers: list[Transfer], rank: int,
         elif t.dst == rank:
             out, orows = target[t.key]
             view = out[t.start - orows.start:t.end - orows.start]
-            buf = torch.empty_like(view, memory_format=torch.contiguous_format)
+            buf = (torch.empty(view.shape, dtype=view.dtype) if host
+                   else torch.empty_like(view, memory_format=torch.contiguous_format))
             ops.append(dist.P2POp(dist.irecv, buf, t.src, tag=tag))
             landing.append((view, buf))
             received += buf.numel() * buf.element_size()
