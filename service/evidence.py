@@ -9,16 +9,19 @@ much sooner, from two independent sides:
    once: the kernel of the dead process's host closed its sockets. The rank
    maps the address to the peer's rank and member (worker/rendezvous.py) and
    says so in a ReportFailure with ``lost_member_id``.
-2. **Its agent's plan stream.** Every agent holds a WatchPlans stream to the
-   leader. When the agent's process dies, its host's kernel closes the
-   connection and the stream ends *by the client's side* (not by this
-   server: not a STOP plan, not a fence, not a leader change).
+2. **Its agent's plan stream.** Every agent holds a WatchPlans stream to one
+   replica. When the agent's process dies, its host's kernel closes the
+   connection and the stream ends *by the client's side* (not by the
+   server: not a STOP plan, not a fence, not a leader change). Streams on
+   followers reach the leader as notes (`streamnotes`), each stream named by
+   its id, so a stream opened on one replica and one ended on another are
+   told apart whatever order their notes arrive in.
 
 `PeerLossEvidence` fences the member (its lease revoked, a generation made
 without it) the moment both are true: a live member planned in the current
 generation reported a connection reset from a rank of the suspect, and the
-suspect's last plan stream on this leader was ended by the client and none
-has been opened since. The two halves may arrive in either order; each is
+suspect's plan stream was ended by the client and no other stream of it is
+open on any replica (as far as the notes tell). The two halves may arrive in either order; each is
 kept for ``window_s`` (the liveness timeout: later, the lease has expired
 anyway).
 
@@ -36,9 +39,17 @@ Why this cannot fence a healthy node:
   blip) opens a new one at once, which clears the first half; its ranks'
   sockets are unaffected, so the second half does not come.
 
-Only the leader fences; a stream served by another replica is not seen here,
-which makes the rule slower (back to the liveness timeout), never looser.
-Both halves live in this replica's memory: a leader change forgets them.
+Only the leader fences. Both halves live in the leader's memory: a leader
+change forgets them (back to the liveness timeout until new notes come). A
+stream opened on a follower before the leader learned of it is not known;
+that can only keep a "vanished" half from forming when an *older* stream of
+the same member ends, so it is slower, not looser — except for one narrow
+case, documented in docs/liveness.md: a follower that cannot reach the
+leader for longer than the window drops its notes, and an "opened" note so
+dropped lets an older stream's end, relayed by another replica, look like a
+vanished agent; a fence then still needs a peer's reset in the current
+generation, which a live agent's ranks do not give without a crash that its
+agent reports (a new generation, which discards the reset).
 """
 
 from __future__ import annotations
@@ -61,7 +72,7 @@ _Key = tuple[str, str]  # (job id, member id)
 
 @dataclass
 class _Suspect:
-    open_streams: int = 0
+    open_streams: set[str] = field(default_factory=set)  # ids of its streams known open
     vanished_at: float | None = None  # a stream ended by the client, none open since
     resets: dict[str, tuple[int, float]] = field(default_factory=dict)  # reporter -> (gen, t)
 
@@ -81,36 +92,38 @@ class PeerLossEvidence:
 
     # -- half 2: the agent's plan stream ----------------------------------------
 
-    def stream_opened(self, job_id: str, member_id: str) -> None:
-        """A WatchPlans stream of `member_id` opened on this replica: counted
-        open (an agent that reconnects clears the "vanished" half). Without a
-        member id, nothing is recorded. Memory only; never blocks."""
+    def stream_opened(self, job_id: str, member_id: str, stream_id: str) -> None:
+        """A WatchPlans stream `stream_id` of `member_id` opened (on any
+        replica): known open (an agent that reconnects clears the "vanished"
+        half). Without a member id, nothing is recorded. Memory only; never
+        blocks."""
         if not member_id:
             return
         with self._lock:
             suspect = self._suspects.setdefault((job_id, member_id), _Suspect())
-            suspect.open_streams += 1
+            suspect.open_streams.add(stream_id)
             suspect.vanished_at = None
 
-    def stream_ended(self, job_id: str, member_id: str, *, by_client: bool) -> None:
+    def stream_ended(self, job_id: str, member_id: str, stream_id: str, *,
+                     by_client: bool) -> None:
         """That stream ended; `by_client` when the RPC was cancelled from the
         agent's side (its process gone, or it hung up) rather than finished by
-        this server (STOP, a fence, an error). Called on the server's event
-        loop: the verdict (which may read the generation from etcd and fence)
-        runs on a thread of its own."""
+        the server (STOP, a fence, an error). May be called on the server's
+        event loop: the verdict (which may read the generation from etcd and
+        fence) runs on a thread of its own."""
         if member_id:
-            threading.Thread(target=self._stream_ended, args=((job_id, member_id),),
+            threading.Thread(target=self._stream_ended, args=((job_id, member_id), stream_id),
                              kwargs={"by_client": by_client}, daemon=True,
                              name="plan-stream-ended").start()
 
-    def _stream_ended(self, key: _Key, *, by_client: bool) -> None:
+    def _stream_ended(self, key: _Key, stream_id: str, *, by_client: bool) -> None:
         try:
             generation = self.coordinator.current_generation(key[0])
         except SpringbackError:
             generation = -1  # etcd unreachable: no verdict, only the count
         with self._lock:
             suspect = self._suspects.setdefault(key, _Suspect())
-            suspect.open_streams = max(0, suspect.open_streams - 1)
+            suspect.open_streams.discard(stream_id)
             if not by_client or suspect.open_streams:
                 return
             suspect.vanished_at = self._clock()

@@ -41,6 +41,7 @@ from springback.client.polling import wait_until
 from springback.service.coordinator import Coordinator
 from springback.service.dashboard import Dashboard
 from springback.service.election import Election
+from springback.service.evidence import PeerLossEvidence
 from springback.service.health import Health
 from springback.service.heartbeats import Heartbeats, LeaseRenewer
 from springback.service.jobmetrics import JobMetrics
@@ -50,6 +51,7 @@ from springback.service.planboard import PlanBoard
 from springback.service.planstreams import PlanStreams
 from springback.service.servicers import JobServicer, WorkerServicer
 from springback.service.store import Store
+from springback.service.streamnotes import StreamNotes
 from springback.v1 import job_service_pb2, job_service_pb2_grpc, worker_service_pb2
 from springback.v1 import worker_service_pb2_grpc
 
@@ -248,11 +250,15 @@ class CoordinatorServer:
         self.plan_streams = PlanStreams(self.store, self.board, self.liveness)
         self.renewer = LeaseRenewer(config.etcd)
         heartbeats = Heartbeats(self.coordinator, self.board, self.renewer, self.liveness)
+        self.stream_notes = StreamNotes(
+            self.election, PeerLossEvidence(self.coordinator), token=config.token,
+            window_s=lambda: self.coordinator.liveness_timeout_s)
         self._server.add_generic_rpc_handlers([
             _service_handler(job_service_pb2_grpc.add_JobServiceServicer_to_server,
                              JobServicer(self.coordinator, self._stream_pool)),
             _worker_service_handler(
-                WorkerServicer(self.coordinator, self.liveness, self.plan_streams, heartbeats)),
+                WorkerServicer(self.coordinator, self.liveness, self.plan_streams, heartbeats,
+                               self.stream_notes)),
         ])
         self._draining = False
         self._stopped = False
@@ -326,6 +332,9 @@ class CoordinatorServer:
         registry.add("springback_coordinator_etcd_reachable", "gauge",
                      "1 while this replica reaches etcd (it serves liveness only then)",
                      lambda: float(self.liveness.reachable))
+        registry.add("springback_coordinator_stream_notes_dropped_total", "counter",
+                     "plan-stream notes this follower could not relay to the leader in time",
+                     lambda: self.stream_notes.num_dropped)
         registry.add("springback_coordinator_rpc_total", "counter", "calls received, by method",
                      lambda: [({"method": m}, n) for m, n in self.counter.calls.items()])
         registry.add_collector(JobMetrics(c))
@@ -380,6 +389,7 @@ class CoordinatorServer:
             self.dashboard.stop()
             self._metrics_server.shutdown()
         self._forwarding.close()
+        self.stream_notes.close()
         self.board.close()
         self.liveness.close()
         self.health.close()

@@ -24,7 +24,9 @@ from google.protobuf.duration_pb2 import Duration
 from springback.service.commits import Commits
 from springback.service.coordinator import Coordinator
 from springback.client.errors import SpringbackError, grpc_code
+from springback.service import streamnotes
 from springback.service.evidence import PeerLossEvidence
+from springback.service.streamnotes import StreamNotes
 from springback.service.heartbeats import Heartbeats
 from springback.service.history import delete_job
 from springback.service.interceptors import in_thread
@@ -151,10 +153,12 @@ class WorkerServicer(ws_grpc.WorkerServiceServicer):
     def __init__(self, coordinator: Coordinator,
                  liveness: EtcdReachability | None = None,
                  plan_streams: PlanStreams | None = None,
-                 heartbeats: Heartbeats | None = None) -> None:
+                 heartbeats: Heartbeats | None = None,
+                 stream_notes: StreamNotes | None = None) -> None:
         self.coordinator = coordinator
         self.membership = Membership(coordinator, liveness)
-        self.evidence = PeerLossEvidence(coordinator)
+        self.evidence = stream_notes.evidence if stream_notes else PeerLossEvidence(coordinator)
+        self.stream_notes = stream_notes
         self.commits = Commits(coordinator)
         self.plan_streams = plan_streams
         self.heartbeats = heartbeats
@@ -209,11 +213,11 @@ class WorkerServicer(ws_grpc.WorkerServiceServicer):
                          context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
         """Served on this replica's loop (`planstreams`); yields serialized
         responses (the handler is registered without a serializer, see `server`)."""
-        if self.plan_streams is None:
+        if self.plan_streams is None or self.stream_notes is None:
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, "plan streams need the aio server")
             return
         by_client = False
-        self.evidence.stream_opened(request.job_id, request.member_id)
+        stream_id = self.stream_notes.opened(request.job_id, request.member_id)
         try:
             async for response in self.plan_streams.stream(request.job_id, request.member_id):
                 yield response
@@ -226,7 +230,8 @@ class WorkerServicer(ws_grpc.WorkerServiceServicer):
             log.exception("WatchPlans failed")
             await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}")
         finally:
-            self.evidence.stream_ended(request.job_id, request.member_id, by_client=by_client)
+            self.stream_notes.ended(request.job_id, request.member_id, stream_id,
+                                    by_client=by_client)
 
     @_handle
     def ReportStep(self, request: ws.ReportStepRequest,
@@ -255,6 +260,14 @@ class WorkerServicer(ws_grpc.WorkerServiceServicer):
             request.job_id, request.member_id, request.generation, request.reason,
             state_kept=request.state_kept)
         return ws.ReportFailureResponse(generation=generation)
+
+    @_handle
+    def ReportPlanStreams(self, request: ws.ReportPlanStreamsRequest,
+                          context: grpc.ServicerContext) -> ws.ReportPlanStreamsResponse:
+        """A follower's plan-stream notes (`streamnotes`); the leader only."""
+        self.coordinator.require_leader()
+        streamnotes.apply(self.evidence, list(request.notes))
+        return ws.ReportPlanStreamsResponse()
 
     @_handle
     def CommitCheckpoint(self, request: ws.CommitCheckpointRequest,

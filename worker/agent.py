@@ -64,6 +64,7 @@ from springback.v1 import worker_service_pb2_grpc as wgrpc
 from springback.client import env as E
 from springback.worker.agentmetrics import RankRecoveries
 from springback.worker.control import PlanPublisher
+from springback.worker.watchdog import RankWatchdog
 from springback.worker.launch import (
     RankOutput,
     add_torchrun_arguments,
@@ -188,6 +189,7 @@ class Agent:
         self._ran = False  # a RUN plan included this member: its ranks may hold state
         self._num_restarts = 0
         self._stop_deadline: float | None = None
+        self._hung: dict[int, str] = {}  # local rank -> why the watchdog killed it
         self.member: pb.Member | None = None
         self.liveness_timeout_s = 5.0
 
@@ -229,6 +231,7 @@ class Agent:
         self._plan = None
         self._fenced.clear()
         self._publisher = PlanPublisher(os.path.join(self._workdir, self.member.id))
+        self._watchdog = RankWatchdog(self._publisher.directory, self._collective_timeout_s())
         log.info("joined job %s as member %s (liveness %.1fs)", self.config.job_id,
                  self.member.id, self.liveness_timeout_s)
         member_id = self.member.id
@@ -281,6 +284,7 @@ class Agent:
                 return
             self._plan = plan
             self._publisher.publish(plan)
+            self._watchdog.published(plan.generation)
             if plan.action == pb.PLAN_ACTION_RUN and self.member is not None and any(
                     m.member_id == self.member.id for m in plan.members):
                 self._ran = True
@@ -487,13 +491,15 @@ class Agent:
         ranks still running after ``drain_timeout_s`` are killed."""
         plan = self._plan
         stopping = plan is not None and plan.action == pb.PLAN_ACTION_STOP
+        if not stopping:
+            self._kill_hung_ranks()
         for lr, p in list(self._local.ranks.items()):
             code = p.poll()
             if code is None or code == 0 or stopping:
                 continue
             if self._fenced.is_set():
                 return None
-            self._report_failure(lr, code)
+            self._report_failure(lr, code, self._hung.pop(lr, None))
             self._num_restarts += 1
             if self._num_restarts > self.config.max_restarts:
                 log.error("more than %d rank failures: giving up", self.config.max_restarts)
@@ -516,6 +522,16 @@ class Agent:
                 self._leave("job stopped")
                 return EXIT_OK
         return None
+
+    def _kill_hung_ranks(self) -> None:
+        """SIGKILLs the local ranks the watchdog finds hung (`worker/watchdog.py`);
+        the next poll reports each as a crashed rank, with why it was killed."""
+        running = [(lr, p.pid) for lr, p in self._local.ranks.items()
+                   if p.poll() is None and lr not in self._hung]
+        for lr, why in self._watchdog.hung(running):
+            log.error("%s: killing it", why)
+            self._hung[lr] = why
+            self._local.ranks[lr].kill()
 
     def _drain(self) -> int:
         assert self.member is not None

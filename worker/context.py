@@ -10,8 +10,9 @@ Session and its generations.
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,7 +61,23 @@ class RankContext:
         """The newest plan the agent published (the standalone plan without one)."""
         if self.channel is None:
             return self.standalone_plan
-        return self.channel.latest()
+        plan = self.channel.latest()
+        if plan is not None and self.stats is not None:
+            self.stats.plan_seen(plan.generation)  # this rank answers (worker/watchdog.py)
+        return plan
+
+    @contextlib.contextmanager
+    def busy(self, what: str) -> Iterator[None]:
+        """Marks a bounded operation that reads no plan (its own deadlines end
+        it), so the agent's rank watchdog does not take the silence for a
+        hang (worker/watchdog.py)."""
+        if self.stats is not None:
+            self.stats.busy(what)
+        try:
+            yield
+        finally:
+            if self.stats is not None:
+                self.stats.busy("")
 
     def newer_plan_within(self, generation: int, timeout_s: float, broken: str = "") -> bool:
         """Waits until any plan (of whatever action) newer than `generation`

@@ -1,34 +1,19 @@
-"""A rank tells the coordinator which peer's process died (its connection reset).
+"""Which peer's process died, from a failed collective's error.
 
 When a collective fails with gloo's "connection closed/reset by peer
 [ip]:port", `worker.rendezvous.lost_peer_rank` names the peer's rank; the
-plan names its member. The rank sends that in a ReportFailure with
-``lost_member_id`` (its own member id as the reporter), and the coordinator
-fences the lost member at once if its agent is gone too
-(service/evidence.py), instead of waiting for its lease to expire.
-
-Failure semantics: best effort, never raises. One call with a
-``REPORT_TIMEOUT_S`` deadline; a refusal (stale generation: someone else's
-report already replanned; the peer already fenced) or an unreachable
-coordinator is logged and changes nothing here: the liveness timeout still
-fences a lost node. A peer of the reporter's own node is not reported (its
-agent reports its own ranks' crashes).
+plan names its member. The rank sends that to the coordinator
+(`StepReporter.report_lost_peer`: a ReportFailure with ``lost_member_id``),
+which fences the lost member at once if its agent is gone too
+(service/evidence.py), instead of waiting for its lease to expire. A peer
+of the reporter's own node is not reported (its agent reports its own
+ranks' crashes).
 """
 
 from __future__ import annotations
 
-import logging
-from typing import Any
-
-import grpc
-
 from springback.v1 import types_pb2 as pb
-from springback.v1 import worker_service_pb2 as wpb
 from springback.worker.rendezvous import lost_peer_rank
-
-log = logging.getLogger(__name__)
-
-REPORT_TIMEOUT_S = 2.0
 
 
 def member_of_rank(plan: pb.Plan, rank: int) -> str | None:
@@ -39,24 +24,13 @@ def member_of_rank(plan: pb.Plan, rank: int) -> str | None:
     return None
 
 
-def report_lost_peer(exc: BaseException, *, plan: pb.Plan, rank: int, member_id: str,
-                     stub: Any) -> str | None:
-    """Reports the peer member whose connection reset caused `exc`; returns
-    its member id when a report was sent (accepted or not), else None."""
+def lost_peer(exc: BaseException, plan: pb.Plan, member_id: str) -> tuple[int, str] | None:
+    """(rank, member) of the peer on another node whose connection reset
+    caused `exc`, or None (not a reset, an unknown address, our own node)."""
     peer = lost_peer_rank(exc)
-    if peer is None or stub is None:
+    if peer is None:
         return None
     lost = member_of_rank(plan, peer)
     if lost is None or lost == member_id:
         return None
-    request = wpb.ReportFailureRequest(
-        job_id=plan.job_id, member_id=member_id, generation=plan.generation,
-        reason=f"rank {rank} saw rank {peer}'s connection reset", lost_member_id=lost,
-        lost_rank=peer)
-    try:
-        stub.ReportFailure(request, timeout=REPORT_TIMEOUT_S)
-        log.warning("rank %d: reported lost peer rank %d (%s)", rank, peer, lost)
-    except grpc.RpcError as e:
-        log.warning("rank %d: report of lost peer %s not taken: %s", rank, lost,
-                 e.details() if hasattr(e, "details") else e)
-    return lost
+    return peer, lost

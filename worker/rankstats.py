@@ -22,6 +22,11 @@ The numbers, all from this rank process's point of view:
 * ``checkpoint_stall_seconds``: how long the latest checkpoint blocked
   training (`save()` plus the optimizer step that waited for the copy).
 * ``goodput``: ``step_seconds_total`` over the time since `Session()`.
+* ``pid``, ``seen_generation`` and ``busy``: for the agent's rank watchdog
+  (`worker/watchdog.py`): the newest generation this rank has read from its
+  plan channel (written at once when it changes), and what bounded operation
+  it is inside, if any (agreeing on the state at a generation start: a
+  restore, a state hand-over, a build), during which it reads no plan.
 
 A failed write is ignored: statistics must never stop training.
 """
@@ -55,7 +60,20 @@ class RankStats:
             "generation": 0, "world_size": 0, "rank": -1, "step": 0, "steps_total": 0,
             "step_seconds_total": 0.0, "last_step_seconds": 0.0, "recovery_seconds": 0.0,
             "checkpoint_stall_seconds": 0.0, "goodput": 0.0, "recoveries_total": 0,
-            "recovery_seconds_sum": 0.0, "recovery_buckets": [0] * len(RECOVERY_BUCKETS_S)}
+            "recovery_seconds_sum": 0.0, "recovery_buckets": [0] * len(RECOVERY_BUCKETS_S),
+            "pid": os.getpid(), "seen_generation": 0, "busy": ""}
+
+    def plan_seen(self, generation: int) -> None:
+        """This rank read a plan of `generation`; flushed at once when newer."""
+        if generation > self.values["seen_generation"]:
+            self.values["seen_generation"] = generation
+            self.flush(force=True)
+
+    def busy(self, what: str) -> None:
+        """Entering (`what`) or, with "", leaving a bounded operation that reads
+        no plan; flushed at once."""
+        self.values["busy"] = what
+        self.flush(force=True)
 
     def generation_started(self, *, generation: int, world_size: int, rank: int,
                            step: int) -> None:

@@ -33,6 +33,9 @@ from springback.v1 import worker_service_pb2_grpc as wgrpc
 log = logging.getLogger(__name__)
 
 REPORT_TIMEOUT_S = 5.0
+LOST_PEER_TIMEOUT_S = 2.0
+"""Deadline of a lost-peer report: sent on the rank's way out of a broken
+generation, so an unreachable coordinator must not hold up its recovery."""
 START_RETRY_S = 0.5
 
 
@@ -105,6 +108,27 @@ class StepReporter:
                         e.code().name, e.details())
             return False
         self.coordinator_generation = max(self.coordinator_generation, resp.generation)
+        return True
+
+    def report_lost_peer(self, plan: pb.Plan, *, rank: int, peer: int,
+                         lost_member_id: str) -> bool:
+        """Tells the coordinator that `rank` saw `peer`, a rank of
+        `lost_member_id`, reset its connection in `plan`'s generation
+        (worker/peerloss.py, service/evidence.py). Best effort, never raises:
+        one call with a `LOST_PEER_TIMEOUT_S` deadline; a refusal (a stale
+        generation: another report already replanned; the peer already
+        fenced) or an unreachable coordinator is logged, and the liveness
+        timeout still fences a lost node. True when the report was taken."""
+        try:
+            self._stub.ReportFailure(wpb.ReportFailureRequest(
+                job_id=plan.job_id, member_id=self._member_id, generation=plan.generation,
+                reason=f"rank {rank} saw rank {peer}'s connection reset",
+                lost_member_id=lost_member_id, lost_rank=peer), timeout=LOST_PEER_TIMEOUT_S)
+        except grpc.RpcError as e:
+            log.warning("rank %d: report of lost peer %s not taken: %s %s", rank,
+                        lost_member_id, e.code().name, e.details())
+            return False
+        log.warning("rank %d: reported lost peer rank %d (%s)", rank, peer, lost_member_id)
         return True
 
     def close(self) -> None:

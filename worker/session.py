@@ -72,7 +72,7 @@ from springback.worker.audit import AuditLog, state_digest
 from springback.worker.boundary import Agreed, StepBoundary, Vote
 from springback.worker.control import PlanChannel, await_activation
 from springback.client.env import LOCAL_RANK, STANDBY_FILE, RankEnv
-from springback.worker.peerloss import report_lost_peer
+from springback.worker.peerloss import lost_peer
 from springback.worker.rankstats import RankStats
 from springback.worker.rendezvous import (
     RendezvousAborted,
@@ -281,10 +281,11 @@ class Session:
                        collective_timeout_s=self.env.collective_timeout_s,
                        rendezvous_timeout_s=self.env.rendezvous_timeout_s,
                        superseded=superseded)
-            if self._agreement.sharded is not None:
-                source, restored_from, mesh = self._agreement.agree_sharded(plan, rank, store)
-            else:
-                (source, restored_from), mesh = self._agreement.agree(plan, rank), None
+            with self.ctx.busy("agreeing on the state"):  # reads no plan meanwhile
+                if self._agreement.sharded is not None:
+                    source, restored_from, mesh = self._agreement.agree_sharded(plan, rank, store)
+                else:
+                    (source, restored_from), mesh = self._agreement.agree(plan, rank), None
         except (RendezvousAborted, RuntimeError) as e:
             log.warning("generation %d could not start on rank %d: %s", plan.generation,
                         rank, e)
@@ -313,6 +314,8 @@ class Session:
     def close(self) -> None:
         """Flushes the last step report and drops the process group. Idempotent."""
         leave_group()
+        if self.ctx.stats is not None:  # what the script does next reads no plan
+            self.ctx.stats.busy("done training")
         if self.ctx.reporter is not None:
             self.ctx.reporter.close()
             self.ctx.reporter = None
@@ -615,8 +618,10 @@ class Generation:
         log.warning("generation %d broke on rank %d at step %d: %s", self.generation,
                     self.rank, s.step + 1, why)
         self._abandon_in_flight()
-        report_lost_peer(exc, plan=self.plan, rank=self.rank, member_id=s.env.member_id,
-                         stub=s.reporter.stub if s.reporter is not None else None)
+        lost = lost_peer(exc, self.plan, s.env.member_id)
+        if lost is not None and s.reporter is not None:
+            s.reporter.report_lost_peer(self.plan, rank=self.rank, peer=lost[0],
+                                        lost_member_id=lost[1])
         leave_group()
         if not s.newer_plan_within(self.generation, s.wait_s,
                                    broken=f"rank {self.rank} at step {s.step + 1}: {why}"[:200]):

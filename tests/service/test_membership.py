@@ -274,14 +274,20 @@ class TestCommits:
         assert plan.restore.checkpoint.step == 20 and plan.step == 20
         assert client.get_job(job.id).status.restore_step == 0  # consumed by that generation
 
-    def test_reaching_max_steps_succeeds_the_job_and_stops_members(
-        self, coordinator, client, workers, make_spec
-    ):
+    @staticmethod
+    def _run_to_max_steps(coordinator, client, workers, make_spec, port: int):
+        """A one-member job whose rank 0 reports its last step (5)."""
         job = client.create_job(make_spec(max_workers=1, max_steps=5))
-        a = join(workers, job.id, 9301)
+        a = join(workers, job.id, port)
         generation = plan_of(coordinator, job.id).generation
         workers.ReportStep(ws.ReportStepRequest(job_id=job.id, member_id=a, generation=generation,
                                                 step=5, samples_consumed=160), timeout=5)
+        return job, a
+
+    def test_reaching_max_steps_succeeds_the_job_and_stops_members(
+        self, coordinator, client, workers, make_spec
+    ):
+        job, a = self._run_to_max_steps(coordinator, client, workers, make_spec, 9301)
         assert client.get_job(job.id).status.state == pb.JOB_STATE_SUCCEEDED
         stream = workers.WatchPlans(ws.WatchPlansRequest(job_id=job.id, member_id=a), timeout=10)
         plans = [r.plan for r in stream]
@@ -290,11 +296,7 @@ class TestCommits:
     def test_an_ended_job_keeps_why_it_ended_when_its_members_leave(
         self, coordinator, client, workers, make_spec
     ):
-        job = client.create_job(make_spec(max_workers=1, max_steps=5))
-        a = join(workers, job.id, 9311)
-        generation = plan_of(coordinator, job.id).generation
-        workers.ReportStep(ws.ReportStepRequest(job_id=job.id, member_id=a, generation=generation,
-                                                step=5, samples_consumed=160), timeout=5)
+        job, a = self._run_to_max_steps(coordinator, client, workers, make_spec, 9311)
         assert client.get_job(job.id).status.message == "reached max_steps 5"
         workers.LeaveJob(ws.LeaveJobRequest(job_id=job.id, member_id=a, reason="ranks finished"),
                          timeout=5)

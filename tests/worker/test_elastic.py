@@ -238,6 +238,25 @@ class TestRankCrash:
         assert assert_replicas_identical(str(cluster.root / "audit")) >= 2
 
 
+class TestHungRank:
+    def test_a_hung_rank_on_a_live_node_is_killed_by_its_agent_and_replaced_losing_nothing(
+            self, cluster, tmp_path):
+        # rank 1 hangs in the user's code at step 15 while its agent heartbeats
+        # on: its peers' collectives time out and the generation is remade,
+        # which the hung rank never reads; its agent's watchdog kills it and a
+        # warm standby takes its place with the survivors' state
+        env = {"TINY_CRASH_AT_STEP": "15", "TINY_CRASH_MARKER": str(tmp_path / "hung"),
+               "TINY_CRASH_IN": "hang"}
+        agents = [cluster.start(n, env=env) for n in ("a", "b")]
+        job = cluster.wait_succeeded(timeout_s=150)
+        assert (tmp_path / "hung").exists()
+        assert job.status.step == MAX_STEPS and job.status.num_restores == 0
+        assert sum("is hung" in a.log() and "killing it" in a.log() for a in agents) == 1
+        report = cluster.audit()
+        assert report.ok, report
+        assert assert_replicas_identical(str(cluster.root / "audit")) >= 2
+
+
 class TestRankLinkReset:
     @pytest.mark.skipif(not sockreset.available(), reason="this kernel cannot destroy sockets (ss -K)")
     def test_reset_connections_between_live_ranks_break_one_generation_and_lose_nothing(

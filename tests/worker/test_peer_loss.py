@@ -18,9 +18,16 @@ SPEC = {"name": "peer-loss", "min_workers": 2, "max_workers": 3,
 pytestmark = pytest.mark.timeout(150)
 
 
-def _three_nodes(start_coordinator, tmp_path, liveness_timeout_s: float):
-    server = start_coordinator(liveness_timeout_s=liveness_timeout_s)
-    wait_for(server.election.is_leader, 10, "the coordinator to lead")
+def _three_nodes(start_coordinator, tmp_path, liveness_timeout_s: float,
+                 via_follower: bool = False):
+    """Three one-rank agents training; with `via_follower`, two replicas and
+    the agents told only the follower's address (their plan streams are
+    served there, their other calls forwarded to the leader)."""
+    servers = [start_coordinator(liveness_timeout_s=liveness_timeout_s)
+               for _ in range(2 if via_follower else 1)]
+    leader = wait_for(lambda: next((s for s in servers if s.election.is_leader()), None), 10,
+                      "a coordinator to lead")
+    server = next((s for s in servers if s is not leader), leader)
     client = Client(server.address)
     job = client.create_job(SPEC)
     agents = [AgentProcess(tmp_path, n, job.id, server.address) for n in ("a", "b", "c")]
@@ -34,9 +41,12 @@ def _world_two(client: Client, job_id: str):
     return status if status.world_size == 2 else None
 
 
+@pytest.mark.parametrize("via_follower", [False, True], ids=["streams-on-leader",
+                                                          "streams-on-follower"])
 def test_a_sigkilled_node_is_fenced_on_its_peers_word_long_before_its_lease_expires(
-        start_coordinator, tmp_path):
-    client, job_id, agents = _three_nodes(start_coordinator, tmp_path, liveness_timeout_s=12)
+        start_coordinator, tmp_path, via_follower):
+    client, job_id, agents = _three_nodes(start_coordinator, tmp_path, liveness_timeout_s=12,
+                                          via_follower=via_follower)
     try:
         killed_at = time.monotonic()
         agents[2].signal_node(signal.SIGKILL)  # not node rank 0: the store survives

@@ -15,7 +15,8 @@ Environment knobs (test-only): TINY_STEP_SLEEP_S slows each step so faults land
 mid-run; TINY_CRASH_AT_STEP=N makes global rank 1 exit(3) at step N, once
 per marker file TINY_CRASH_MARKER: before the step, or with
 TINY_CRASH_IN=backward in the middle of its backward pass (its peers are then
-inside DDP's gradient all-reduce); TINY_CRASH_RANKS=all makes every rank crash
+inside DDP's gradient all-reduce), or with TINY_CRASH_IN=hang it does not exit
+but hangs there for good (a deadlock in the user's code; its agent lives on); TINY_CRASH_RANKS=all makes every rank crash
 that way (a bad batch), TINY_CRASH_TIMES=K lets the crash repeat K times
 (one marker file per time). TINY_RAISE_AT_STEP=N raises the script's own
 RuntimeError at step N on every rank (a bug in the user's code, not a
@@ -28,6 +29,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 
 import torch
@@ -77,6 +79,8 @@ class Crash:
         k = next(k for k in range(self.times) if not os.path.exists(self._marker(k, rank)))
         open(self._marker(k, rank), "w").close()
         print(f"tiny_train: injected crash of rank {rank} ({self.where})", flush=True)
+        if self.where == "hang":
+            threading.Event().wait()  # never set: hung, reading no plan
         os._exit(3)
 
     def _marker(self, k: int, rank: int) -> str:
@@ -106,7 +110,7 @@ def main() -> int:
                 if batch.step == raise_at:
                     raise RuntimeError(f"tiny_train: bad batch at step {raise_at}")
                 crashing = crash.due(batch.step, gen.rank)
-                if crashing and crash.where == "before":
+                if crashing and crash.where in ("before", "hang"):
                     crash.now(gen.rank)
                 indices = torch.as_tensor(batch.indices)
                 x, y = features(indices.to(torch.float32))

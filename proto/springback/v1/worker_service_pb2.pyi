@@ -177,3 +177,29 @@ class ReportCheckpointErrorRequest(_message.Message):
 class ReportCheckpointErrorResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class PlanStreamNote(_message.Message):
+    __slots__ = ("job_id", "member_id", "stream_id", "opened", "by_client")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
+    STREAM_ID_FIELD_NUMBER: _ClassVar[int]
+    OPENED_FIELD_NUMBER: _ClassVar[int]
+    BY_CLIENT_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    member_id: str
+    stream_id: str
+    opened: bool
+    by_client: bool
+    def __init__(self, job_id: _Optional[str] = ..., member_id: _Optional[str] = ..., stream_id: _Optional[str] = ..., opened: _Optional[bool] = ..., by_client: _Optional[bool] = ...) -> None: ...
+
+class ReportPlanStreamsRequest(_message.Message):
+    __slots__ = ("replica", "notes")
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    NOTES_FIELD_NUMBER: _ClassVar[int]
+    replica: str
+    notes: _containers.RepeatedCompositeFieldContainer[PlanStreamNote]
+    def __init__(self, replica: _Optional[str] = ..., notes: _Optional[_Iterable[_Union[PlanStreamNote, _Mapping]]] = ...) -> None: ...
+
+class ReportPlanStreamsResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

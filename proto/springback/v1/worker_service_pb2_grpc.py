@@ -79,6 +79,11 @@ class WorkerServiceStub:
                 request_serializer=springback_dot_v1_dot_worker__service__pb2.ReportCheckpointErrorRequest.SerializeToString,
                 response_deserializer=springback_dot_v1_dot_worker__service__pb2.ReportCheckpointErrorResponse.FromString,
                 _registered_method=True)
+        self.ReportPlanStreams = channel.unary_unary(
+                '/springback.v1.WorkerService/ReportPlanStreams',
+                request_serializer=springback_dot_v1_dot_worker__service__pb2.ReportPlanStreamsRequest.SerializeToString,
+                response_deserializer=springback_dot_v1_dot_worker__service__pb2.ReportPlanStreamsResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServiceServicer:
@@ -154,6 +159,15 @@ class WorkerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportPlanStreams(self, request, context):
+        """Between coordinator replicas, not for agents: a follower tells the leader
+        which plan streams it opened and which ended, for the peers'-evidence
+        rule (service/evidence.py). Served by the leader (forwarded there).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -201,6 +215,11 @@ def add_WorkerServiceServicer_to_server(servicer, server):
                     servicer.ReportCheckpointError,
                     request_deserializer=springback_dot_v1_dot_worker__service__pb2.ReportCheckpointErrorRequest.FromString,
                     response_serializer=springback_dot_v1_dot_worker__service__pb2.ReportCheckpointErrorResponse.SerializeToString,
+            ),
+            'ReportPlanStreams': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportPlanStreams,
+                    request_deserializer=springback_dot_v1_dot_worker__service__pb2.ReportPlanStreamsRequest.FromString,
+                    response_serializer=springback_dot_v1_dot_worker__service__pb2.ReportPlanStreamsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -446,6 +465,33 @@ class WorkerService:
             '/springback.v1.WorkerService/ReportCheckpointError',
             springback_dot_v1_dot_worker__service__pb2.ReportCheckpointErrorRequest.SerializeToString,
             springback_dot_v1_dot_worker__service__pb2.ReportCheckpointErrorResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportPlanStreams(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/springback.v1.WorkerService/ReportPlanStreams',
+            springback_dot_v1_dot_worker__service__pb2.ReportPlanStreamsRequest.SerializeToString,
+            springback_dot_v1_dot_worker__service__pb2.ReportPlanStreamsResponse.FromString,
             options,
             channel_credentials,
             insecure,
