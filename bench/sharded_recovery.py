@@ -14,7 +14,16 @@ twice, through the library's own start-of-generation agreement
 
 Prints both times, their ratio (target ≥ 10x) and the load average.
 
-    .venv/bin/python bench/sharded_recovery.py [--layers 5 --width 2048]
+``--scenario fsdp`` (also run by the default ``both``): pure FSDP (shard=4
+over two nodes of two ranks, no replica), peer copies every K steps
+(`worker/peercopy.py`, K = the spec's default). It measures the step time
+with and without the copies in the same run (target: ≤ 5 % more), the host
+memory they take per rank, then loses the node of ranks 2 and 3: the
+survivors reach their next step through the peer copies (rolled back to the
+copy step) vs through a restore of the checkpoint committed at that step
+from S3.
+
+    .venv/bin/python bench/sharded_recovery.py [--layers 5 --width 2048] [--scenario both]
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -55,14 +65,17 @@ def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, width: int) -
     opt.zero_grad()
 
 
-def plan(world: int, replicate: int, ref=None):  # noqa: ANN001, ANN201
+def plan(world: int, replicate: int, ref=None, nodes: int = 1, kind=None):  # noqa: ANN001, ANN201
     from springback.v1 import types_pb2 as pb
 
     p = pb.Plan(generation=2, world_size=world, layout=pb.ParallelLayout(
         dp=world, tp=1, pp=1, ep=1, replicate=replicate, shard=world // replicate))
-    p.restore.kind = pb.RESTORE_KIND_PEERS if ref is None else pb.RESTORE_KIND_CHECKPOINT
+    p.restore.kind = kind or (pb.RESTORE_KIND_PEERS if ref is None else pb.RESTORE_KIND_CHECKPOINT)
     if ref is not None:
         p.restore.checkpoint.CopyFrom(ref)
+    for node in range(nodes):
+        p.members.add(member_id=f"node{node}", node_rank=node,
+                      first_rank=node * world // nodes, num_local_ranks=world // nodes)
     return p
 
 
@@ -77,10 +90,47 @@ def agreement(args, ctx_step: int):  # noqa: ANN001, ANN201
     return StateAgreement(ctx, restore_from_checkpoint, ShardedModel(build(args)))
 
 
-def rank_main(rank: int, args: argparse.Namespace, tmp: str, q: mp.Queue) -> None:
-    from springback.storage import Checkpointer, committed_checkpoints, model_state_dict
+def commit(args, rank: int, step: int, model, opt, layout: dict) -> None:  # noqa: ANN001
+    """Every rank: checkpoints `step` to S3 and waits for the commit."""
+    from springback.storage import Checkpointer, model_state_dict
+
+    ck = Checkpointer(args.base, rank=rank, world_size=4)
+    ck.save(step, model_state_dict(model, opt), generation=1, cursor=(0, 0), layout=layout)
+    ck.wait(600)
+    ck.close(60)
+
+
+def next_step_via(agreed, new_plan, rank: int, store, args) -> tuple[float, float, int]:  # noqa: ANN001
+    """The survivors' start of generation 2 through `agreed` (its agreement),
+    then one step: (seconds to the agreed state, to the step's end, restore kind)."""
+    t0 = time.perf_counter()
+    _, kind, _ = agreed.agree_sharded(new_plan, rank, store)
+    agree_s = time.perf_counter() - t0
+    train_step(agreed.ctx.state["model"], agreed.ctx.state["optimizer"], args.width)
+    return agree_s, time.perf_counter() - t0, kind
+
+
+def newest_commit(args):  # noqa: ANN001, ANN201
+    from springback.storage import committed_checkpoints
     from springback.v1 import types_pb2 as pb
 
+    newest = committed_checkpoints(args.base)[-1]
+    return pb.CheckpointRef(uri=newest.uri, step=newest.step, generation=newest.generation)
+
+
+def lose_node_1(rank: int, tmp: str, name: str) -> dist.Store | None:
+    """Node 1 (ranks 2 and 3) is lost: the survivors form a new 2-rank group
+    (returns its store; None on the lost ranks)."""
+    dist.barrier()
+    dist.destroy_process_group()
+    if rank >= 2:
+        return None
+    store = dist.FileStore(os.path.join(tmp, name), 2)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+    return store
+
+
+def rank_main(rank: int, args: argparse.Namespace, tmp: str, q: mp.Queue) -> None:
     torch.set_num_threads(1)
     store = dist.FileStore(os.path.join(tmp, "g1"), 4)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=4)
@@ -93,33 +143,18 @@ def rank_main(rank: int, args: argparse.Namespace, tmp: str, q: mp.Queue) -> Non
         train_step(model, opt, args.width)
     step_s = (time.perf_counter() - t0) / 3
     first.ctx.state_step = 4
-    ck = Checkpointer(args.base, rank=rank, world_size=4)
-    ck.save(4, model_state_dict(model, opt), generation=1, cursor=(0, 0),
-            layout={"dp": 4, "replicate": 2, "shard": 2})
-    ck.wait(600)
-    ck.close(60)
+    commit(args, rank, 4, model, opt, {"dp": 4, "replicate": 2, "shard": 2})
     state_mib = sum(t.to_local().numel() * t.element_size() for t in
                     [*model.parameters(), *(v for s in opt.state.values() for v in s.values()
                                             if isinstance(v, torch.Tensor) and v.dim())])
-    dist.barrier()
-    dist.destroy_process_group()
-    if rank >= 2:
-        return  # the lost node
-    store2 = dist.FileStore(os.path.join(tmp, "g2"), 2)
-    dist.init_process_group("gloo", store=store2, rank=rank, world_size=2)
-    t0 = time.perf_counter()
-    source, kind, _ = first.agree_sharded(plan(2, replicate=1), rank, dist.PrefixStore("a", store2))
-    memory_agree_s = time.perf_counter() - t0
-    train_step(first.ctx.state["model"], first.ctx.state["optimizer"], args.width)
-    memory_s = time.perf_counter() - t0
-    newest = committed_checkpoints(args.base)[-1]
-    ref = pb.CheckpointRef(uri=newest.uri, step=newest.step, generation=newest.generation)
+    store2 = lose_node_1(rank, tmp, "g2")
+    if store2 is None:
+        return
+    memory_agree_s, memory_s, kind = next_step_via(first, plan(2, replicate=1), rank,
+                                                   dist.PrefixStore("a", store2), args)
     fresh = agreement(args, -1)  # a rank that holds nothing: the storage path
-    t0 = time.perf_counter()
-    _, kind_s3, _ = fresh.agree_sharded(plan(2, 1, ref), rank, dist.PrefixStore("b", store2))
-    s3_agree_s = time.perf_counter() - t0
-    train_step(fresh.ctx.state["model"], fresh.ctx.state["optimizer"], args.width)
-    s3_s = time.perf_counter() - t0
+    s3_agree_s, s3_s, kind_s3 = next_step_via(fresh, plan(2, 1, newest_commit(args)), rank,
+                                              dist.PrefixStore("b", store2), args)
     if rank == 0:
         q.put({"memory_s": memory_s, "s3_s": s3_s, "step_s": step_s, "kinds": (kind, kind_s3),
                "memory_agree_s": memory_agree_s, "s3_agree_s": s3_agree_s,
@@ -127,11 +162,120 @@ def rank_main(rank: int, args: argparse.Namespace, tmp: str, q: mp.Queue) -> Non
     dist.destroy_process_group()
 
 
+def timed_steps(model, opt, args, ctx, first_step: int, n: int,  # noqa: ANN001
+                copies=None) -> tuple[float, float]:  # noqa: ANN001
+    """Wall and CPU seconds (this process, gloo's threads included) per step
+    over `n` steps, each ended by the peer copies' boundary."""
+    t0, c0 = time.perf_counter(), time.process_time()
+    for step in range(first_step, first_step + n):
+        train_step(model, opt, args.width)
+        ctx.state_step = step
+        if copies is not None:
+            copies.after_step(step)
+    if copies is not None:
+        copies.settle()  # the transfer's cost inside its window
+    dist.barrier()
+    return (time.perf_counter() - t0) / n, (time.process_time() - c0) / n
+
+
+def fsdp_rank_main(rank: int, args: argparse.Namespace, tmp: str, q: mp.Queue) -> None:
+    """Pure FSDP on two nodes of two ranks with peer copies; node 1 lost."""
+    from springback.client.spec import DEFAULT_PEER_COPY_EVERY_STEPS as K
+    from springback.v1 import types_pb2 as pb
+    from springback.worker.peercopy import GenerationCopies
+
+    torch.set_num_threads(1)
+    store = dist.FileStore(os.path.join(tmp, "f1"), 4)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=4)
+    first = agreement(args, -1)
+    first_plan = plan(4, replicate=1, nodes=2)
+    first.agree_sharded(first_plan, rank, dist.PrefixStore("sb", store))
+    ctx = first.ctx
+    model, opt = ctx.state["model"], ctx.state["optimizer"]
+    train_step(model, opt, args.width)  # AdamW state exists from here
+    copies = GenerationCopies.for_generation(first.copies, ctx, first.sharded, first_plan, rank)
+    assert copies is not None
+    # K steps without and K with copies (one copy each), --rounds times, in
+    # ABBA order: a drift of the machine's load hits both alike
+    plain, with_copies, step = [], [], 1
+    for i in range(args.rounds):
+        for with_them in ((False, True) if i % 2 == 0 else (True, False)):
+            (with_copies if with_them else plain).append(
+                timed_steps(model, opt, args, ctx, step + 1, K, copies if with_them else None))
+            step += K
+    timed_steps(model, opt, args, ctx, step + 1, K, copies)  # the loss comes after a copy
+    step += K
+    copy_step = max(s.step for s in first.copies.own)
+    commit(args, rank, copy_step, model, opt, {"dp": 4, "replicate": 1, "shard": 4})
+    train_step(model, opt, args.width)  # the survivors' live state moves past the copy
+    ctx.state_step = step + 1
+    held_mib = first.copies.nbytes() / 2**20
+    shard_mib = sum(t.numel() * t.element_size() for t, _ in first.sharded.shards().values()) / 2**20
+    store2 = lose_node_1(rank, tmp, "f2")
+    if store2 is None:
+        return
+    ref = newest_commit(args)
+    copy_agree_s, copy_s, kind = next_step_via(
+        first, plan(2, 1, ref, kind=pb.RESTORE_KIND_PEERS), rank, dist.PrefixStore("a", store2),
+        args)
+    rolled_to = ctx.state_step  # set by the roll-back (the step itself does not count)
+    fresh = agreement(args, -1)  # a rank that holds nothing: the storage path
+    s3_agree_s, s3_s, kind_s3 = next_step_via(fresh, plan(2, 1, ref), rank,
+                                              dist.PrefixStore("b", store2), args)
+    if rank == 0:
+        q.put({"copy_agree_s": copy_agree_s, "s3_agree_s": s3_agree_s, "plain_s": plain,
+               "copies_s": with_copies, "in_loop_s": copies.snapshot_s / ((args.rounds + 1) * K),
+               "held_mib": held_mib, "shard_mib": shard_mib, "copy_s": copy_s, "s3_s": s3_s,
+               "kinds": (pb.RestoreKind.Name(kind), pb.RestoreKind.Name(kind_s3)),
+               "rolled_to": rolled_to, "live_step": step + 1, "k": K})
+    dist.destroy_process_group()
+
+
+def run_ranks(ctx, target, args, q) -> dict:  # noqa: ANN001
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = [ctx.Process(target=target, args=(r, args, tmp, q)) for r in range(4)]
+        for p in procs:
+            p.start()
+        result = q.get(timeout=1800)
+        for p in procs:
+            p.join(120)
+    return result
+
+
+def report_fsdp(r: dict) -> None:
+    for i, what in ((0, "wall"), (1, "CPU (rank 0's process)")):
+        plain = [w[i] for w in r["plain_s"]]
+        copies = [w[i] for w in r["copies_s"]]
+        ratio = statistics.median(c / p for p, c in zip(plain, copies))
+        print(f"FSDP shard=4 over 2 nodes, peer copies every K={r['k']} steps, {what} time per "
+              f"step: {statistics.median(plain) * 1e3:.0f} ms without, "
+              f"{statistics.median(copies) * 1e3:.0f} ms with copies (medians; median of the "
+              f"paired windows' ratios {(ratio - 1) * 100:+.1f} %, target <= 5 %; windows of K "
+              f"steps {[round(x * 1e3) for x in plain]} vs {[round(x * 1e3) for x in copies]} ms)")
+    plain = statistics.median(w[0] for w in r["plain_s"])
+    print(f"  the step loop's own share "
+          f"(snapshot + waits) {r['in_loop_s'] * 1e3:.1f} ms/step = "
+          f"{r['in_loop_s'] / plain * 100:.2f} %; load {os.getloadavg()[0]:.2f}")
+    print(f"peer copies in host memory per rank: {r['held_mib']:.1f} MiB (own snapshot + the "
+          f"copy it keeps for its partner) for {r['shard_mib']:.1f} MiB of shards: "
+          f"{r['held_mib'] / r['shard_mib']:.2f}x")
+    print(f"node lost -> next step: via peer copies {r['copy_s']:.2f} s (rolled back from step "
+          f"{r['live_step']} to {r['rolled_to']}), from S3 (moto) {r['s3_s']:.2f} s: "
+          f"{r['s3_s'] / r['copy_s']:.1f}x (target >= 10x); restore kinds {r['kinds']}; "
+          f"load {os.getloadavg()[0]:.2f}")
+    print(f"state agreed (build + fill, without the step): via peer copies "
+          f"{r['copy_agree_s']:.2f} s, from S3 {r['s3_agree_s']:.2f} s: "
+          f"{r['s3_agree_s'] / r['copy_agree_s']:.1f}x")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=5)
     ap.add_argument("--width", type=int, default=2048)
+    ap.add_argument("--scenario", choices=("hsdp", "fsdp", "both"), default="both")
+    ap.add_argument("--rounds", type=int, default=4,
+                    help="fsdp: pairs of K-step windows without / with copies")
     args = ap.parse_args()
     ctx = mp.get_context("spawn")
     q: mp.Queue = ctx.Queue()
@@ -149,17 +293,17 @@ def main() -> None:
     args.base = f"s3://{bucket}/ckpt"
     params = args.layers * (args.width * args.width + args.width)
     print(f"model: {args.layers} x Linear({args.width}): {params * 4 / 2**20:.0f} MiB of "
-          f"parameters, {params * 12 / 2**20:.0f} MiB with AdamW state; 4 ranks, "
-          f"replicate=2 x shard=2; load {os.getloadavg()[0]:.2f}", flush=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=rank_main, args=(r, args, tmp, q)) for r in range(4)]
-        for p in procs:
-            p.start()
-        result = q.get(timeout=1800)
-        for p in procs:
-            p.join(120)
+          f"parameters, {params * 12 / 2**20:.0f} MiB with AdamW state; 4 ranks; "
+          f"load {os.getloadavg()[0]:.2f}", flush=True)
+    if args.scenario in ("fsdp", "both"):
+        report_fsdp(run_ranks(ctx, fsdp_rank_main, args, q))
+    if args.scenario == "fsdp":
+        server.kill()
+        return
+    result = run_ranks(ctx, rank_main, args, q)
     server.kill()
-    print(f"per rank before the loss: {result['rank_state_mib']:.0f} MiB of shards; "
+    print(f"HSDP replicate=2 x shard=2, per rank before the loss: "
+          f"{result['rank_state_mib']:.0f} MiB of shards; "
           f"step {result['step_s'] * 1e3:.0f} ms")
     print(f"node lost -> next step: in memory {result['memory_s']:.2f} s, from S3 (moto) "
           f"{result['s3_s']:.2f} s: {result['s3_s'] / result['memory_s']:.1f}x (target >= 10x); "
@@ -167,8 +311,6 @@ def main() -> None:
     print(f"state agreed (build + fill, without the step): in memory "
           f"{result['memory_agree_s']:.2f} s, from S3 {result['s3_agree_s']:.2f} s: "
           f"{result['s3_agree_s'] / result['memory_agree_s']:.1f}x")
-    print("peer copies of shards on another node (issue 8 item 4): not implemented; "
-          "no overhead to measure")
 
 
 if __name__ == "__main__":

@@ -28,6 +28,22 @@ DEFAULT_KEEP_LAST = 3
 An explicit 0 (and 0 in a `JobSpec` message, where absent and 0 are one) keeps
 every checkpoint: the rule is `service.commits.retained`'s, the only one."""
 
+DEFAULT_PEER_COPY_EVERY_STEPS = 10
+"""peer_copies.every_steps (K) when the spec has none. A copy costs one host
+memory copy of the rank's shards plus their transfer to another node, both
+overlapped with the next steps, so its share of a step falls as 1/K; a lost
+node costs at most K steps redone. At 10 the copy's cost stays a few percent
+of a step even where a step is no longer than the transfer, and the redone
+work is seconds for step times under a second (docs/worker.md, "Peer copies")."""
+
+
+def peer_copy_every_steps(spec: types_pb2.JobSpec) -> int:
+    """K of `spec` (0: no peer copies); the default when the field is absent."""
+    if spec.peer_copies.HasField("every_steps"):
+        return int(spec.peer_copies.every_steps)
+    return DEFAULT_PEER_COPY_EVERY_STEPS
+
+
 _NAME = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
 _URI_SCHEMES = ("file://", "s3://", "memory://", "/")
 
@@ -56,6 +72,7 @@ _SCHEMA: dict[str, Any] = {
         {"max_per_step": (int, False), "window_s": (int, False), "plan_wait_s": (int, False)},
         False,
     ),
+    "peer_copies": ({"every_steps": (int, False)}, False),
 }
 
 
@@ -92,7 +109,7 @@ def spec_from_dict(value: Mapping[str, Any]) -> types_pb2.JobSpec:
     fields = [(spec, key, key) for key in ("name", "min_workers", "max_workers", "max_steps")]
     fields += [
         (getattr(spec, section), key, f"{section}.{key}")
-        for section in ("layout", "data", "checkpoint", "failures")
+        for section in ("layout", "data", "checkpoint", "failures", "peer_copies")
         for key in (value.get(section) or {})
     ]
     for message, key, where in fields:
@@ -129,8 +146,9 @@ def validate(spec: types_pb2.JobSpec) -> types_pb2.JobSpec:
 
     Defaults: min_workers 1, max_workers = min_workers, layout degrees 1,
     failures as in `service.failures` (3 per step in 600 s, plans awaited
-    300 s), (checkpoint.keep_last 0 keeps every checkpoint; spec files default
-    it to `DEFAULT_KEEP_LAST`).
+    300 s), peer_copies.every_steps `DEFAULT_PEER_COPY_EVERY_STEPS` (0 disables
+    the copies), (checkpoint.keep_last 0 keeps every checkpoint; spec files
+    default it to `DEFAULT_KEEP_LAST`).
     """
     out = types_pb2.JobSpec()
     out.CopyFrom(spec)
@@ -150,6 +168,7 @@ def validate(spec: types_pb2.JobSpec) -> types_pb2.JobSpec:
     out.failures.max_per_step = out.failures.max_per_step or DEFAULT_MAX_PER_STEP
     out.failures.window_s = out.failures.window_s or DEFAULT_WINDOW_S
     out.failures.plan_wait_s = out.failures.plan_wait_s or DEFAULT_PLAN_WAIT_S
+    out.peer_copies.every_steps = peer_copy_every_steps(out)
     if out.data.num_samples == 0:
         raise InvalidArgument("data.num_samples", "must be positive")
     if out.data.global_batch_size == 0:

@@ -12,7 +12,9 @@ starts from scratch while a commit exists.
   anywhere and no checkpoint, rank 0's fresh initialisation is broadcast.
 * Sharded form (`StateAgreement.agree_sharded`, see `worker/sharded.py`):
   the model is built on the new mesh and its shards filled from the ranks
-  holding the rows (`worker/reshard.py`), else from the plan's checkpoint.
+  holding the rows (`worker/reshard.py`); when some rows have no live
+  holder, every rank rolls back to the newest step the peer copies cover
+  (`worker/peercopy.py`), else the plan's checkpoint is restored.
 
 Failure semantics: every step here is collective over the generation's
 group; a failed collective raises what it raises (the generation fails to
@@ -23,7 +25,6 @@ restore from storage is all or nothing (see `checkpointing.py`).
 from __future__ import annotations
 
 import datetime
-import io
 import logging
 import time
 from typing import TYPE_CHECKING, Any, cast
@@ -34,8 +35,15 @@ import torch.distributed as dist
 from springback.v1 import types_pb2 as pb
 from springback.worker.context import RankContext
 from springback.worker.mesh import MeshLayout, build_mesh
+from springback.worker.peercopy import GenerationCopies, PeerCopyStore
 from springback.worker.rendezvous import handed_to_gloo
-from springback.worker.reshard import Rows, all_gather_objects, exchange, plan_transfers
+from springback.worker.reshard import (
+    Rows,
+    all_gather_objects,
+    broadcast_object,
+    exchange,
+    plan_transfers,
+)
 from springback.worker.sharded import Held, ShardedModel
 
 if TYPE_CHECKING:
@@ -55,6 +63,15 @@ class StateAgreement:
         self.ctx = ctx
         self.restore_checkpoint = restore_checkpoint
         self.sharded = sharded
+        self.copies = PeerCopyStore()
+        """The sharded form's snapshots and peer copies (`worker/peercopy.py`)."""
+
+    def copies_for(self, plan: pb.Plan, rank: int) -> GenerationCopies | None:
+        """The generation's peer copies (the sharded form only; None where
+        none are made)."""
+        if self.sharded is None:
+            return None
+        return GenerationCopies.for_generation(self.copies, self.ctx, self.sharded, plan, rank)
 
     def agree(self, plan: pb.Plan, rank: int) -> tuple[int | None, int]:
         """Makes every rank's state identical; returns (source rank or None,
@@ -138,9 +155,11 @@ class StateAgreement:
         self.ctx.state["model"], self.ctx.state["optimizer"] = sm.model, sm.optimizer
         built_s, t0 = time.monotonic() - t0, time.monotonic()
         if self.restore_if_newer(plan, best):
+            self.copies.clear()  # of another timeline now
             return None, pb.RESTORE_KIND_CHECKPOINT, mesh
         if best < 0:
             self.ctx.state_step = 0
+            self.copies.clear()
             return 0, pb.RESTORE_KIND_NONE, mesh
         source, kind = self._fill(plan, rank, steps, held)
         log.info("generation %d state agreed on rank %d (built in %.2fs, filled in %.2fs)",
@@ -163,6 +182,11 @@ class StateAgreement:
         transfers = plan_transfers(haves, needs)  # type: ignore[arg-type]
         if transfers is None:
             ref = plan.restore.checkpoint if plan.restore.checkpoint.uri else None
+            rolled = self.copies.roll_back(self.ctx, sm, plan.world_size, rank,
+                                           newest_commit=int(ref.step) if ref else -1)
+            if rolled is not None:
+                return rolled
+            self.copies.clear()
             if ref is None:
                 log.error("shards of step %d have no live holder and nothing was committed: "
                           "starting from the built model", best)
@@ -185,27 +209,3 @@ class StateAgreement:
                  best, len(transfers), received)
         self.ctx.state_step = best
         return source, pb.RESTORE_KIND_PEERS
-
-
-def broadcast_object(obj: Any, source: int, rank: int) -> Any:
-    """`obj` of rank `source`, on every rank (torch-serialised, two broadcasts);
-    unlike dist.broadcast_object_list its tensors are registered with
-    `handed_to_gloo`, so the group can be torn down safely afterwards."""
-    if rank == source:
-        buf = io.BytesIO()
-        torch.save(obj, buf)
-        data = torch.frombuffer(bytearray(buf.getbuffer()), dtype=torch.uint8)
-        size = torch.tensor([data.numel()], dtype=torch.int64)
-    else:
-        size = torch.zeros(1, dtype=torch.int64)
-    dist.broadcast(size, src=source)
-    if rank != source:
-        data = torch.empty(int(size.item()), dtype=torch.uint8)
-    dist.broadcast(data, src=source)
-    handed_to_gloo(size, data)
-    if rank == source:
-        return obj
-    # to host memory: the source's CUDA device index may not exist here;
-    # load_state_dict copies onto this rank's own device
-    return torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=False,
-                      map_location="cpu")

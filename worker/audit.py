@@ -11,11 +11,15 @@ cover each epoch's indices exactly once.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
+
+import torch
 
 from springback.worker.sampler import Batch
 
@@ -108,3 +112,16 @@ def check_exactly_once(directory: str, *, num_samples: int, global_batch_size: i
                if (e, i) not in seen]
     return AuditReport(steps=last_step, generations=sorted(generations), samples=total,
                        duplicates=duplicates, missing=missing, missing_steps=missing_steps)
+
+
+def state_digest(state: dict[str, Any]) -> str:
+    """SHA-256 over the tensors of every registered module (replica comparison)."""
+    h = hashlib.sha256()
+    for name in sorted(state):
+        obj = state[name]
+        if isinstance(obj, torch.nn.Module):
+            for key, t in sorted(obj.state_dict().items()):
+                h.update(key.encode())
+                local = t.to_local() if hasattr(t, "to_local") else t  # DTensor: this shard
+                h.update(local.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()

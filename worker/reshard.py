@@ -31,7 +31,9 @@ untouched, so the next attempt starts from them again.
 from __future__ import annotations
 
 import io
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -64,6 +66,10 @@ class Transfer:
     end: int
 
 
+Piece = tuple[torch.Tensor, Rows]
+"""A rank's local data of a tensor and the rows of dim 0 it is."""
+
+
 def rows_of(t: torch.Tensor) -> tuple[torch.Tensor, Rows]:
     """The local data of `t` (a view that writes through) and the rows it is."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -89,16 +95,21 @@ def rows_of(t: torch.Tensor) -> tuple[torch.Tensor, Rows]:
     return (local.reshape(1) if local.dim() == 0 else local), Rows(shape, dtype, start, end)
 
 
-def plan_transfers(have: list[dict[str, Rows]], need: list[dict[str, Rows]]
-                   ) -> list[Transfer] | None:
+def plan_transfers(have: list[dict[str, Rows]], need: list[dict[str, Rows]],
+                   owners: list[int] | None = None) -> list[Transfer] | None:
     """The transfers that give every rank the rows it needs (see the module
     docstring); None when some needed rows have no holder, or a holder's
-    tensor differs in shape or dtype from the one needed."""
+    tensor differs in shape or dtype from the one needed.
+
+    `have[i]` is held by rank i, or by rank ``owners[i]`` when given (a rank
+    may then offer several pieces of one tensor, e.g. its own rows and a
+    peer's copy: `worker/peercopy.py`)."""
     out: list[Transfer] = []
     for dst, wanted in enumerate(need):
         for key in sorted(wanted):
             rows = wanted[key]
-            holders = [(r, h[key]) for r, h in enumerate(have) if key in h]
+            holders = [(owners[i] if owners is not None else i, h[key])
+                       for i, h in enumerate(have) if key in h]
             if any((h.shape, h.dtype) != (rows.shape, rows.dtype) for _, h in holders):
                 return None
             holders.sort(key=lambda rh: (rh[0] != dst, rh[0]))
@@ -113,17 +124,21 @@ def plan_transfers(have: list[dict[str, Rows]], need: list[dict[str, Rows]]
     return out
 
 
-def exchange(transfers: list[Transfer], rank: int, held: dict[str, tuple[torch.Tensor, Rows]],
-             target: dict[str, tuple[torch.Tensor, Rows]]) -> int:
+def exchange(transfers: list[Transfer], rank: int,
+             held: dict[str, tuple[torch.Tensor, Rows]] | Callable[[Transfer], Piece],
+             target: dict[str, tuple[torch.Tensor, Rows]], *, host: bool = False) -> int:
     """Runs `transfers` (every rank calls it with the same list): copies held
-    rows into this rank's `target` views. Returns the bytes received from
-    other ranks."""
+    rows into this rank's `target` views. `held` maps a key to this rank's
+    piece, or is a function giving the piece that covers a transfer's rows.
+    With `host` the pieces travel in host memory whatever the target's
+    device (the held pieces are host copies: `worker/peercopy.py`).
+    Returns the bytes received from other ranks."""
     ops: list[dist.P2POp] = []
     landing: list[tuple[torch.Tensor, torch.Tensor]] = []
     received = 0
     for tag, t in enumerate(transfers):
         if t.src == rank:
-            data, rows = held[t.key]
+            data, rows = held(t) if callable(held) else held[t.key]
             piece = data[t.start - rows.start:t.end - rows.start]
             if t.dst == rank:
                 out, orows = target[t.key]
@@ -133,7 +148,8 @@ def exchange(transfers: list[Transfer], rank: int, held: dict[str, tuple[torch.T
         elif t.dst == rank:
             out, orows = target[t.key]
             view = out[t.start - orows.start:t.end - orows.start]
-            buf = torch.empty_like(view, memory_format=torch.contiguous_format)
+            buf = (torch.empty(view.shape, dtype=view.dtype) if host
+                   else torch.empty_like(view, memory_format=torch.contiguous_format))
             ops.append(dist.P2POp(dist.irecv, buf, t.src, tag=tag))
             landing.append((view, buf))
             received += buf.numel() * buf.element_size()
@@ -163,3 +179,27 @@ def all_gather_objects(obj: object, world_size: int) -> list[object]:
     handed_to_gloo(size, padded, *sizes, *gathered)
     return [torch.load(io.BytesIO(g[:int(s.item())].numpy().tobytes()), weights_only=False)
             for g, s in zip(gathered, sizes)]
+
+
+def broadcast_object(obj: Any, source: int, rank: int) -> Any:
+    """`obj` of rank `source`, on every rank (torch-serialised, two broadcasts);
+    unlike dist.broadcast_object_list its tensors are registered with
+    `handed_to_gloo`, so the group can be torn down safely afterwards."""
+    if rank == source:
+        buf = io.BytesIO()
+        torch.save(obj, buf)
+        data = torch.frombuffer(bytearray(buf.getbuffer()), dtype=torch.uint8)
+        size = torch.tensor([data.numel()], dtype=torch.int64)
+    else:
+        size = torch.zeros(1, dtype=torch.int64)
+    dist.broadcast(size, src=source)
+    if rank != source:
+        data = torch.empty(int(size.item()), dtype=torch.uint8)
+    dist.broadcast(data, src=source)
+    handed_to_gloo(size, data)
+    if rank == source:
+        return obj
+    # to host memory: the source's CUDA device index may not exist here;
+    # load_state_dict copies onto this rank's own device
+    return torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=False,
+                      map_location="cpu")

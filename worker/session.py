@@ -55,7 +55,6 @@ Failure semantics:
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import importlib.util
 import json
 import logging
@@ -69,7 +68,7 @@ import torch.distributed as dist
 
 from springback.v1 import types_pb2 as pb
 from springback.worker import eventlog
-from springback.worker.audit import AuditLog
+from springback.worker.audit import AuditLog, state_digest
 from springback.worker.boundary import Agreed, StepBoundary, Vote
 from springback.worker.control import PlanChannel, await_activation
 from springback.client.env import LOCAL_RANK, STANDBY_FILE, RankEnv
@@ -85,6 +84,7 @@ from springback.worker.mesh import MeshLayout, build_mesh
 from springback.worker.agreement import StateAgreement
 from springback.worker.context import DEFAULT_PLAN_WAIT_S, RankContext
 from springback.worker.sampler import Batch, SampleStream
+from springback.worker.peercopy import GenerationCopies
 from springback.worker.sharded import BuildFn, ShardedModel
 
 if TYPE_CHECKING:
@@ -293,7 +293,7 @@ class Session:
             self.ctx.clean = False
             return None
         gen = Generation(self.ctx, plan, rank)
-        gen._mesh = mesh
+        gen._mesh, gen._copies = mesh, self._agreement.copies_for(plan, rank)
         gen._record_start(source, restored_from, time.monotonic() - t0)
         if self.ctx.stats is not None:
             self.ctx.stats.generation_started(generation=plan.generation,
@@ -372,19 +372,6 @@ def _raised_by_script(exc: BaseException) -> bool:
     return not os.path.abspath(tb.tb_frame.f_code.co_filename).startswith(_LIBRARY_DIRS)
 
 
-def state_digest(state: dict[str, Any]) -> str:
-    """SHA-256 over the tensors of every registered module (replica comparison)."""
-    h = hashlib.sha256()
-    for name in sorted(state):
-        obj = state[name]
-        if isinstance(obj, torch.nn.Module):
-            for key, t in sorted(obj.state_dict().items()):
-                h.update(key.encode())
-                local = t.to_local() if hasattr(t, "to_local") else t  # DTensor: this shard
-                h.update(local.detach().cpu().contiguous().numpy().tobytes())
-    return h.hexdigest()
-
-
 class Generation:
     """One membership epoch as seen by one rank: rank, world size, process group,
     and the batches of the steps it runs. Use as a context manager."""
@@ -409,6 +396,7 @@ class Generation:
         self.dp_size = self.layout.dp
         self._mesh: DeviceMesh | None = None
         self._boundary = StepBoundary(rank, self.world_size)
+        self._copies: GenerationCopies | None = None  # the sharded form's peer copies
         self._loss = float("nan")
         self._audit = (AuditLog(ctx.env.audit_dir, self.generation, rank)
                        if ctx.env.audit_dir else None)
@@ -478,6 +466,8 @@ class Generation:
         goes out, the previous step's agreed vote decides, the same on every
         rank. Returns True when the ranks must leave for a newer plan (or stop)."""
         agreed = self._boundary.vote(self._vote(batch))
+        if self._copies is not None:
+            self._copies.after_step(batch.step)
         newer = agreed is not None and agreed.newest_generation > self.generation
         stop = agreed is not None and agreed.last_holder  # the state leaves with us
         final = batch.step >= self.max_steps
@@ -500,6 +490,8 @@ class Generation:
             self._after_step(agreed)
         if newer or stop or final:  # leaving: nothing stays in flight
             last = self._boundary.settle()
+            if self._copies is not None:
+                self._copies.settle()
             if self.rank == 0 and last is not None:
                 self._after_step(last)
         if stop:
@@ -596,7 +588,7 @@ class Generation:
                                 "digest": state_digest(self.ctx.state)}) + "\n")
 
     def _close(self) -> None:
-        self._boundary.abandon()
+        self._abandon_in_flight()
         if self._checkpoints is not None:
             self._checkpoints.close(wait_for_commit=self.ctx.clean)
             self._checkpoints = None
@@ -604,6 +596,11 @@ class Generation:
             self._audit.close()
             self._audit = None
         leave_group()
+
+    def _abandon_in_flight(self) -> None:
+        self._boundary.abandon()
+        if self._copies is not None:
+            self._copies.abandon()
 
     def __enter__(self) -> Generation:
         return self
@@ -620,7 +617,7 @@ class Generation:
         why = str(exc).splitlines()[0] if str(exc) else repr(exc)
         log.warning("generation %d broke on rank %d at step %d: %s", self.generation,
                     self.rank, s.step + 1, why)
-        self._boundary.abandon()
+        self._abandon_in_flight()
         lost = lost_peer(exc, self.plan, s.env.member_id)
         if lost is not None and s.reporter is not None:
             s.reporter.report_lost_peer(self.plan, rank=self.rank, peer=lost[0],

@@ -69,9 +69,18 @@ class ShardedModel:
         self._params: dict[str, torch.Tensor] = {}
 
     def capture(self) -> Held:
+        """This rank's shards of the current model and optimizer (`shards`)
+        and releases the model. Empty before the first build."""
+        held = self.shards()
+        self.model = self.optimizer = None
+        self._params = {}
+        return held
+
+    def shards(self) -> Held:
         """This rank's shards of the current model and optimizer (no
-        collective; the tensors are referenced, not copied) and releases the
-        model. Empty before the first build."""
+        collective; the tensors are referenced, not copied); NotReshardable
+        for a placement the reshard does not handle. Empty before the first
+        build."""
         if self.model is None:
             return {}
         held: Held = {}
@@ -82,8 +91,6 @@ class ShardedModel:
                     held[f"optim/{fqn}/{name}"] = rows_of(value)
         for fqn, b in self.model.named_buffers():
             held[f"buffer/{fqn}"] = rows_of(b)
-        self.model = self.optimizer = None
-        self._params = {}
         return held
 
     def hyperparameters(self) -> list[dict[str, Any]]:

@@ -28,6 +28,10 @@ GOOD = {"name": "lm", "data": {"num_samples": 10, "global_batch_size": 2}, "max_
         ({"layout": {"dp": 2}}, "layout.dp"),
         ({"checkpoint": {"every_steps": 5}}, "checkpoint.uri"),
         ({"workers": 3}, "workers"),
+        ({"peer_copies": {"every_steps": -1}}, "peer_copies.every_steps"),
+        ({"peer_copies": {"every_steps": "10"}}, "peer_copies.every_steps"),
+        ({"peer_copies": {"every": 10}}, "peer_copies.every"),
+        ({"peer_copies": 10}, "peer_copies"),
         ({"data": {"num_samples": 10, "global_batch_size": 2**40}}, "data.global_batch_size"),
     ],
 )
@@ -40,6 +44,23 @@ def test_bad_keys_are_named(patch, field):
 def test_defaults_are_filled_in():
     spec = spec_from_dict({**GOOD, "checkpoint": {"uri": "s3://b/p"}})
     assert (spec.min_workers, spec.max_workers, spec.layout.tp, spec.checkpoint.keep_last) == (1, 1, 1, 3)
+
+
+def test_peer_copies_default_to_every_10_steps_and_0_disables_them():
+    assert spec_from_dict(GOOD).peer_copies.every_steps == 10
+    off = spec_from_dict({**GOOD, "peer_copies": {"every_steps": 0}})
+    assert off.peer_copies.HasField("every_steps") and off.peer_copies.every_steps == 0
+    assert spec_from_dict({**GOOD, "peer_copies": {"every_steps": 3}}).peer_copies.every_steps == 3
+
+
+def test_a_bad_peer_copy_interval_names_the_field_and_the_file(tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_text("name: lm\ndata: {num_samples: 10, global_batch_size: 2}\nmax_steps: 3\n"
+                    "peer_copies: {every_steps: -5}\n")
+    with pytest.raises(InvalidArgument) as e:
+        load_spec_file(str(path))
+    assert e.value.field == "peer_copies.every_steps"
+    assert "must not be negative, got -5" in str(e.value) and "job.yaml" in str(e.value)
 
 
 def test_unreadable_and_malformed_files_name_the_file(tmp_path):

@@ -15,6 +15,11 @@ step stays the last thing of the loop body) and when it ends cleanly, so a test 
 bit-identical. At the end it
 writes the gathered counter as ``applied-*.json`` (tests/worker/applied.py).
 
+A ``state=`` entry, `AppliedSteps`, counts the optimizer steps applied; it
+must equal the session's step before every step, so a reshard, roll-back to
+peer copies or restore that leaves the whole-held state at another step than
+the shards fails the rank.
+
 Environment knobs: TINY_STEP_SLEEP_S slows each step; FSDP_BUILD_RAISE=1
 makes the build function raise (a bug in the user's code).
 """
@@ -63,6 +68,19 @@ class Net(torch.nn.Module):
 
     def forward(self, x: torch.Tensor, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.out(torch.tanh(self.hidden(x))).sum(dim=1), self.counter(indices)
+
+
+class AppliedSteps:
+    """A registered ``state=`` entry: how many steps this state has applied."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def state_dict(self) -> dict:
+        return {"count": self.count}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.count = int(state["count"])
 
 
 def build(mesh):  # noqa: ANN001, ANN201 - the form a user writes
@@ -114,7 +132,9 @@ def record(gen, when: str, step: int) -> None:  # noqa: ANN001
 
 def main() -> int:
     torch.set_num_threads(1)
-    session = Session(build=build, num_samples=NUM_COUNTED, global_batch_size=12, max_steps=40)
+    applied = AppliedSteps()
+    session = Session(build=build, state={"applied": applied}, num_samples=NUM_COUNTED,
+                      global_batch_size=12, max_steps=40)
     sleep_s = float(os.environ.get("TINY_STEP_SLEEP_S", "0"))
     counter = None
     for gen in session.generations():
@@ -124,6 +144,9 @@ def main() -> int:
             record(gen, "start", session.step)
             for batch in gen.batches():
                 record(gen, "before", batch.step - 1)
+                if applied.count != batch.step - 1:
+                    raise ValueError(f"state= entry at step {applied.count}, shards at step "
+                                     f"{batch.step - 1}")
                 indices = torch.as_tensor(batch.indices)
                 x, y = features(indices.to(torch.float32))
                 prediction, counted = model(x, indices)
@@ -135,6 +158,7 @@ def main() -> int:
                     counter.weight.add_(counter.weight.grad, alpha=-batch.global_batch_size)
                 opt.zero_grad()
                 counter.weight.grad = None
+                applied.count = batch.step
                 gen.report(loss=per_sample.mean().item() if len(per_sample) else 0.0)
                 if sleep_s:
                     time.sleep(sleep_s)

@@ -99,22 +99,23 @@ def test_sharded_form_refuses_model_and_build_together():
         Session(build=lambda mesh: None, model=object(), num_samples=4, global_batch_size=2)
 
 
-FSDP_ACROSS_NODES = {**SPEC, "name": "fsdp-nodes", "min_workers": 2, "max_workers": 3,
+FSDP_ACROSS_NODES = {**SPEC, "name": "fsdp-nodes", "min_workers": 2, "max_workers": 2,
                      "layout": {"shard": 2}, "max_steps": 60}
 
 
-@pytest.mark.soak  # ~60 s: three agents; the default run keeps the HSDP test above
+@pytest.mark.soak  # ~60 s: four agents; the default run keeps the HSDP test above
 @pytest.mark.parametrize("cluster", [FSDP_ACROSS_NODES], indirect=True)
-def test_fsdp_across_nodes_losing_a_shard_restores_the_newest_commit_at_its_step(cluster):
-    """shard=2 over two one-rank nodes: the lost node's rows have no live
-    holder, so the spare that replaces it and the survivor restore the newest
-    commit, never step 0."""
-    agents = [cluster.start(n, script=FSDP_TRAIN) for n in ("a", "b", "c")]
-    cluster.wait_world(2, min_step=14, timeout_s=120)  # c is the hot spare (dp 3 % shard 2)
+def test_fsdp_across_nodes_losing_a_shard_and_its_copy_restores_the_newest_commit_at_its_step(
+        cluster):
+    """shard=2 over two one-rank nodes, each keeping the other's peer copy:
+    both lost at once, the lost rows have no live holder and no copy, so the
+    two spares that replace them restore the newest commit, never step 0."""
+    agents = [cluster.start(n, script=FSDP_TRAIN) for n in ("a", "b", "c", "d")]
+    cluster.wait_world(2, min_step=14, timeout_s=120)  # c and d are hot spares
     committed = wait_for(lambda: cluster.job().status.last_checkpoint.step, 30, "a commit")
     active = set(cluster.job().status.members)
-    victim = next(a for a in agents if member_id(a) in active)
-    victim.signal_node(signal.SIGKILL)
+    for victim in [a for a in agents if member_id(a) in active]:
+        victim.signal_node(signal.SIGKILL)
     job = cluster.wait_succeeded(timeout_s=150)
     assert job.status.num_restores >= 1, job.status
     restarts = [r for r in digests(cluster.root) if r["when"] == "start" and r["step"] > 0]

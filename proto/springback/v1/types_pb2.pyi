@@ -26,6 +26,7 @@ class RestoreKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     RESTORE_KIND_NONE: _ClassVar[RestoreKind]
     RESTORE_KIND_PEERS: _ClassVar[RestoreKind]
     RESTORE_KIND_CHECKPOINT: _ClassVar[RestoreKind]
+    RESTORE_KIND_PEER_COPY: _ClassVar[RestoreKind]
 
 class PlanAction(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -44,6 +45,7 @@ RESTORE_KIND_UNSPECIFIED: RestoreKind
 RESTORE_KIND_NONE: RestoreKind
 RESTORE_KIND_PEERS: RestoreKind
 RESTORE_KIND_CHECKPOINT: RestoreKind
+RESTORE_KIND_PEER_COPY: RestoreKind
 PLAN_ACTION_UNSPECIFIED: PlanAction
 PLAN_ACTION_RUN: PlanAction
 PLAN_ACTION_WAIT: PlanAction
@@ -83,6 +85,12 @@ class CheckpointSpec(_message.Message):
     keep_every: int
     def __init__(self, uri: _Optional[str] = ..., every_steps: _Optional[int] = ..., keep_last: _Optional[int] = ..., keep_every: _Optional[int] = ...) -> None: ...
 
+class PeerCopySpec(_message.Message):
+    __slots__ = ("every_steps",)
+    EVERY_STEPS_FIELD_NUMBER: _ClassVar[int]
+    every_steps: int
+    def __init__(self, every_steps: _Optional[int] = ...) -> None: ...
+
 class FailurePolicy(_message.Message):
     __slots__ = ("max_per_step", "window_s", "plan_wait_s")
     MAX_PER_STEP_FIELD_NUMBER: _ClassVar[int]
@@ -94,7 +102,7 @@ class FailurePolicy(_message.Message):
     def __init__(self, max_per_step: _Optional[int] = ..., window_s: _Optional[int] = ..., plan_wait_s: _Optional[int] = ...) -> None: ...
 
 class JobSpec(_message.Message):
-    __slots__ = ("name", "min_workers", "max_workers", "layout", "data", "checkpoint", "max_steps", "failures")
+    __slots__ = ("name", "min_workers", "max_workers", "layout", "data", "checkpoint", "max_steps", "failures", "peer_copies")
     NAME_FIELD_NUMBER: _ClassVar[int]
     MIN_WORKERS_FIELD_NUMBER: _ClassVar[int]
     MAX_WORKERS_FIELD_NUMBER: _ClassVar[int]
@@ -103,6 +111,7 @@ class JobSpec(_message.Message):
     CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     MAX_STEPS_FIELD_NUMBER: _ClassVar[int]
     FAILURES_FIELD_NUMBER: _ClassVar[int]
+    PEER_COPIES_FIELD_NUMBER: _ClassVar[int]
     name: str
     min_workers: int
     max_workers: int
@@ -111,7 +120,8 @@ class JobSpec(_message.Message):
     checkpoint: CheckpointSpec
     max_steps: int
     failures: FailurePolicy
-    def __init__(self, name: _Optional[str] = ..., min_workers: _Optional[int] = ..., max_workers: _Optional[int] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., data: _Optional[_Union[DataSpec, _Mapping]] = ..., checkpoint: _Optional[_Union[CheckpointSpec, _Mapping]] = ..., max_steps: _Optional[int] = ..., failures: _Optional[_Union[FailurePolicy, _Mapping]] = ...) -> None: ...
+    peer_copies: PeerCopySpec
+    def __init__(self, name: _Optional[str] = ..., min_workers: _Optional[int] = ..., max_workers: _Optional[int] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., data: _Optional[_Union[DataSpec, _Mapping]] = ..., checkpoint: _Optional[_Union[CheckpointSpec, _Mapping]] = ..., max_steps: _Optional[int] = ..., failures: _Optional[_Union[FailurePolicy, _Mapping]] = ..., peer_copies: _Optional[_Union[PeerCopySpec, _Mapping]] = ...) -> None: ...
 
 class DataCursor(_message.Message):
     __slots__ = ("epoch", "offset")

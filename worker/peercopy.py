@@ -1,0 +1,358 @@
+"""Peer copies: every rank's shards kept in the host memory of a rank on
+another node, so that a lost node's rows survive it (the sharded form).
+
+With pure FSDP (no replica of a row on another node) a lost node takes the
+only live copy of its rows with it. Every K steps (``peer_copies.every_steps``
+in the job spec) each rank therefore
+
+1. takes a *snapshot* of its shards (parameters, buffers, optimizer state)
+   into one flat host-memory buffer, together with what every rank holds
+   whole at that step (the optimizer's hyperparameters, the other ``state=``
+   entries); the step fixes the data cursor (the sample stream is a function
+   of the step);
+2. sends the shard part to its *partner*: the same local rank on the next
+   member of the plan (the ring of nodes), which keeps it as a *copy*. The
+   send and the receive are started at the end of step k and waited for at
+   the end of step k + 1, overlapping that step's compute the way the step
+   boundary's all-reduce does (`worker/boundary.py`).
+
+A snapshot and the copies of one step replace those of the step before only
+once this rank's send and receive of the newer one have completed, so a
+rank holds one snapshot and one copy per sender between copy steps, and two
+of each during the one step a transfer is in flight.
+
+When a generation starts and the current state has rows no live rank holds
+(`agreement.StateAgreement`), the ranks all-gather which steps their
+snapshots and copies are of, and take the newest step whose pieces cover
+every row (at least as new as the newest commit: a newer commit redoes fewer
+steps): every rank is rolled back to it, its shards filled from those pieces
+over the new group (`reshard.exchange`), the whole-held state from the
+lowest rank that has a snapshot of that step, and the steps after it are
+trained again on the same samples. The start is reported as
+``RESTORE_KIND_PEER_COPY`` at that step, so the coordinator counts the steps
+redone.
+
+Failure semantics:
+
+* A copy is used only once its receive completed; one still in flight when
+  its sender or the group died is dropped. A node lost in the step after a
+  copy step can leave the newest copy incomplete on its partner: the ranks
+  then fall back to the previous step's pieces where every rank still holds
+  them, else to the newest commit.
+* A shard and its copy both lost (the node and its partner's node): the
+  newest committed checkpoint, as without copies; never a fresh start while a
+  commit exists.
+* A failed send or receive raises what a failed collective raises, at the
+  boundary it is waited for: ``with gen:`` takes it for a membership change.
+* Copies are not made with one member (nothing to lose them to), when every
+  rank's rows already have a replica on another member (HSDP across nodes),
+  or for placements the in-memory reshard does not handle (TP).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+import time
+from typing import TYPE_CHECKING, Any, cast
+
+import torch
+import torch.distributed as dist
+
+from springback.client.spec import peer_copy_every_steps
+from springback.v1 import types_pb2 as pb
+from springback.worker.mesh import MeshLayout
+from springback.worker.rendezvous import handed_to_gloo
+from springback.worker.reshard import (
+    NotReshardable,
+    Piece,
+    Rows,
+    Transfer,
+    all_gather_objects,
+    broadcast_object,
+    exchange,
+    plan_transfers,
+)
+
+if TYPE_CHECKING:
+    from springback.worker.context import RankContext
+    from springback.worker.sharded import Held, ShardedModel
+
+log = logging.getLogger(__name__)
+
+COPY_TAG = 0x5BC0
+"""The point-to-point tag of peer-copy transfers (one message per pair and copy)."""
+_ALIGN = 64  # bytes: every tensor's offset in a flat buffer, so any dtype can view it
+
+Index = dict[str, tuple[int, Rows, tuple[int, ...]]]
+"""Key -> (byte offset in the flat buffer, rows, local shape)."""
+
+
+@dataclasses.dataclass
+class Snapshot:
+    """One rank's shards at one step in a flat host-memory buffer."""
+
+    step: int
+    index: Index
+    flat: torch.Tensor
+    whole: dict[str, Any] | None = None
+    """The rank's own snapshot only: hyperparameters and other state= entries."""
+
+    def rows(self) -> dict[str, Rows]:
+        return {k: rows for k, (_, rows, _) in self.index.items()}
+
+    def piece(self, key: str) -> Piece:
+        offset, rows, shape = self.index[key]
+        dtype = getattr(torch, rows.dtype)
+        size = _numel(shape) * torch.empty((), dtype=dtype).element_size()
+        return self.flat[offset:offset + size].view(dtype).view(shape), rows
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def index_of(held: Held) -> tuple[Index, int]:
+    """Where each of `held`'s tensors goes in a flat buffer, and its size."""
+    index: Index = {}
+    offset = 0
+    for key in sorted(held):
+        local, rows = held[key]
+        index[key] = (offset, rows, tuple(local.shape))
+        size = local.numel() * local.element_size()
+        offset += -(-size // _ALIGN) * _ALIGN
+    return index, offset
+
+
+def take_snapshot(held: Held, step: int, whole: dict[str, Any] | None) -> Snapshot:
+    """Copies `held` into a new flat host buffer (pinned for CUDA tensors)."""
+    index, size = index_of(held)
+    pin = any(t.is_cuda for t, _ in held.values())
+    snap = Snapshot(step, index, torch.empty(size, dtype=torch.uint8, pin_memory=pin), whole)
+    for key, (local, _) in held.items():
+        snap.piece(key)[0].copy_(local.detach().reshape(snap.index[key][2]))
+    return snap
+
+
+def partners(plan: pb.Plan) -> dict[int, int]:
+    """Rank -> the rank that keeps its copy: the same local rank (modulo
+    that member's ranks) on the next member in plan order; empty with fewer
+    than two members."""
+    members = sorted(plan.members, key=lambda m: m.first_rank)
+    if len(members) < 2:
+        return {}
+    out: dict[int, int] = {}
+    for i, m in enumerate(members):
+        nxt = members[(i + 1) % len(members)]
+        for local in range(m.num_local_ranks):
+            out[m.first_rank + local] = nxt.first_rank + local % nxt.num_local_ranks
+    return out
+
+
+def replicated_elsewhere(plan: pb.Plan) -> bool:
+    """Every rank's rows have a replica (same pp, shard and tp coordinate,
+    another replicate index) on another member: HSDP across nodes."""
+    layout = MeshLayout.from_plan(plan)
+    node = {m.first_rank + i: m.member_id for m in plan.members for i in range(m.num_local_ranks)}
+    coords = {r: layout.coordinates(r) for r in range(layout.world_size)}
+
+    def key(r: int) -> tuple[int, int, int]:
+        return coords[r]["pp"], coords[r]["shard"], coords[r]["tp"]
+
+    return all(any(key(o) == key(r) and node[o] != node[r] for o in coords if o != r)
+               for r in coords)
+
+
+class PeerCopyStore:
+    """A rank's snapshots and the copies it keeps for others, across the
+    generations of its Session (the pieces are of global rows, so they stay
+    usable when the layout changes)."""
+
+    def __init__(self) -> None:
+        self.own: list[Snapshot] = []
+        self.copies: list[Snapshot] = []
+
+    def nbytes(self) -> int:
+        return sum(s.flat.numel() for s in self.own + self.copies)
+
+    def keep_from(self, step: int) -> None:
+        """Drops the pieces of steps before `step` (a newer copy completed)."""
+        self.own = [s for s in self.own if s.step >= step]
+        self.copies = [s for s in self.copies if s.step >= step]
+
+    def drop_after(self, step: int) -> None:
+        """Drops pieces newer than the state the ranks agreed on (after a
+        rollback they belong to steps that are trained again)."""
+        self.own = [s for s in self.own if s.step <= step]
+        self.copies = [s for s in self.copies if s.step <= step]
+
+    def clear(self) -> None:
+        self.own, self.copies = [], []
+
+    def offer(self) -> dict[int, dict[str, Any]]:
+        """Per step: whether this rank has its own snapshot, and the rows of
+        every piece it holds."""
+        out: dict[int, dict[str, Any]] = {}
+        for snap in self.own + self.copies:
+            entry = out.setdefault(snap.step, {"own": False, "rows": []})
+            entry["own"] = entry["own"] or snap.whole is not None
+            entry["rows"].append(snap.rows())
+        return out
+
+    def piece_for(self, step: int, t: Transfer) -> Piece:
+        """A piece of step `step` on this rank that holds `t`'s rows."""
+        for snap in self.own + self.copies:
+            if snap.step == step and t.key in snap.index:
+                rows = snap.index[t.key][1]
+                if rows.start <= t.start and t.end <= rows.end:
+                    return snap.piece(t.key)
+        raise KeyError(f"no piece of step {step} holds {t}")
+
+    def own_at(self, step: int) -> Snapshot | None:
+        return next((s for s in self.own if s.step == step), None)
+
+    def roll_back(self, ctx: RankContext, sm: ShardedModel, world: int, rank: int,
+                  newest_commit: int) -> tuple[int, int] | None:
+        """Collective: fills the built model from the newest step whose pieces
+        cover every row (not older than `newest_commit`), and rolls the
+        whole-held state back to it. Returns (source rank, restore kind), or
+        None on every rank when no such step exists."""
+        offers = cast(list[dict[int, dict[str, Any]]], all_gather_objects(self.offer(), world))
+        for step in sorted({s for o in offers for s in o}, reverse=True):
+            if step < newest_commit:
+                break
+            owners = [r for r, o in enumerate(offers) if o.get(step, {}).get("own")]
+            pieces = [(r, rows) for r, o in enumerate(offers) for rows in o.get(step, {}).get("rows", [])]
+            if not owners:
+                continue
+            keys = {k: rows for _, have in pieces for k, rows in have.items()}
+            targets = sm.targets(keys)
+            needs = all_gather_objects({k: r for k, (_, r) in targets.items()}, world)
+            transfers = plan_transfers([have for _, have in pieces],
+                                       needs,  # type: ignore[arg-type]
+                                       owners=[r for r, _ in pieces])
+            if transfers is None:
+                continue
+            received = exchange(transfers, rank, lambda t: self.piece_for(step, t), targets,
+                                host=True)
+            self._restore_whole(ctx, sm, owners[0], rank, step)
+            log.warning("a lost node's shards came from peer copies: rolled back to step %d "
+                        "(%d transfers, %d bytes received here)", step, len(transfers), received)
+            return owners[0], pb.RESTORE_KIND_PEER_COPY
+        return None
+
+    def _restore_whole(self, ctx: RankContext, sm: ShardedModel, source: int, rank: int,
+                       step: int) -> None:
+        mine = self.own_at(step)
+        whole = broadcast_object(mine.whole if rank == source and mine else None, source, rank)
+        sm.set_hyperparameters(whole["hyper"])
+        for k, v in ctx.state.items():
+            if k not in ("model", "optimizer"):
+                v.load_state_dict(copy.deepcopy(whole["extra"][k]))
+        ctx.state_step = step
+        ctx.clean = False
+        self.drop_after(step)
+
+
+@dataclasses.dataclass
+class _InFlight:
+    step: int
+    works: list[dist.Work | None]
+    received: list[Snapshot]
+    views: list[torch.Tensor]
+
+
+class GenerationCopies:
+    """One generation's peer copies on one rank (`Generation` calls
+    `after_step` at every step boundary, `settle` when it leaves cleanly,
+    `abandon` when it breaks)."""
+
+    def __init__(self, store: PeerCopyStore, ctx: RankContext, sm: ShardedModel,
+                 plan: pb.Plan, rank: int, every_steps: int) -> None:
+        self.store, self.ctx, self.sm = store, ctx, sm
+        self.rank, self.world = rank, plan.world_size
+        self.every_steps = every_steps
+        pairs = partners(plan)
+        self.partner = pairs.get(rank)
+        self.senders = sorted(r for r, p in pairs.items() if p == rank and r != rank)
+        self._indexes: list[tuple[Index, int]] | None = None
+        self._in_flight: _InFlight | None = None
+        self._abandoned: _InFlight | None = None
+        self.snapshot_s = 0.0
+        """Time the step loop spent in snapshots and waits for transfers."""
+
+    @classmethod
+    def for_generation(cls, store: PeerCopyStore, ctx: RankContext, sm: ShardedModel,
+                       plan: pb.Plan, rank: int) -> GenerationCopies | None:
+        """The generation's copies, or None where none are made (see the
+        module docstring); the same answer on every rank."""
+        every = peer_copy_every_steps(plan.spec)
+        if every == 0 or not partners(plan) or replicated_elsewhere(plan):
+            return None
+        return cls(store, ctx, sm, plan, rank, every)
+
+    def after_step(self, step: int) -> None:
+        """At the end of `step` (every rank, same steps): completes the copy
+        in flight, and at a copy step snapshots this rank's shards and starts
+        their transfer. Raises what a failed transfer raises."""
+        t0 = time.monotonic()
+        if self._in_flight is not None:
+            self._complete()
+        if self.every_steps > 0 and step % self.every_steps == 0:
+            try:
+                held = self.sm.shards()
+            except NotReshardable as e:
+                log.warning("no peer copies in this generation: %s", e)
+                self.every_steps = 0
+                return
+            self._start(step, held)
+        self.snapshot_s += time.monotonic() - t0
+
+    def settle(self) -> None:
+        """Waits for the copy in flight (leaving the generation cleanly)."""
+        if self._in_flight is not None:
+            self._complete()
+
+    def abandon(self) -> None:
+        """Drops the copy in flight unfinished (the group is being torn down):
+        its partly received buffers are never used (kept referenced until
+        this object goes, after the group: gloo may still write into them)."""
+        self._abandoned, self._in_flight = self._in_flight, None
+
+    def _start(self, step: int, held: Held) -> None:
+        if self._indexes is None:  # once per generation, at its first copy step
+            self._indexes = cast(list[tuple[Index, int]],
+                                 all_gather_objects(index_of(held), self.world))
+        whole = {"hyper": copy.deepcopy(self.sm.hyperparameters()),
+                 "extra": {k: copy.deepcopy(v.state_dict()) for k, v in self.ctx.state.items()
+                           if k not in ("model", "optimizer")}}
+        snap = take_snapshot(held, step, whole)
+        self.store.own.append(snap)
+        works: list[dist.Work | None] = []
+        received, views = [], []
+        if self.partner is not None and self.partner != self.rank:
+            view = snap.flat.view(-1)  # its own tensor: gloo's hold on it ends with the work
+            works.append(dist.isend(view, self.partner, tag=COPY_TAG))
+            views.append(view)
+        for sender in self.senders:
+            index, size = self._indexes[sender]
+            copy_of = Snapshot(step, index, torch.empty(size, dtype=torch.uint8))
+            view = copy_of.flat.view(-1)
+            works.append(dist.irecv(view, sender, tag=COPY_TAG))
+            received.append(copy_of)
+            views.append(view)
+        self._in_flight = _InFlight(step, works, received, views)
+
+    def _complete(self) -> None:
+        flight, self._in_flight = self._in_flight, None
+        assert flight is not None
+        for work in flight.works:
+            if work is not None:
+                work.wait()
+        handed_to_gloo(*flight.views)
+        self.store.copies.extend(flight.received)
+        self.store.keep_from(flight.step)
