@@ -48,7 +48,7 @@ class FakeJob:
             E.JOB_ID: "fake", E.MEMBER_ID: member, E.LOCAL_RANK: "0", E.CONTROL_DIR: control,
             E.COLLECTIVE_TIMEOUT_S: "10", E.AUDIT_DIR: self.audit_dir,
             E.METRICS_FILE: self.metrics, "GLOO_SOCKET_IFNAME": "lo",
-            "TINY_STEP_SLEEP_S": "0.05", **(extra_env or {})})
+            "TINY_STEP_SLEEP_S": "0.05", "TINY_LOG": "info", **(extra_env or {})})
         environ.pop(E.COORDINATOR, None)
         log = open(self.root / f"{member}.log", "ab")
         proc = subprocess.Popen([sys.executable, TINY_TRAIN], env=environ, stdout=log,
@@ -84,27 +84,33 @@ class FakeJob:
 
     def finish(self, members: list[str], timeout_s: float = 90) -> None:
         """Waits for `members`' ranks to exit 0 within `timeout_s` together.
-        A rank still running then has its Python stacks dumped into its log
-        (tiny_train registers SIGUSR1 with faulthandler), and the assertion
-        carries the log's tail: a hang in CI says where it hung."""
+        On a failure (a rank exited non-zero, or is still running), every rank
+        still running has its Python stacks dumped into its log (tiny_train
+        registers SIGUSR1 with faulthandler), and the assertion carries every
+        member's log tail: a hang in CI says where each rank was."""
         deadline = time.monotonic() + timeout_s
         for m in members:
-            proc = self.procs[m]
             try:
-                code = proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
+                code = self.procs[m].wait(timeout=max(deadline - time.monotonic(), 0.1))
             except subprocess.TimeoutExpired:
-                proc.send_signal(signal.SIGUSR1)
-                log = self.root / f"{m}.log"
-                until = time.monotonic() + 5
-                while time.monotonic() < until and (
-                        "most recent call first" not in log.read_text(errors="replace")):
-                    time.sleep(0.05)
-                raise AssertionError(f"{m} still running after {timeout_s:.0f}s; its log, "
-                                     f"stacks last:\n{self.log_tail(m)}") from None
-            assert code == 0, f"{m} exited {code}; its log:\n{self.log_tail(m)}"
+                raise AssertionError(f"{m} still running after {timeout_s:.0f}s"
+                                     f"{self._logs_with_stacks()}") from None
+            assert code == 0, f"{m} exited {code}{self._logs_with_stacks()}"
 
     def log_tail(self, member: str, chars: int = 6000) -> str:
         return (self.root / f"{member}.log").read_text(errors="replace")[-chars:]
+
+    def _logs_with_stacks(self) -> str:
+        """Every member's log tail, the Python stacks of those still running last."""
+        running = [m for m, p in self.procs.items() if p.poll() is None]
+        for m in running:
+            self.procs[m].send_signal(signal.SIGUSR1)
+        until = time.monotonic() + 5
+        while time.monotonic() < until and not all(
+                "most recent call first" in self.log_tail(m) for m in running):
+            time.sleep(0.05)
+        return "".join(f"\n--- {m}'s log{' (still running; stacks last)' if m in running else ''}:"
+                       f"\n{self.log_tail(m, 4000)}" for m in self.procs)
 
     def close(self) -> None:
         for p in self.procs.values():

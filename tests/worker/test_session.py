@@ -8,7 +8,7 @@ import time
 import pytest
 
 from applied import check_applied
-from fakeplans import assert_replicas_identical
+from fakeplans import FakeJob, assert_replicas_identical
 from sbtest import wait_for
 from springback.client import env as E
 from springback.worker.audit import check_exactly_once
@@ -33,6 +33,28 @@ class TestGenerationSwitch:
         assert assert_replicas_identical(fake_job.audit_dir) >= 2
         worlds = {r["world_size"] for r in fake_job.steps()}
         assert worlds == {3, 2}
+
+    @pytest.mark.soak  # ~4 min; before the fix about one round in four deadlocked
+    @pytest.mark.timeout(900)
+    def test_survivors_that_rebuild_ddp_at_once_after_a_killed_peer_never_deadlock(
+            self, tmp_path):
+        # no step sleep: the survivors' old DDP wrappers are freed while gloo's
+        # threads still finish the broken step; they must not take its group's
+        # destructor down with them (worker/rendezvous.py, "Tearing a gloo
+        # group down has a trap")
+        for round_ in range(20):
+            job = FakeJob(tmp_path / f"round-{round_}")
+            try:
+                for m in ("a", "b", "c"):
+                    job.spawn(m, {"TINY_STEP_SLEEP_S": "0"})
+                job.publish(["a", "b", "c"], "start")
+                job.wait_step(8)
+                job.procs["b"].send_signal(signal.SIGKILL)
+                job.procs["b"].wait()
+                job.publish(["a", "c"], "b died")
+                job.finish(["a", "c"], timeout_s=60)
+            finally:
+                job.close()
 
     def test_a_joiner_is_admitted_at_a_step_boundary_and_receives_the_state(self, fake_job):
         for m in ("a", "b"):

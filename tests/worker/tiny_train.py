@@ -21,11 +21,13 @@ that way (a bad batch), TINY_CRASH_TIMES=K lets the crash repeat K times
 (one marker file per time). TINY_RAISE_AT_STEP=N raises the script's own
 RuntimeError at step N on every rank (a bug in the user's code, not a
 membership change). TINY_PRINT_STEPS=1 prints a line per step (for the
-rank-log tests).
+rank-log tests). TINY_LOG=info logs the library's info lines with timestamps
+(the hand-written-plan tests: a failure shows each rank's generations).
 """
 
 import faulthandler
 import json
+import logging
 import os
 import signal
 import sys
@@ -90,6 +92,9 @@ class Crash:
 
 def main() -> int:
     faulthandler.register(signal.SIGUSR1)  # stack dump of a hung rank, for debugging
+    if os.environ.get("TINY_LOG") == "info":
+        logging.basicConfig(level=logging.INFO,
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     torch.manual_seed(0)
     torch.set_num_threads(1)
     model = TinyModel(MAX_COUNTED)
