@@ -25,18 +25,6 @@ when the user's DDP wrapper, the group's last owner, is garbage collected). If
 the thread has not released its tensors yet, the process deadlocks. So the
 library registers the tensors it hands to collectives (`handed_to_gloo`) and
 `leave_group` waits, with the GIL released, until gloo has let go of them.
-That covers the library's own tensors, not those of the user's DDP (its
-gradient buckets): a rank whose old DDP wrapper was freed when the script
-built the next generation's (``ddp = DDP(model, process_group=gen.group)``)
-deadlocked there for good (found by the hand-written-plan test of a killed
-peer, about one run in four without step sleeps). So `leave_group` also
-keeps a reference to each generation's group after shutting it down, for
-`RETIRE_TIMEOUTS` collective timeouts: by then every collective it ran has
-ended (failed or timed out) and its worker threads are idle, so whoever
-drops the last reference afterwards — the user's wrapper, or a later
-`leave_group` letting it go — runs a destructor that joins idle threads. A
-kept group costs its three idle gloo threads; only the groups of that window
-are kept.
 """
 
 from __future__ import annotations
@@ -60,9 +48,6 @@ log = logging.getLogger(__name__)
 
 
 _handed: list[weakref.ref] = []  # tensors given to collectives, maybe still held by gloo
-RETIRE_TIMEOUTS = 3
-_retired_groups: list[tuple[float, object]] = []  # (let go after, group): see above
-_collective_timeout_s = 30.0  # of the current group (form_group)
 
 
 def handed_to_gloo(*tensors: torch.Tensor) -> None:
@@ -132,8 +117,6 @@ def form_group(*, job_id: str, generation: int, rank: int, world_size: int,
             f"only {prefix.add('arrived', 0)}/{world_size} ranks arrived within "
             f"{rendezvous_timeout_s:.0f}s")
     _reset_group_count()
-    global _collective_timeout_s
-    _collective_timeout_s = collective_timeout_s
     dist.init_process_group(backend, store=dist.PrefixStore("pg/", prefix), rank=rank,
                             world_size=world_size,
                             timeout=datetime.timedelta(seconds=collective_timeout_s))
@@ -164,9 +147,6 @@ def leave_group(release_timeout_s: float = 5.0) -> None:
     _await_gloo_release(release_timeout_s)
     if not dist.is_initialized():
         return
-    now = time.monotonic()
-    _retired_groups[:] = [(t, g) for t, g in _retired_groups if t > now]  # idle by now
-    _retired_groups.append((now + RETIRE_TIMEOUTS * _collective_timeout_s, dist.group.WORLD))
     try:
         dist.destroy_process_group()
     except Exception as e:  # noqa: BLE001 - a broken group must not stop recovery

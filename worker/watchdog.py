@@ -52,20 +52,21 @@ class RankWatchdog:
     def __init__(self, control_dir: str, collective_timeout_s: float) -> None:
         self.control_dir = control_dir
         self.collective_timeout_s = collective_timeout_s
-        self._generation = 0
-        self._published_at = 0.0
+        self._latest = (0, 0.0)  # (generation, when published): one object, read once
 
     def published(self, generation: int) -> None:
-        """The agent published the plan of `generation` to its ranks."""
-        if generation > self._generation:
-            self._generation, self._published_at = generation, time.monotonic()
+        """The agent published the plan of `generation` to its ranks (called on
+        the plan-stream thread while `hung` may run on the agent's loop)."""
+        if generation > self._latest[0]:
+            self._latest = (generation, time.monotonic())
 
     def hung(self, ranks: Iterable[tuple[int, int]]) -> list[tuple[int, str]]:
         """Of the running ranks given as (local rank, pid), those that are hung
         (see the module docstring), each with the reason to report."""
-        if not self._generation:
+        generation, published_at = self._latest  # a plan published meanwhile waits its turn
+        if not generation:
             return []
-        waited = time.monotonic() - self._published_at
+        waited = time.monotonic() - published_at
         if waited <= 2 * self.collective_timeout_s + GRACE_S:
             return []  # nobody can be late yet: skip reading the files
         stats = rankstats.read_all(self.control_dir)
@@ -77,9 +78,9 @@ class RankWatchdog:
             seen = int(s.get("seen_generation", 0))
             deadline = (2 * self.collective_timeout_s + 2 * float(s.get("last_step_seconds", 0))
                         + GRACE_S)
-            if seen < self._generation and waited > deadline:
+            if seen < generation and waited > deadline:
                 out.append((local_rank, (
                     f"local rank {local_rank} (pid {pid}) is hung: it has not read the plan of "
-                    f"generation {self._generation} within {waited:.1f}s of its publication "
+                    f"generation {generation} within {waited:.1f}s of its publication "
                     f"(answer deadline {deadline:.1f}s; last read generation {seen})")))
         return out
