@@ -108,17 +108,15 @@ class PeerLossEvidence:
                      by_client: bool) -> None:
         """That stream ended; `by_client` when the RPC was cancelled from the
         agent's side (its process gone, or it hung up) rather than finished by
-        the server (STOP, a fence, an error). May be called on the server's
-        event loop: the verdict (which may read the generation from etcd and
-        fence) runs on a thread of its own."""
-        if member_id:
-            threading.Thread(target=self._stream_ended, args=((job_id, member_id), stream_id),
-                             kwargs={"by_client": by_client}, daemon=True,
-                             name="plan-stream-ended").start()
-
-    def _stream_ended(self, key: _Key, stream_id: str, *, by_client: bool) -> None:
+        the server (STOP, a fence, an error). Blocking (the generation may be
+        read from etcd): called off the event loop (`streamnotes`' relay
+        thread, the ReportPlanStreams handler); a fence it decides runs on a
+        thread of its own. Without a member id, nothing is recorded."""
+        if not member_id:
+            return
+        key = (job_id, member_id)
         try:
-            generation = self.coordinator.current_generation(key[0])
+            generation = self.coordinator.current_generation(job_id)
         except SpringbackError:
             generation = -1  # etcd unreachable: no verdict, only the count
         with self._lock:

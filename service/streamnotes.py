@@ -5,11 +5,11 @@ peers'-evidence rule (`evidence`) is judged by the leader alone, and one of
 its halves is "the agent's plan stream was ended by the agent's side". So
 every replica reports each stream it opens and each that ends:
 
-* on the leader, the note goes straight to its `PeerLossEvidence`;
-* on a follower, notes are queued and relayed to the leader in batches
-  (``ReportPlanStreams``, at most one call per `flush_s`), in the order they
-  happened. The relay is one daemon thread; the stream handlers only append
-  to a queue (never block the event loop).
+* the stream handlers only append the note to a queue (they run on the
+  event loop and never block it); one daemon thread takes the queue in
+  order, at most one batch per `flush_s`:
+* on the leader, it hands the batch to the leader's own `PeerLossEvidence`;
+* on a follower, it relays the batch to the leader (``ReportPlanStreams``).
 
 Failure semantics: a batch that cannot be delivered (no leader yet, the
 leader unreachable, the call failed) is kept and sent again at the next
@@ -81,12 +81,6 @@ class StreamNotes:
     def _note(self, note: ws.PlanStreamNote) -> None:
         if not note.member_id:
             return  # an operator's or a tool's stream: not a member's
-        if self.election.is_leader():
-            with self._wake:
-                pending = bool(self._queue)
-            if not pending:  # nothing older is waiting: apply it in order, now
-                apply(self.evidence, [note])
-                return
         with self._wake:
             self._queue.append((time.monotonic(), note))
             self._wake.notify()

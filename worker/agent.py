@@ -232,6 +232,7 @@ class Agent:
         self._fenced.clear()
         self._publisher = PlanPublisher(os.path.join(self._workdir, self.member.id))
         self._watchdog = RankWatchdog(self._publisher.directory, self._collective_timeout_s())
+        self._hung = {}  # a kill the fence cut short must not hide the next rank from it
         log.info("joined job %s as member %s (liveness %.1fs)", self.config.job_id,
                  self.member.id, self.liveness_timeout_s)
         member_id = self.member.id
