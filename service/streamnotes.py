@@ -7,9 +7,10 @@ every replica reports each stream it opens and each that ends:
 
 * the stream handlers only append the note to a queue (they run on the
   event loop and never block it); one daemon thread takes the queue in
-  order, at most one batch per `flush_s`:
-* on the leader, it hands the batch to the leader's own `PeerLossEvidence`;
-* on a follower, it relays the batch to the leader (``ReportPlanStreams``).
+  order, at most one batch per `flush_s`, and
+
+  * on the leader, hands the batch to the leader's own `PeerLossEvidence`;
+  * on a follower, relays it to the leader (``ReportPlanStreams``).
 
 Failure semantics: a batch that cannot be delivered (no leader yet, the
 leader unreachable, the call failed) is kept and sent again at the next
