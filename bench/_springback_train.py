@@ -1,9 +1,12 @@
 """Goodput benchmark, Springback side: bench/_goodput_common.py's model under a
 Springback Session (run by `python -m springback.worker.agent ... -- python
-bench/_springback_train.py`; bench/goodput.py starts it)."""
+bench/_springback_train.py`; bench/goodput.py starts it). GOODPUT_LOG=info
+logs the library's info lines with timestamps into the node logs."""
 
 from __future__ import annotations
 
+import logging
+import os
 import sys
 
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -13,6 +16,9 @@ from springback.worker import Session
 
 
 def main() -> int:
+    if os.environ.get("GOODPUT_LOG") == "info":  # the library's own lines, for diagnosis
+        logging.basicConfig(level=logging.INFO,
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     model, opt = C.make_model()
     session = Session(model=model, optimizer=opt, num_samples=C.NUM_SAMPLES,
                       global_batch_size=C.GLOBAL_BATCH, seed=C.SEED, max_steps=C.MAX_STEPS)

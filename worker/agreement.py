@@ -10,6 +10,7 @@ starts from scratch while a commit exists.
   plan's source rank when it holds it) is broadcast whole, unless every rank
   ended the previous generation cleanly at the same step; with no state
   anywhere and no checkpoint, rank 0's fresh initialisation is broadcast.
+* Both forms carry each rank's RNG state with the state (`worker/rngstate.py`).
 * Sharded form (`StateAgreement.agree_sharded`, see `worker/sharded.py`):
   the model is built on the new mesh and its shards filled from the ranks
   holding the rows (`worker/reshard.py`); when some rows have no live
@@ -33,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from springback.v1 import types_pb2 as pb
+from springback.worker import rngstate
 from springback.worker.context import RankContext
 from springback.worker.mesh import MeshLayout, build_mesh
 from springback.worker.peercopy import GenerationCopies, PeerCopyStore
@@ -88,6 +90,7 @@ class StateAgreement:
         if self.restore_if_newer(plan, best):
             return None, pb.RESTORE_KIND_CHECKPOINT
         if best >= 0 and clean and all(s == best for s in steps):
+            rngstate.apply(self.ctx.rng)
             return None, pb.RESTORE_KIND_PEERS  # every rank already holds the same state
         if best < 0:
             source, best = 0, 0  # fresh start: rank 0's initialisation wins
@@ -97,13 +100,25 @@ class StateAgreement:
             source, kind = plan.restore.source_rank, pb.RESTORE_KIND_PEERS
         else:
             source, kind = steps.index(best), pb.RESTORE_KIND_PEERS
-        mine_state = {k: v.state_dict() for k, v in self.ctx.state.items()} if rank == source else None
-        received = broadcast_object(mine_state, source, rank)
+        mine = ({"state": {k: v.state_dict() for k, v in self.ctx.state.items()},
+                 "rng": self._own_rng()} if rank == source else None)
+        received = broadcast_object(mine, source, rank)
         if rank != source:
             for k, v in self.ctx.state.items():
-                v.load_state_dict(received[k])
+                v.load_state_dict(received["state"][k])
+        self._carry_rng(steps[rank] == best, received["rng"])
         self.ctx.state_step = best
         return source, kind
+
+    def _own_rng(self) -> rngstate.RngState:
+        """This rank's RNG state at its state's step boundary."""
+        return self.ctx.rng if self.ctx.rng is not None else rngstate.capture()
+
+    def _carry_rng(self, held: bool, source_rng: rngstate.RngState) -> None:
+        """A rank that held the agreed step goes back to its own RNG state at
+        that boundary, one that received the state takes the source's
+        (`worker/rngstate.py`)."""
+        rngstate.apply(self.ctx.rng if held else source_rng)
 
     def gather_steps(self, world: int) -> tuple[list[int], bool]:
         """Collective: the step every rank's state holds, and whether all
@@ -198,13 +213,15 @@ class StateAgreement:
         del held
         extra = {k: v for k, v in self.ctx.state.items() if k not in ("model", "optimizer")}
         mine = ({"hyper": sm.hyperparameters(), "extra": {k: v.state_dict() for k, v in
-                                                          extra.items()}}
+                                                          extra.items()},
+                 "rng": self._own_rng()}
                 if rank == source else None)
         replicated = broadcast_object(mine, source, rank)
         sm.set_hyperparameters(replicated["hyper"])
         if rank != source:
             for k, v in extra.items():
                 v.load_state_dict(replicated["extra"][k])
+        self._carry_rng(steps[rank] == best, replicated["rng"])  # the build drew from it too
         log.info("resharded step %d in memory: %d transfers, %d bytes received here",
                  best, len(transfers), received)
         self.ctx.state_step = best

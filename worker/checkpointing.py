@@ -195,7 +195,8 @@ def extra_state(state: dict[str, Any]) -> dict[str, Any]:
 def restore_from_checkpoint(ref: pb.CheckpointRef, state: dict[str, Any]) -> int:
     """The session's restore hook: loads the plan's checkpoint (collective over
     the current group, any world size) into the registered model, optimizer
-    and other ``state=`` entries, and returns the step it holds.
+    and other ``state=`` entries, and this rank's RNG state (saved by rank
+    r mod N, `worker/rngstate.py`), and returns the step it holds.
 
     Files are verified against the manifest's checksums first; when the plan's
     checkpoint is damaged or missing, the newest intact older one under the same
@@ -211,7 +212,8 @@ def restore_from_checkpoint(ref: pb.CheckpointRef, state: dict[str, Any]) -> int
 
     base = ref.uri.rstrip("/").rsplit("/", 1)[0]
     result = restore_model(base, state["model"], state.get("optimizer"),
-                           extra_state=extra_state(state), max_step=ref.step)
+                           extra_state=extra_state(state), max_step=ref.step,
+                           restore_rng=True)
     if result.manifest.step != ref.step:
         log.warning("checkpoint of step %d unusable; restored step %d from %s instead",
                     ref.step, result.manifest.step, result.uri)

@@ -43,6 +43,9 @@ class RankContext:
     standalone_plan: pb.Plan | None = None
     state_step: int = -1
     """Step the in-memory state holds; -1: none yet."""
+    rng: dict[str, torch.Tensor] | None = None
+    """The RNG state at the boundary after `state_step` (`worker/rngstate.py`);
+    None before the first step."""
     clean: bool = False
     """The last generation ended at an agreed step boundary."""
     finished: bool = False

@@ -8,7 +8,7 @@ in the job spec) each rank therefore
 1. takes a *snapshot* of its shards (parameters, buffers, optimizer state)
    into one flat host-memory buffer, together with what every rank holds
    whole at that step (the optimizer's hyperparameters, the other ``state=``
-   entries); the step fixes the data cursor (the sample stream is a function
+   entries, its RNG state); the step fixes the data cursor (the sample stream is a function
    of the step);
 2. sends the shard part to its *partner*: the same local rank on the next
    member of the plan (the ring of nodes), which keeps it as a *copy*. The
@@ -62,6 +62,7 @@ import torch.distributed as dist
 
 from springback.client.spec import peer_copy_every_steps
 from springback.v1 import types_pb2 as pb
+from springback.worker import rngstate
 from springback.worker.mesh import MeshLayout
 from springback.worker.rendezvous import handed_to_gloo
 from springback.worker.reshard import (
@@ -253,6 +254,8 @@ class PeerCopyStore:
         for k, v in ctx.state.items():
             if k not in ("model", "optimizer"):
                 v.load_state_dict(copy.deepcopy(whole["extra"][k]))
+        # its own RNG state at the copy step where it has it: the replay draws alike
+        rngstate.apply(mine.whole["rng"] if mine is not None and mine.whole else whole["rng"])
         ctx.state_step = step
         ctx.clean = False
         self.drop_after(step)
@@ -329,7 +332,8 @@ class GenerationCopies:
                                  all_gather_objects(index_of(held), self.world))
         whole = {"hyper": copy.deepcopy(self.sm.hyperparameters()),
                  "extra": {k: copy.deepcopy(v.state_dict()) for k, v in self.ctx.state.items()
-                           if k not in ("model", "optimizer")}}
+                           if k not in ("model", "optimizer")},
+                 "rng": rngstate.capture()}
         snap = take_snapshot(held, step, whole)
         self.store.own.append(snap)
         works: list[dist.Work | None] = []

@@ -67,7 +67,7 @@ import torch
 import torch.distributed as dist
 
 from springback.v1 import types_pb2 as pb
-from springback.worker import eventlog
+from springback.worker import eventlog, rngstate
 from springback.worker.audit import AuditLog, state_digest
 from springback.worker.boundary import Agreed, StepBoundary, Vote
 from springback.worker.control import PlanChannel, await_activation
@@ -286,6 +286,7 @@ class Session:
                     source, restored_from, mesh = self._agreement.agree_sharded(plan, rank, store)
                 else:
                     (source, restored_from), mesh = self._agreement.agree(plan, rank), None
+            self.ctx.rng = rngstate.capture()  # the agreed state's (a restore set it too)
         except (RendezvousAborted, RuntimeError) as e:
             log.warning("generation %d could not start on rank %d: %s", plan.generation,
                         rank, e)
@@ -424,6 +425,7 @@ class Generation:
             self._loss = float("nan")
             yield batch
             s.state_step = step
+            s.rng = rngstate.capture()  # the boundary's, carried into a next generation
             switch = self._end_step(batch)
             if s.stats is not None:
                 s.stats.step_done(step, checkpoint_stall_s=None if self._checkpoints is None

@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.fsdp import fully_shard
 
+from draws import record_draw
 from springback.worker import Session
 from springback.client.env import AUDIT_DIR
 
@@ -144,6 +145,7 @@ def main() -> int:
             record(gen, "start", session.step)
             for batch in gen.batches():
                 record(gen, "before", batch.step - 1)
+                record_draw(batch.step, gen.generation, gen.rank)
                 if applied.count != batch.step - 1:
                     raise ValueError(f"state= entry at step {applied.count}, shards at step "
                                      f"{batch.step - 1}")

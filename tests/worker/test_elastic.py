@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import sockreset
 from applied import check_applied
+from draws import check_draws
 from cluster import AgentProcess, children, steps
 from fakeplans import assert_replicas_identical
 from sbtest import scrape, wait_for
@@ -62,13 +63,16 @@ def cluster(request, tmp_path, client, coordinator_address):
         def audit(self):
             """Exactly once, from the sampler's records *and* from what the
             finished ranks' optimizers applied (their sample counters, written
-            when a rank ends: after the coordinator's STOP plan)."""
+            when a rank ends: after the coordinator's STOP plan); and every
+            step drew the same random number wherever it ran (tests/worker/draws.py)."""
             wait_for(lambda: all(a.process.poll() is not None for a in agents), 60,
                      "every agent to end")
             applied = check_applied(tmp_path / "audit", num_samples=NUM_SAMPLES,
                                     global_batch_size=BATCH, seed=spec["data"]["seed"],
                                     last_step=spec["max_steps"])
             assert applied.ok, applied
+            draws = check_draws(tmp_path / "audit")  # RNG states followed the state
+            assert draws.ok, draws
             return check_exactly_once(str(tmp_path / "audit"), num_samples=NUM_SAMPLES,
                                       global_batch_size=BATCH, last_step=spec["max_steps"])
 

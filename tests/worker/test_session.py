@@ -8,6 +8,7 @@ import time
 import pytest
 
 from applied import check_applied
+from draws import check_draws
 from fakeplans import FakeJob, assert_replicas_identical
 from sbtest import wait_for
 from springback.client import env as E
@@ -33,6 +34,9 @@ class TestGenerationSwitch:
         assert assert_replicas_identical(fake_job.audit_dir) >= 2
         worlds = {r["world_size"] for r in fake_job.steps()}
         assert worlds == {3, 2}
+        # the survivors ran the broken step again with their boundary's RNG state
+        draws = check_draws(fake_job.audit_dir)
+        assert draws.ok, draws
 
     @pytest.mark.soak  # ~4 min
     @pytest.mark.xfail(reason="known bug: a survivor can deadlock freeing its old DDP "
@@ -76,6 +80,10 @@ class TestGenerationSwitch:
         assert sorted(r["step"] for r in steps) == list(range(1, 41))
         first_joined = min(r["step"] for r in steps if r["world_size"] == 3)
         assert first_joined > 6
+        # the joiner took its source's RNG state: it draws what the others draw
+        draws = check_draws(fake_job.audit_dir)
+        assert draws.ok, draws
+        assert draws.steps == 40
 
 
 @pytest.mark.timeout(90)

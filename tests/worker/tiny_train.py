@@ -37,6 +37,7 @@ import time
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from draws import record_draw
 from springback.worker import Session
 from springback.client.env import AUDIT_DIR
 
@@ -112,6 +113,7 @@ def main() -> int:
             counter_opt.param_groups[0]["lr"] = gen.stream.global_batch_size  # +1 per sample
             ddp = DDP(model, process_group=gen.group)
             for batch in gen.batches():
+                record_draw(batch.step, gen.generation, gen.rank)
                 if batch.step == raise_at:
                     raise RuntimeError(f"tiny_train: bad batch at step {raise_at}")
                 crashing = crash.due(batch.step, gen.rank)
