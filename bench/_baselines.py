@@ -102,13 +102,13 @@ def torchft_side(args: Any, work: Path, nodes: Any, run_trace: Callable[..., tup
         lighthouse.wait()
     events = read(events_path)
     steps = [e for e in events if e["event"] == "step"]
-    end = next(e for e in events if e["event"] == "done")
+    end = _end(events, steps)
     useful = len({s["step"] for s in steps if s["step"] <= end["step"]})
     return {"system": f"torchft hb {heartbeat_ms / 1000:g}s", "t0": t0, "end": end["t"],
             "useful": useful, "first": steps[0]["t"], "executed": len(steps),
             "generations": len({(s["world_size"]) for s in steps}), "kills": kills,
             "steps": steps, "key": "world_size", "kill_times": nodes.kill_times,
-            "note": "kills any node"}
+            "note": unfinished_note(nodes, args, useful) or "kills any node"}
 
 
 def _etcd_v2(work: Path) -> tuple[subprocess.Popen, int]:
@@ -172,12 +172,26 @@ def torchrun_side(args: Any, work: Path, nodes: Any, run_trace: Callable[..., tu
     events = read(events_path)
     steps = [e for e in events if e["event"] == "step"]
     starts = [e for e in events if e["event"] == "start"]
-    end = next(e for e in events if e["event"] == "done")
+    end = _end(events, steps)
     # the final lineage covers steps 1..max_steps; a step redone after a restart counts once
     useful = len({s["step"] for s in steps if s["step"] <= end["step"]})
     return {"system": f"torchrun {args.torchrun_rdzv}", "t0": t0, "end": end["t"],
             "useful": useful, "first": steps[0]["t"], "executed": len(steps),
             "generations": len(starts), "kills": kills, "steps": steps, "key": "run",
             "kill_times": nodes.kill_times,
-            "note": "kills any node" if args.torchrun_rdzv != "c10d"
-            else "kills non-host nodes only"}
+            "note": unfinished_note(nodes, args, useful) or (
+                "kills any node" if args.torchrun_rdzv != "c10d" else "kills non-host nodes only")}
+
+
+def _end(events: list[dict], steps: list[dict]) -> dict:
+    """The run's "done" event; for a run stopped at --timeout-s, its last step
+    (the final lineage then ends there)."""
+    return next((e for e in events if e["event"] == "done"), steps[-1])
+
+
+def unfinished_note(nodes: Any, args: Any, useful: int) -> str:
+    """A row's note for a side stopped at --timeout-s ("" when it finished):
+    its goodput is then that of the window, over the steps it got through."""
+    if not nodes.timed_out:
+        return ""
+    return f"did not finish in {args.timeout_s:.0f} s: {useful} of {args.max_steps} steps"

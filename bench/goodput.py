@@ -74,6 +74,8 @@ class Nodes:
         self.procs: dict[str, subprocess.Popen] = {}
         self.alive: list[str] = []
         self.kill_times: list[float] = []
+        self.timed_out = False
+        """The trace reached --timeout-s before the job ended."""
 
     def start(self, name: str, argv: list[str], env: dict[str, str]) -> None:
         log = open(self.work / f"{name}.log", "ab")  # noqa: SIM115
@@ -123,7 +125,9 @@ class Nodes:
 def run_trace(nodes: Nodes, start_node: Callable[[str], None], done: Callable[[], bool],
               victims: Callable[[list[str]], list[str]], args,  # noqa: ANN001
               label: str) -> tuple[float, int]:
-    """Starts the nodes, runs the kill/replace trace until done(); returns (t0, kills)."""
+    """Starts the nodes, runs the kill/replace trace until done() or --timeout-s
+    (then `nodes.timed_out` is set: the side reports how far it got); returns
+    (t0, kills)."""
     t0 = time.time()
     for i in range(args.nodes):
         start_node(f"{label}-node{i}")
@@ -132,7 +136,9 @@ def run_trace(nodes: Nodes, start_node: Callable[[str], None], done: Callable[[]
     while not done():
         now = time.time()
         if now > deadline:
-            raise TimeoutError(f"{label}: job not done after {args.timeout_s:.0f} s")
+            print(f"  [{label}] not done after {args.timeout_s:.0f} s: stopped", flush=True)
+            nodes.timed_out = True
+            break
         if now >= next_kill:
             candidates = victims(nodes.alive)
             if candidates:
@@ -158,6 +164,7 @@ def median_step(steps: list[dict], key: str) -> float:
 
 
 def springback_side(args, work: Path) -> dict:  # noqa: ANN001
+    from _baselines import unfinished_note
     from _local_coordinator import local_coordinator
     from springback.client.api import Client
     from springback.v1 import types_pb2 as pb
@@ -205,7 +212,8 @@ def springback_side(args, work: Path) -> dict:  # noqa: ANN001
             "executed": len(steps), "generations": len(gens), "kills": kills,
             "redone": final.get("redone", 0), "steps": steps, "key": "generation",
             "kill_times": nodes.kill_times,
-            "note": "kills any node"}
+            "note": unfinished_note(nodes, args, useful) or "kills any node"}
+
 
 
 def _parse() -> argparse.Namespace:
