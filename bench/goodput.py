@@ -215,7 +215,6 @@ def springback_side(args, work: Path) -> dict:  # noqa: ANN001
             "note": unfinished_note(nodes, args, useful) or "kills any node"}
 
 
-
 def _parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--nodes", type=int, default=3)

@@ -2,9 +2,9 @@
 
 A rank's global torch RNG state (the CPU generator, and CUDA's once CUDA is
 initialised) is part of its training state, like its parameters: it is taken
-at every step boundary (`Generation.batches`, before the step's batch is
-handed out), and each rank of a new generation starts from the RNG state that
-belongs to the state it starts from:
+at every step boundary (`Generation.batches`, as each step ends, and when a
+generation has agreed on its state), and each rank of a new generation starts
+from the RNG state that belongs to the state it starts from:
 
 * a rank that holds the agreed step in memory goes back to its own RNG state
   at that step's boundary: the draws of a step that broke are undone, so the
