@@ -35,6 +35,9 @@ Why this cannot fence a healthy node:
 * A node whose *rank* crashed (its agent alive) makes peers see a reset, but
   its agent's stream stays open: no fence; the agent reports the crash
   itself and keeps its membership.
+* A live rank that leaves a broken generation shuts its connections to its
+  peers (worker/rendezvous.py), so they see "closed by peer" naming it: the
+  first half only; its agent's stream is open.
 * An agent that merely reconnects its stream (another replica, a network
   blip) opens a new one at once, which clears the first half; its ranks'
   sockets are unaffected, so the second half does not come.

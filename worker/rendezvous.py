@@ -25,6 +25,16 @@ when the user's DDP wrapper, the group's last owner, is garbage collected). If
 the thread has not released its tensors yet, the process deadlocks. So the
 library registers the tensors it hands to collectives (`handed_to_gloo`) and
 `leave_group` waits, with the GIL released, until gloo has let go of them.
+
+A rank leaving a *broken* generation also shuts down its connections to the
+group's peers (`shut_peer_connections`). Destroying the group is not enough:
+the user's DDP wrapper still holds it until the next generation's
+``DDP(...)``, so its sockets would stay open, and a peer blocked receiving
+from this rank (not from the dead one) would wait out the collective timeout.
+Shut, the peer fails at once, and gloo's threads here stop waiting on the
+network and let go of their tensors before the old wrapper is freed (which
+ended the deadlock above for DDP's own buckets: soak test in
+tests/worker/test_session.py).
 """
 
 from __future__ import annotations
@@ -35,6 +45,7 @@ import json
 import logging
 import os
 import re
+import socket
 import time
 import weakref
 from collections.abc import Callable
@@ -138,12 +149,21 @@ def _reset_group_count() -> None:
         dist.distributed_c10d._world.group_count = 0  # no public setter
 
 
-def leave_group(release_timeout_s: float = 5.0) -> None:
+def leave_group(release_timeout_s: float = 5.0, *, broken: bool = False) -> None:
     """Destroys the default process group if there is one. Never raises: a group
     broken by a dead peer is torn down as far as possible and dropped.
 
-    First waits up to `release_timeout_s` for gloo's worker threads to release
-    the tensors registered with `handed_to_gloo` (see the module docstring)."""
+    With `broken` (the generation failed; this rank will not finish its
+    collectives), first shuts down this rank's connections to the group's
+    peers (`shut_peer_connections`): a peer blocked receiving from this rank
+    then fails at once instead of after the collective timeout, even while the
+    group object outlives this call (the user's DDP wrapper holds it until
+    the next generation's ``DDP(...)``), and gloo's own threads here stop
+    waiting on the network. Then waits up to `release_timeout_s` for gloo's
+    worker threads to release the tensors registered with `handed_to_gloo`
+    (see the module docstring)."""
+    if broken:
+        shut_peer_connections()
     _await_gloo_release(release_timeout_s)
     if not dist.is_initialized():
         return
@@ -167,14 +187,64 @@ _endpoint_ranks: dict[str, int] = {}  # "ip:port" of a peer's socket -> its rank
 
 def _own_endpoints() -> list[str]:
     """The local addresses ("ip:port") of this process's TCP sockets (Linux /proc)."""
-    inodes = set()
+    inodes = _socket_fds()
+    return [local for inode, local, _ in _connections() if inode in inodes]
+
+
+def _socket_fds() -> dict[int, int]:
+    """Socket inode -> file descriptor, for this process's open sockets."""
+    fds = {}
     for fd in os.listdir("/proc/self/fd"):
         try:
             target = os.readlink(f"/proc/self/fd/{fd}")
         except OSError:
             continue  # closed meanwhile
         if target.startswith("socket:["):
-            inodes.add(target[8:-1])
+            fds[int(target[8:-1])] = int(fd)
+    return fds
+
+
+def shut_peer_connections() -> int:
+    """Shuts down, both ways, this process's TCP connections to the current
+    generation's peers: those whose remote address a peer published in the
+    endpoint exchange (gloo's pairs; a rank hosts no store its peers use).
+    The file descriptors stay open: gloo still owns and closes them. Peers see
+    "connection closed by peer" naming this rank, which the coordinator takes
+    as half the evidence of a lost node only; this rank's agent is alive, so
+    no fence follows (service/evidence.py). Returns how many were shut; never
+    raises."""
+    peers = set(_endpoint_ranks)
+    if not peers:
+        return 0
+    fds = _socket_fds()
+    shut = 0
+    for inode, _, remote in _connections():
+        fd = fds.get(inode)
+        if fd is None or remote not in peers:
+            continue
+        try:
+            dup = os.dup(fd)
+        except OSError:
+            continue  # closed meanwhile
+        try:
+            if os.fstat(dup).st_ino != inode:
+                continue  # the number was reused for another file meanwhile
+            with socket.socket(fileno=dup) as sock:
+                dup = -1  # the socket object closes it
+                sock.shutdown(socket.SHUT_RDWR)
+                shut += 1
+        except OSError:
+            pass  # already reset or shut by gloo
+        finally:
+            if dup >= 0:
+                os.close(dup)
+    log.info("shut %d connections to the broken generation's peers", shut)
+    return shut
+
+
+def _connections() -> list[tuple[int, str, str]]:
+    """(socket inode, local "ip:port", remote "ip:port") of every TCP socket in
+    this network namespace (Linux /proc)."""
     out = []
     for table, width in (("/proc/self/net/tcp", 4), ("/proc/self/net/tcp6", 16)):
         try:
@@ -184,8 +254,9 @@ def _own_endpoints() -> list[str]:
             continue
         for line in lines:
             fields = line.split()
-            if len(fields) > 9 and fields[9] in inodes:
-                out.append(_endpoint(fields[1], width))
+            if len(fields) > 9:
+                out.append((int(fields[9]), _endpoint(fields[1], width),
+                            _endpoint(fields[2], width)))
     return out
 
 

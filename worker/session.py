@@ -290,7 +290,7 @@ class Session:
         except (RendezvousAborted, RuntimeError) as e:
             log.warning("generation %d could not start on rank %d: %s", plan.generation,
                         rank, e)
-            leave_group()
+            leave_group(broken=True)
             self.ctx.clean = False
             return None
         gen = Generation(self.ctx, plan, rank)
@@ -624,7 +624,7 @@ class Generation:
         if lost is not None and s.reporter is not None:
             s.reporter.report_lost_peer(self.plan, rank=self.rank, peer=lost[0],
                                         lost_member_id=lost[1])
-        leave_group()
+        leave_group(broken=True)
         if not s.newer_plan_within(self.generation, s.wait_s,
                                    broken=f"rank {self.rank} at step {s.step + 1}: {why}"[:200]):
             log.error("no new generation within %.0fs of a failed collective: giving up "

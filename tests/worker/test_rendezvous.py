@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -35,3 +36,25 @@ def test_a_rank_whose_previous_init_failed_still_meets_fresh_peers():
     out0, _ = survivor.communicate(timeout=40)
     assert survivor.returncode == 0 and "sum 3.0" in out0, out0
     assert fresh.returncode == 0 and "sum 3.0" in out1, out1
+
+
+LEAVER = str(Path(__file__).with_name("leaving_peer.py"))
+
+
+@pytest.mark.timeout(90)
+def test_a_rank_leaving_a_broken_generation_fails_its_peers_at_once_while_its_group_lives_on():
+    # A survivor blocked on a receive from another survivor used to wait out the
+    # collective timeout (30 s here): the other had left, but the user's DDP
+    # wrapper kept the group, and so its sockets, open.
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    ranks = [subprocess.Popen([sys.executable, LEAVER, str(r), str(store.port)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in (0, 1)]
+    out0, _ = ranks[0].communicate(timeout=80)
+    out1, _ = ranks[1].communicate(timeout=10)
+    assert ranks[0].returncode == 0 and "left holding True" in out0, out0
+    assert ranks[1].returncode == 0, out1
+    match = re.search(r"failed after ([0-9.]+)s naming (\S+)", out1)
+    assert match is not None, out1
+    assert float(match.group(1)) < 10, out1
+    assert match.group(2) == "0", out1  # the error names the rank that left

@@ -39,16 +39,14 @@ class TestGenerationSwitch:
         assert draws.ok, draws
 
     @pytest.mark.soak  # ~4 min
-    @pytest.mark.xfail(reason="known bug: a survivor can deadlock freeing its old DDP "
-                       "wrapper (the old gloo group's destructor joins gloo's threads with "
-                       "the GIL held); about one round in four without step sleeps. Under an "
-                       "agent the rank watchdog kills and replaces it", strict=False)
     @pytest.mark.timeout(900)
     def test_survivors_that_rebuild_ddp_at_once_after_a_killed_peer_never_deadlock(
             self, tmp_path):
         # no step sleep: the survivors' old DDP wrappers are freed while gloo's
         # threads still finish the broken step (worker/rendezvous.py, "Tearing a
-        # gloo group down has a trap")
+        # gloo group down has a trap"). Failed in an early round until a rank
+        # leaving a broken generation shut its connections to the peers
+        # (`leave_group(broken=True)`).
         for round_ in range(20):
             job = FakeJob(tmp_path / f"round-{round_}")
             try:
