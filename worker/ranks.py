@@ -4,7 +4,16 @@ Every rank starts as a *standby*: the user's command runs its set-up (imports,
 data, model) and blocks in `Session()` until activated with its identity
 (`control.activate_standby`). The agent activates the first ranks once all
 are ready, and keeps one extra standby to put in the place of a rank that
-crashes, so a crash costs no cold start.
+crashes, so a crash costs no cold start. That spare does its set-up at the
+idle scheduling class (SCHED_IDLE), so its imports take only CPU no rank
+wants: on a node whose cores are busy, a spare starting after a crash or at
+the job's start would otherwise slow every step of the job (all ranks wait
+for the slowest). On activation the agent moves all its threads back to
+normal scheduling before handing it its identity. This needs the right to
+raise a process's priority again (CAP_SYS_NICE, or an RLIMIT_NICE allowing
+nice 0); without it spares start at normal priority. A spare still in its
+set-up when it is needed (a saturated node: idle CPU never came) finishes
+it at normal priority, no later than a cold start would.
 
 Processes are started through a small exec launcher that sets the
 parent-death signal: when the agent dies (even by SIGKILL) its ranks die with
@@ -16,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -40,13 +50,61 @@ _PDEATH_LAUNCHER = (
     "import ctypes,os,signal,sys\n"
     "ctypes.CDLL('libc.so.6').prctl(1, signal.SIGKILL)\n"
     "if os.getppid() != int(sys.argv[1]): sys.exit(1)\n"
-    "os.execvp(sys.argv[2], sys.argv[2:])\n"
+    "if sys.argv[2] == 'idle': os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))\n"
+    "os.execvp(sys.argv[3], sys.argv[3:])\n"
 )
 
 
-def with_parent_death(command: list[str]) -> list[str]:
-    """`command` behind the launcher that ties its life to this process's."""
-    return [sys.executable, "-S", "-c", _PDEATH_LAUNCHER, str(os.getpid()), *command]
+def with_parent_death(command: list[str], *, idle: bool = False) -> list[str]:
+    """`command` behind the launcher that ties its life to this process's;
+    with `idle`, it also runs at the idle scheduling class (threads it starts
+    inherit it) until `to_normal_priority`."""
+    return [sys.executable, "-S", "-c", _PDEATH_LAUNCHER, str(os.getpid()),
+            "idle" if idle else "normal", *command]
+
+
+_CAP_SYS_NICE = 23
+
+
+def can_restore_priority() -> bool:
+    """Whether this process may move its children back from SCHED_IDLE to
+    normal scheduling: it has CAP_SYS_NICE, or its RLIMIT_NICE (inherited by
+    the children) allows their nice value (Linux's rule)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            caps = next((int(line.split()[1], 16) for line in f
+                         if line.startswith("CapEff:")), 0)
+    except OSError:
+        caps = 0
+    if caps & (1 << _CAP_SYS_NICE):
+        return True
+    soft, _ = resource.getrlimit(resource.RLIMIT_NICE)
+    allowed = 20 - os.getpriority(os.PRIO_PROCESS, 0)
+    return soft == resource.RLIM_INFINITY or soft >= allowed
+
+
+def to_normal_priority(pid: int) -> None:
+    """Moves every thread of process `pid` to normal scheduling (SCHED_OTHER).
+    Passes again until none is left at SCHED_IDLE: a thread still idle may
+    start another meanwhile. Logged, never raises (the process may be gone)."""
+    for _ in range(5):
+        try:
+            tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+        except OSError:
+            return
+        moved = 0
+        for tid in tids:
+            try:
+                if os.sched_getscheduler(tid) == os.SCHED_IDLE:
+                    os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
+                    moved += 1
+            except ProcessLookupError:
+                continue  # the thread ended
+            except OSError as e:
+                log.warning("rank %d: cannot restore normal scheduling: %s", pid, e)
+                return
+        if not moved:
+            return
 
 
 @dataclass
@@ -55,12 +113,15 @@ class Standby:
 
     proc: subprocess.Popen
     path: str
+    idle: bool = False  # set up at the idle scheduling class
 
     def ready(self) -> bool:
         """Its script reached `Session()` (set-up done)."""
         return os.path.exists(ready_path(self.path))
 
     def activate(self, local_rank: int, identity: dict) -> None:
+        if self.idle:  # a rank must never run at the idle class
+            to_normal_priority(self.proc.pid)
         activate_standby(self.path, local_rank=local_rank, **identity)
 
 
@@ -81,11 +142,13 @@ class LocalRanks:
         self.output = output or RankOutput()
         self.ranks: dict[int, subprocess.Popen] = {}
         self.spare: Standby | None = None
+        self._idle_spare = keep_spare and can_restore_priority()
         self._num_started = 0
 
-    def _launch(self, environ: dict[str, str], local_rank: int = 0) -> subprocess.Popen:
+    def _launch(self, environ: dict[str, str], local_rank: int = 0, *,
+                idle: bool = False) -> subprocess.Popen:
         self._num_started += 1
-        argv = with_parent_death(self.command)
+        argv = with_parent_death(self.command, idle=idle)
         if self.rank_logs is not None and not self.output.to_files(local_rank):
             proc = subprocess.Popen(argv, env=environ, start_new_session=True,
                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -95,9 +158,9 @@ class LocalRanks:
         return self.output.launch(argv, environ, local_rank=local_rank,
                                   attempt=f"proc_{self._num_started}")
 
-    def start_standby(self, environ: dict[str, str]) -> Standby:
+    def start_standby(self, environ: dict[str, str], *, idle: bool = False) -> Standby:
         path = os.path.join(self.workdir, f"standby-{self._num_started + 1}.json")
-        return Standby(self._launch({**environ, E.STANDBY_FILE: path}), path)
+        return Standby(self._launch({**environ, E.STANDBY_FILE: path}, idle=idle), path, idle)
 
     def start_all(self, num: int, environ: dict[str, str], *, timeout_s: float,
                   abort: Callable[[], bool]) -> list[Standby]:
@@ -124,9 +187,10 @@ class LocalRanks:
         return standbys
 
     def ensure_spare(self, environ: dict[str, str]) -> None:
-        """Starts the warm spare if configured and not running."""
+        """Starts the warm spare if configured and not running (at the idle
+        scheduling class where it can be moved back; module docstring)."""
         if self.keep_spare and self.spare is None:
-            self.spare = self.start_standby(environ)
+            self.spare = self.start_standby(environ, idle=self._idle_spare)
 
     def replace(self, local_rank: int, identity: dict, environ: dict[str, str]) -> bool:
         """Puts the spare (or, without one, a cold new process) in the place of a
