@@ -92,6 +92,7 @@ class Coordinator:
         self._progress: dict[str, planner.Progress] = {}
         self._dirty: set[str] = set()  # jobs whose progress is not yet in etcd
         self._plans: dict[str, _PlanView] = {}  # job id -> what matters of its current plan
+        self._max_steps: dict[str, int] = {}  # job id -> spec.max_steps (fixed at submission)
         self._lease_of: dict[str, int] = {}  # member id -> lease id
         # job id -> members' (count, newest revision) when last found in line with the plan
         self._fingerprints: dict[str, tuple[int, int]] = {}
@@ -120,6 +121,7 @@ class Coordinator:
             self._progress.clear()
             self._dirty.clear()
             self._plans.clear()
+            self._max_steps.clear()
             self._lease_of.clear()
             self._fingerprints.clear()
             self._unsettled.clear()
@@ -324,7 +326,8 @@ class Coordinator:
 
         In memory only (one etcd read: a member whose lease expired is NOT_FOUND
         at once, before the leader's next reconcile pass replans without it);
-        the job succeeds (one write) when max_steps is reached.
+        the job succeeds (one read, one write) when max_steps is reached. The
+        job's max_steps is read once per leadership: no request changes it.
         """
         self.require_leader()
         if self.store.get(keys.member(job_id, member_id)) is None:
@@ -340,11 +343,13 @@ class Coordinator:
                 self._dirty.add(job_id)
                 self.history.on_progress(job_id, generation)
                 self._notify(job_id, f"step {progress.step}")
-        job = self.get_job(job_id)
-        if progress.step >= job.spec.max_steps and job.status.state == pb.JOB_STATE_RUNNING:
+        max_steps = self._max_steps.get(job_id)
+        if max_steps is None:
+            max_steps = self._max_steps[job_id] = self._job_entry(job_id).value.spec.max_steps
+        if progress.step >= max_steps and self.get_job(job_id).status.state == pb.JOB_STATE_RUNNING:
             def succeed(job: pb.Job) -> None:
                 job.status.state = pb.JOB_STATE_SUCCEEDED
-            self.change_with_retry(job_id, f"reached max_steps {job.spec.max_steps}", succeed)
+            self.change_with_retry(job_id, f"reached max_steps {max_steps}", succeed)
         return self.current_generation(job_id)
 
     def record_generation_start(self, job_id: str, member_id: str, generation: int,
