@@ -48,7 +48,7 @@ import re
 import socket
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Container
 
 import torch
 import torch.distributed as dist
@@ -187,8 +187,7 @@ _endpoint_ranks: dict[str, int] = {}  # "ip:port" of a peer's socket -> its rank
 
 def _own_endpoints() -> list[str]:
     """The local addresses ("ip:port") of this process's TCP sockets (Linux /proc)."""
-    inodes = _socket_fds()
-    return [local for inode, local, _ in _connections() if inode in inodes]
+    return [local for _, local, _ in _connections(_socket_fds())]
 
 
 def _socket_fds() -> dict[int, int]:
@@ -218,12 +217,11 @@ def shut_peer_connections() -> int:
         return 0
     fds = _socket_fds()
     shut = 0
-    for inode, _, remote in _connections():
-        fd = fds.get(inode)
-        if fd is None or remote not in peers:
+    for inode, _, remote in _connections(fds):
+        if remote not in peers:
             continue
         try:
-            dup = os.dup(fd)
+            dup = os.dup(fds[inode])
         except OSError:
             continue  # closed meanwhile
         try:
@@ -242,9 +240,10 @@ def shut_peer_connections() -> int:
     return shut
 
 
-def _connections() -> list[tuple[int, str, str]]:
-    """(socket inode, local "ip:port", remote "ip:port") of every TCP socket in
-    this network namespace (Linux /proc)."""
+def _connections(inodes: Container[int]) -> list[tuple[int, str, str]]:
+    """(socket inode, local "ip:port", remote "ip:port") of the TCP sockets of
+    this network namespace whose inode is in `inodes` (Linux /proc); only
+    those are decoded: the namespace may hold many more."""
     out = []
     for table, width in (("/proc/self/net/tcp", 4), ("/proc/self/net/tcp6", 16)):
         try:
@@ -254,7 +253,7 @@ def _connections() -> list[tuple[int, str, str]]:
             continue
         for line in lines:
             fields = line.split()
-            if len(fields) > 9:
+            if len(fields) > 9 and int(fields[9]) in inodes:
                 out.append((int(fields[9]), _endpoint(fields[1], width),
                             _endpoint(fields[2], width)))
     return out
