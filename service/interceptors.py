@@ -9,6 +9,11 @@
   remaining deadline; the leader's status comes back unchanged. A call that
   was already forwarded once is not forwarded again (it fails UNAVAILABLE),
   so two replicas with stale views cannot bounce a call between them.
+  A call that arrives while no replica leads (an election under way) waits
+  for one, up to `LEADER_WAIT_S` and within the call's own deadline, and
+  only then fails UNAVAILABLE: a call made just after a failover, or while
+  the first leader is being elected, is served instead of refused (clients
+  do not retry `CreateJob`).
   Heartbeats are not forwarded: any replica renews a member's lease in etcd
   itself, so members stay alive while leadership changes hands (a replica
   that cannot reach etcd refuses them at once, see `liveness`). Plan streams
@@ -34,8 +39,9 @@ from typing import Any, NoReturn
 import grpc
 
 from springback.client.channel import DEFAULT_TIMEOUT_S, connect
-from springback.service.election import Election
 from springback.client.errors import SpringbackError
+from springback.client.polling import wait_until
+from springback.service.election import Election
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +63,11 @@ def _deny(code: grpc.StatusCode, details: str) -> grpc.RpcMethodHandler:
 
 
 _END = object()
+
+LEADER_WAIT_S = 5.0
+"""How long a call waits for a leader to be elected before it fails
+UNAVAILABLE (less when its deadline is nearer): above the default leader TTL
+(3 s) plus a campaign interval, the longest a failover takes."""
 
 
 async def in_thread(pool: futures.ThreadPoolExecutor, items: Iterable[Any]) -> AsyncIterator[Any]:
@@ -113,13 +124,30 @@ class LeaderForwarding(grpc.aio.ServerInterceptor):
             return grpc.unary_stream_rpc_method_handler(self._stream(method, outgoing))
         return grpc.unary_unary_rpc_method_handler(self._unary(method, outgoing))
 
-    def _find_leader(self) -> tuple[grpc.Channel | None, str]:
-        """A channel to the leader, or None and why not (blocking: an etcd read)."""
+    def _find_leader(self, wait_s: float) -> tuple[grpc.Channel | None, str]:
+        """A channel to the leader, or None and why not. Blocking: etcd reads,
+        and while no replica leads (none elected yet, or this one just won and
+        is taking office) a wait of up to `wait_s` for one to."""
+        found: list[str] = []
+
+        def leader_elsewhere() -> bool:
+            if self._election.is_leader():
+                found[:] = [self._election.address]
+                return True
+            # fresher after the first look (a cached "none" may predate the election),
+            # yet shared by every waiting call: at most ten etcd reads a second
+            leader = self._election.leader_address(max_age_s=0.5 if not found else 0.1)
+            found[:] = [leader or ""]
+            return bool(leader) and leader != self._election.address
+
         try:
-            leader = self._election.leader_address()
+            wait_until(leader_elsewhere, timeout_s=wait_s, interval_s=0.05)
         except SpringbackError as e:
             return None, f"cannot find the leader: {e}"
-        if not leader or leader == self._election.address:
+        leader = found[0] if found else ""
+        # this replica may have taken office meanwhile: the call then goes to
+        # its own address, where it is served (a leader serves forwarded calls)
+        if not leader or (leader == self._election.address and not self._election.is_leader()):
             return None, "no coordinator leader elected yet; retry"
         with self._lock:
             channel = self._channels.get(leader)
@@ -129,8 +157,16 @@ class LeaderForwarding(grpc.aio.ServerInterceptor):
                 channel = self._channels[leader] = connect([leader], token="")
         return channel, ""
 
+    @staticmethod
+    def _leader_wait_s(context: grpc.ServicerContext) -> float:
+        """How long a call may wait for a leader: LEADER_WAIT_S, less the
+        half second its reply needs before the caller's deadline."""
+        remaining = context.time_remaining()
+        return LEADER_WAIT_S if remaining is None else max(0.0, min(LEADER_WAIT_S,
+                                                                     remaining - 0.5))
+
     def _leader_channel(self, context: grpc.ServicerContext) -> grpc.Channel:
-        channel, why = self._find_leader()
+        channel, why = self._find_leader(self._leader_wait_s(context))
         if channel is None:
             _abort(context, grpc.StatusCode.UNAVAILABLE, why)
         return channel
@@ -151,7 +187,8 @@ class LeaderForwarding(grpc.aio.ServerInterceptor):
         async def forward(request: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
             # The leader's stream is read on a thread of the stream pool, one
             # message at a time, and sent from the loop (operators' streams: few).
-            channel, why = await asyncio.to_thread(self._find_leader)
+            channel, why = await asyncio.to_thread(self._find_leader,
+                                                   self._leader_wait_s(context))
             if channel is None:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, why)
                 return  # abort raised already

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import functools
 import logging
+import types
 from collections.abc import Callable
 from typing import Any, NamedTuple, TypeVar
 from urllib.parse import urlparse
 
 import etcd3
 import etcd3.exceptions
+import etcd3.watch
 import grpc
 from google.protobuf.message import Message
 
@@ -24,6 +26,13 @@ from springback.client.errors import InvalidArgument, StoreUnavailable
 log = logging.getLogger(__name__)
 
 M = TypeVar("M", bound=Message)
+
+# python3-etcd3 0.13 dropped `six` but its watcher still calls six.itervalues
+# when a watch stream ends: the watch thread died with a NameError before any
+# callback heard that its watch broke (watchers then saw nothing until a
+# resync noticed). Give the module the one name it uses.
+if not hasattr(etcd3.watch, "six"):
+    etcd3.watch.six = types.SimpleNamespace(itervalues=lambda d: iter(d.values()))
 
 
 def _parse_endpoint(url: str) -> tuple[str, int]:

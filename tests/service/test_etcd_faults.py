@@ -20,6 +20,7 @@ from agentsim import SimMember
 from etcdcluster import EtcdCluster
 from sbtest import wait_for
 from springback.client.api import ApiError, Client
+from springback.service.store import Store
 
 LIVENESS_S = 3.0
 
@@ -142,3 +143,19 @@ class TestLosingQuorum:
         assert [c.step for c in client.list_checkpoints(job.id)] == [20, 10]
         assert member.failures["NOT_FOUND"] == 0
         client.close()
+
+
+class TestWatches:
+    @pytest.mark.timeout(60)
+    def test_a_watch_hears_that_it_broke_when_etcd_goes_away(self, etcd):
+        store = Store(etcd.endpoint)
+        heard: list = []
+        try:
+            store.watch_prefix("/springback/v1/test/", heard.append)
+            store.put("/springback/v1/test/a", b"1")
+            wait_for(lambda: heard, 10, "the put to be delivered")
+            etcd.stop(kill=True)
+            wait_for(lambda: any(isinstance(r, Exception) for r in heard), 20,
+                     "the watch to say that it broke")
+        finally:
+            store.close()

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import threading
+from concurrent import futures
 
 import grpc
 import pytest
 
 from sbtest import wait_for
 from springback.service import keys
+from springback.service.election import Election
+from springback.service.interceptors import LeaderForwarding
 from springback.client.api import ApiError, Client
 from springback.service.store import Store
 from springback.v1 import types_pb2 as pb
@@ -125,3 +128,45 @@ class TestEtcdRestart:
         assert got.id == job.id
         second = wait_for(lambda: client.create_job(make_spec(name="after")), 30, "writes to work again")
         assert sorted(j.id for j in client.list_jobs()) == sorted([job.id, second.id])
+
+
+class TestCallsDuringAnElection:
+    def test_a_call_that_finds_no_leader_waits_for_the_election_instead_of_failing(self, etcd):
+        store = Store(etcd.endpoint)
+        follower = Election(store, "127.0.0.1:1")  # never started: it never campaigns
+        pool = futures.ThreadPoolExecutor(max_workers=1)
+        forwarding = LeaderForwarding(follower, pool)
+        looked = threading.Event()
+        etcd_get = store.get
+
+        def get(*args, **kwargs):  # tells when the forwarder has looked (no leader yet)
+            looked.set()
+            return etcd_get(*args, **kwargs)
+
+        store.get = get  # type: ignore[method-assign]
+        found: list = []
+        waiter = threading.Thread(target=lambda: found.append(forwarding._find_leader(10.0)))
+        try:
+            waiter.start()
+            assert looked.wait(5), "the forwarder never looked for the leader"
+            store.put(keys.LEADER, b"127.0.0.1:7")  # a replica wins the election
+            waiter.join(15)
+            channel, why = found[0]
+            assert channel is not None and why == ""
+            assert list(forwarding._channels) == ["127.0.0.1:7"]
+        finally:
+            forwarding.close()
+            pool.shutdown()
+            store.close()
+
+    def test_with_no_leader_elected_a_call_fails_unavailable_once_its_wait_is_over(self, etcd):
+        store = Store(etcd.endpoint)
+        pool = futures.ThreadPoolExecutor(max_workers=1)
+        forwarding = LeaderForwarding(Election(store, "127.0.0.1:1"), pool)
+        try:
+            channel, why = forwarding._find_leader(0.3)
+            assert channel is None and "no coordinator leader elected yet" in why
+        finally:
+            forwarding.close()
+            pool.shutdown()
+            store.close()
