@@ -447,7 +447,8 @@ class Coordinator:
     def _settled(self, job_id: str, fingerprint: tuple[int, int]) -> bool:
         """Whether a job's changed membership has settled: unchanged for
         ``settle_s``, or ``max_settle_s`` since the first change not yet planned
-        (a join storm or a failure burst becomes one generation, not one per event)."""
+        (a join storm or a failure burst becomes one generation, not one per
+        event). `reconcile` skips the wait for a job that is full."""
         now = time.monotonic()
         unsettled = self._unsettled.get(job_id)
         if unsettled is None or unsettled.fingerprint != fingerprint:
@@ -473,11 +474,15 @@ class Coordinator:
             fingerprint = self.store.fingerprint(keys.members(job.id))
             if self._fingerprints.get(job.id) == fingerprint:
                 continue  # no member joined, left, expired or drained
-            if not self._settled(job.id, fingerprint):
-                continue  # more may come: one generation for the whole burst
+            alive = {m.id for m in self.members(job.id) if not m.draining}
+            # More may come: one generation for the whole burst. Unless the job
+            # is full: more joins could only be spares, so waiting gains nothing.
+            full = len(alive) >= job.spec.max_workers
+            if not self._settled(job.id, fingerprint) and not full:
+                continue
+            self._unsettled.pop(job.id, None)
             plan = self.current_plan(job.id)
             planned = {m.member_id for m in plan.members} | set(plan.spares) if plan else set()
-            alive = {m.id for m in self.members(job.id) if not m.draining}
             if plan is not None and planned == alive:
                 self._fingerprints[job.id] = fingerprint
                 continue

@@ -4,8 +4,10 @@ One agent per node. It first checks that the job exists and the token is
 accepted (GetJob, within ``--connect-timeout-s``), so a typo fails before any
 rank starts. In library mode it then starts its ranks and joins once their
 set-up is done (`ranks.py`); in restart mode (`restart.py`) it joins and
-(re)starts the ranks on every generation. It hosts the node's rendezvous store (a TCPStore server on
-port 0, named in JoinJob), joins the job as a *member*, keeps the member alive
+(re)starts the ranks on every generation. It holds the node's rendezvous store
+address (a port, named in JoinJob: in library mode a listening socket whose
+TCPStore the process of local rank 0 serves, in restart mode a TCPStore
+server in the agent itself), joins the job as a *member*, keeps the member alive
 with heartbeats, relays every plan to its ranks through the control directory
 (`control.py`), and spawns ``--nproc-per-node`` local ranks with the torchrun
 environment plus the SPRINGBACK_* variables of `env.py`.
@@ -85,6 +87,7 @@ from springback.worker.startup import (
     JobFinished,
     RendezvousStore,
     StartupClock,
+    StoreSocket,
     StartupRefused,
     check_job,
 )
@@ -170,8 +173,11 @@ class Agent:
         self.config = config
         self._channel = connect(config.coordinator or parse_addresses(None), token=config.token)
         self._stub = wgrpc.WorkerServiceStub(self._channel)
-        # torch's import takes seconds: the store starts beside the ranks' set-up
-        self._rendezvous = RendezvousStore()
+        # Library mode: no torch in the agent; local rank 0 serves the store on
+        # this socket. Restart mode: the agent's own store, whose torch import
+        # runs beside the ranks' set-up.
+        self._rendezvous: RendezvousStore | StoreSocket = (
+            RendezvousStore() if config.mode == "restart" else StoreSocket())
         self._workdir = tempfile.mkdtemp(prefix=f"springback-agent-{config.job_id}-")
         self._drain_reason: str | None = None
         self._lock = threading.Lock()
@@ -184,7 +190,9 @@ class Agent:
             member_of=lambda: self.member.id if self.member else None,
             base_uri_of=lambda: self._plan.spec.checkpoint.uri if self._plan else None)
         self._local = LocalRanks(config.command, self._workdir, keep_spare=config.standby,
-                                 output=config.output, rank_logs=self._rank_logs.attach)
+                                 output=config.output, rank_logs=self._rank_logs.attach,
+                                 pass_fds=(self._rendezvous.fd,)
+                                 if isinstance(self._rendezvous, StoreSocket) else ())
         self._restart = RestartRanks(self) if config.mode == "restart" else None
         self._ran = False  # a RUN plan included this member: its ranks may hold state
         self._num_restarts = 0
@@ -208,7 +216,7 @@ class Agent:
         # One token per join, reused by its retries: a retry after a lost reply
         # gets the member the first attempt registered, not a second one.
         req = wpb.JoinJobRequest(job_id=self.config.job_id, host=self.config.host,
-                                 rendezvous_port=self._rendezvous.get().port,
+                                 rendezvous_port=self._rendezvous_port(),
                                  num_local_ranks=self.config.nproc_per_node,
                                  join_token=uuid.uuid4().hex)
         deadline = time.monotonic() + self.config.connect_timeout_s
@@ -240,6 +248,11 @@ class Agent:
                          name="heartbeat").start()
         threading.Thread(target=self._watch_loop, args=(member_id,), daemon=True,
                          name="watch-plans").start()
+
+    def _rendezvous_port(self) -> int:
+        if isinstance(self._rendezvous, StoreSocket):
+            return self._rendezvous.port
+        return int(self._rendezvous.get().port)
 
     def _current(self, member_id: str) -> bool:
         return self.member is not None and self.member.id == member_id and not self._stop.is_set()
@@ -307,6 +320,8 @@ class Agent:
             E.COORDINATOR: self.config.coordinator or os.environ.get(E.COORDINATOR, ""),
             E.COLLECTIVE_TIMEOUT_S: str(timeout),
         })
+        if isinstance(self._rendezvous, StoreSocket):
+            environ[E.STORE_FD] = str(self._rendezvous.fd)
         if self.member is not None:  # a standby learns these when activated
             environ[E.MEMBER_ID] = self.member.id
             environ[E.CONTROL_DIR] = self._publisher.directory
@@ -351,8 +366,6 @@ class Agent:
             raise DrainedBeforeJoin(self._drain_reason)
         if not all(s.ready() for s in standbys):
             log.warning("ranks not ready after %.0fs: joining anyway", self.config.ready_timeout_s)
-        self._rendezvous.get()
-        phases.done("rendezvous store (the agent's torch import)")
         self._join()
         phases.done("join")
         for lr, standby in enumerate(standbys):

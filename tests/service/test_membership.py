@@ -8,8 +8,10 @@ import grpc
 import pytest
 
 from sbtest import wait_for
+from springback.client.api import Client
 from springback.v1 import types_pb2 as pb
 from springback.v1 import worker_service_pb2 as ws
+from springback.v1 import worker_service_pb2_grpc as ws_grpc
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -114,6 +116,29 @@ class TestGenerations:
         final = plan_of(coordinator, job.id)
         assert final.action == pb.PLAN_ACTION_WAIT and not final.members
         assert client.get_job(job.id).status.state == pb.JOB_STATE_PENDING
+
+
+class TestSettling:
+    def test_a_join_that_fills_the_job_is_planned_without_waiting_for_the_burst_to_settle(
+            self, start_coordinator, make_spec):
+        server = start_coordinator(liveness_timeout_s=30.0)  # no heartbeats needed here
+        wait_for(server.election.is_leader, 10, "the coordinator to lead")
+        server.coordinator.settle_s = server.coordinator.max_settle_s = 600.0
+        channel = grpc.insecure_channel(server.address)
+        workers = ws_grpc.WorkerServiceStub(channel)
+        try:
+            with Client(server.address) as client:
+                job = client.create_job(make_spec(min_workers=1, max_workers=2))
+            a = join(workers, job.id, 5001)  # answered unplanned after JoinJob's 5 s wait
+            plan = plan_of(server, job.id)
+            assert plan is None or a not in {m.member_id for m in plan.members}, \
+                "a join that leaves room for more waits for the burst to settle"
+            b = join(workers, job.id, 5002)
+            plan = plan_of(server, job.id)
+            assert plan.action == pb.PLAN_ACTION_RUN
+            assert [m.member_id for m in plan.members] == [a, b]
+        finally:
+            channel.close()
 
 
 class TestFencing:
