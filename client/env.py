@@ -64,6 +64,11 @@ STANDBY_FILE = "SPRINGBACK_STANDBY_FILE"
 file (JSON: local_rank, member_id, control_dir) to put the standby in the place
 of a crashed rank. The script's set-up before `Session()` (imports, data, model)
 is then already done, which is most of a rank's start-up time."""
+STORE_FD = "SPRINGBACK_STORE_FD"
+"""Library mode: the file descriptor (inherited) of a listening socket the
+agent holds for the node's rendezvous store. The process of local rank 0
+serves a TCPStore on it; when that process is replaced, its successor serves
+on the same socket, so the store's address never changes for the agent's life."""
 METRICS_FILE = "SPRINGBACK_METRICS_FILE"
 """When set, global rank 0 appends one JSON line per step and per generation here."""
 CHECKPOINT_URI = "SPRINGBACK_CHECKPOINT_URI"
@@ -81,6 +86,19 @@ def _float(name: str, default: float) -> float:
         return float(raw)
     except ValueError as e:
         raise ValueError(f"{name}={raw!r} is not a number of seconds") from e
+
+
+def _fd(name: str) -> int | None:
+    raw = os.environ.get(name)
+    if not raw:
+        return None
+    try:
+        fd = int(raw)
+    except ValueError as e:
+        raise ValueError(f"{name}={raw!r} is not a file descriptor number") from e
+    if fd < 0:
+        raise ValueError(f"{name}={raw!r} is not a file descriptor number")
+    return fd
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -107,6 +125,9 @@ class RankEnv:
     """Audit output directory; empty disables the audit."""
     metrics_file: str
     """Per-step JSON lines file written by global rank 0; empty disables it."""
+    store_fd: int | None = None
+    """The node's store socket (`STORE_FD`), served by local rank 0; None
+    outside library mode."""
 
     @classmethod
     def from_environ(cls) -> RankEnv:
@@ -127,4 +148,5 @@ class RankEnv:
             rendezvous_timeout_s=_float(RENDEZVOUS_TIMEOUT_S, 120.0),
             audit_dir=os.environ.get(AUDIT_DIR, ""),
             metrics_file=os.environ.get(METRICS_FILE, ""),
+            store_fd=_fd(STORE_FD),
         )

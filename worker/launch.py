@@ -210,11 +210,12 @@ class RankOutput:
                                       or self._code(self.tee, local_rank)))
 
     def launch(self, argv: list[str], environ: dict[str, str], *, local_rank: int,
-               attempt: str) -> subprocess.Popen:
-        """Starts `argv` with its output placed as configured."""
+               attempt: str, pass_fds: tuple[int, ...] = ()) -> subprocess.Popen:
+        """Starts `argv` with its output placed as configured (and `pass_fds`
+        inherited)."""
         redirect, tee = self._code(self.redirects, local_rank), self._code(self.tee, local_rank)
         if not self.log_dir or not (redirect or tee):
-            return subprocess.Popen(argv, env=environ, start_new_session=True)
+            return subprocess.Popen(argv, env=environ, start_new_session=True, pass_fds=pass_fds)
         directory = os.path.join(self.log_dir, attempt, str(local_rank))
         os.makedirs(directory, exist_ok=True)
         targets: dict[str, IO[bytes] | int | None] = {}
@@ -224,7 +225,8 @@ class RankOutput:
                 files[name] = open(os.path.join(directory, f"{name}.log"), "ab")  # noqa: SIM115
             targets[name] = subprocess.PIPE if tee & bit else files.get(name)
         proc = subprocess.Popen(argv, env=environ, start_new_session=True,
-                                stdout=targets["stdout"], stderr=targets["stderr"])
+                                stdout=targets["stdout"], stderr=targets["stderr"],
+                                pass_fds=pass_fds)
         for name, console in (("stdout", sys.stdout), ("stderr", sys.stderr)):
             if targets[name] is subprocess.PIPE:
                 pump = threading.Thread(target=_tee, args=(getattr(proc, name), files[name],

@@ -130,16 +130,19 @@ class LocalRanks:
 
     def __init__(self, command: list[str], workdir: str, *, keep_spare: bool,
                  output: RankOutput | None = None,
-                 rank_logs: Callable[[subprocess.Popen], None] | None = None) -> None:
+                 rank_logs: Callable[[subprocess.Popen], None] | None = None,
+                 pass_fds: tuple[int, ...] = ()) -> None:
         """`output` places ranks' output in files (--log-dir/--redirects/--tee);
         `rank_logs`, when given, receives every other started process with its
         stdout and stderr merged into a pipe it must drain
-        (`ranklogs.RankLogs.attach`: rank-prefixed echo and shipping)."""
+        (`ranklogs.RankLogs.attach`: rank-prefixed echo and shipping);
+        `pass_fds` are inherited by every process (the node's store socket)."""
         self.command = command
         self.rank_logs = rank_logs
         self.workdir = workdir
         self.keep_spare = keep_spare
         self.output = output or RankOutput()
+        self.pass_fds = pass_fds
         self.ranks: dict[int, subprocess.Popen] = {}
         self.spare: Standby | None = None
         self._idle_spare = keep_spare and can_restore_priority()
@@ -151,12 +154,13 @@ class LocalRanks:
         argv = with_parent_death(self.command, idle=idle)
         if self.rank_logs is not None and not self.output.to_files(local_rank):
             proc = subprocess.Popen(argv, env=environ, start_new_session=True,
-                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                    pass_fds=self.pass_fds)
             self.rank_logs(proc)
             return proc
         # a standby's local rank is not known yet: its log folder is its process number
         return self.output.launch(argv, environ, local_rank=local_rank,
-                                  attempt=f"proc_{self._num_started}")
+                                  attempt=f"proc_{self._num_started}", pass_fds=self.pass_fds)
 
     def start_standby(self, environ: dict[str, str], *, idle: bool = False) -> Standby:
         path = os.path.join(self.workdir, f"standby-{self._num_started + 1}.json")

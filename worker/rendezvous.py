@@ -1,7 +1,11 @@
 """Forming one generation's process group from its plan.
 
-Every agent hosts a TCPStore server; the plan names the node-rank-0 agent's
-store as ``master_addr:master_port``. A generation's ranks meet under the key
+Every node has a rendezvous store; the plan names the node-rank-0 agent's
+store as ``master_addr:master_port``. In library mode the agent only holds the
+store's listening socket and the process of its local rank 0 serves the
+TCPStore on it (`host_node_store`): the agent needs no torch, and a crashed
+local rank 0's replacement serves at the same address (the store's contents
+die with the crashed process; every generation meets under keys of its own). A generation's ranks meet under the key
 prefix ``springback/<job>/g<generation>/`` of that store, so stale ranks of an
 older generation can never mix with the current one.
 
@@ -47,6 +51,7 @@ import os
 import re
 import socket
 import time
+import traceback
 import weakref
 from collections.abc import Callable, Container
 
@@ -56,6 +61,28 @@ import torch.distributed as dist
 from springback.client.polling import wait_until
 
 log = logging.getLogger(__name__)
+
+
+_node_store: dist.TCPStore | None = None  # the node's store, where this process serves it
+
+
+def host_node_store(fd: int) -> None:
+    """Serves the node's rendezvous store on the listening socket `fd` that
+    the agent holds (``SPRINGBACK_STORE_FD``), for the rest of this process's
+    life; called by the process of local rank 0 once it knows it is local
+    rank 0. Idempotent. Raises what TCPStore raises when `fd` is not a
+    listening socket (the rank then fails, and its agent reports it)."""
+    global _node_store
+    if _node_store is not None:
+        return
+    with socket.socket(fileno=os.dup(fd)) as listening:
+        port = listening.getsockname()[1]
+        v6_only = (listening.family == socket.AF_INET6
+                   and listening.getsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY))
+    # the server's own client connects to it through this address
+    _node_store = dist.TCPStore("::1" if v6_only else "127.0.0.1", port, is_master=True,
+                                master_listen_fd=fd, wait_for_workers=False)
+    log.info("serving the node's rendezvous store on port %d", port)
 
 
 _handed: list[weakref.ref] = []  # tensors given to collectives, maybe still held by gloo
@@ -149,7 +176,8 @@ def _reset_group_count() -> None:
         dist.distributed_c10d._world.group_count = 0  # no public setter
 
 
-def leave_group(release_timeout_s: float = 5.0, *, broken: bool = False) -> None:
+def leave_group(release_timeout_s: float = 5.0, *, broken: bool = False,
+                cause: BaseException | None = None) -> None:
     """Destroys the default process group if there is one. Never raises: a group
     broken by a dead peer is torn down as far as possible and dropped.
 
@@ -161,9 +189,18 @@ def leave_group(release_timeout_s: float = 5.0, *, broken: bool = False) -> None
     the next generation's ``DDP(...)``), and gloo's own threads here stop
     waiting on the network. Then waits up to `release_timeout_s` for gloo's
     worker threads to release the tensors registered with `handed_to_gloo`
-    (see the module docstring)."""
+    (see the module docstring). `cause`, the exception that broke the
+    generation, has the local variables of its traceback's finished frames
+    cleared first: they hold the failed collective's tensors (the vote in
+    flight, a gather's buffers) and would keep that wait from ending until its
+    timeout."""
     if broken:
         shut_peer_connections()
+    seen: set[int] = set()
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        traceback.clear_frames(cause.__traceback__)
+        cause = cause.__cause__ or cause.__context__
     _await_gloo_release(release_timeout_s)
     if not dist.is_initialized():
         return

@@ -77,6 +77,7 @@ from springback.worker.rankstats import RankStats
 from springback.worker.rendezvous import (
     RendezvousAborted,
     form_group,
+    host_node_store,
     is_collective_failure,
     leave_group,
 )
@@ -124,6 +125,8 @@ class Session:
             raise ValueError("Session: pass either build= (sharded) or model=/optimizer=, "
                              "not both")
         self.env = env or _activated(RankEnv.from_environ())
+        if self.env.store_fd is not None and self.env.local_rank == 0:
+            host_node_store(self.env.store_fd)
         self.state: dict[str, Any] = dict(state or {})
         if model is not None:
             self.state["model"] = model
@@ -290,7 +293,7 @@ class Session:
         except (RendezvousAborted, RuntimeError) as e:
             log.warning("generation %d could not start on rank %d: %s", plan.generation,
                         rank, e)
-            leave_group(broken=True)
+            leave_group(broken=True, cause=e)
             self.ctx.clean = False
             return None
         gen = Generation(self.ctx, plan, rank)
@@ -624,7 +627,7 @@ class Generation:
         if lost is not None and s.reporter is not None:
             s.reporter.report_lost_peer(self.plan, rank=self.rank, peer=lost[0],
                                         lost_member_id=lost[1])
-        leave_group(broken=True)
+        leave_group(broken=True, cause=exc)
         if not s.newer_plan_within(self.generation, s.wait_s,
                                    broken=f"rank {self.rank} at step {s.step + 1}: {why}"[:200]):
             log.error("no new generation within %.0fs of a failed collective: giving up "

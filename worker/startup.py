@@ -7,16 +7,20 @@ the script's own start-up (imports, data, model), and never as a silent wait.
 Where a node's start-up goes (`StartupClock`, logged by the agent as one
 ``start-up:`` line): the agent's interpreter and imports, the job check, the
 ranks' set-up (their interpreter, torch and the script up to ``Session()``),
-the rendezvous store, the join. torch's import is the largest single part and
-the agent needs torch only for its rendezvous store (a TCPStore server), so
-`RendezvousStore` imports it in a background thread while the ranks start:
-the agent no longer imports torch before it starts them.
+the rendezvous store, the join. torch's import is the largest single part.
+In library mode the agent does not import torch at all: it holds a listening
+socket for the node's store (`StoreSocket`) and the process of local rank 0,
+which has torch loaded anyway, serves the TCPStore on it
+(`rendezvous.host_node_store`). In restart mode the agent itself uses its
+store between generations, so `RendezvousStore` creates a TCPStore server in a
+background thread while the ranks start.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -102,8 +106,9 @@ def check_nnodes(job: pb.Job, nnodes: tuple[int, int] | None) -> None:
 
 
 class RendezvousStore:
-    """The node's rendezvous store, a TCPStore server on port 0 (all
-    interfaces), created in a background thread from construction on.
+    """Restart mode: the node's rendezvous store, a TCPStore server on port 0
+    (all interfaces) in the agent, created in a background thread from
+    construction on.
     `get` blocks until it exists; raises RuntimeError (with the cause) when it
     could not be created. `close` drops it (its server stops with it)."""
 
@@ -131,6 +136,29 @@ class RendezvousStore:
 
     def close(self) -> None:
         self._store = None
+
+
+class StoreSocket:
+    """The node's rendezvous address in library mode: a listening TCP socket
+    on port 0 (all interfaces; dual-stack where the host has IPv6), held for
+    the agent's life and inherited by every rank process (`fd`, as
+    ``SPRINGBACK_STORE_FD``). The process of local rank 0 serves the TCPStore
+    on it. Connections made while no process serves (the first rank still
+    starting, or local rank 0 just crashed and its replacement not yet
+    activated) wait in the socket's backlog instead of being refused, and are
+    served once the next process of local rank 0 takes over. No torch here."""
+
+    def __init__(self) -> None:
+        if socket.has_dualstack_ipv6():
+            self._socket = socket.create_server(("", 0), family=socket.AF_INET6,
+                                                dualstack_ipv6=True, backlog=socket.SOMAXCONN)
+        else:
+            self._socket = socket.create_server(("0.0.0.0", 0), backlog=socket.SOMAXCONN)
+        self.port: int = self._socket.getsockname()[1]
+        self.fd: int = self._socket.fileno()
+
+    def close(self) -> None:
+        self._socket.close()
 
 
 def process_age_s() -> float:

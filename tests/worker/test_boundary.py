@@ -11,6 +11,7 @@ import pytest
 import torch.distributed as dist
 
 PEER = str(Path(__file__).with_name("boundary_peer.py"))
+BROKEN_VOTE_PEER = str(Path(__file__).with_name("broken_vote_peer.py"))
 
 
 @pytest.mark.timeout(90)
@@ -32,3 +33,19 @@ def test_ranks_agree_on_the_newest_generation_without_waiting_for_the_vote():
     # the step loop does not wait for the all-reduce: the prompt ranks' vote of
     # step 1 returned while the last rank was still 1.5 s away from its own
     assert results[0]["vote_s"] < 0.75 and results[1]["vote_s"] < 0.75, results
+
+
+@pytest.mark.timeout(90)
+def test_a_rank_whose_vote_failed_leaves_the_group_without_waiting_for_gloo_to_let_go():
+    # The failed vote's traceback holds the vote's tensors; left there, the
+    # wait for gloo to release them ran to its timeout on every such failure
+    # (5 s by default: a kill of the goodput bench now and then cost 5 s).
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    procs = [subprocess.Popen([sys.executable, BROKEN_VOTE_PEER, str(r), str(store.port)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(2)]
+    outs = [p.communicate(timeout=80)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    result = json.loads(outs[0].strip().splitlines()[-1])
+    assert result["failed"], "rank 0's vote did not fail"
+    assert not [w for w in result["warnings"] if "gloo still holds" in w], result

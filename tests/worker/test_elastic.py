@@ -233,14 +233,23 @@ class TestRankCrash:
     def test_a_crashed_local_rank_is_reported_restarted_and_gets_state_from_peers(
             self, cluster, tmp_path, where):
         # "backward": the peers are inside DDP's all-reduce when the rank dies;
-        # the gradients of that broken step must not be applied with the re-run
+        # the gradients of that broken step must not be applied with the re-run.
+        # The rank is global rank 0: the process serving the rendezvous store
+        # that the plans name (node a's), whose replacement serves it again at
+        # the same address, or the next generation could not meet.
         env = {"TINY_CRASH_AT_STEP": "20", "TINY_CRASH_MARKER": str(tmp_path / "crashed"),
-               "TINY_CRASH_IN": where}
+               "TINY_CRASH_IN": where, "TINY_CRASH_RANK": "0", "TINY_LOG": "info"}
         agents = [cluster.start(n, env=env) for n in ("a", "b", "c")]
+        cluster.wait_world(3, 1)
+        # the agents load no torch: each node's store is served by its local rank 0
+        assert not any("libtorch" in Path(f"/proc/{a.pid}/maps").read_text() for a in agents)
         job = cluster.wait_succeeded()
         assert job.status.step == MAX_STEPS
         assert (tmp_path / "crashed").exists()
         assert sum("reporting failure" in a.log() for a in agents) == 1
+        served = sorted((re.findall(r"serving the node's rendezvous store on port (\d+)",
+                                    a.log()) for a in agents), key=len)
+        assert [len(s) for s in served] == [1, 1, 2] and served[2][0] == served[2][1], served
         report = cluster.audit()
         assert report.ok, report
         assert assert_replicas_identical(str(cluster.root / "audit")) >= 2

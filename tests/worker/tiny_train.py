@@ -12,7 +12,7 @@ the model's own state that every sample was applied exactly once
 (tests/worker/applied.py), not only that the sampler handed it out.
 
 Environment knobs (test-only): TINY_STEP_SLEEP_S slows each step so faults land
-mid-run; TINY_CRASH_AT_STEP=N makes global rank 1 exit(3) at step N, once
+mid-run; TINY_CRASH_AT_STEP=N makes global rank 1 (TINY_CRASH_RANK) exit(3) at step N, once
 per marker file TINY_CRASH_MARKER: before the step, or with
 TINY_CRASH_IN=backward in the middle of its backward pass (its peers are then
 inside DDP's gradient all-reduce), or with TINY_CRASH_IN=hang it does not exit
@@ -70,11 +70,12 @@ class Crash:
         self.where = os.environ.get("TINY_CRASH_IN", "before")
         self.every_rank = os.environ.get("TINY_CRASH_RANKS", "") == "all"
         self.times = int(os.environ.get("TINY_CRASH_TIMES", "1"))
+        self.rank = int(os.environ.get("TINY_CRASH_RANK", "1"))
 
     def due(self, step: int, rank: int) -> bool:
         if not (self.at and step == self.at and self.marker):
             return False
-        if not (self.every_rank or rank == 1):
+        if not (self.every_rank or rank == self.rank):
             return False
         return any(not os.path.exists(self._marker(k, rank)) for k in range(self.times))
 
