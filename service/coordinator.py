@@ -46,6 +46,9 @@ SETTLE_S = 0.3
 """Membership unchanged this long: the reconcile loop replans (see `Coordinator._settled`)."""
 MAX_SETTLE_S = 2.0
 """Longest a membership change waits for the burst around it to end."""
+MEMBER_CHECK_S = 1.0
+"""A step reporter's registration is read from etcd at most this often (a
+report every step would otherwise be an etcd read every step)."""
 
 
 class _Unsettled(NamedTuple):
@@ -94,6 +97,7 @@ class Coordinator:
         self._plans: dict[str, _PlanView] = {}  # job id -> what matters of its current plan
         self._max_steps: dict[str, int] = {}  # job id -> spec.max_steps (fixed at submission)
         self._lease_of: dict[str, int] = {}  # member id -> lease id
+        self._member_checked: dict[str, float] = {}  # member id -> when found registered
         # job id -> members' (count, newest revision) when last found in line with the plan
         self._fingerprints: dict[str, tuple[int, int]] = {}
         self._stop = threading.Event()
@@ -123,6 +127,7 @@ class Coordinator:
             self._plans.clear()
             self._max_steps.clear()
             self._lease_of.clear()
+            self._member_checked.clear()
             self._fingerprints.clear()
             self._unsettled.clear()
             self.history.forget()
@@ -324,15 +329,22 @@ class Coordinator:
                         progress: planner.Progress) -> int:
         """Accepts a step report from a member of the current generation.
 
-        In memory only (one etcd read: a member whose lease expired is NOT_FOUND
-        at once, before the leader's next reconcile pass replans without it);
-        the job succeeds (one read, one write) when max_steps is reached. The
-        job's max_steps is read once per leadership: no request changes it.
+        In memory only. The member's registration is read from etcd at most
+        every `MEMBER_CHECK_S`: a member whose lease expired is NOT_FOUND
+        within that long, and until the leader replans without it its reports
+        still come from the current generation's training, so counting them
+        is right. The job succeeds (one read, one write) when max_steps is
+        reached. The job's max_steps is read once per leadership: no request
+        changes it.
         """
         self.require_leader()
-        if self.store.get(keys.member(job_id, member_id)) is None:
-            raise NotFound(f"member {member_id!r} of job {job_id!r} is not registered "
-                           "(expired or left): its reports no longer count")
+        now = time.monotonic()
+        if now - self._member_checked.get(member_id, -MEMBER_CHECK_S) >= MEMBER_CHECK_S:
+            if self.store.get(keys.member(job_id, member_id)) is None:
+                self._member_checked.pop(member_id, None)
+                raise NotFound(f"member {member_id!r} of job {job_id!r} is not registered "
+                               "(expired or left): its reports no longer count")
+            self._member_checked[member_id] = now
         with self._changed:
             self.check_generation(job_id, generation)
             if member_id not in self._plans[job_id].members:
@@ -518,6 +530,7 @@ class Coordinator:
 
     def forget_member(self, member_id: str) -> None:
         self._lease_of.pop(member_id, None)
+        self._member_checked.pop(member_id, None)
 
     def lease_of(self, job_id: str, member_id: str, store: Store | None = None) -> int:
         """The member's lease id (cached), read with `store` (default: ours) on a miss."""

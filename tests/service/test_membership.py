@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import grpc
 import pytest
 
 from sbtest import wait_for
 from springback.client.api import Client
+from springback.service import keys
+from springback.service.coordinator import MEMBER_CHECK_S
 from springback.v1 import types_pb2 as pb
 from springback.v1 import worker_service_pb2 as ws
 from springback.v1 import worker_service_pb2_grpc as ws_grpc
@@ -165,6 +168,45 @@ class TestFencing:
         status = client.get_job(job.id).status
         assert status.step == 3 and not status.last_checkpoint.step
         assert status.generation == old + 1
+
+    def test_step_reports_read_the_member_from_etcd_once_a_second_and_an_expired_one_is_refused(
+            self, coordinator, client, workers, make_spec):
+        job = client.create_job(make_spec(min_workers=1, max_workers=1))
+        a = join(workers, job.id, 9050)
+        started(workers, coordinator, job.id, a)
+        generation = plan_of(coordinator, job.id).generation
+        store = coordinator.coordinator.store
+        etcd_get, reads = store.get, []
+
+        def get(key, *args, **kwargs):  # counts the coordinator's etcd reads of the member
+            reads.append(key)
+            return etcd_get(key, *args, **kwargs)
+
+        def report(step: int) -> None:
+            workers.ReportStep(ws.ReportStepRequest(job_id=job.id, member_id=a,
+                                                    generation=generation, step=step), timeout=5)
+
+        store.get = get
+        try:
+            t0 = time.monotonic()
+            for step in range(1, 31):
+                report(step)
+            elapsed = time.monotonic() - t0
+        finally:
+            store.get = etcd_get
+        member_reads = reads.count(keys.member(job.id, a))
+        assert 1 <= member_reads <= 1 + int(elapsed / MEMBER_CHECK_S), (member_reads, elapsed)
+        assert client.get_job(job.id).status.step == 30
+        store.delete(keys.member(job.id, a))  # its lease expired
+
+        def refused() -> bool:
+            try:
+                report(31)
+            except grpc.RpcError as e:
+                return e.code() == grpc.StatusCode.NOT_FOUND
+            return False
+
+        wait_for(refused, 5 * MEMBER_CHECK_S, "the expired member's report to be refused")
 
     def test_a_rank_failure_makes_a_new_generation_at_once(self, coordinator, client, workers, make_spec):
         job = client.create_job(make_spec(max_workers=2))
