@@ -9,7 +9,6 @@ import logging
 import os
 import sys
 
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 import _goodput_common as C
 from springback.worker import Session
@@ -24,7 +23,7 @@ def main() -> int:
                       global_batch_size=C.GLOBAL_BATCH, seed=C.SEED, max_steps=C.MAX_STEPS)
     for gen in session.generations():
         with gen:
-            ddp = DDP(model, process_group=gen.group)
+            ddp = gen.ddp(model)
             for batch in gen.batches():
                 gen.report(loss=C.train_step(ddp, opt, batch.indices, batch.loss_scale))
     return 0

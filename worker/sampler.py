@@ -109,6 +109,11 @@ class SampleStream:
             raise ValueError(f"steps are 1-based, got {step}")
         lo, hi = self.shard_bounds(world_size, rank)
         first = (step - 1) * self.global_batch_size
+        epoch, offset = divmod(first + lo, self.num_samples)
+        if offset + (hi - lo) <= self.num_samples:  # within one epoch: one slice (most steps)
+            return Batch(step=step, indices=self.permutation(epoch)[offset:offset + hi - lo].copy(),
+                         epochs=np.full(hi - lo, epoch, dtype=np.int64),
+                         global_batch_size=self.global_batch_size, world_size=world_size)
         positions = np.arange(first + lo, first + hi, dtype=np.int64)
         epochs = positions // self.num_samples
         offsets = positions % self.num_samples

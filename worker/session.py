@@ -69,7 +69,7 @@ import torch.distributed as dist
 from springback.v1 import types_pb2 as pb
 from springback.worker import eventlog, rngstate
 from springback.worker.audit import AuditLog, state_digest
-from springback.worker.boundary import Agreed, StepBoundary, Vote
+from springback.worker.boundary import Agreed, StepBoundary, Vote, carry_votes_hook
 from springback.worker.control import PlanChannel, await_activation
 from springback.client.env import LOCAL_RANK, STANDBY_FILE, RankEnv
 from springback.worker.peerloss import lost_peer
@@ -452,6 +452,29 @@ class Generation:
     def optimizer(self) -> torch.optim.Optimizer:
         """The registered optimizer (the sharded form: built with the model)."""
         return self.ctx.state["optimizer"]
+
+    def ddp(self, module: torch.nn.Module, **kwargs: Any
+            ) -> torch.nn.parallel.DistributedDataParallel:
+        """`module` in DistributedDataParallel over this generation's group
+        (``DDP(module, process_group=gen.group, **kwargs)``), with the step
+        boundary's vote carried in its gradient all-reduce: the agreement then
+        costs no collective of its own (`worker/boundary.py`). Build it once
+        per generation, as ``DDP(...)``; a DDP built by the script itself
+        works too, with the vote in a small all-reduce of its own. The comm
+        hook is the library's, so ``register_comm_hook`` is not available on
+        the result. On CUDA (NCCL) the vote keeps its own all-reduce on the
+        group's gloo side and only the plain wrapper is returned."""
+        if "process_group" in kwargs:
+            raise ValueError("Generation.ddp: process_group is the generation's group")
+        from torch.nn.parallel import DistributedDataParallel
+
+        if self.ctx.device.type == "cuda":
+            kwargs.setdefault("device_ids", [self.ctx.device.index])
+        wrapped = DistributedDataParallel(module, process_group=self.group, **kwargs)
+        if self.ctx.device.type == "cpu":
+            wrapped.register_comm_hook(self._boundary, carry_votes_hook)
+            self._boundary.ddp_group = self.group
+        return wrapped
 
     @property
     def mesh(self) -> DeviceMesh:

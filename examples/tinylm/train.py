@@ -24,7 +24,6 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from springback.worker import Session
 
@@ -73,7 +72,7 @@ def main() -> int:
             if gen.stream.num_samples > len(windows):
                 raise ValueError(f"data.num_samples={gen.stream.num_samples} but corpus.txt "
                                  f"has only {len(windows)} windows of {SEQ_LEN + 1} chars")
-            ddp = DDP(model, process_group=gen.group)
+            ddp = gen.ddp(model)
             for batch in gen.batches():
                 seqs = windows[torch.as_tensor(batch.indices)]
                 logits = ddp(seqs[:, :-1])

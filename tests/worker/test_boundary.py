@@ -12,6 +12,17 @@ import torch.distributed as dist
 
 PEER = str(Path(__file__).with_name("boundary_peer.py"))
 BROKEN_VOTE_PEER = str(Path(__file__).with_name("broken_vote_peer.py"))
+DDP_VOTE_PEER = str(Path(__file__).with_name("ddp_vote_peer.py"))
+
+
+def run_peers(script: str, world: int) -> list[str]:
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    procs = [subprocess.Popen([sys.executable, script, str(r), str(store.port)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(world)]
+    outs = [p.communicate(timeout=80)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    return outs
 
 
 @pytest.mark.timeout(90)
@@ -49,3 +60,21 @@ def test_a_rank_whose_vote_failed_leaves_the_group_without_waiting_for_gloo_to_l
     result = json.loads(outs[0].strip().splitlines()[-1])
     assert result["failed"], "rank 0's vote did not fail"
     assert not [w for w in result["warnings"] if "gloo still holds" in w], result
+
+
+@pytest.mark.timeout(90)
+def test_votes_carried_in_ddp_s_all_reduce_agree_alike_and_train_the_same_model():
+    results = [json.loads(out.strip().splitlines()[-1]) for out in run_peers(DDP_VOTE_PEER, 3)]
+    for r in results:
+        assert r["same"], "the carrying DDP trained a different model"
+        # the vote of step k is read at the end of step k + 1 (the last at settle)
+        agreed = [a and (a["step"], a["newest_generation"], a["loss"], a["draining"])
+                  for a in r["agreed"]]
+        assert agreed == [None, (1, 5, 6.0, False), (2, 6, 9.0, False), (3, 5, 12.0, False),
+                          (4, 5, 15.0, True), (5, 5, 18.0, False)]
+        # step 3 ran no backward: step 2's vote, which step 3's all-reduce would
+        # have carried, was all-reduced by itself at step 3's boundary, and the
+        # last one at settle; every other vote rode DDP's all-reduce
+        assert r["own_all_reduces"] == [2, 5]
+        # leaving while the wrapper lives: gloo let go of every carried tensor
+        assert not [w for w in r["warnings"] if "gloo still holds" in w], r["warnings"]

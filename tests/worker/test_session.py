@@ -17,10 +17,13 @@ from springback.worker.audit import check_exactly_once
 
 @pytest.mark.timeout(120)
 class TestGenerationSwitch:
+    @pytest.mark.parametrize("ddp", ["library", "script"])
     def test_survivors_of_a_killed_peer_finish_with_identical_state_and_exact_samples(
-            self, fake_job):
+            self, fake_job, ddp):
+        # library: gen.ddp(model), the votes in DDP's all-reduce; script: the
+        # script's own DDP(model, process_group=gen.group), the votes apart
         for m in ("a", "b", "c"):
-            fake_job.spawn(m)
+            fake_job.spawn(m, {"TINY_DDP": ddp})
         fake_job.publish(["a", "b", "c"], "start")
         fake_job.wait_step(8)
         fake_job.procs["b"].send_signal(signal.SIGKILL)

@@ -21,7 +21,8 @@ that way (a bad batch), TINY_CRASH_TIMES=K lets the crash repeat K times
 (one marker file per time). TINY_RAISE_AT_STEP=N raises the script's own
 RuntimeError at step N on every rank (a bug in the user's code, not a
 membership change). TINY_PRINT_STEPS=1 prints a line per step (for the
-rank-log tests). TINY_LOG=info logs the library's info lines with timestamps
+rank-log tests). TINY_DDP=script wraps the model in the script's own DDP
+instead of `gen.ddp`. TINY_LOG=info logs the library's info lines with timestamps
 (the hand-written-plan tests: a failure shows each rank's generations).
 """
 
@@ -112,7 +113,10 @@ def main() -> int:
         with gen:
             assert gen.stream.num_samples <= MAX_COUNTED
             counter_opt.param_groups[0]["lr"] = gen.stream.global_batch_size  # +1 per sample
-            ddp = DDP(model, process_group=gen.group)
+            # TINY_DDP=script: the script's own wrapper (the vote then has an
+            # all-reduce of its own); else the library's, which carries it
+            ddp = (DDP(model, process_group=gen.group) if os.environ.get("TINY_DDP") == "script"
+                   else gen.ddp(model))
             for batch in gen.batches():
                 record_draw(batch.step, gen.generation, gen.rank)
                 if batch.step == raise_at:
