@@ -129,13 +129,19 @@ class StateAgreement:
         handed_to_gloo(mine, *gathered)
         return [int(t[0]) for t in gathered], all(int(t[1]) for t in gathered)
 
+    @staticmethod
+    def _will_restore(plan: pb.Plan, best: int) -> bool:
+        """Whether `restore_if_newer` restores the plan's checkpoint."""
+        ref = plan.restore.checkpoint if plan.restore.checkpoint.uri else None
+        return ref is not None and best < int(ref.step) and plan.restore.kind in (
+            pb.RESTORE_KIND_CHECKPOINT, pb.RESTORE_KIND_PEERS)
+
     def restore_if_newer(self, plan: pb.Plan, best: int) -> bool:
         """Restores the plan's checkpoint when it is newer than every rank's
         state (see `agree`); False when it is not."""
-        ref = plan.restore.checkpoint if plan.restore.checkpoint.uri else None
-        if ref is None or best >= int(ref.step) or plan.restore.kind not in (
-                pb.RESTORE_KIND_CHECKPOINT, pb.RESTORE_KIND_PEERS):
+        if not self._will_restore(plan, best):
             return False
+        ref = plan.restore.checkpoint
         self.restore(ref, f"no rank holds the state the plan expected (best step {best})"
                       if plan.restore.kind == pb.RESTORE_KIND_PEERS else "")
         return True
@@ -161,7 +167,11 @@ class StateAgreement:
         best = max(steps)
         t0 = time.monotonic()
         mesh = build_mesh(MeshLayout.from_plan(plan), self.ctx.device.type)
-        sm.rebuild(mesh)
+        restores = self._will_restore(plan, best)
+        # every value is overwritten when some rank holds state or a checkpoint
+        # is restored: no initialisation (`sharded.py`), unless nothing fills it
+        sm.rebuild(mesh, self.ctx.device, filled=best >= 0 or restores,
+                   from_checkpoint=restores)
         # the build takes the script's time, not a collective's: wait for the
         # slowest rank's build under the rendezvous deadline (a store wait)
         store.set(f"built/{rank}", "1")
@@ -173,15 +183,26 @@ class StateAgreement:
             self.copies.clear()  # of another timeline now
             return None, pb.RESTORE_KIND_CHECKPOINT, mesh
         if best < 0:
+            self._built_for_real(mesh)
             self.ctx.state_step = 0
             self.copies.clear()
             return 0, pb.RESTORE_KIND_NONE, mesh
-        source, kind = self._fill(plan, rank, steps, held)
+        source, kind = self._fill(plan, rank, steps, held, mesh)
         log.info("generation %d state agreed on rank %d (built in %.2fs, filled in %.2fs)",
                  plan.generation, rank, built_s, time.monotonic() - t0)
         return source, kind, mesh
 
-    def _fill(self, plan: pb.Plan, rank: int, steps: list[int], held: Held
+    def _built_for_real(self, mesh: DeviceMesh) -> None:
+        """The model as the build function initialises it, where it was built
+        on the meta device for a fill that is not coming (nothing holds the
+        state)."""
+        sm = self.sharded
+        assert sm is not None
+        if sm.uninitialised:
+            sm.rebuild(mesh, self.ctx.device)
+            self.ctx.state["model"], self.ctx.state["optimizer"] = sm.model, sm.optimizer
+
+    def _fill(self, plan: pb.Plan, rank: int, steps: list[int], held: Held, mesh: DeviceMesh
               ) -> tuple[int | None, int]:
         """The built model gets the newest shards from their live holders
         (in memory), else the plan's checkpoint, else stays as built."""
@@ -205,8 +226,12 @@ class StateAgreement:
             if ref is None:
                 log.error("shards of step %d have no live holder and nothing was committed: "
                           "starting from the built model", best)
+                self._built_for_real(mesh)
                 self.ctx.state_step = 0
                 return 0, pb.RESTORE_KIND_NONE
+            if sm.uninitialised and sm.model is not None and any(
+                    m._non_persistent_buffers_set for m in sm.model.modules()):
+                self._built_for_real(mesh)  # the checkpoint holds no non-persistent buffers
             self.restore(ref, f"shards of step {best} have no live holder")
             return None, pb.RESTORE_KIND_CHECKPOINT
         received = exchange(transfers, rank, held, targets)

@@ -109,12 +109,15 @@ class Session:
                  seed: int | None = None, max_steps: int | None = None,
                  backend: str = "gloo", restore_checkpoint: RestoreHook | None = None,
                  plan_wait_s: float | None = None, env: RankEnv | None = None,
-                 build: BuildFn | None = None) -> None:
+                 build: BuildFn | None = None, build_on_meta: bool = True) -> None:
         """`model`/`optimizer`/`state` (objects with state_dict/load_state_dict)
         are what survivors hand to joiners. With `build` (the sharded-model
         form, see `worker/sharded.py`) instead of model and optimizer, the
         library builds them on every generation's mesh and reshards their
-        state in memory; `state=` entries are handed over whole. Data and max_steps come from the job
+        state in memory; `state=` entries are handed over whole; with
+        `build_on_meta` (the default) a build whose values will all be
+        overwritten runs on the meta device first (`worker/sharded.py`).
+        Data and max_steps come from the job
         spec in the plan; the keyword arguments are fallbacks for standalone runs
         (``python train.py`` without an agent: one rank, world size 1).
         ``backend="nccl"`` makes ``cuda:<local rank>`` current (`self.device`)
@@ -154,7 +157,8 @@ class Session:
             self.ctx.reporter = StepReporter(self.env.coordinator, self.env.token,
                                              self.env.job_id, self.env.member_id)
         self._agreement = StateAgreement(self.ctx, restore_checkpoint,
-                                         ShardedModel(build) if build is not None else None)
+                                         ShardedModel(build, on_meta=build_on_meta)
+                                         if build is not None else None)
 
     @property
     def finished(self) -> bool:

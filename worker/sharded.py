@@ -22,6 +22,19 @@ shards in memory (`worker/reshard.py`), or restored from a checkpoint, or,
 on a fresh start, kept as `build` made it (seed the model's initialisation
 identically on every rank, as with plain FSDP2).
 
+When every value of the new model will be overwritten (from the survivors'
+shards, peer copies or a checkpoint), `build` runs under the meta device and
+the result is given uninitialised memory (``to_empty``): the random
+initialisation that the fill would overwrite is skipped, which was most of a
+recovery's time (5 x Linear(2048) with AdamW, FSDP2 on 2 ranks: build 0.19 s
+of 0.27 s). FSDP2 keeps its parameter objects through ``to_empty``, so the
+optimizer `build` made stays bound to them. A build that does not work on the
+meta device (it raises there, moves tensors off it, or leaves tensors outside
+the parameters and buffers on it), and a model with non-persistent buffers
+when the state comes from a checkpoint (which does not hold them), is built
+again for real: `build` may run twice in a generation.
+``Session(build_on_meta=False)`` always builds for real.
+
 Failure semantics: an exception raised by `build` ends the rank with
 `BuildFailed` naming it (not a RuntimeError, so it is never taken for a
 membership change); the agent reports the rank's failure. The previous
@@ -32,6 +45,7 @@ plus the held shards.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -41,6 +55,8 @@ from springback.worker.reshard import Rows, rows_of
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
+
+log = logging.getLogger(__name__)
 
 BuildFn = Callable[["DeviceMesh"], tuple[torch.nn.Module, torch.optim.Optimizer]]
 """The script's build function: ``(mesh) -> (model, optimizer)``."""
@@ -56,7 +72,7 @@ class BuildFailed(Exception):
 class ShardedModel:
     """The model and optimizer of the generation, rebuilt on every mesh."""
 
-    def __init__(self, build: BuildFn) -> None:
+    def __init__(self, build: BuildFn, *, on_meta: bool = True) -> None:
         # imported now, not inside the first generation's collectives (seconds
         # on a loaded machine, longer than a short collective timeout)
         import torch.distributed.device_mesh  # noqa: F401
@@ -64,6 +80,10 @@ class ShardedModel:
         import torch.distributed.tensor  # noqa: F401
 
         self.build = build
+        self.on_meta = on_meta
+        """Build on the meta device when the state is filled from elsewhere."""
+        self.uninitialised = False
+        """The model holds uninitialised memory: every value must be filled."""
         self.model: torch.nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self._params: dict[str, torch.Tensor] = {}
@@ -106,8 +126,26 @@ class ShardedModel:
         for mine, theirs in zip(self.optimizer.param_groups, groups):
             mine.update(theirs)
 
-    def rebuild(self, mesh: DeviceMesh) -> None:
-        """Calls the script's build function on `mesh` (raises BuildFailed)."""
+    def rebuild(self, mesh: DeviceMesh, device: torch.device, *, filled: bool = False,
+                from_checkpoint: bool = False) -> None:
+        """Calls the script's build function on `mesh` (raises BuildFailed).
+        With `filled` (every value will be overwritten; `from_checkpoint`:
+        by a checkpoint, which holds no non-persistent buffers) it runs on the
+        meta device where it can and the model gets uninitialised memory on
+        `device` (`uninitialised`; module docstring)."""
+        if filled and self.on_meta:
+            try:
+                with torch.device("meta"):
+                    self._adopt(*self._call(mesh))
+                if self._materialise(device, from_checkpoint):
+                    return
+            except Exception as e:  # noqa: BLE001 - any failure here: build for real
+                log.info("building on the meta device failed (%s: %s): building for real",
+                         type(e).__name__, e)
+        self.uninitialised = False
+        self._adopt(*self._call(mesh))
+
+    def _call(self, mesh: DeviceMesh) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         try:
             built = self.build(mesh)
             model, optimizer = built
@@ -118,8 +156,33 @@ class ShardedModel:
                                                                     torch.optim.Optimizer):
             raise BuildFailed("the build function must return (torch.nn.Module, "
                               f"torch.optim.Optimizer), got {type(built).__name__}")
+        return model, optimizer
+
+    def _adopt(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         self.model, self.optimizer = model, optimizer
         self._params = dict(model.named_parameters())
+
+    def _materialise(self, device: torch.device, from_checkpoint: bool) -> bool:
+        """Gives the meta-built model uninitialised memory on `device`; False
+        (build for real) where the fill could leave a value unset."""
+        model, optimizer = self.model, self.optimizer
+        assert model is not None and optimizer is not None
+        if from_checkpoint and any(m._non_persistent_buffers_set for m in model.modules()):
+            return False
+        loose = [f"{name}.{attr}" for name, m in model.named_modules()
+                 for attr, v in vars(m).items() if isinstance(v, torch.Tensor) and v.is_meta]
+        if loose:
+            log.info("tensors outside the parameters and buffers (%s) on the meta device: "
+                     "building for real", ", ".join(loose[:3]))
+            return False
+        model.to_empty(device=device)
+        params = {id(p) for p in model.parameters()}
+        if any(id(p) not in params for g in optimizer.param_groups for p in g["params"]) or any(
+                t.is_meta for t in (*model.parameters(), *model.buffers())):
+            return False
+        self._params = dict(model.named_parameters())
+        self.uninitialised = True
+        return True
 
     def targets(self, keys: dict[str, Rows]) -> Held:
         """The views of the new model and optimizer that the held `keys` (of

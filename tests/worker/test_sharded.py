@@ -121,3 +121,37 @@ def test_fsdp_across_nodes_losing_a_shard_and_its_copy_restores_the_newest_commi
     restarts = [r for r in digests(cluster.root) if r["when"] == "start" and r["step"] > 0]
     assert restarts and all(r["step"] >= committed for r in restarts), (committed, restarts)
     cluster.audit()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("case,builds", [
+    ("plain", ["real", "meta", "meta"]),            # filled from memory, then a checkpoint
+    ("nonpersistent", ["real", "meta", "real"]),    # no checkpoint holds such a buffer
+    ("item", ["real", "real", "real"]),             # the build reads a value: never on meta
+    ("loose", ["real", "real", "real"]),            # a tensor outside params and buffers
+])
+def test_a_model_whose_state_is_filled_is_built_on_the_meta_device_where_nothing_is_left_unset(
+        tmp_path, case, builds):
+    """meta_build_peer.py: generation 1 fresh, 2 filled from the ranks' own
+    shards, 3 restored from a checkpoint by ranks that hold nothing. Every
+    generation holds the same state and computes the same output as the one
+    built and trained for real."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).with_name("meta_build_peer.py")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, str(script), str(r), str(tmp_path), case], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(2)]
+    outs = [p.communicate(timeout=100)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    result = json.loads((tmp_path / f"result-{case}.json").read_text())
+    generations = result["generations"]
+    assert [how for how, _, _ in generations] == builds, outs[0][-3000:]
+    assert len({d for _, d, _ in generations}) == 1, "the state changed across generations"
+    first_output = generations[0][2]
+    assert all(out == first_output for _, _, out in generations), generations
