@@ -53,6 +53,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 
@@ -248,6 +249,13 @@ class Agent:
                          name="heartbeat").start()
         threading.Thread(target=self._watch_loop, args=(member_id,), daemon=True,
                          name="watch-plans").start()
+
+    def agent_store(self) -> Any:
+        """Restart mode: the agent's own TCPStore server (blocks until it is
+        created; RuntimeError when it could not be)."""
+        if not isinstance(self._rendezvous, RendezvousStore):
+            raise RuntimeError("only a restart-mode agent hosts a store itself")
+        return self._rendezvous.get()
 
     def _rendezvous_port(self) -> int:
         if isinstance(self._rendezvous, StoreSocket):

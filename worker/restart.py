@@ -161,7 +161,7 @@ class RestartRanks:
         self._failure_reported = False
         self._finished = False     # every rank of this generation exited 0
         self._finish_deadline: float | None = None
-        self._stores = GenerationStores(agent._rendezvous.get(), agent.config.job_id)
+        self._stores = GenerationStores(agent.agent_store(), agent.config.job_id)
         self._relayed_step = 0
         self._start_sent = False
         self._relayed_checkpoint = 0
