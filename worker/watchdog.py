@@ -53,6 +53,9 @@ class RankWatchdog:
         self.control_dir = control_dir
         self.collective_timeout_s = collective_timeout_s
         self._latest = (0, 0.0)  # (generation, when published): one object, read once
+        self._answered: tuple[int, set[tuple[int, int]]] = (0, set())
+        """(generation, the (local rank, pid) that have read its plan): those
+        need no look at their statistics until a newer plan is published."""
 
     def published(self, generation: int) -> None:
         """The agent published the plan of `generation` to its ranks (called on
@@ -62,13 +65,22 @@ class RankWatchdog:
 
     def hung(self, ranks: Iterable[tuple[int, int]]) -> list[tuple[int, str]]:
         """Of the running ranks given as (local rank, pid), those that are hung
-        (see the module docstring), each with the reason to report."""
+        (see the module docstring), each with the reason to report.
+
+        Reads the ranks' statistics files only while some rank has not been
+        seen to read the newest plan (the agent asks every 50 ms)."""
         generation, published_at = self._latest  # a plan published meanwhile waits its turn
         if not generation:
             return []
         waited = time.monotonic() - published_at
         if waited <= 2 * self.collective_timeout_s + GRACE_S:
             return []  # nobody can be late yet: skip reading the files
+        if self._answered[0] != generation:
+            self._answered = (generation, set())
+        answered = self._answered[1]
+        ranks = [r for r in ranks if r not in answered]
+        if not ranks:
+            return []  # every rank has read the newest plan: nothing to read
         stats = rankstats.read_all(self.control_dir)
         out = []
         for local_rank, pid in ranks:
@@ -76,9 +88,12 @@ class RankWatchdog:
             if s is None or s.get("pid") != pid or s.get("busy"):
                 continue
             seen = int(s.get("seen_generation", 0))
+            if seen >= generation:
+                answered.add((local_rank, pid))
+                continue
             deadline = (2 * self.collective_timeout_s + 2 * float(s.get("last_step_seconds", 0))
                         + GRACE_S)
-            if seen < generation and waited > deadline:
+            if waited > deadline:
                 out.append((local_rank, (
                     f"local rank {local_rank} (pid {pid}) is hung: it has not read the plan of "
                     f"generation {generation} within {waited:.1f}s of its publication "

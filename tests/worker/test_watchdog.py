@@ -60,3 +60,26 @@ def test_a_rank_in_a_bounded_operation_a_long_step_or_an_old_process_is_not_hung
     assert [lr for lr, _ in dog.hung(ranks)] == [0]
     fresh.plan_seen(4)
     assert dog.hung([(3, os.getpid())]) == []
+
+
+def test_ranks_that_read_the_newest_plan_are_not_read_again_until_a_newer_one(
+        tmp_path, dog, monkeypatch):
+    reads = []
+    read_all = watchdog.rankstats.read_all
+    monkeypatch.setattr(watchdog.rankstats, "read_all",
+                        lambda d: reads.append(d) or read_all(d))
+    _rank(tmp_path, 0, seen=4)
+    second = _rank(tmp_path, 1, seen=3)
+    dog.published(4)
+    ranks = [(0, os.getpid()), (1, os.getpid())]
+    found = wait_for(lambda: dog.hung(ranks), 10, "the answer deadline to pass")
+    assert [lr for lr, _ in found] == [1]
+    second.plan_seen(4)
+    assert dog.hung(ranks) == []
+    n = len(reads)
+    assert dog.hung(ranks) == [] and dog.hung(ranks) == []
+    assert len(reads) == n  # everyone answered generation 4: no file read
+    dog.published(5)  # a newer plan: rank 0 never reads it and is found again
+    second.plan_seen(5)
+    found = wait_for(lambda: dog.hung(ranks), 10, "the new answer deadline to pass")
+    assert [lr for lr, _ in found] == [0] and len(reads) > n
