@@ -58,7 +58,8 @@ class StepReporter:
         self._job_id = job_id
         self._member_id = member_id
         self._cond = threading.Condition()
-        self._pending: wpb.ReportStepRequest | None = None
+        self._pending: tuple[int, int, int, float, int, int] | None = None
+        """The newest step report's fields (`submit`), until the thread sends it."""
         self._pending_start: wpb.ReportStepRequest | None = None
         self._in_flight = False
         self._closed = False
@@ -73,13 +74,15 @@ class StepReporter:
 
     def submit(self, *, generation: int, step: int, samples_consumed: int, loss: float,
                epoch: int, offset: int) -> None:
-        req = wpb.ReportStepRequest(
-            job_id=self._job_id, member_id=self._member_id, generation=generation, step=step,
-            samples_consumed=samples_consumed, loss=loss,
-            cursor=pb.DataCursor(epoch=epoch, offset=offset))
+        """Replaces the pending step report (called at every step by rank 0:
+        the request is built by the sending thread, which is woken only when
+        no report was pending, i.e. at most once per interval)."""
+        report = (generation, step, samples_consumed, loss, epoch, offset)
         with self._cond:
-            self._pending = req
-            self._cond.notify_all()
+            idle = self._pending is None
+            self._pending = report
+            if idle:
+                self._cond.notify_all()
 
     def start(self, *, generation: int, step: int, samples_consumed: int, restored_from: int,
               epoch: int, offset: int) -> None:
@@ -167,10 +170,17 @@ class StepReporter:
                 if self._pending is not None and (wait_s <= 0 or self._flushing):
                     self._in_flight = True
                     self._next_step_at = time.monotonic() + STEP_REPORT_INTERVAL_S
-                    req, self._pending = self._pending, None
-                    return req
+                    report, self._pending = self._pending, None
+                    return self._request(*report)
                 self._cond.wait(wait_s if self._pending is not None else None)
             return None
+
+    def _request(self, generation: int, step: int, samples_consumed: int, loss: float,
+                 epoch: int, offset: int) -> wpb.ReportStepRequest:
+        return wpb.ReportStepRequest(
+            job_id=self._job_id, member_id=self._member_id, generation=generation, step=step,
+            samples_consumed=samples_consumed, loss=loss,
+            cursor=pb.DataCursor(epoch=epoch, offset=offset))
 
     def _loop(self) -> None:
         while (req := self._next()) is not None:

@@ -148,10 +148,13 @@ def exchange(transfers: list[Transfer], rank: int,
         elif t.dst == rank:
             out, orows = target[t.key]
             view = out[t.start - orows.start:t.end - orows.start]
-            buf = (torch.empty(view.shape, dtype=view.dtype) if host
-                   else torch.empty_like(view, memory_format=torch.contiguous_format))
+            if view.is_contiguous() and (not host or view.device.type == "cpu"):
+                buf = view  # received in place (rows of dim 0 of a contiguous tensor)
+            else:
+                buf = (torch.empty(view.shape, dtype=view.dtype) if host
+                       else torch.empty_like(view, memory_format=torch.contiguous_format))
+                landing.append((view, buf))
             ops.append(dist.P2POp(dist.irecv, buf, t.src, tag=tag))
-            landing.append((view, buf))
             received += buf.numel() * buf.element_size()
     if ops:
         for work in dist.batch_isend_irecv(ops):
