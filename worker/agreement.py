@@ -38,7 +38,7 @@ from springback.worker import rngstate
 from springback.worker.context import RankContext
 from springback.worker.mesh import MeshLayout, build_mesh
 from springback.worker.peercopy import GenerationCopies, PeerCopyStore
-from springback.worker.rendezvous import handed_to_gloo
+from springback.worker.rendezvous import handed_to_gloo, note_subgroup_endpoints
 from springback.worker.reshard import (
     Rows,
     all_gather_objects,
@@ -167,6 +167,7 @@ class StateAgreement:
         best = max(steps)
         t0 = time.monotonic()
         mesh = build_mesh(MeshLayout.from_plan(plan), self.ctx.device.type)
+        note_subgroup_endpoints(store, rank, plan.world_size)  # a reset there names its peer
         restores = self._will_restore(plan, best)
         # every value is overwritten when some rank holds state or a checkpoint
         # is restored: no initialisation (`sharded.py`), unless nothing fills it

@@ -313,12 +313,24 @@ def _exchange_endpoints(prefix: dist.Store, rank: int, world_size: int) -> None:
     connected (gloo connects the full mesh in `init_process_group`) and reads
     its peers', so that a later "connection closed by peer [ip]:port" names the
     peer's rank (`lost_peer_rank`). One set and one multi-get on the store."""
-    prefix.set(f"endpoints/{rank}", json.dumps(_own_endpoints()))
-    peers = [r for r in range(world_size) if r != rank]
     _endpoint_ranks.clear()
+    _publish_endpoints(prefix, "endpoints", rank, world_size)
+
+
+def note_subgroup_endpoints(store: dist.Store, rank: int, world_size: int) -> None:
+    """`_exchange_endpoints` again, after the generation's subgroups (a
+    DeviceMesh's dimensions) connected their own sockets: a reset on one of
+    those then names the peer too. Every rank of the generation calls it
+    once, with the generation's store; blocks until all have (store timeout)."""
+    _publish_endpoints(store, "subgroup-endpoints", rank, world_size)
+
+
+def _publish_endpoints(store: dist.Store, key: str, rank: int, world_size: int) -> None:
+    store.set(f"{key}/{rank}", json.dumps(_own_endpoints()))
+    peers = [r for r in range(world_size) if r != rank]
     if not peers:
         return
-    for peer, raw in zip(peers, prefix.multi_get([f"endpoints/{r}" for r in peers]),
+    for peer, raw in zip(peers, store.multi_get([f"{key}/{r}" for r in peers]),
                          strict=True):
         for endpoint in json.loads(bytes(raw).decode()):
             _endpoint_ranks[endpoint] = peer

@@ -66,6 +66,9 @@ def test_hsdp_join_2_to_4_then_node_loss_4_to_2_reshard_in_memory_bit_identical(
     b.signal_node(signal.SIGKILL)  # a whole replica of replicate=2 x shard=2
     cluster.wait_world(2, min_step=max(r["step"] for r in steps(cluster.root)) + 2,
                        timeout_s=90)
+    # the survivors' resets, on the mesh's own groups too, name the lost ranks:
+    # they report them as evidence (service/evidence.py), not left to the liveness timeout
+    assert "reported lost peer rank" in a.log(), a.log()
     job = cluster.wait_succeeded(timeout_s=120)
     assert a.wait(30) == 0, a.log()
     # from memory: no checkpoint read, no step redone (the other replica held every row)
