@@ -98,6 +98,8 @@ class Coordinator:
         self._max_steps: dict[str, int] = {}  # job id -> spec.max_steps (fixed at submission)
         self._lease_of: dict[str, int] = {}  # member id -> lease id
         self._member_checked: dict[str, float] = {}  # member id -> when found registered
+        # (job id, member id) -> why it went, noted before its lease is revoked
+        self._departures: dict[tuple[str, str], str] = {}
         # job id -> members' (count, newest revision) when last found in line with the plan
         self._fingerprints: dict[str, tuple[int, int]] = {}
         self._stop = threading.Event()
@@ -246,6 +248,7 @@ class Coordinator:
             mutate(job)
         progress = self._progress.get(job_id)  # after mutate: a start sets it
         previous = plan_entry.value if plan_entry else None
+        reason = self._naming_departures(job_id, previous, members, reason)
         decision = replan.replan(replan.Inputs(
             job=job, previous=previous,
             previous_signature=self._signature_of(job_id, previous) if previous else None,
@@ -286,10 +289,40 @@ class Coordinator:
                     self._plans[job_id] = _PlanView(
                         plan.generation, decision.signature,
                         frozenset(member[0] for member in decision.signature[1]))
+            if decision.plan_write is not None:  # departures it planned are told
+                kept = {m.member_id for m in plan.members} | set(plan.spares)
+                for key in [k for k in self._departures if k[0] == job_id and k[1] not in kept]:
+                    del self._departures[key]
         if decision.new_generation:
             log.info("job %s generation %d (%s): world %d, %s", job_id, plan.generation,
                      pb.PlanAction.Name(plan.action), plan.world_size, reason)
         self._notify(job_id, reason)
+
+    def note_departure(self, job_id: str, member_id: str, why: str) -> None:
+        """Records why a member goes (\"lost m-1 (peers: ...)\", \"m-1 left: ...\")
+        before its caller revokes its lease: whichever change then replans
+        without it (that caller's own, or a progress flush, a start report or
+        the reconcile loop that read the membership first) names it so."""
+        with self._lock:
+            self._departures[(job_id, member_id)] = why
+
+    def _naming_departures(self, job_id: str, previous: pb.Plan | None,
+                           members: list[pb.Member], reason: str) -> str:
+        """`reason`, preceded by the members of `previous` (active or spare)
+        that are no longer registered and that `reason` does not name, each
+        with its noted departure or, when none was noted (its lease expired),
+        \"lost ... (liveness timeout)\". A generation's reason, and the change
+        kind counted from it, thus say what changed the membership, whichever
+        writer happened to land that change first."""
+        if previous is None:
+            return reason
+        live = {m.id for m in members}
+        planned = [m.member_id for m in previous.members] + list(previous.spares)
+        gone = [m for m in planned if m not in live and m not in reason]
+        with self._lock:
+            notes = [self._departures.get((job_id, m), f"lost {m} (liveness timeout)")
+                     for m in gone]
+        return "; ".join([*notes, reason]) if notes else reason
 
     def _signature_of(self, job_id: str, plan: pb.Plan) -> tuple:
         view = self._plans.get(job_id)

@@ -201,8 +201,10 @@ class PeerLossEvidence:
             if entry is None:
                 return
             coordinator.forget_member(member_id)
+            reason = f"lost {member_id} (peers: {why})"
+            coordinator.note_departure(job_id, member_id, reason)
             coordinator.store.revoke_lease(entry.lease_id)
             self.num_fenced += 1
-            coordinator.change_with_retry(job_id, f"lost {member_id} (peers: {why})")
+            coordinator.change_with_retry(job_id, reason)
         except SpringbackError as e:  # etcd down, leadership lost: the lease decides
             log.warning("fencing %s of job %s on peer evidence: %s", member_id, job_id, e)

@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 _KINDS: list[tuple[str, js.ChangeKind]] = [
     ("reported a failure", js.CHANGE_KIND_RANK_FAILURE),
     ("(liveness timeout)", js.CHANGE_KIND_NODE_LOST),
+    (" (peers: ", js.CHANGE_KIND_NODE_LOST),
     (" draining: ", js.CHANGE_KIND_DRAIN),
     (" left: ", js.CHANGE_KIND_LEAVE),
     (" joined ", js.CHANGE_KIND_JOIN),

@@ -126,8 +126,10 @@ class Membership:
         coordinator.forget_member(member_id)
         if entry is None:
             return
+        left = f"{member_id} left: {reason or 'no reason given'}"
+        coordinator.note_departure(job_id, member_id, left)
         coordinator.store.revoke_lease(entry.lease_id)  # deletes the key with it
-        coordinator.change_with_retry(job_id, f"{member_id} left: {reason or 'no reason given'}")
+        coordinator.change_with_retry(job_id, left)
 
     def drain(self, job_id: str, member_id: str, reason: str) -> bool:
         """Announces that a member is leaving soon (preemption, SIGTERM).

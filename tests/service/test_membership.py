@@ -120,6 +120,31 @@ class TestGenerations:
         assert final.action == pb.PLAN_ACTION_WAIT and not final.members
         assert client.get_job(job.id).status.state == pb.JOB_STATE_PENDING
 
+    def test_a_generation_made_by_another_writer_names_the_members_gone_and_why(
+        self, coordinator, client, workers, make_spec
+    ):
+        """A fence revokes a member's lease, then replans; a progress write that
+        reads the membership in between makes that generation. Its reason (and
+        the failure kind counted from it) still names the lost member and the
+        evidence, and a member whose lease just expired is named as such."""
+        from springback.v1 import job_service_pb2 as js
+
+        job = client.create_job(make_spec(min_workers=1, max_workers=3))
+        a, b, c = (join(workers, job.id, port) for port in (8011, 8012, 8013))
+        wait_for(lambda: plan_of(coordinator, job.id).world_size == 3, 10, "a plan with three")
+        leader = coordinator.coordinator
+        leader.settle_s = leader.max_settle_s = 600.0  # the reconcile loop stays out of it
+        leader.note_departure(job.id, b, f"lost {b} (peers: connections reset by ranks 0)")
+        for gone in (b, c):  # b fenced on evidence, c's lease expired
+            leader.store.revoke_lease(leader.lease_of(job.id, gone))
+        leader.change_with_retry(job.id, "progress")  # the writer that lands first
+        _, events = client.list_job_events(job.id)
+        newest = events[-1]
+        assert list(newest.members) == [a], events
+        assert newest.reason == (f"lost {b} (peers: connections reset by ranks 0); "
+                                 f"lost {c} (liveness timeout); progress"), newest
+        assert newest.kind == js.CHANGE_KIND_NODE_LOST, newest
+
 
 class TestSettling:
     def test_a_join_that_fills_the_job_is_planned_without_waiting_for_the_burst_to_settle(
