@@ -260,7 +260,8 @@ def report_fsdp(r: dict) -> None:
           f"(snapshot + waits) {r['in_loop_s'] * 1e3:.1f} ms/step = "
           f"{r['in_loop_s'] / plain * 100:.2f} %; load {os.getloadavg()[0]:.2f}")
     print(f"peer copies in host memory per rank: {r['held_mib']:.1f} MiB (own snapshot + the "
-          f"copy it keeps for its partner) for {r['shard_mib']:.1f} MiB of shards: "
+          f"copy it keeps for its partner, and the buffers of the pair they replaced, which the "
+          f"next copy fills: the peak while a copy travels) for {r['shard_mib']:.1f} MiB of shards: "
           f"{r['held_mib'] / r['shard_mib']:.2f}x")
     print(f"node lost -> recovered (state agreed: build + fill): via peer copies "
           f"{r['copy_agree_s']:.2f} s (rolled back from step {r['live_step']} to "

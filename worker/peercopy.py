@@ -19,7 +19,10 @@ in the job spec) each rank therefore
 A snapshot and the copies of one step replace those of the step before only
 once this rank's send and receive of the newer one have completed, so a
 rank holds one snapshot and one copy per sender between copy steps, and two
-of each during the one step a transfer is in flight.
+of each during the one step a transfer is in flight. The replaced pieces'
+buffers are kept and filled by the next copy: the host memory stays at that
+peak (2 x (1 + senders) x the rank's shards) instead of being given back and
+faulted in again at every copy, which cost as much CPU as the copy itself.
 
 When a generation starts and the current state has rows no live rank holds
 (`agreement.StateAgreement`), the ranks all-gather which steps their
@@ -55,7 +58,7 @@ import copy
 import dataclasses
 import logging
 import time
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Callable, cast
 
 import torch
 import torch.distributed as dist
@@ -129,11 +132,18 @@ def index_of(held: Held) -> tuple[Index, int]:
     return index, offset
 
 
-def take_snapshot(held: Held, step: int, whole: dict[str, Any] | None) -> Snapshot:
-    """Copies `held` into a new flat host buffer (pinned for CUDA tensors)."""
+def new_buffer(nbytes: int, pin: bool) -> torch.Tensor:
+    """A flat host buffer of `nbytes` bytes (page-locked with `pin`)."""
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+
+
+def take_snapshot(held: Held, step: int, whole: dict[str, Any] | None,
+                  buffer: Callable[[int, bool], torch.Tensor] = new_buffer) -> Snapshot:
+    """Copies `held` into a flat host buffer from `buffer(nbytes, pin)`
+    (pinned for CUDA tensors)."""
     index, size = index_of(held)
     pin = any(t.is_cuda for t, _ in held.values())
-    snap = Snapshot(step, index, torch.empty(size, dtype=torch.uint8, pin_memory=pin), whole)
+    snap = Snapshot(step, index, buffer(size, pin), whole)
     for key, (local, _) in held.items():
         snap.piece(key)[0].copy_(local.detach().reshape(snap.index[key][2]))
     return snap
@@ -176,14 +186,35 @@ class PeerCopyStore:
     def __init__(self) -> None:
         self.own: list[Snapshot] = []
         self.copies: list[Snapshot] = []
+        self._free: list[torch.Tensor] = []
+        """Buffers of pieces a newer copy replaced, for the next copy's pieces."""
 
     def nbytes(self) -> int:
-        return sum(s.flat.numel() for s in self.own + self.copies)
+        """Host memory held: pieces and the buffers kept for the next copy."""
+        return sum(s.flat.numel() for s in self.own + self.copies) + \
+            sum(b.numel() for b in self._free)
+
+    def buffer(self, nbytes: int, pin: bool) -> torch.Tensor:
+        """A flat buffer for a new piece: a replaced piece's of that size if
+        one is kept (fresh host memory costs a page fault per page, about
+        as much as the copy into it), else a new one."""
+        for i, b in enumerate(self._free):
+            if b.numel() == nbytes and b.is_pinned() == pin:
+                return self._free.pop(i)
+        return new_buffer(nbytes, pin)
 
     def keep_from(self, step: int) -> None:
-        """Drops the pieces of steps before `step` (a newer copy completed)."""
+        """Drops the pieces of steps before `step` (a newer copy completed;
+        their own transfers completed a copy earlier). Their buffers are kept
+        for the next copy: a copy in flight needs a second set of buffers
+        anyway, so this does not raise the peak, only keeps it between copies.
+        Buffers of another size than the pieces held now (the layout changed)
+        are let go."""
+        dropped = [s for s in self.own + self.copies if s.step < step]
         self.own = [s for s in self.own if s.step >= step]
         self.copies = [s for s in self.copies if s.step >= step]
+        sizes = {s.flat.numel() for s in self.own + self.copies}
+        self._free = [b for b in self._free + [s.flat for s in dropped] if b.numel() in sizes]
 
     def drop_after(self, step: int) -> None:
         """Drops pieces newer than the state the ranks agreed on (after a
@@ -192,7 +223,7 @@ class PeerCopyStore:
         self.copies = [s for s in self.copies if s.step <= step]
 
     def clear(self) -> None:
-        self.own, self.copies = [], []
+        self.own, self.copies, self._free = [], [], []
 
     def offer(self) -> dict[int, dict[str, Any]]:
         """Per step: whether this rank has its own snapshot, and the rows of
@@ -334,7 +365,7 @@ class GenerationCopies:
                  "extra": {k: copy.deepcopy(v.state_dict()) for k, v in self.ctx.state.items()
                            if k not in ("model", "optimizer")},
                  "rng": rngstate.capture()}
-        snap = take_snapshot(held, step, whole)
+        snap = take_snapshot(held, step, whole, self.store.buffer)
         self.store.own.append(snap)
         works: list[dist.Work | None] = []
         received, views = [], []
@@ -344,7 +375,7 @@ class GenerationCopies:
             views.append(view)
         for sender in self.senders:
             index, size = self._indexes[sender]
-            copy_of = Snapshot(step, index, torch.empty(size, dtype=torch.uint8))
+            copy_of = Snapshot(step, index, self.store.buffer(size, False))
             view = copy_of.flat.view(-1)
             works.append(dist.irecv(view, sender, tag=COPY_TAG))
             received.append(copy_of)

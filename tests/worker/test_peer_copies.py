@@ -118,6 +118,26 @@ def test_a_snapshot_holds_the_shards_at_its_step_and_the_store_offers_them_by_st
     assert store.offer() == {}
 
 
+def test_a_replaced_pieces_buffer_is_filled_by_the_next_copy_and_one_of_another_size_let_go():
+    held = {"param/w": (torch.arange(6, dtype=torch.float32).reshape(3, 2), Rows((6, 2), "float32", 3, 6))}
+    store = PeerCopyStore()
+    store.own.append(take_snapshot(held, 4, None, store.buffer))
+    first = store.own[0].flat  # (referenced here too: its memory cannot be handed out again)
+    store.own.append(take_snapshot(held, 8, None, store.buffer))  # 4's is held while 8's travels
+    assert store.own[1].flat.data_ptr() != first.data_ptr()
+    store.keep_from(8)
+    held["param/w"][0].add_(1)
+    third = take_snapshot(held, 12, None, store.buffer)
+    assert third.flat.data_ptr() == first.data_ptr()  # step 4's buffer, filled again ...
+    assert torch.equal(third.piece("param/w")[0], held["param/w"][0])  # ... with step 12's values
+    store.own.append(third)
+    store.keep_from(12)
+    wider = {"param/w": (torch.zeros(3, 40), Rows((6, 40), "float32", 3, 6))}  # another layout
+    store.own.append(take_snapshot(wider, 16, None, store.buffer))
+    store.keep_from(16)
+    assert store.nbytes() == index_of(wider)[1]  # the old size's buffers are given back
+
+
 @pytest.mark.timeout(120)
 def test_a_node_lost_mid_transfer_rolls_back_to_the_previous_complete_copy(tmp_path):
     """peercopy_peer.py: step 2's copies complete, node 1 dies before sending
