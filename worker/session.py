@@ -80,6 +80,7 @@ from springback.worker.rendezvous import (
     host_node_store,
     is_collective_failure,
     leave_group,
+    note_subgroup_endpoints,
 )
 from springback.worker.mesh import MeshLayout, build_mesh
 from springback.worker.agreement import StateAgreement
@@ -301,7 +302,8 @@ class Session:
             self.ctx.clean = False
             return None
         gen = Generation(self.ctx, plan, rank)
-        gen._mesh, gen._copies = mesh, self._agreement.copies_for(plan, rank)
+        gen._store, gen._mesh = store, mesh
+        gen._copies = self._agreement.copies_for(plan, rank)
         gen._record_start(source, restored_from, time.monotonic() - t0)
         if self.ctx.stats is not None:
             self.ctx.stats.generation_started(generation=plan.generation,
@@ -403,6 +405,7 @@ class Generation:
         peers) get the same batches."""
         self.dp_size = self.layout.dp
         self._mesh: DeviceMesh | None = None
+        self._store: dist.Store | None = None  # the generation's rendezvous store
         self._boundary = StepBoundary(rank, self.world_size)
         self._copies: GenerationCopies | None = None  # the sharded form's peer copies
         self._loss = float("nan")
@@ -484,9 +487,13 @@ class Generation:
     def mesh(self) -> DeviceMesh:
         """The generation's named DeviceMesh (dims `MESH_DIMS`: pp, replicate,
         shard, tp) over its process group, built on first use (a collective:
-        every rank of the generation must ask for it, in the same order)."""
+        every rank of the generation must ask for it, in the same order).
+        The ranks then exchange the addresses of the subgroups' sockets, so a
+        peer's death seen first on one of them is reported as that peer's."""
         if self._mesh is None:
             self._mesh = build_mesh(self.layout, self.ctx.device.type)
+            if self._store is not None:
+                note_subgroup_endpoints(self._store, self.rank, self.world_size)
         return self._mesh
 
     def report(self, *, loss: float) -> None:

@@ -3,6 +3,7 @@ before its lease expires; a stopped node, whose sockets stay open, is not."""
 
 from __future__ import annotations
 
+import re
 import signal
 import time
 
@@ -65,6 +66,40 @@ def test_a_sigkilled_node_is_fenced_on_its_peers_word_long_before_its_lease_expi
         # the survivors train on at world size 2
         wait_for(lambda: any(r["world_size"] == 2 for r in steps(tmp_path)), 30,
                  "the survivors to train")
+    finally:
+        for agent in agents:
+            agent.stop()
+
+
+def test_a_peer_lost_first_on_a_subgroup_of_the_scripts_own_mesh_is_named_too(
+        start_coordinator, tmp_path):
+    """Two nodes of two ranks, tp=2: the script builds `gen.mesh` and ends
+    each step with an all-reduce on its cross-node "replicate" subgroups, after
+    a sleep. The kill lands in the sleep, so the survivors meet the reset on a
+    subgroup's socket, whose address the ranks exchanged when the mesh was
+    built: the node is fenced on their word, not at the liveness timeout."""
+    server = start_coordinator(liveness_timeout_s=12)
+    wait_for(server.election.is_leader, 10, "the coordinator to lead")
+    client = Client(server.address)
+    job = client.create_job({**SPEC, "min_workers": 1, "max_workers": 2, "layout": {"tp": 2}})
+    env = {"TINY_MESH_REDUCE": "1", "TINY_STEP_SLEEP_S": "1.0"}
+    agents = [AgentProcess(tmp_path, n, job.id, server.address, env=env, nproc=2)
+              for n in ("a", "b")]
+    try:
+        wait_for(lambda: any(r["world_size"] == 4 and r["step"] >= 3 for r in steps(tmp_path)),
+                 90, "two nodes training")
+        def sleeping() -> int:  # the newest step node b's ranks announced their sleep in
+            return max(map(int, re.findall(r"step (\d+) sleeping", agents[1].log())), default=0)
+
+        announced = sleeping()
+        wait_for(lambda: sleeping() > announced, 30, "node b's ranks to start a sleep")
+        killed_at = time.monotonic()
+        agents[1].signal_node(signal.SIGKILL)
+        status = wait_for(lambda: (s := client.get_job(job.id).status).world_size == 2 and s,
+                          30, "a generation without it")
+        fenced_s = time.monotonic() - killed_at
+        assert fenced_s < 6, f"fenced after {fenced_s:.1f}s (liveness timeout 12 s)"
+        assert "peers:" in _reason(client, job.id, status.generation)
     finally:
         for agent in agents:
             agent.stop()

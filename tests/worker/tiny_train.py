@@ -22,7 +22,10 @@ that way (a bad batch), TINY_CRASH_TIMES=K lets the crash repeat K times
 RuntimeError at step N on every rank (a bug in the user's code, not a
 membership change). TINY_PRINT_STEPS=1 prints a line per step (for the
 rank-log tests). TINY_DDP=script wraps the model in the script's own DDP
-instead of `gen.ddp`. TINY_LOG=info logs the library's info lines with timestamps
+instead of `gen.ddp`. TINY_MESH_REDUCE=1 ends each step with an all-reduce on
+the "replicate" group of the script's own `gen.mesh`, after the sleep, which it
+announces ("step N sleeping"): a peer killed meanwhile is seen on that
+subgroup's sockets first. TINY_LOG=info logs the library's info lines with timestamps
 (the hand-written-plan tests: a failure shows each rank's generations).
 """
 
@@ -109,6 +112,7 @@ def main() -> int:
     crash = Crash()
     raise_at = int(os.environ.get("TINY_RAISE_AT_STEP", "0"))
     say_steps = os.environ.get("TINY_PRINT_STEPS") == "1"
+    mesh_reduce = os.environ.get("TINY_MESH_REDUCE") == "1"
     for gen in session.generations():
         with gen:
             assert gen.stream.num_samples <= MAX_COUNTED
@@ -139,8 +143,14 @@ def main() -> int:
                 gen.report(loss=per_sample.mean().item() if len(per_sample) else 0.0)
                 if say_steps:
                     print(f"trained step {batch.step} in generation {gen.generation}", flush=True)
+                if mesh_reduce:
+                    print(f"tiny_train: step {batch.step} sleeping before the mesh all-reduce",
+                          flush=True)
                 if sleep_s:
                     time.sleep(sleep_s)
+                if mesh_reduce:
+                    torch.distributed.all_reduce(torch.ones(1),
+                                                 group=gen.mesh.get_group("replicate"))
     audit_dir = os.environ.get(AUDIT_DIR)
     if audit_dir and session.finished:
         path = os.path.join(audit_dir, f"applied-p{os.getpid()}.json")
