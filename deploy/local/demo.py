@@ -104,15 +104,17 @@ def main() -> int:
     p.add_argument("--state-dir", default=os.path.join(tempfile.gettempdir(),
                                                         f"springback-demo-{os.getuid()}"))
     p.add_argument("--liveness-timeout-s", type=float, default=None,
-                   help="also the ranks' collective timeout (default 2 s; 6 s with --sharded: a "
-                        "freshly built FSDP2 model's first steps on a loaded 2-core machine "
-                        "took longer than 2 s)")
+                   help="also the ranks' collective timeout (default 5 s, the coordinator's "
+                        "own; 6 s with --sharded: a freshly built FSDP2 model's first steps on a "
+                        "loaded 2-core machine took longer than 5 s). The SIGKILLed node is "
+                        "detected by its peers whatever this is; at 2 s every agent's lease "
+                        "expired while the ranks started on a slow 2-core machine")
     p.add_argument("--sharded", action="store_true",
                    help="the FSDP2/HSDP variant (examples/tinylm/train_fsdp.py) on two nodes of "
                         "two ranks; the kill and the join reshard the state in memory")
     args = p.parse_args()
     if args.liveness_timeout_s is None:
-        args.liveness_timeout_s = 6.0 if args.sharded else 2.0
+        args.liveness_timeout_s = 6.0 if args.sharded else 5.0
     script, spec_file, nproc, first_workers = (
         ("train_fsdp.py", "job_fsdp.yaml", "2", (1, 2)) if args.sharded
         else ("train.py", "job.yaml", "1", (1, 2, 3)))
