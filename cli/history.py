@@ -40,7 +40,8 @@ def _human_history(summary: dict[str, Any]) -> str:
         lines.append(
             f"{g['generation']:>4}  {g['time'] or '-':<24} {g['kind']:<13} {g['world_size']:>5}  "
             f"{g['restore']:<10} {g['start_step']:>6} {g['steps_redone']:>6} {recovery:>9}  "
-            f"{g['reason']}")
+            f"{g['reason']}" + (f"   STATE LOST ({g['steps_lost']} steps): {g['state_lost']}"
+                                if g["steps_lost"] else ""))
     return "\n".join(lines)
 
 

@@ -48,6 +48,9 @@ def _human_job(job: pb.Job) -> str:
         f"recovery   {s['restores']} restores from checkpoints   {s['steps_redone']} steps "
         f"redone   {s['failures']} rank failures",
     ]
+    if s["state_losses"]:
+        lines.append(f"STATE LOST {s['state_losses']} times: {s['steps_lost']} trained steps "
+                     f"thrown away (started from scratch)")
     if s["checkpoint_error"]:
         lines.append(f"ckpt error {s['checkpoint_error']}")
     return "\n".join(lines)

@@ -23,6 +23,11 @@ DEFAULT_WINDOW_S = 600
 """failures.window_s when the spec leaves it 0."""
 DEFAULT_PLAN_WAIT_S = 300
 """failures.plan_wait_s when the spec leaves it 0."""
+DEFAULT_ON_STATE_LOST = types_pb2.STATE_LOST_POLICY_RESTART
+"""failures.on_state_lost when the spec leaves it unset: a state is lost only
+when nothing was committed (the steps before the first checkpoint, or a job
+with no checkpoint.uri), which is what a restart from step 0 costs anyway;
+the loss is an event, a counter and the job's message, never quiet."""
 DEFAULT_KEEP_LAST = 3
 """checkpoint.keep_last when a spec file's checkpoint section has no such key.
 An explicit 0 (and 0 in a `JobSpec` message, where absent and 0 are one) keeps
@@ -69,7 +74,8 @@ _SCHEMA: dict[str, Any] = {
     ),
     "max_steps": (int, True),
     "failures": (
-        {"max_per_step": (int, False), "window_s": (int, False), "plan_wait_s": (int, False)},
+        {"max_per_step": (int, False), "window_s": (int, False), "plan_wait_s": (int, False),
+         "on_state_lost": (("restart", "fail"), False)},
         False,
     ),
     "peer_copies": ({"every_steps": (int, False)}, False),
@@ -98,6 +104,8 @@ def _check(value: Mapping[str, Any], schema: dict[str, Any], path: str) -> None:
             raise InvalidArgument(where, f"must not be negative, got {item}")
         elif kind is str and not isinstance(item, str):
             raise InvalidArgument(where, f"must be a string, got {item!r}")
+        elif isinstance(kind, tuple) and item not in kind:
+            raise InvalidArgument(where, f"must be one of {', '.join(kind)}, got {item!r}")
 
 
 def spec_from_dict(value: Mapping[str, Any]) -> types_pb2.JobSpec:
@@ -117,6 +125,8 @@ def spec_from_dict(value: Mapping[str, Any]) -> types_pb2.JobSpec:
         item = (value.get(section) or {}).get(key) if section else value.get(key)
         if item is None:
             continue
+        if where == "failures.on_state_lost":
+            item = types_pb2.StateLostPolicy.Value(f"STATE_LOST_POLICY_{item.upper()}")
         try:
             setattr(message, key, item)
         except (ValueError, TypeError) as e:  # out of the field's integer range
@@ -146,7 +156,8 @@ def validate(spec: types_pb2.JobSpec) -> types_pb2.JobSpec:
 
     Defaults: min_workers 1, max_workers = min_workers, layout degrees 1,
     failures as in `service.failures` (3 per step in 600 s, plans awaited
-    300 s), peer_copies.every_steps `DEFAULT_PEER_COPY_EVERY_STEPS` (0 disables
+    300 s, a lost state restarts from step 0: `DEFAULT_ON_STATE_LOST`),
+    peer_copies.every_steps `DEFAULT_PEER_COPY_EVERY_STEPS` (0 disables
     the copies), (checkpoint.keep_last 0 keeps every checkpoint; spec files
     default it to `DEFAULT_KEEP_LAST`).
     """
@@ -168,6 +179,7 @@ def validate(spec: types_pb2.JobSpec) -> types_pb2.JobSpec:
     out.failures.max_per_step = out.failures.max_per_step or DEFAULT_MAX_PER_STEP
     out.failures.window_s = out.failures.window_s or DEFAULT_WINDOW_S
     out.failures.plan_wait_s = out.failures.plan_wait_s or DEFAULT_PLAN_WAIT_S
+    out.failures.on_state_lost = out.failures.on_state_lost or DEFAULT_ON_STATE_LOST
     out.peer_copies.every_steps = peer_copy_every_steps(out)
     if out.data.num_samples == 0:
         raise InvalidArgument("data.num_samples", "must be positive")

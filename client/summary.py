@@ -41,6 +41,8 @@ def job_summary(job: pb.Job) -> dict[str, Any]:
         "checkpoint_error": status.checkpoint_error or None,
         "restores": status.num_restores,
         "steps_redone": status.steps_redone,
+        "state_losses": status.num_state_losses,
+        "steps_lost": status.steps_lost,
         "failures": status.num_failures,
         "message": status.message,
         "spec": MessageToDict(job.spec, preserving_proto_field_name=True),
@@ -68,6 +70,8 @@ def event_summary(event: js.GenerationEvent) -> dict[str, Any]:
         "restore": _enum(pb.RestoreKind.Name(event.restore), "RESTORE_KIND_"),
         "start_step": event.start_step,
         "steps_redone": event.steps_redone,
+        "steps_lost": event.steps_lost,
+        "state_lost": event.state_lost or None,
         "recovery_s": event.recovery.ToNanoseconds() / 1e9 if event.HasField("recovery") else None,
         "first_step_at": _time(event.first_step_at),
     }

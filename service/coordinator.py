@@ -36,7 +36,9 @@ from springback.v1 import types_pb2 as pb
 
 log = logging.getLogger(__name__)
 
-JobMutation = Callable[[pb.Job], None]
+JobMutation = Callable[[pb.Job], "str | None"]
+"""Changes a job record in place; may return the change's reason instead of
+the caller's (what it found decides what is said)."""
 
 CHANGE_ATTEMPTS = 5
 """Rounds of `change_with_retry`: changes of one job race in etcd, not on a lock."""
@@ -245,7 +247,9 @@ class Coordinator:
         job = self._with_progress(job_entry.value)
         ended = planner.is_terminal(job.status.state)
         if mutate is not None:
-            mutate(job)
+            said = mutate(job)
+            if isinstance(said, str):  # what the mutation found decides what is said
+                reason = said
         progress = self._progress.get(job_id)  # after mutate: a start sets it
         previous = plan_entry.value if plan_entry else None
         reason = self._naming_departures(job_id, previous, members, reason)
@@ -398,7 +402,8 @@ class Coordinator:
         return self.current_generation(job_id)
 
     def record_generation_start(self, job_id: str, member_id: str, generation: int,
-                                progress: planner.Progress, restored_from: int) -> None:
+                                progress: planner.Progress, restored_from: int,
+                                state_lost: str = "") -> None:
         """Rank 0's word that generation `generation` agreed on the state of
         `progress.step`, taken from `restored_from` (memory, a checkpoint, or
         nothing).
@@ -406,6 +411,12 @@ class Coordinator:
         This is what proves state holders: every member of the generation
         holds that state now. A start behind the reported progress rewinds it
         and counts the steps redone; a restore from a checkpoint is counted.
+        A start from nothing (`RESTORE_KIND_NONE`) behind the reported
+        progress is a *state loss* (the ranks' `state_lost` says why; the
+        DDP form's fresh start says nothing and is caught here all the same):
+        counted in ``num_state_losses`` and ``steps_lost``, marked on the
+        generation's event and the job's message, and with
+        ``failures.on_state_lost: fail`` the job ends FAILED instead.
         One etcd write per generation. Raises `StaleGeneration` for an old
         generation (nothing changes); idempotent for a repeated report.
         """
@@ -415,15 +426,29 @@ class Coordinator:
             if member_id not in self._plans[job_id].members:
                 raise StaleGeneration(job_id, generation, self.current_generation(job_id))
             holders = sorted(self._plans[job_id].members)
+        reason = f"generation {generation} started at step {progress.step} (state from " \
+                 f"{pb.RestoreKind.Name(restored_from).removeprefix('RESTORE_KIND_').lower()})"
 
-        def started(job: pb.Job) -> None:
+        def started(job: pb.Job) -> str | None:
             status = job.status
             if status.holders_step == progress.step and list(status.state_holders) == holders:
-                return  # a repeated report
+                return status.message  # a repeated report: what was said stands
             redone = max(status.step - progress.step, 0)
+            lost = redone if restored_from == pb.RESTORE_KIND_NONE and redone else 0
             status.steps_redone += redone
+            why, said = "", None
+            if lost:
+                why = state_lost or "no rank held the trained state and nothing was committed"
+                status.num_state_losses += 1
+                status.steps_lost += lost
+                said = f"state lost: {lost} trained steps (to step {status.step}) thrown " \
+                         f"away, generation {generation} started from scratch: {why}"
+                if job.spec.failures.on_state_lost == pb.STATE_LOST_POLICY_FAIL:
+                    status.state = pb.JOB_STATE_FAILED
+                    said = f"failed (failures.on_state_lost: fail): {said}"
+                log.error("job %s: %s", job_id, said)
             self.history.on_start(job_id, generation, step=progress.step, steps_redone=redone,
-                                  restored_from=restored_from)
+                                  restored_from=restored_from, state_lost=why, steps_lost=lost)
             if restored_from == pb.RESTORE_KIND_CHECKPOINT:
                 status.num_restores += 1
             status.step = progress.step
@@ -434,10 +459,9 @@ class Coordinator:
             status.holders_step = progress.step
             with self._changed:  # reports of the new generation count from here
                 self._progress[job_id] = progress
+            return said
 
-        source = pb.RestoreKind.Name(restored_from).removeprefix("RESTORE_KIND_").lower()
-        self.change_with_retry(job_id, f"generation {generation} started at step "
-                                       f"{progress.step} (state from {source})", started)
+        self.change_with_retry(job_id, reason, started)
 
     # -- watching -----------------------------------------------------------------
 

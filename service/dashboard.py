@@ -163,7 +163,10 @@ class Dashboard:
                       f"{html.escape(s['message'])}"],
             ["generation", f"{s['generation']} (world size {s['world_size']})"],
             ["members", html.escape(", ".join(s["members"]) or "-")],
-            ["progress", f"step {s['step']}/{s['max_steps']}, loss {s['loss']:.4f}"],
+            ["progress", f"step {s['step']}/{s['max_steps']}, loss {s['loss']:.4f}"
+                         + (f", <strong class='state-lost'>state lost {s['state_losses']} "
+                            f"times ({s['steps_lost']} steps)</strong>"
+                            if s["state_losses"] else "")],
             ["goodput", f"<span id='goodput'>{ratio:.1%}</span>" if ratio is not None else "-"],
             ["created / started / finished",
              f"{_ts(job.created_at)} / {_ts(job.started_at)} / {_ts(job.finished_at)}"],
@@ -173,7 +176,10 @@ class Dashboard:
             [[str(g["generation"]), html.escape(g["time"] or "-"), g["kind"], str(g["world_size"]),
               g["restore"].replace("unspecified", "-"), str(g["start_step"]), str(g["steps_redone"]),
               f"{g['recovery_s']:.2f} s" if g["recovery_s"] is not None else "-",
-              html.escape(g["reason"])] for g in map(event_summary, reversed(events))],
+              html.escape(g["reason"]) + (
+                  f" <strong class='state-lost'>state lost ({g['steps_lost']} steps): "
+                  f"{html.escape(g['state_lost'] or '')}</strong>" if g["steps_lost"] else "")]
+             for g in map(event_summary, reversed(events))],
             "generations")
         checkpoints = _table(
             ["step", "generation", "world", "size", "committed", "uri"],

@@ -117,7 +117,7 @@ class History:
         return [self._store.txn.put(keys.history_event(job.id, plan.generation), event.SerializeToString())]
 
     def on_start(self, job_id: str, generation: int, *, step: int, steps_redone: int,
-                 restored_from: int) -> None:
+                 restored_from: int, state_lost: str = "", steps_lost: int = 0) -> None:
         """The ranks of `generation` agreed on the state of `step`, taken from
         `restored_from`: what the plan only expected becomes what happened
         (memory only until the generation's first step is flushed)."""
@@ -127,6 +127,7 @@ class History:
                 event.start_step = step
                 event.steps_redone = steps_redone
                 event.restore = cast(pb.RestoreKind, restored_from)
+                event.state_lost, event.steps_lost = state_lost, steps_lost
 
     def on_progress(self, job_id: str, generation: int) -> None:
         """A step of `generation` was accepted (memory only; cheap)."""

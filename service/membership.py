@@ -167,7 +167,7 @@ class Membership:
         return False
 
     def report_failure(self, job_id: str, member_id: str, generation: int, reason: str,
-                       state_kept: bool = False) -> int:
+                       state_kept: bool = False, job_fatal: bool = False) -> int:
         """A local rank died: that member's ranks no longer hold the state, and
         a new generation is made at once. With `state_kept` a live rank says
         its generation broke (a collective failed: a reset link, a peer's
@@ -180,8 +180,10 @@ class Membership:
         Fenced in the transaction (`fencing.change_as_member`): a generation
         newer than the current one is FAILED_PRECONDITION, an expired member
         NOT_FOUND. When failures repeat without
-        progress (`failures.FailureStreaks`), the job ends FAILED with the
-        reason instead; returns the job's generation.
+        progress (`failures.FailureStreaks`), or at once with `job_fatal`
+        (the ranks agreed that no membership can go on, e.g. a placement
+        nothing can restore), the job ends FAILED with the reason instead;
+        returns the job's generation.
         """
         coordinator = self.coordinator
         coordinator.require_leader()
@@ -196,10 +198,12 @@ class Membership:
 
         def count(job: pb.Job) -> None:
             job.status.num_failures += 1
-            if streak >= limit and not planner.is_terminal(job.status.state):
+            if (job_fatal or streak >= limit) and not planner.is_terminal(job.status.state):
                 job.status.state = pb.JOB_STATE_FAILED
 
-        if streak >= limit:
+        if job_fatal:
+            message = f"failed: {member_id}: {what}"
+        elif streak >= limit:
             message = (f"failed: {streak} generations broke by rank failures at step "
                        f"{job.status.step} without progress; last: {member_id}: {what}")
         elif state_kept:

@@ -241,7 +241,7 @@ class WorkerServicer(ws_grpc.WorkerServiceServicer):
         if request.generation_start:
             self.coordinator.record_generation_start(
                 request.job_id, request.member_id, request.generation, progress,
-                request.restored_from)
+                request.restored_from, state_lost=request.state_lost)
             return ws.ReportStepResponse(
                 generation=self.coordinator.current_generation(request.job_id))
         generation = self.coordinator.record_progress(
@@ -258,7 +258,7 @@ class WorkerServicer(ws_grpc.WorkerServiceServicer):
             return ws.ReportFailureResponse(generation=generation)
         generation = self.membership.report_failure(
             request.job_id, request.member_id, request.generation, request.reason,
-            state_kept=request.state_kept)
+            state_kept=request.state_kept, job_fatal=request.job_fatal)
         return ws.ReportFailureResponse(generation=generation)
 
     @_handle

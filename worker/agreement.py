@@ -19,12 +19,31 @@ starts from scratch while a commit exists.
 
 Failure semantics: every step here is collective over the generation's
 group; a failed collective raises what it raises (the generation fails to
-start and the session waits for the next plan, keeping its state). A
-restore from storage is all or nothing (see `checkpointing.py`).
+start and the session waits for the next plan, keeping its state). Recovery
+is a transaction:
+
+* what a rank held when a start began stays what it offers until a start
+  succeeds: the DDP form loads received or restored state only once it is
+  complete (a restore is all or nothing: `checkpointing.py`); the sharded
+  form keeps the pieces it captured (`Captured`) and the step they are of
+  across failed starts, and never takes a failed start's model for a
+  source;
+* a fill (exchange, peer-copy roll back) is used only when it covers every
+  parameter and buffer of the new model and every rank wrote every row it
+  needed (`reshard.agree_written`), else the next source is tried;
+* a placement the in-memory reshard does not handle (`NotReshardable`, a
+  plain parameter not declared replicated, plain tensors that differ between
+  ranks) is an agreed decision: every rank restores the plan's checkpoint,
+  and with none the job fails (`StateUnrecoverable`) naming it;
+* with no holder, no complete peer copy and no commit the state is lost:
+  the ranks start from the built model at step 0 and say so
+  (`Outcome.state_lost`, reported to the coordinator, which records the loss
+  and applies ``failures.on_state_lost``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import logging
 import time
@@ -41,12 +60,13 @@ from springback.worker.peercopy import GenerationCopies, PeerCopyStore
 from springback.worker.rendezvous import handed_to_gloo, note_subgroup_endpoints
 from springback.worker.reshard import (
     Rows,
+    agree_written,
     all_gather_objects,
     broadcast_object,
     exchange,
     plan_transfers,
 )
-from springback.worker.sharded import Held, ShardedModel
+from springback.worker.sharded import Captured, ShardedModel
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -54,6 +74,28 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 log = logging.getLogger(__name__)
+
+
+class StateUnrecoverable(Exception):
+    """The ranks agreed that nothing can fill the new generation's state and
+    no membership would change that (the rank fails with this: it is not a
+    RuntimeError, so never taken for a membership change)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    """What a generation's agreement settled on."""
+
+    source: int | None
+    """The rank whose whole-held state every rank took (None: a restore, or
+    every rank already held it)."""
+    kind: int
+    """Where the state came from: a `RestoreKind`."""
+    mesh: DeviceMesh | None = None
+    """The sharded form's mesh (built by the agreement)."""
+    state_lost: str = ""
+    """Set when the ranks started from scratch: why (the coordinator decides
+    from the job's progress whether trained state was lost)."""
 
 
 class StateAgreement:
@@ -67,6 +109,9 @@ class StateAgreement:
         self.sharded = sharded
         self.copies = PeerCopyStore()
         """The sharded form's snapshots and peer copies (`worker/peercopy.py`)."""
+        self._captured: Captured | None = None
+        """The sharded form: what this rank held when the current start
+        began, kept until a start succeeds (the transaction)."""
 
     def copies_for(self, plan: pb.Plan, rank: int) -> GenerationCopies | None:
         """The generation's peer copies (the sharded form only; None where
@@ -75,26 +120,29 @@ class StateAgreement:
             return None
         return GenerationCopies.for_generation(self.copies, self.ctx, self.sharded, plan, rank)
 
-    def agree(self, plan: pb.Plan, rank: int) -> tuple[int | None, int]:
-        """Makes every rank's state identical; returns (source rank or None,
-        where the state came from: a `RestoreKind`).
+    def agree(self, plan: pb.Plan, rank: int) -> Outcome:
+        """Makes every rank's state identical (the DDP form).
 
         The newest state any rank holds wins, unless the plan's checkpoint is
         newer: with no rank holding state (every rank crashed, all holders
         lost) the plan's checkpoint is restored even when the plan expected
         peers to serve it, so a job never starts from scratch while a
-        commit exists."""
+        commit exists. A receiving rank loads the state only once all of it
+        has arrived: a source or peer lost mid hand-over leaves every rank
+        with what it held."""
         world = plan.world_size
-        steps, clean = self.gather_steps(world)
+        steps, clean, _ = self.gather_steps(world)
         best = max(steps)
         if self.restore_if_newer(plan, best):
-            return None, pb.RESTORE_KIND_CHECKPOINT
+            return Outcome(None, pb.RESTORE_KIND_CHECKPOINT)
         if best >= 0 and clean and all(s == best for s in steps):
             rngstate.apply(self.ctx.rng)
-            return None, pb.RESTORE_KIND_PEERS  # every rank already holds the same state
+            return Outcome(None, pb.RESTORE_KIND_PEERS)  # every rank already holds the same state
+        lost = ""
         if best < 0:
             source, best = 0, 0  # fresh start: rank 0's initialisation wins
             kind = pb.RESTORE_KIND_NONE
+            lost = "no rank holds trained state and the plan names no checkpoint"
         elif (plan.restore.kind == pb.RESTORE_KIND_PEERS and plan.restore.source_rank < world
               and steps[plan.restore.source_rank] == best):
             source, kind = plan.restore.source_rank, pb.RESTORE_KIND_PEERS
@@ -108,7 +156,7 @@ class StateAgreement:
                 v.load_state_dict(received["state"][k])
         self._carry_rng(steps[rank] == best, received["rng"])
         self.ctx.state_step = best
-        return source, kind
+        return Outcome(source, kind, state_lost=lost)
 
     def _own_rng(self) -> rngstate.RngState:
         """This rank's RNG state at its state's step boundary."""
@@ -120,14 +168,18 @@ class StateAgreement:
         (`worker/rngstate.py`)."""
         rngstate.apply(self.ctx.rng if held else source_rng)
 
-    def gather_steps(self, world: int) -> tuple[list[int], bool]:
-        """Collective: the step every rank's state holds, and whether all
-        ended the previous generation cleanly."""
-        mine = torch.tensor([self.ctx.state_step, int(self.ctx.clean)], dtype=torch.int64)
+    def gather_steps(self, world: int, *, refused: bool = False
+                     ) -> tuple[list[int], bool, bool]:
+        """Collective: the step every rank's state holds, whether all ended
+        the previous generation cleanly, and whether any rank's state cannot
+        be resharded in memory (`refused`: the sharded form)."""
+        mine = torch.tensor([self.ctx.state_step, int(self.ctx.clean), int(refused)],
+                            dtype=torch.int64)
         gathered = [torch.zeros_like(mine) for _ in range(world)]
         dist.all_gather(gathered, mine)
         handed_to_gloo(mine, *gathered)
-        return [int(t[0]) for t in gathered], all(int(t[1]) for t in gathered)
+        return ([int(t[0]) for t in gathered], all(int(t[1]) for t in gathered),
+                any(int(t[2]) for t in gathered))
 
     @staticmethod
     def _will_restore(plan: pb.Plan, best: int) -> bool:
@@ -155,20 +207,33 @@ class StateAgreement:
         self.ctx.state_step = self.restore_checkpoint(ref, self.ctx.state)
         self.ctx.clean = False
 
-    def agree_sharded(self, plan: pb.Plan, rank: int, store: dist.Store
-                      ) -> tuple[int | None, int, DeviceMesh]:
+    def agree_sharded(self, plan: pb.Plan, rank: int, store: dist.Store) -> Outcome:
         """`agree` for the sharded form: builds the model on the new mesh
         (the script's build function; BuildFailed when it raises) and fills
-        it (`_fill`). Returns (source, kind, the generation's mesh)."""
+        it (`_fill`).
+
+        A transaction (module docstring): what this rank held when the first
+        attempt began (`Captured`) is kept, with `ctx.state_step`, until an
+        attempt succeeds; a start that fails anywhere after it (a peer lost
+        in a collective, the build wait, the exchange, a roll back, a
+        restore) leaves the model it built unused, and the next attempt
+        starts from the same pieces. Raises `StateUnrecoverable` (not a
+        membership change) when the ranks agree that nothing can fill the
+        new model and the job cannot go on."""
         sm = self.sharded
         assert sm is not None
-        held = sm.capture()
-        steps, _ = self.gather_steps(plan.world_size)
+        if self._captured is None:
+            self._captured = sm.capture()
+        else:  # the failed start's model: never a source
+            sm.release()
+        captured = self._captured
+        steps, _, refused = self.gather_steps(plan.world_size, refused=bool(captured.refused))
         best = max(steps)
         t0 = time.monotonic()
         mesh = build_mesh(MeshLayout.from_plan(plan), self.ctx.device.type)
         note_subgroup_endpoints(store, rank, plan.world_size)  # a reset there names its peer
-        restores = self._will_restore(plan, best)
+        ref = plan.restore.checkpoint if plan.restore.checkpoint.uri else None
+        restores = self._will_restore(plan, best) or (refused and ref is not None)
         # every value is overwritten when some rank holds state or a checkpoint
         # is restored: no initialisation (`sharded.py`), unless nothing fills it
         sm.rebuild(mesh, self.ctx.device, filled=best >= 0 or restores,
@@ -180,75 +245,151 @@ class StateAgreement:
                    datetime.timedelta(seconds=self.ctx.env.rendezvous_timeout_s))
         self.ctx.state["model"], self.ctx.state["optimizer"] = sm.model, sm.optimizer
         built_s, t0 = time.monotonic() - t0, time.monotonic()
-        if self.restore_if_newer(plan, best):
-            self.copies.clear()  # of another timeline now
-            return None, pb.RESTORE_KIND_CHECKPOINT, mesh
-        if best < 0:
-            self._built_for_real(mesh)
+        if refused:
+            why = next((w for w in cast(list[str], all_gather_objects(
+                captured.refused, plan.world_size)) if w), "")
+            outcome = self._refused(plan, rank, best, why, ref, mesh)
+        elif self._will_restore(plan, best):
+            self._restore_sharded(plan.restore.checkpoint, f"no rank holds the state the plan "
+                                  f"expected (best step {best})"
+                                  if plan.restore.kind == pb.RESTORE_KIND_PEERS else "")
+            outcome = Outcome(None, pb.RESTORE_KIND_CHECKPOINT, mesh)
+        elif best < 0:
             self.ctx.state_step = 0
-            self.copies.clear()
-            return 0, pb.RESTORE_KIND_NONE, mesh
-        source, kind = self._fill(plan, rank, steps, held, mesh)
+            outcome = Outcome(0, pb.RESTORE_KIND_NONE, mesh,
+                              state_lost="no rank holds trained state and the plan names no "
+                                         "checkpoint")
+        else:
+            outcome = self._fill(plan, rank, steps, captured, mesh)
+        self._captured = None  # started: the pieces are the new model's now
+        if outcome.kind != pb.RESTORE_KIND_PEERS:
+            self.copies.clear()  # of another timeline now
         log.info("generation %d state agreed on rank %d (built in %.2fs, filled in %.2fs)",
                  plan.generation, rank, built_s, time.monotonic() - t0)
-        return source, kind, mesh
+        return outcome
+
+    def _refused(self, plan: pb.Plan, rank: int, best: int, why: str,
+                 ref: pb.CheckpointRef | None, mesh: DeviceMesh) -> Outcome:
+        """Some rank's state cannot be resharded in memory, `why` (every rank
+        knows from the agreement): the plan's checkpoint is restored on every
+        rank, else the job cannot go on (`StateUnrecoverable`, reported by
+        rank 0)."""
+        if ref is None:
+            message = (f"the state of step {best} cannot be resharded in memory ({why}) and "
+                       "nothing was committed to restore instead")
+            if rank == 0 and self.ctx.reporter is not None:
+                self.ctx.reporter.report_fatal(plan, message)
+            raise StateUnrecoverable(message)
+        self._restore_sharded(ref, f"the state of step {best} cannot be resharded in memory "
+                                   f"({why})")
+        return Outcome(None, pb.RESTORE_KIND_CHECKPOINT, mesh)
+
+    def _restore_sharded(self, ref: pb.CheckpointRef, why: str) -> None:
+        """Restores `ref` into the new model. Optimizer entries made for a fill
+        (`ShardedModel.targets`) are dropped first: the checkpoint fills what
+        it holds, and a parameter never stepped before the save starts
+        without state, never with uninitialised memory."""
+        sm = self.sharded
+        assert sm is not None and sm.optimizer is not None and sm.mesh is not None
+        sm.optimizer.state.clear()
+        if sm.uninitialised and sm.model is not None and any(
+                m._non_persistent_buffers_set for m in sm.model.modules()):
+            self._built_for_real(sm.mesh)  # the checkpoint holds no non-persistent buffers
+        self.restore(ref, why)
 
     def _built_for_real(self, mesh: DeviceMesh) -> None:
-        """The model as the build function initialises it, where it was built
-        on the meta device for a fill that is not coming (nothing holds the
-        state)."""
+        """The model as the build function initialises it (nothing holds the
+        state): built again, so that no entry a fill made (uninitialised
+        memory, optimizer state) is kept."""
         sm = self.sharded
         assert sm is not None
-        if sm.uninitialised:
-            sm.rebuild(mesh, self.ctx.device)
-            self.ctx.state["model"], self.ctx.state["optimizer"] = sm.model, sm.optimizer
+        sm.rebuild(mesh, self.ctx.device)
+        self.ctx.state["model"], self.ctx.state["optimizer"] = sm.model, sm.optimizer
 
-    def _fill(self, plan: pb.Plan, rank: int, steps: list[int], held: Held, mesh: DeviceMesh
-              ) -> tuple[int | None, int]:
+    def _fill(self, plan: pb.Plan, rank: int, steps: list[int], captured: Captured,
+              mesh: DeviceMesh) -> Outcome:
         """The built model gets the newest shards from their live holders
-        (in memory), else the plan's checkpoint, else stays as built."""
+        (in memory), else the peer copies' newest complete step, else the
+        plan's checkpoint, else the state is lost (built again for real,
+        step 0, said in the outcome). Every rank learns every rank's holdings
+        and needs (two all-gathers), so each source is chosen alike
+        everywhere; a fill is used only when it covers every tensor of the
+        new model (`ShardedModel.missing`) and every rank wrote all it
+        needed (`reshard.agree_written`)."""
         sm = self.sharded
         assert sm is not None
         best = max(steps)
         source = steps.index(best)
-        have = {k: rows for k, (_, rows) in held.items()} if steps[rank] == best else {}
-        haves = cast(list[dict[str, Rows]], all_gather_objects(have, plan.world_size))
-        keys: dict[str, Rows] = {k: r for h in haves for k, r in h.items()}
+        have = ({"rows": {k: rows for k, (_, rows) in captured.held.items()},
+                 "digests": captured.digests} if steps[rank] == best else {})
+        haves = cast(list[dict[str, Any]], all_gather_objects(have, plan.world_size))
+        keys: dict[str, Rows] = {k: r for h in haves for k, r in h.get("rows", {}).items()}
+        ref = plan.restore.checkpoint if plan.restore.checkpoint.uri else None
+        differing = _differing_replicas(haves)
+        if differing:
+            return self._refused(plan, rank, best, ", ".join(differing), ref, mesh)
+        unfilled = sm.missing(keys)
+        if unfilled:
+            log.warning("the held state of step %d does not fill the new model: %s",
+                        best, ", ".join(unfilled[:5]))
+            return self._next_source(plan, rank, best, ref, mesh,
+                                     f"the held state does not fill {', '.join(unfilled[:3])}")
         targets = sm.targets(keys)
         needs = all_gather_objects({k: r for k, (_, r) in targets.items()}, plan.world_size)
-        transfers = plan_transfers(haves, needs)  # type: ignore[arg-type]
+        transfers = plan_transfers([h.get("rows", {}) for h in haves],
+                                   cast(list[dict[str, Rows]], needs))
         if transfers is None:
-            ref = plan.restore.checkpoint if plan.restore.checkpoint.uri else None
-            rolled = self.copies.roll_back(self.ctx, sm, plan.world_size, rank,
-                                           newest_commit=int(ref.step) if ref else -1)
-            if rolled is not None:
-                return rolled
-            self.copies.clear()
-            if ref is None:
-                log.error("shards of step %d have no live holder and nothing was committed: "
-                          "starting from the built model", best)
-                self._built_for_real(mesh)
-                self.ctx.state_step = 0
-                return 0, pb.RESTORE_KIND_NONE
-            if sm.uninitialised and sm.model is not None and any(
-                    m._non_persistent_buffers_set for m in sm.model.modules()):
-                self._built_for_real(mesh)  # the checkpoint holds no non-persistent buffers
-            self.restore(ref, f"shards of step {best} have no live holder")
-            return None, pb.RESTORE_KIND_CHECKPOINT
-        received = exchange(transfers, rank, held, targets)
-        del held
+            return self._next_source(plan, rank, best, ref, mesh, "")
+        written = exchange(transfers, rank, captured.held, targets)
+        if not agree_written(transfers, rank, targets):
+            return self._next_source(plan, rank, best, ref, mesh, "the exchange left rows unwritten")
         extra = {k: v for k, v in self.ctx.state.items() if k not in ("model", "optimizer")}
         mine = ({"hyper": sm.hyperparameters(), "extra": {k: v.state_dict() for k, v in
                                                           extra.items()},
-                 "rng": self._own_rng()}
+                 "loose": captured.loose, "rng": self._own_rng()}
                 if rank == source else None)
         replicated = broadcast_object(mine, source, rank)
         sm.set_hyperparameters(replicated["hyper"])
+        sm.set_loose_state(replicated["loose"])
         if rank != source:
             for k, v in extra.items():
                 v.load_state_dict(replicated["extra"][k])
         self._carry_rng(steps[rank] == best, replicated["rng"])  # the build drew from it too
         log.info("resharded step %d in memory: %d transfers, %d bytes received here",
-                 best, len(transfers), received)
+                 best, len(transfers), written)
         self.ctx.state_step = best
-        return source, pb.RESTORE_KIND_PEERS
+        return Outcome(source, pb.RESTORE_KIND_PEERS, mesh)
+
+    def _next_source(self, plan: pb.Plan, rank: int, best: int, ref: pb.CheckpointRef | None,
+                     mesh: DeviceMesh, why: str) -> Outcome:
+        """The live holders cannot fill the new model (some rows have none,
+        or `why`): the newest complete peer-copy step, else the plan's
+        checkpoint, else the state is lost (built again for real, step 0)."""
+        sm = self.sharded
+        assert sm is not None
+        rolled = self.copies.roll_back(self.ctx, sm, plan.world_size, rank,
+                                       newest_commit=int(ref.step) if ref else -1)
+        if rolled is not None:
+            return Outcome(rolled[0], rolled[1], mesh)
+        if ref is None:
+            log.error("shards of step %d have no live holder and nothing was committed: "
+                      "the state is lost, starting from the built model", best)
+            self._built_for_real(mesh)
+            self.ctx.state_step = 0
+            return Outcome(0, pb.RESTORE_KIND_NONE, mesh, state_lost=(
+                f"the shards of step {best} have no live holder{f' ({why})' if why else ''}, "
+                "no complete peer copy and nothing was committed"))
+        self._restore_sharded(ref, f"shards of step {best} have no live holder"
+                                   + (f" ({why})" if why else ""))
+        return Outcome(None, pb.RESTORE_KIND_CHECKPOINT, mesh)
+
+
+def _differing_replicas(haves: list[dict[str, Any]]) -> list[str]:
+    """Plain tensors (taken as replicated) whose holders hold different
+    values: they are some rank's own slice, which no other rank may take."""
+    seen: dict[str, set[str]] = {}
+    for have in haves:
+        for key, digest in have.get("digests", {}).items():
+            seen.setdefault(key, set()).add(digest)
+    return [f"{key} is a plain tensor whose values differ between ranks (a rank's own slice?)"
+            for key, digests in sorted(seen.items()) if len(digests) > 1]

@@ -73,6 +73,7 @@ from springback.worker.reshard import (
     Piece,
     Rows,
     Transfer,
+    agree_written,
     all_gather_objects,
     broadcast_object,
     exchange,
@@ -252,7 +253,11 @@ class PeerCopyStore:
         """Collective: fills the built model from the newest step whose pieces
         cover every row (not older than `newest_commit`), and rolls the
         whole-held state back to it. Returns (source rank, restore kind), or
-        None on every rank when no such step exists."""
+        None on every rank when no such step exists. A step whose pieces do
+        not fill every tensor of the new model, or whose exchange left a
+        row unwritten on any rank (`agree_written`), is passed over. A
+        failure mid-way leaves the snapshots and copies as they were, and
+        the session's step unchanged (a later start may use them again)."""
         offers = cast(list[dict[int, dict[str, Any]]], all_gather_objects(self.offer(), world))
         for step in sorted({s for o in offers for s in o}, reverse=True):
             if step < newest_commit:
@@ -262,6 +267,8 @@ class PeerCopyStore:
             if not owners:
                 continue
             keys = {k: rows for _, have in pieces for k, rows in have.items()}
+            if sm.missing(keys):
+                continue  # this step's pieces do not fill the new model
             targets = sm.targets(keys)
             needs = all_gather_objects({k: r for k, (_, r) in targets.items()}, world)
             transfers = plan_transfers([have for _, have in pieces],
@@ -271,6 +278,8 @@ class PeerCopyStore:
                 continue
             received = exchange(transfers, rank, lambda t: self.piece_for(step, t), targets,
                                 host=True)
+            if not agree_written(transfers, rank, targets):
+                continue
             self._restore_whole(ctx, sm, owners[0], rank, step)
             log.warning("a lost node's shards came from peer copies: rolled back to step %d "
                         "(%d transfers, %d bytes received here)", step, len(transfers), received)
@@ -282,6 +291,7 @@ class PeerCopyStore:
         mine = self.own_at(step)
         whole = broadcast_object(mine.whole if rank == source and mine else None, source, rank)
         sm.set_hyperparameters(whole["hyper"])
+        sm.set_loose_state(whole["loose"])
         for k, v in ctx.state.items():
             if k not in ("model", "optimizer"):
                 v.load_state_dict(copy.deepcopy(whole["extra"][k]))
@@ -362,6 +372,7 @@ class GenerationCopies:
             self._indexes = cast(list[tuple[Index, int]],
                                  all_gather_objects(index_of(held), self.world))
         whole = {"hyper": copy.deepcopy(self.sm.hyperparameters()),
+                 "loose": copy.deepcopy(self.sm.loose_state()),
                  "extra": {k: copy.deepcopy(v.state_dict()) for k, v in self.ctx.state.items()
                            if k not in ("model", "optimizer")},
                  "rng": rngstate.capture()}

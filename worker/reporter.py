@@ -85,12 +85,15 @@ class StepReporter:
                 self._cond.notify_all()
 
     def start(self, *, generation: int, step: int, samples_consumed: int, restored_from: int,
-              epoch: int, offset: int) -> None:
-        """Queues the generation-start report (see the module docstring)."""
+              epoch: int, offset: int, state_lost: str = "") -> None:
+        """Queues the generation-start report (see the module docstring);
+        `state_lost` says why the ranks started from scratch although trained
+        state existed."""
         req = wpb.ReportStepRequest(
             job_id=self._job_id, member_id=self._member_id, generation=generation, step=step,
             samples_consumed=samples_consumed, cursor=pb.DataCursor(epoch=epoch, offset=offset),
-            generation_start=True, restored_from=cast(pb.RestoreKind, restored_from))
+            generation_start=True, restored_from=cast(pb.RestoreKind, restored_from),
+            state_lost=state_lost)
         with self._cond:
             self._pending_start = req
             self._pending = None  # reports of an older generation are moot
@@ -149,6 +152,21 @@ class StepReporter:
                         lost_member_id, e.code().name, e.details())
             return False
         log.warning("rank %d: reported lost peer rank %d (%s)", rank, peer, lost_member_id)
+        return True
+
+    def report_fatal(self, plan: pb.Plan, reason: str) -> bool:
+        """Tells the coordinator that the job cannot go on whatever the
+        membership (the ranks agreed: `agreement.StateUnrecoverable`); it
+        ends the job FAILED with `reason`. Never raises: one call with a
+        `LOST_PEER_TIMEOUT_S` deadline; when it is not taken the rank's exit
+        is still reported by its agent. True when the report was taken."""
+        try:
+            self._stub.ReportFailure(wpb.ReportFailureRequest(
+                job_id=plan.job_id, member_id=self._member_id, generation=plan.generation,
+                reason=reason, job_fatal=True), timeout=LOST_PEER_TIMEOUT_S)
+        except grpc.RpcError as e:
+            log.warning("fatal report not taken: %s %s", e.code().name, e.details())
+            return False
         return True
 
     def close(self) -> None:

@@ -11,8 +11,8 @@ parameter's fully qualified name. A tensor is described by the rows of dim 0
 that a rank holds (`Rows`): FSDP2's ``Shard(0)`` placement over one mesh
 dimension gives ``torch.chunk``'s split, ``Replicate`` the whole tensor; a
 0-dim tensor (``step``) is one row. Other placements (TP's ``Shard(1)``,
-``Partial``) are refused with `NotReshardable`, and the session restores
-from storage instead.
+``Partial``) are refused with `NotReshardable`: the ranks agree on it and
+restore the newest commit instead (`agreement`).
 
 The protocol (`plan_transfers`) is a pure function of what every rank holds
 and needs, which the ranks all-gather first, so every rank computes the same
@@ -25,12 +25,15 @@ Failure semantics: the exchange is collective; a peer dying mid-exchange
 raises what a failed collective raises (the generation fails to start and
 the next plan is awaited), and the receiving rank's new tensors are only
 partly written, but the held pieces, taken before the exchange, are
-untouched, so the next attempt starts from them again.
+untouched and kept by the agreement (`agreement.StateAgreement`), so the
+next attempt starts from them again. After an exchange the ranks agree that
+every needed row was written (`agree_written`) before the model is used.
 """
 
 from __future__ import annotations
 
 import io
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -39,6 +42,8 @@ import torch
 import torch.distributed as dist
 
 from springback.worker.rendezvous import handed_to_gloo
+
+log = logging.getLogger(__name__)
 
 
 class NotReshardable(ValueError):
@@ -163,6 +168,42 @@ def exchange(transfers: list[Transfer], rank: int,
     for view, buf in landing:
         view.copy_(buf)
     return received
+
+
+def agree_written(transfers: list[Transfer], rank: int,
+                  targets: dict[str, tuple[torch.Tensor, Rows]]) -> bool:
+    """Collective: every rank checks that the exchange wrote every row it
+    needed of every target (`covered`), and the ranks agree on it (a MIN
+    all-reduce): False on every rank when any rank's fill is short, so no
+    rank trains on a partly written model (the caller tries the next source)."""
+    short = covered(transfers, rank, targets)
+    ok = torch.tensor([0 if short else 1], dtype=torch.int64)
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    handed_to_gloo(ok)
+    if short:
+        log.error("the exchange left rows unwritten on rank %d: %s", rank,
+                  ", ".join(short[:5]))
+    return bool(ok.item())
+
+
+def covered(transfers: list[Transfer], rank: int,
+            targets: dict[str, tuple[torch.Tensor, Rows]]) -> list[str]:
+    """The keys of `targets` whose rows the transfers to `rank` do not cover,
+    each row once and in order (empty: the fill writes every row)."""
+    spans: dict[str, list[tuple[int, int]]] = {}
+    for t in transfers:
+        if t.dst == rank:
+            spans.setdefault(t.key, []).append((t.start, t.end))
+    short = []
+    for key, (_, rows) in targets.items():
+        cursor = rows.start
+        for start, end in sorted(spans.get(key, [])):
+            if start != cursor:
+                break
+            cursor = end
+        if cursor != rows.end:
+            short.append(key)
+    return short
 
 
 def all_gather_objects(obj: object, world_size: int) -> list[object]:

@@ -60,7 +60,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -83,7 +83,7 @@ from springback.worker.rendezvous import (
     note_subgroup_endpoints,
 )
 from springback.worker.mesh import MeshLayout, build_mesh
-from springback.worker.agreement import StateAgreement
+from springback.worker.agreement import Outcome, StateAgreement
 from springback.worker.context import DEFAULT_PLAN_WAIT_S, RankContext
 from springback.worker.sampler import Batch, SampleStream
 from springback.worker.peercopy import GenerationCopies
@@ -110,14 +110,18 @@ class Session:
                  seed: int | None = None, max_steps: int | None = None,
                  backend: str = "gloo", restore_checkpoint: RestoreHook | None = None,
                  plan_wait_s: float | None = None, env: RankEnv | None = None,
-                 build: BuildFn | None = None, build_on_meta: bool = True) -> None:
+                 build: BuildFn | None = None, build_on_meta: bool = True,
+                 replicated: Collection[str] = ()) -> None:
         """`model`/`optimizer`/`state` (objects with state_dict/load_state_dict)
         are what survivors hand to joiners. With `build` (the sharded-model
         form, see `worker/sharded.py`) instead of model and optimizer, the
         library builds them on every generation's mesh and reshards their
         state in memory; `state=` entries are handed over whole; with
         `build_on_meta` (the default) a build whose values will all be
-        overwritten runs on the meta device first (`worker/sharded.py`).
+        overwritten runs on the meta device first (`worker/sharded.py`);
+        `replicated` names the plain (not DTensor) parameters that hold the
+        same values on every rank (any other is refused by the in-memory
+        reshard: it may be a rank's own slice).
         Data and max_steps come from the job
         spec in the plan; the keyword arguments are fallbacks for standalone runs
         (``python train.py`` without an agent: one rank, world size 1).
@@ -158,7 +162,8 @@ class Session:
             self.ctx.reporter = StepReporter(self.env.coordinator, self.env.token,
                                              self.env.job_id, self.env.member_id)
         self._agreement = StateAgreement(self.ctx, restore_checkpoint,
-                                         ShardedModel(build, on_meta=build_on_meta)
+                                         ShardedModel(build, on_meta=build_on_meta,
+                                                      replicated=replicated)
                                          if build is not None else None)
 
     @property
@@ -290,10 +295,9 @@ class Session:
                        rendezvous_timeout_s=self.env.rendezvous_timeout_s,
                        superseded=superseded)
             with self.ctx.busy("agreeing on the state"):  # reads no plan meanwhile
-                if self._agreement.sharded is not None:
-                    source, restored_from, mesh = self._agreement.agree_sharded(plan, rank, store)
-                else:
-                    (source, restored_from), mesh = self._agreement.agree(plan, rank), None
+                outcome = (self._agreement.agree_sharded(plan, rank, store)
+                           if self._agreement.sharded is not None
+                           else self._agreement.agree(plan, rank))
             self.ctx.rng = rngstate.capture()  # the agreed state's (a restore set it too)
         except (RendezvousAborted, RuntimeError) as e:
             log.warning("generation %d could not start on rank %d: %s", plan.generation,
@@ -302,9 +306,9 @@ class Session:
             self.ctx.clean = False
             return None
         gen = Generation(self.ctx, plan, rank)
-        gen._store, gen._mesh = store, mesh
+        gen._store, gen._mesh = store, outcome.mesh
         gen._copies = self._agreement.copies_for(plan, rank)
-        gen._record_start(source, restored_from, time.monotonic() - t0)
+        gen._record_start(outcome, time.monotonic() - t0)
         if self.ctx.stats is not None:
             self.ctx.stats.generation_started(generation=plan.generation,
                                            world_size=plan.world_size, rank=rank, step=self.step)
@@ -599,13 +603,15 @@ class Generation:
 
     # -- bookkeeping -----------------------------------------------------------
 
-    def _record_start(self, source: int | None, restored_from: int, formed_s: float) -> None:
+    def _record_start(self, outcome: Outcome, formed_s: float) -> None:
         s = self.ctx
+        source = outcome.source
         if self.rank == 0 and s.reporter is not None:
             epoch, offset = self.stream.cursor_after(s.step)
             s.reporter.start(generation=self.generation, step=s.step,
                               samples_consumed=s.step * self.stream.global_batch_size,
-                              restored_from=restored_from, epoch=epoch, offset=offset)
+                              restored_from=outcome.kind, epoch=epoch, offset=offset,
+                              state_lost=outcome.state_lost)
         if self.rank == 0:
             eventlog.append({"event": "generation", "generation": self.generation,
                      "world_size": self.world_size, "step": self.ctx.step,

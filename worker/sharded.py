@@ -45,13 +45,15 @@ plus the held shards.
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from springback.worker.reshard import Rows, rows_of
+from springback.worker.reshard import NotReshardable, Rows, rows_of
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -69,10 +71,28 @@ class BuildFailed(Exception):
     """The script's build function raised (the rank fails with this)."""
 
 
+@dataclasses.dataclass
+class Captured:
+    """What a rank holds of the previous generation's model and optimizer,
+    taken when a generation starts and kept until one starts (`agreement`)."""
+
+    held: Held
+    """Every tensor's local data and the rows it is."""
+    loose: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    """Per parameter (by name): optimizer state entries that are not tensors."""
+    digests: dict[str, str] = dataclasses.field(default_factory=dict)
+    """Plain (not DTensor) tensors, taken as replicated: SHA-256 of their bytes,
+    so the agreement can prove every holder has the same values."""
+    refused: str = ""
+    """Why this rank's state cannot be resharded in memory (a placement or a
+    plain parameter `rows_of` does not handle): a restore is agreed instead."""
+
+
 class ShardedModel:
     """The model and optimizer of the generation, rebuilt on every mesh."""
 
-    def __init__(self, build: BuildFn, *, on_meta: bool = True) -> None:
+    def __init__(self, build: BuildFn, *, on_meta: bool = True,
+                 replicated: Collection[str] = ()) -> None:
         # imported now, not inside the first generation's collectives (seconds
         # on a loaded machine, longer than a short collective timeout)
         import torch.distributed.device_mesh  # noqa: F401
@@ -80,31 +100,57 @@ class ShardedModel:
         import torch.distributed.tensor  # noqa: F401
 
         self.build = build
+        self.replicated = frozenset(replicated)
+        """Plain (not DTensor) parameters the script declares identical on
+        every rank; any other plain parameter is refused (`shards`)."""
         self.on_meta = on_meta
         """Build on the meta device when the state is filled from elsewhere."""
         self.uninitialised = False
         """The model holds uninitialised memory: every value must be filled."""
         self.model: torch.nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
+        self.mesh: DeviceMesh | None = None
+        """The mesh the model was built on."""
         self._params: dict[str, torch.Tensor] = {}
 
-    def capture(self) -> Held:
-        """This rank's shards of the current model and optimizer (`shards`)
-        and releases the model. Empty before the first build."""
-        held = self.shards()
+    def capture(self) -> Captured:
+        """This rank's shards of the current model and optimizer (`shards`),
+        with what travels beside them, and releases the model. Never raises
+        for a placement: a `NotReshardable` is kept as `Captured.refused`.
+        Empty before the first build."""
+        try:
+            captured = Captured(self.shards(), self.loose_state(), self._plain_digests())
+        except NotReshardable as e:
+            captured = Captured({}, refused=str(e))
+        self.release()
+        return captured
+
+    def release(self) -> None:
+        """Drops the model and optimizer (a start that failed built them; they
+        are never a source)."""
         self.model = self.optimizer = None
         self._params = {}
-        return held
 
     def shards(self) -> Held:
         """This rank's shards of the current model and optimizer (no
         collective; the tensors are referenced, not copied); NotReshardable
-        for a placement the reshard does not handle. Empty before the first
-        build."""
+        for a placement the reshard does not handle, and for a plain (not
+        DTensor) parameter not declared `replicated`: its values may be this
+        rank's own slice (hand-written tensor or expert parallel), which a
+        joiner must not take for the whole. Plain buffers are replicated, as
+        FSDP2 leaves them (the agreement checks their digests). Empty before
+        the first build."""
         if self.model is None:
             return {}
+        from torch.distributed.tensor import DTensor
+
         held: Held = {}
         for fqn, p in self._params.items():
+            if not isinstance(p, DTensor) and fqn not in self.replicated:
+                raise NotReshardable(
+                    f"parameter {fqn!r} is a plain tensor, not a DTensor: it may hold this "
+                    "rank's slice only (declare it with Session(replicated=[...]) if every "
+                    "rank holds the same values)")
             held[f"param/{fqn}"] = rows_of(p)
             for name, value in (self.optimizer.state.get(p, {}) if self.optimizer else {}).items():
                 if isinstance(value, torch.Tensor):
@@ -112,6 +158,54 @@ class ShardedModel:
         for fqn, b in self.model.named_buffers():
             held[f"buffer/{fqn}"] = rows_of(b)
         return held
+
+    def loose_state(self) -> dict[str, dict[str, Any]]:
+        """Per parameter: its optimizer state entries that are not tensors."""
+        if self.optimizer is None:
+            return {}
+        out: dict[str, dict[str, Any]] = {}
+        for fqn, p in self._params.items():
+            loose = {k: v for k, v in self.optimizer.state.get(p, {}).items()
+                     if not isinstance(v, torch.Tensor)}
+            if loose:
+                out[fqn] = loose
+        return out
+
+    def _plain_digests(self) -> dict[str, str]:
+        """SHA-256 of every plain (not DTensor) tensor's bytes, by key."""
+        from torch.distributed.tensor import DTensor
+
+        if self.model is None:
+            return {}
+        plain = [(f"param/{fqn}", p) for fqn, p in self._params.items()
+                 if not isinstance(p, DTensor)]
+        plain += [(f"buffer/{fqn}", b) for fqn, b in self.model.named_buffers()]
+        return {key: hashlib.sha256(t.detach().cpu().contiguous().view(-1).view(torch.uint8)
+                                    .numpy().tobytes()).hexdigest()
+                for key, t in plain}
+
+    def set_loose_state(self, loose: dict[str, dict[str, Any]]) -> None:
+        """Puts the source's non-tensor optimizer state into the new optimizer."""
+        assert self.optimizer is not None
+        for fqn, entries in loose.items():
+            if fqn not in self._params:
+                raise BuildFailed(f"build() made no parameter {fqn!r}; the state has one")
+            self.optimizer.state[self._params[fqn]].update(entries)
+
+    def missing(self, keys: Collection[str]) -> list[str]:
+        """The new model's parameters and buffers that no key of the held
+        state fills, and held keys the new model has no place for (the build
+        made another model): a fill that leaves any of them is incomplete."""
+        assert self.model is not None
+        own = {f"param/{fqn}" for fqn in self._params}
+        own |= {f"buffer/{fqn}" for fqn, _ in self.model.named_buffers()}
+        unfilled = sorted(own - set(keys))
+        for key in keys:
+            kind, _, rest = key.partition("/")
+            fqn = rest.rpartition("/")[0] if kind == "optim" else rest
+            if (f"param/{fqn}" if kind == "optim" else key) not in own:
+                unfilled.append(f"{key} (not in the new model)")
+        return unfilled
 
     def hyperparameters(self) -> list[dict[str, Any]]:
         """The optimizer's param-group settings (lr, betas, ...), in group order."""
@@ -133,6 +227,7 @@ class ShardedModel:
         by a checkpoint, which holds no non-persistent buffers) it runs on the
         meta device where it can and the model gets uninitialised memory on
         `device` (`uninitialised`; module docstring)."""
+        self.mesh = mesh
         if filled and self.on_meta:
             try:
                 with torch.device("meta"):

@@ -337,6 +337,78 @@ class TestStateHolders:
         assert client.get_job(job.id).status.step == 11
 
 
+def _trained_then_started(workers, coordinator, job_id: str, member: str, *, step: int = 0,
+                          restored_from: int = pb.RESTORE_KIND_NONE, state_lost: str = "",
+                          reports: int = 2) -> int:
+    """`member` trains to step 14, its generation breaks, and the next one
+    starts at `step` from `restored_from` (by default: from nothing, no
+    holder, no commit), reported `reports` times (a retried report counts
+    once): returns that generation."""
+    started(workers, coordinator, job_id, member)
+    generation = plan_of(coordinator, job_id).generation
+    workers.ReportStep(ws.ReportStepRequest(job_id=job_id, member_id=member,
+                                            generation=generation, step=14), timeout=5)
+    workers.ReportFailure(ws.ReportFailureRequest(
+        job_id=job_id, member_id=member, generation=generation), timeout=5)
+    generation = plan_of(coordinator, job_id).generation
+    for _ in range(reports):
+        workers.ReportStep(ws.ReportStepRequest(
+            job_id=job_id, member_id=member, generation=generation, step=step,
+            generation_start=True, restored_from=restored_from, state_lost=state_lost),
+            timeout=5)
+    return generation
+
+
+class TestStateLoss:
+    def test_a_start_from_nothing_behind_the_progress_is_counted_said_and_evented(
+            self, coordinator, client, workers, make_spec):
+        job = client.create_job(make_spec(max_workers=1))
+        a = join(workers, job.id, 9171)
+        generation = _trained_then_started(workers, coordinator, job.id, a,
+                                           state_lost="rank 1's rows have no live holder")
+        status = client.get_job(job.id).status
+        assert (status.num_state_losses, status.steps_lost, status.step) == (1, 14, 0)
+        assert status.state == pb.JOB_STATE_RUNNING  # the default policy restarts
+        assert "state lost: 14 trained steps" in status.message and \
+            "no live holder" in status.message, status.message
+        workers.ReportStep(ws.ReportStepRequest(job_id=job.id, member_id=a,
+                                                generation=generation, step=1), timeout=5)
+        _, events = client.list_job_events(job.id)
+        event = next(e for e in events if e.generation == generation)
+        assert (event.steps_lost, event.state_lost) == (14, "rank 1's rows have no live holder")
+
+    def test_with_on_state_lost_fail_the_job_ends_failed_naming_the_loss(
+            self, coordinator, client, workers, make_spec):
+        job = client.create_job(make_spec(max_workers=1, failures={"on_state_lost": "fail"}))
+        a = join(workers, job.id, 9181)
+        _trained_then_started(workers, coordinator, job.id, a, reports=1)
+        status = client.get_job(job.id).status
+        assert status.state == pb.JOB_STATE_FAILED, status
+        assert status.message.startswith("failed (failures.on_state_lost: fail): state lost: 14")
+        assert "nothing was committed" in status.message, status.message
+
+    def test_a_start_from_a_checkpoint_is_no_state_loss(
+            self, coordinator, client, workers, make_spec):
+        job = client.create_job(make_spec(max_workers=1))
+        a = join(workers, job.id, 9191)
+        _trained_then_started(workers, coordinator, job.id, a, step=10,
+                              restored_from=pb.RESTORE_KIND_CHECKPOINT)
+        status = client.get_job(job.id).status
+        assert (status.num_state_losses, status.steps_lost, status.steps_redone) == (0, 0, 4)
+
+    def test_a_job_fatal_failure_ends_the_job_at_once_with_its_reason(
+            self, coordinator, client, workers, make_spec):
+        job = client.create_job(make_spec(max_workers=2))
+        a, b = join(workers, job.id, 9195), join(workers, job.id, 9196)
+        started(workers, coordinator, job.id, a)
+        workers.ReportFailure(ws.ReportFailureRequest(
+            job_id=job.id, member_id=a, generation=plan_of(coordinator, job.id).generation,
+            reason="'0.weight' cannot be resharded in memory", job_fatal=True), timeout=5)
+        status = client.get_job(job.id).status
+        assert status.state == pb.JOB_STATE_FAILED and status.num_failures == 1
+        assert status.message == f"failed: {a}: '0.weight' cannot be resharded in memory"
+
+
 class TestCommits:
     def test_commits_are_recorded_and_retention_retires_the_oldest(
         self, coordinator, client, workers, make_spec

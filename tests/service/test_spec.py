@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from springback.client.errors import InvalidArgument
 from springback.client.spec import load_spec_file, spec_from_dict
+from springback.v1 import types_pb2 as pb
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -32,6 +33,8 @@ GOOD = {"name": "lm", "data": {"num_samples": 10, "global_batch_size": 2}, "max_
         ({"peer_copies": {"every_steps": "10"}}, "peer_copies.every_steps"),
         ({"peer_copies": {"every": 10}}, "peer_copies.every"),
         ({"peer_copies": 10}, "peer_copies"),
+        ({"failures": {"on_state_lost": "ignore"}}, "failures.on_state_lost"),
+        ({"failures": {"on_state_lost": ["fail"]}}, "failures.on_state_lost"),
         ({"data": {"num_samples": 10, "global_batch_size": 2**40}}, "data.global_batch_size"),
     ],
 )
@@ -51,6 +54,12 @@ def test_peer_copies_default_to_every_10_steps_and_0_disables_them():
     off = spec_from_dict({**GOOD, "peer_copies": {"every_steps": 0}})
     assert off.peer_copies.HasField("every_steps") and off.peer_copies.every_steps == 0
     assert spec_from_dict({**GOOD, "peer_copies": {"every_steps": 3}}).peer_copies.every_steps == 3
+
+
+def test_a_state_loss_restarts_unless_the_spec_says_fail():
+    assert spec_from_dict(GOOD).failures.on_state_lost == pb.STATE_LOST_POLICY_RESTART
+    fail = spec_from_dict({**GOOD, "failures": {"on_state_lost": "fail"}})
+    assert fail.failures.on_state_lost == pb.STATE_LOST_POLICY_FAIL
 
 
 def test_a_bad_peer_copy_interval_names_the_field_and_the_file(tmp_path):

@@ -93,7 +93,7 @@ class WatchPlansResponse(_message.Message):
     def __init__(self, plan: _Optional[_Union[_types_pb2.Plan, _Mapping]] = ...) -> None: ...
 
 class ReportStepRequest(_message.Message):
-    __slots__ = ("job_id", "member_id", "generation", "step", "samples_consumed", "loss", "cursor", "generation_start", "restored_from")
+    __slots__ = ("job_id", "member_id", "generation", "step", "samples_consumed", "loss", "cursor", "generation_start", "restored_from", "state_lost")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
@@ -103,6 +103,7 @@ class ReportStepRequest(_message.Message):
     CURSOR_FIELD_NUMBER: _ClassVar[int]
     GENERATION_START_FIELD_NUMBER: _ClassVar[int]
     RESTORED_FROM_FIELD_NUMBER: _ClassVar[int]
+    STATE_LOST_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     member_id: str
     generation: int
@@ -112,7 +113,8 @@ class ReportStepRequest(_message.Message):
     cursor: _types_pb2.DataCursor
     generation_start: bool
     restored_from: _types_pb2.RestoreKind
-    def __init__(self, job_id: _Optional[str] = ..., member_id: _Optional[str] = ..., generation: _Optional[int] = ..., step: _Optional[int] = ..., samples_consumed: _Optional[int] = ..., loss: _Optional[float] = ..., cursor: _Optional[_Union[_types_pb2.DataCursor, _Mapping]] = ..., generation_start: _Optional[bool] = ..., restored_from: _Optional[_Union[_types_pb2.RestoreKind, str]] = ...) -> None: ...
+    state_lost: str
+    def __init__(self, job_id: _Optional[str] = ..., member_id: _Optional[str] = ..., generation: _Optional[int] = ..., step: _Optional[int] = ..., samples_consumed: _Optional[int] = ..., loss: _Optional[float] = ..., cursor: _Optional[_Union[_types_pb2.DataCursor, _Mapping]] = ..., generation_start: _Optional[bool] = ..., restored_from: _Optional[_Union[_types_pb2.RestoreKind, str]] = ..., state_lost: _Optional[str] = ...) -> None: ...
 
 class ReportStepResponse(_message.Message):
     __slots__ = ("generation",)
@@ -121,7 +123,7 @@ class ReportStepResponse(_message.Message):
     def __init__(self, generation: _Optional[int] = ...) -> None: ...
 
 class ReportFailureRequest(_message.Message):
-    __slots__ = ("job_id", "member_id", "generation", "reason", "state_kept", "lost_member_id", "lost_rank")
+    __slots__ = ("job_id", "member_id", "generation", "reason", "state_kept", "lost_member_id", "lost_rank", "job_fatal")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
@@ -129,6 +131,7 @@ class ReportFailureRequest(_message.Message):
     STATE_KEPT_FIELD_NUMBER: _ClassVar[int]
     LOST_MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
     LOST_RANK_FIELD_NUMBER: _ClassVar[int]
+    JOB_FATAL_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     member_id: str
     generation: int
@@ -136,7 +139,8 @@ class ReportFailureRequest(_message.Message):
     state_kept: bool
     lost_member_id: str
     lost_rank: int
-    def __init__(self, job_id: _Optional[str] = ..., member_id: _Optional[str] = ..., generation: _Optional[int] = ..., reason: _Optional[str] = ..., state_kept: _Optional[bool] = ..., lost_member_id: _Optional[str] = ..., lost_rank: _Optional[int] = ...) -> None: ...
+    job_fatal: bool
+    def __init__(self, job_id: _Optional[str] = ..., member_id: _Optional[str] = ..., generation: _Optional[int] = ..., reason: _Optional[str] = ..., state_kept: _Optional[bool] = ..., lost_member_id: _Optional[str] = ..., lost_rank: _Optional[int] = ..., job_fatal: _Optional[bool] = ...) -> None: ...
 
 class ReportFailureResponse(_message.Message):
     __slots__ = ("generation",)

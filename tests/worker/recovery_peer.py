@@ -1,0 +1,402 @@
+"""One rank of test_recovery_faults.py: ``python recovery_peer.py RANK DIR
+SCENARIO``. Gloo ranks run the library's own `StateAgreement` generation
+after generation (each generation a new process group over a FileStore),
+and a *victim* rank dies (``os._exit``) at a named point inside a recovery:
+the survivors' start fails the way `Session._start` sees it (they leave the
+broken group and take the next plan). Every rank writes
+``result-RANK.json``: per generation what the agreement settled on (or the
+error it raised) and the SHA-256 of the gathered full model and optimizer
+state, next to the digests recorded at the steps trained.
+
+Scenarios:
+
+* ``second_fault`` (4 ranks, FSDP2): HSDP 2 x 2 trains 2 steps; generation 2
+  (shard 4) loses rank 1 as it enters the exchange, generation 3 (the other
+  three, shard 3) loses rank 2 in the steps' all-gather; generation 4 (ranks
+  0 and 3, shard 2) must hold step 2's state.
+* ``handover`` (4 ranks, DDP form): ranks 0-1 hold step 2, 2-3 are joiners;
+  joiner 3 dies mid-receive of the broadcast, then holder 1 dies as the
+  next hand-over begins; generation 4 (ranks 0 and 2) holds step 2's state.
+* ``restore`` (3 ranks, FSDP2): step 2 committed, step 3 trained; ranks that
+  hold nothing restore, rank 2 dies as its restore begins; the other two
+  restore step 2.
+* ``rollback`` (4 one-rank nodes, FSDP2 shard 4, peer copies every 2
+  steps): node 3 dies after step 3; generation 2's roll back to step 2
+  loses rank 1 as its exchange begins; ranks 0 and 2 roll back to step 2.
+* ``tensor_parallel`` (2 ranks, tp 2, row-wise ``Shard(1)``): no commit, the
+  ranks fail alike (`StateUnrecoverable`); with one, they restore it.
+* ``plain`` (2 ranks, FSDP2 with a plain parameter holding each rank's own
+  values): rank 1 comes back holding nothing; the ranks refuse to hand it
+  rank 0's values.
+* ``fill`` (2 ranks, FSDP2, an optimizer with non-tensor state): resharded
+  shard 2 -> replicate 2 with that state kept; then rank 1 comes back holding
+  nothing, no commit: the state is lost, said, and the model and optimizer
+  are the build's own (no entry the failed fill made).
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import os
+import sys
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+)
+
+import springback.worker.agreement as agreement_module
+import springback.worker.peercopy as peercopy_module
+from springback.storage import Checkpointer, committed_checkpoints, model_state_dict
+from springback.v1 import types_pb2 as pb
+from springback.worker.agreement import StateAgreement, StateUnrecoverable
+from springback.worker.checkpointing import restore_from_checkpoint
+from springback.worker.context import RankContext
+from springback.worker.peercopy import GenerationCopies
+from springback.worker.rendezvous import leave_group
+from springback.worker.sharded import ShardedModel
+
+RANK, ROOT, SCENARIO = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+FULL = StateDictOptions(full_state_dict=True)
+result: dict[str, Any] = {"generations": [], "trained": {}}
+
+
+def die_at(module: Any, name: str, *, after_calls: int = 0) -> None:
+    """This rank exits when `module.name` is called (after `after_calls`
+    calls that run as usual): a process killed inside a recovery."""
+    real = getattr(module, name)
+    calls = [0]
+
+    def dying(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        if calls[0] > after_calls:
+            sys.stdout.flush()
+            os._exit(9)
+        return real(*args, **kwargs)
+
+    setattr(module, name, dying)
+
+
+def join(tag: str, members: list[int]) -> int | None:
+    """The new group of `members` (old ranks); this rank's rank in it, or
+    None when it is not a member."""
+    if RANK not in members:
+        return None
+    store = STORE[0] = dist.FileStore(os.path.join(ROOT, f"store-{tag}"), len(members))
+    dist.init_process_group("gloo", store=store, rank=members.index(RANK),
+                            world_size=len(members), timeout=datetime.timedelta(seconds=30))
+    return members.index(RANK)
+
+
+def plan(generation: int, world: int, *, shard: int, tp: int = 1, nodes: int | None = None,
+         ref: pb.CheckpointRef | None = None, copies: int = 0) -> pb.Plan:
+    dp = world // tp
+    p = pb.Plan(generation=generation, world_size=world, layout=pb.ParallelLayout(
+        dp=dp, tp=tp, pp=1, ep=1, replicate=dp // shard, shard=shard))
+    p.restore.kind = pb.RESTORE_KIND_PEERS if ref is None else pb.RESTORE_KIND_CHECKPOINT
+    if ref is not None:
+        p.restore.checkpoint.CopyFrom(ref)
+    p.spec.peer_copies.every_steps = copies
+    nodes = nodes or world
+    for node in range(nodes):
+        p.members.add(member_id=f"node{node}", node_rank=node, first_rank=node * world // nodes,
+                      num_local_ranks=world // nodes)
+    return p
+
+
+def new_agreement(build: Any, **kwargs: Any) -> StateAgreement:
+    ctx = RankContext(env=SimpleNamespace(rendezvous_timeout_s=60.0), state={},  # type: ignore[arg-type]
+                      device=torch.device("cpu"))
+    return StateAgreement(ctx, restore_from_checkpoint, ShardedModel(build, **kwargs))
+
+
+def digest(state: dict[str, Any], sharded: bool = True) -> str:
+    """SHA-256 of the gathered full model and optimizer state (collective)."""
+    model, opt = state["model"], state["optimizer"]
+    if sharded:
+        full = {**{f"model.{k}": v for k, v in get_model_state_dict(model, options=FULL).items()},
+                "optim": get_optimizer_state_dict(model, opt, options=FULL)["state"]}
+    else:
+        full = {"model": model.state_dict(), "optim": opt.state_dict()["state"]}
+    h = hashlib.sha256()
+
+    def feed(prefix: str, value: Any) -> None:
+        if isinstance(value, dict):
+            for k in sorted(value, key=str):
+                feed(f"{prefix}/{k}", value[k])
+        elif isinstance(value, torch.Tensor):
+            t = value.full_tensor() if hasattr(value, "full_tensor") else value
+            h.update(prefix.encode() + t.detach().contiguous().view(-1).view(torch.uint8)
+                     .numpy().tobytes())
+        else:
+            h.update(f"{prefix}={value!r}".encode())
+
+    feed("", full)
+    return h.hexdigest()
+
+
+def train(state: dict[str, Any], step: int, inputs: int = 8) -> None:
+    model, opt = state["model"], state["optimizer"]
+    model(torch.full((4, inputs), float(step))).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def attempt(generation: int, agree: Any, state: dict[str, Any], *, sharded: bool = True) -> None:
+    """One start: records what it settled on and the state's digest, or the
+    error that ended it (then leaves the broken group, as `Session` does)."""
+    try:
+        outcome = agree()
+    except (RuntimeError, StateUnrecoverable) as e:
+        result["generations"].append({"generation": generation, "error": type(e).__name__,
+                                      "message": str(e)[:400]})
+        if isinstance(e, RuntimeError):
+            leave_group(broken=True, cause=e)
+        return
+    entry = {"generation": generation, "kind": pb.RestoreKind.Name(outcome.kind),
+             "state_lost": outcome.state_lost,
+             # before the digest: DCP's optimizer state dict fills empty state
+             "optimizer_entries": len(state["optimizer"].state),
+             "digest": digest(state, sharded)}
+    result["generations"].append(entry)
+
+
+def fsdp_build(mesh):  # noqa: ANN001, ANN201
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 33), torch.nn.Linear(33, 5))  # uneven rows
+    for block in model:
+        fully_shard(block, mesh=mesh["replicate", "shard"])
+    fully_shard(model, mesh=mesh["replicate", "shard"])
+    return model, torch.optim.AdamW(model.parameters(), lr=0.1)
+
+
+def start(ag: StateAgreement, generation: int, p: pb.Plan, rank: int | None) -> None:
+    """The sharded form's start of `generation` on the current group."""
+    assert rank is not None and STORE[0] is not None
+    attempt(generation, lambda: ag.agree_sharded(p, rank, dist.PrefixStore(f"g{generation}",
+                                                                           STORE[0])),
+            ag.ctx.state)
+    result["generations"][-1]["step"] = ag.ctx.state_step
+
+
+STORE: list[dist.Store | None] = [None]
+"""The current group's store."""
+
+
+def trained(ag: StateAgreement, steps: range, sharded: bool = True) -> None:
+    for step in steps:
+        train(ag.ctx.state, step)
+        ag.ctx.state_step = step
+        result["trained"][str(step)] = digest(ag.ctx.state, sharded)
+
+
+def second_fault() -> None:
+    ag = new_agreement(fsdp_build)
+    rank = join("g1", [0, 1, 2, 3])
+    start(ag, 1, plan(1, 4, shard=2), rank)
+    trained(ag, range(1, 3))
+    leave_group()
+    if RANK == 1:
+        die_at(agreement_module, "exchange")
+    rank = join("g2", [0, 1, 2, 3])
+    start(ag, 2, plan(2, 4, shard=4), rank)
+    if RANK == 2:
+        die_at(StateAgreement, "gather_steps")
+    rank = join("g3", [0, 2, 3])
+    start(ag, 3, plan(3, 3, shard=3), rank)
+    rank = join("g4", [0, 3])
+    start(ag, 4, plan(4, 2, shard=2), rank)
+
+
+class Replicated(torch.nn.Module):
+    """The DDP form's model: big enough (24 MiB with AdamW's state) that a
+    broadcast to a dead receiver blocks its sender."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(8, 1024)
+        self.b = torch.nn.Linear(1024, 2048)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x))
+
+
+def handover() -> None:
+    torch.manual_seed(RANK if RANK >= 2 else 0)  # joiners start from other values
+    model = Replicated()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    ctx = RankContext(env=SimpleNamespace(rendezvous_timeout_s=60.0),  # type: ignore[arg-type]
+                      state={"model": model, "optimizer": opt}, device=torch.device("cpu"))
+    ag = StateAgreement(ctx, None, None)
+    if RANK < 2:
+        for step in range(1, 3):
+            train(ctx.state, step)
+            ctx.state_step = step
+            result["trained"][str(step)] = digest(ctx.state, sharded=False)
+    if RANK == 3:  # the size is received, the state's bytes are not
+        die_at(agreement_module.dist, "broadcast", after_calls=1)
+    for generation, members in ((2, [0, 1, 2, 3]), (3, [0, 1, 2]), (4, [0, 2])):
+        if RANK == 1 and generation == 3:
+            die_at(agreement_module, "broadcast_object")
+        rank = join(f"g{generation}", members)
+        if rank is None:
+            return
+        p = plan(generation, len(members), shard=1)
+        p.restore.source_rank = 0
+        attempt(generation, lambda: ag.agree(p, rank), ctx.state, sharded=False)
+        result["generations"][-1]["step"] = ctx.state_step
+        if "error" not in result["generations"][-1]:
+            leave_group()
+
+
+def restore() -> None:
+    ag = new_agreement(fsdp_build)
+    rank = join("g1", [0, 1, 2])
+    start(ag, 1, plan(1, 3, shard=3), rank)
+    trained(ag, range(1, 3))
+    ref = commit(ag, 2, world=3)
+    trained(ag, range(3, 4))
+    leave_group()
+    fresh = new_agreement(fsdp_build)  # every holder lost: ranks that hold nothing
+    if RANK == 2:
+        die_at(agreement_module.StateAgreement, "restore")
+    rank = join("g2", [0, 1, 2])
+    start(fresh, 2, plan(2, 3, shard=3, ref=ref), rank)
+    rank = join("g3", [0, 1])
+    start(fresh, 3, plan(3, 2, shard=2, ref=ref), rank)
+
+
+def commit(ag: StateAgreement, step: int, world: int) -> pb.CheckpointRef:
+    base = f"file://{ROOT}/ckpt"
+    ck = Checkpointer(base, rank=dist.get_rank(), world_size=world)
+    state = ag.ctx.state
+    ck.save(step, model_state_dict(state["model"], state["optimizer"]), generation=1,
+            cursor=(0, 0), layout={"dp": world, "replicate": 1, "shard": world})
+    ck.wait(60)
+    ck.close(60)
+    dist.barrier()
+    newest = committed_checkpoints(base)[-1]
+    return pb.CheckpointRef(uri=newest.uri, step=newest.step, generation=newest.generation)
+
+
+def rollback() -> None:
+    ag = new_agreement(fsdp_build)
+    rank = join("g1", [0, 1, 2, 3])
+    first = plan(1, 4, shard=4, copies=2)
+    start(ag, 1, first, rank)
+    copies = GenerationCopies.for_generation(ag.copies, ag.ctx, ag.sharded, first, rank)
+    assert copies is not None
+    for step in range(1, 4):
+        trained(ag, range(step, step + 1))
+        if step == 3:
+            break  # node 3 dies after step 3: step 2's copies are the newest complete
+        copies.after_step(step)
+    copies.settle()
+    if RANK == 3:
+        os._exit(9)
+    leave_group(broken=True)
+    if RANK == 1:
+        die_at(peercopy_module, "exchange")
+    rank = join("g2", [0, 1, 2])
+    start(ag, 2, plan(2, 3, shard=3), rank)
+    rank = join("g3", [0, 2])
+    start(ag, 3, plan(3, 2, shard=2), rank)
+
+
+def tp_build(mesh):  # noqa: ANN001, ANN201
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Linear(32, 8))
+    parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "1": RowwiseParallel()})
+    return model, torch.optim.AdamW(model.parameters(), lr=0.1)
+
+
+def tensor_parallel() -> None:
+    ag = new_agreement(tp_build)
+    rank = join("g1", [0, 1])
+    start(ag, 1, plan(1, 2, shard=1, tp=2), rank)
+    trained(ag, range(1, 3))
+    ref = commit(ag, 2, world=2)
+    trained(ag, range(3, 4))
+    start(ag, 2, plan(2, 2, shard=1, tp=2), rank)  # nothing committed, as the plan says
+    start(ag, 3, plan(3, 2, shard=1, tp=2, ref=ref), rank)
+
+
+def plain_build(mesh):  # noqa: ANN001, ANN201
+    model, _ = fsdp_build(mesh)
+    # a hand-written slice of this rank's own, the same shape on every rank
+    model.own = torch.nn.Parameter(torch.full((4,), float(dist.get_rank() + 1)))
+    return model, torch.optim.AdamW(model.parameters(), lr=0.1)
+
+
+def plain() -> None:
+    ag = new_agreement(plain_build)
+    rank = join("g1", [0, 1])
+    start(ag, 1, plan(1, 2, shard=2), rank)
+    trained(ag, range(1, 3))
+    if RANK == 1:
+        ag = new_agreement(plain_build)  # comes back holding nothing
+    start(ag, 2, plan(2, 2, shard=1), rank)
+
+
+class CountingSGD(torch.optim.SGD):
+    """SGD that keeps a non-tensor entry per parameter (steps taken)."""
+
+    def step(self, closure=None):  # noqa: ANN001, ANN201
+        for group in self.param_groups:
+            for p in group["params"]:
+                self.state[p]["count"] = self.state[p].get("count", 0) + 1
+        return super().step(closure)
+
+
+def fill_build(mesh):  # noqa: ANN001, ANN201
+    model, _ = fsdp_build(mesh)
+    return model, CountingSGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+def counts(ag: StateAgreement) -> list[int]:
+    """The distinct non-tensor counts the optimizer holds."""
+    return sorted({s.get("count", -1) for s in ag.ctx.state["optimizer"].state.values()})
+
+
+def fill() -> None:
+    ag = new_agreement(fill_build, on_meta=False)
+    rank = join("g1", [0, 1])
+    start(ag, 1, plan(1, 2, shard=2), rank)
+    result["fresh"] = digest(ag.ctx.state)
+    trained(ag, range(1, 3))
+    result["counts_trained"] = counts(ag)
+    start(ag, 2, plan(2, 2, shard=1), rank)  # resharded: shard 2 -> replicate 2
+    result["counts"] = counts(ag)
+    start(ag, 3, plan(3, 2, shard=2), rank)  # each rank holds half the rows again
+    if RANK == 1:
+        ag = new_agreement(fill_build, on_meta=False)  # comes back holding nothing
+    start(ag, 4, plan(4, 2, shard=2), rank)  # rank 1's rows: no holder, no commit
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    {"second_fault": second_fault, "handover": handover, "restore": restore,
+     "rollback": rollback, "tensor_parallel": tensor_parallel, "plain": plain,
+     "fill": fill}[SCENARIO]()
+    with open(os.path.join(ROOT, f"result-{RANK}.json"), "w", encoding="utf-8") as f:
+        json.dump(result, f)
+    # Leave without finalizing the interpreter (see meta_build_peer.py:
+    # pytorch/pytorch#38228).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

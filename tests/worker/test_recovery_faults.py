@@ -1,0 +1,137 @@
+"""A second fault inside a recovery loses nothing (recovery_peer.py): a rank
+killed in the state agreement's all-gather, in the reshard exchange, in a
+peer-copy roll back, in a checkpoint restore and in a DDP hand-over (the
+joiner itself, then a holder); the next generation's state is, bit for bit,
+the state of the step it resumed from. And the agreement's decisions: a
+placement the in-memory reshard does not handle, a plain parameter, a fill
+that must carry non-tensor optimizer state, a lost state said as lost.
+Real multi-process gloo, the library's own `StateAgreement`."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).with_name("recovery_peer.py")
+
+
+def run(tmp_path: Path, scenario: str, world: int, victims: tuple[int, ...] = ()) -> list[dict]:
+    """Runs `scenario` on `world` ranks; the victims' exit status is theirs
+    (killed), every other rank must end cleanly. Returns each survivor's
+    result (None for a victim)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    logs = [open(tmp_path / f"rank{r}.log", "w") for r in range(world)]
+    procs = [subprocess.Popen([sys.executable, str(SCRIPT), str(r), str(tmp_path), scenario],
+                              env=env, stdout=logs[r], stderr=subprocess.STDOUT)
+             for r in range(world)]
+    try:
+        codes = [p.wait(timeout=150) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    out = "\n".join(f"--- rank {r}\n" + (tmp_path / f"rank{r}.log").read_text()[-3000:]
+                    for r in range(world))
+    assert [c for r, c in enumerate(codes) if r not in victims] == \
+        [0] * (world - len(victims)), out
+    assert all(codes[v] == 9 for v in victims), (codes, out)
+    return [None if r in victims else json.loads((tmp_path / f"result-{r}.json").read_text())
+            for r in range(world)]
+
+
+def generation(result: dict, n: int) -> dict:
+    return next(g for g in result["generations"] if g["generation"] == n)
+
+
+@pytest.mark.timeout(200)
+def test_killed_in_the_exchange_then_in_the_all_gather_the_last_two_hold_the_trained_state(
+        tmp_path):
+    results = run(tmp_path, "second_fault", 4, victims=(1, 2))
+    for r in (0, 3):
+        res = results[r]
+        assert generation(res, 2)["error"] == "RuntimeError"  # rank 1 died in the exchange
+        assert generation(res, 3)["error"] == "RuntimeError"  # rank 2 died in the all-gather
+        last = generation(res, 4)
+        assert (last["step"], last["kind"]) == (2, "RESTORE_KIND_PEERS"), res
+        assert last["digest"] == res["trained"]["2"], "generation 4 does not hold step 2's state"
+
+
+@pytest.mark.timeout(200)
+def test_a_joiner_killed_mid_hand_over_then_a_holder_the_survivors_hold_the_trained_state(
+        tmp_path):
+    results = run(tmp_path, "handover", 4, victims=(1, 3))
+    expected = results[0]["trained"]["2"]
+    for r in (0, 2):
+        res = results[r]
+        # joiner 3 died receiving: the broadcast may still complete for the
+        # others (gloo's tree sends on), but no rank may hold anything else
+        assert [g for g in res["generations"] if "error" not in g
+                and g["digest"] != expected] == [], res
+        assert generation(res, 3)["error"] == "RuntimeError", res  # holder 1 died sending
+        last = generation(res, 4)
+        assert last["step"] == 2 and last["digest"] == expected, res
+
+
+@pytest.mark.timeout(200)
+def test_a_rank_killed_in_a_checkpoint_restore_the_others_restore_it_next_time(tmp_path):
+    results = run(tmp_path, "restore", 3, victims=(2,))
+    for r in (0, 1):
+        res = results[r]
+        assert generation(res, 2)["error"] == "RuntimeError", res
+        last = generation(res, 3)
+        assert (last["step"], last["kind"]) == (2, "RESTORE_KIND_CHECKPOINT"), res
+        assert last["digest"] == res["trained"]["2"]
+
+
+@pytest.mark.timeout(200)
+def test_a_rank_killed_in_a_peer_copy_roll_back_the_others_roll_back_next_time(tmp_path):
+    results = run(tmp_path, "rollback", 4, victims=(1, 3))
+    for r in (0, 2):
+        res = results[r]
+        assert generation(res, 2)["error"] == "RuntimeError", res
+        last = generation(res, 3)
+        assert (last["step"], last["kind"]) == (2, "RESTORE_KIND_PEER_COPY"), res
+        assert last["digest"] == res["trained"]["2"]
+
+
+@pytest.mark.timeout(120)
+def test_a_tensor_parallel_placement_is_an_agreed_restore_and_without_a_commit_a_named_failure(
+        tmp_path):
+    for res in run(tmp_path, "tensor_parallel", 2):
+        refused = generation(res, 2)
+        assert refused["error"] == "StateUnrecoverable", res
+        assert "cannot be resharded in memory" in refused["message"] and "Shard(dim=1)" in \
+            refused["message"] and "nothing was committed" in refused["message"], refused
+        restored = generation(res, 3)
+        assert (restored["step"], restored["kind"]) == (2, "RESTORE_KIND_CHECKPOINT"), res
+        assert restored["digest"] == res["trained"]["2"]
+
+
+@pytest.mark.timeout(120)
+def test_a_plain_parameter_is_never_handed_to_a_joiner_as_if_replicated(tmp_path):
+    for res in run(tmp_path, "plain", 2):
+        refused = generation(res, 2)
+        assert refused["error"] == "StateUnrecoverable", res
+        assert "parameter 'own' is a plain tensor" in refused["message"], refused
+
+
+@pytest.mark.timeout(120)
+def test_non_tensor_optimizer_state_is_carried_and_a_lost_state_is_said_and_built_afresh(
+        tmp_path):
+    for res in run(tmp_path, "fill", 2):
+        resharded = generation(res, 2)
+        assert resharded["kind"] == "RESTORE_KIND_PEERS" and resharded["step"] == 2
+        # every parameter's non-tensor entry came along (DCP's state-dict
+        # calls may take an extra zero-gradient step: compare, not count)
+        assert res["counts"] == res["counts_trained"] and -1 not in res["counts"], res
+        assert resharded["digest"] == res["trained"]["2"]
+        lost = generation(res, 4)
+        assert (lost["step"], lost["kind"]) == (0, "RESTORE_KIND_NONE"), res
+        assert "no live holder" in lost["state_lost"] and "nothing was committed" in \
+            lost["state_lost"], lost
+        assert lost["optimizer_entries"] == 0  # nothing a failed fill made is kept
+        assert lost["digest"] == res["fresh"]  # the build's own model, as on a fresh start
