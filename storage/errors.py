@@ -26,6 +26,13 @@ class TransientStorageError(StorageError):
     """A storage call kept failing with retryable errors until its retry budget ran out."""
 
 
+class TransientReadError(TransientStorageError):
+    """One read of a checkpoint failed with a transient error (classified where
+    its cause chain was intact, before DCP gathered it from its rank); the whole
+    read may be tried again. Raised by the restore's readers, retried by the
+    restore within the store's retry policy, never seen by its callers."""
+
+
 class CheckpointNotFound(StorageError):
     """No committed checkpoint exists where one was asked for."""
 

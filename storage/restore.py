@@ -18,19 +18,16 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
-import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
-from springback.storage import catalog, compat
+from springback.storage import catalog, compat, dcpread
 from springback.storage.commit import load_record
-from springback.storage.errors import CheckpointMismatch, CheckpointNotFound, CorruptCheckpoint, TransientStorageError
-from springback.storage.retry import is_transient
+from springback.storage.errors import CheckpointMismatch, CheckpointNotFound, CorruptCheckpoint
 from springback.storage.manifest import Manifest
 from springback.storage.store import ObjectStore
 
@@ -58,11 +55,10 @@ def _dist_group(process_group: Any) -> tuple[int, int, bool]:
 
 
 def storage_reader(ckpt_uri: str, *, store: ObjectStore | None = None, storage_options: dict[str, Any] | None = None) -> Any:
-    """A DCP ``StorageReader`` for ``ckpt_uri`` (``FileSystemReader`` for local paths, else ``FsspecReader``)."""
-    s = store or ObjectStore(ckpt_uri, storage_options=storage_options)
-    if s.is_local:
-        return dcp.FileSystemReader(compat.strip_protocol(s.fs, ckpt_uri))
-    return compat.FsspecReader(ckpt_uri, **s.storage_options)
+    """A DCP ``StorageReader`` for ``ckpt_uri`` (``FileSystemReader`` for local paths, else
+    ``FsspecReader``) that raises its transient read errors as `TransientReadError`
+    (see `springback.storage.dcpread`)."""
+    return dcpread.reader_for(ckpt_uri, store or ObjectStore(ckpt_uri, storage_options=storage_options))
 
 
 def load(
@@ -83,14 +79,25 @@ def load(
     checkpoint does not hold at all (it had never been stepped when saved, e.g.
     an unused module) is removed from ``state_dict["optim"]["state"]`` instead,
     so it is restored without state, as it was saved. Raises
-    :class:`CheckpointNotFound` if it is not committed; read errors propagate
-    (``state_dict`` may then be partly loaded: load into copies to keep the
-    originals, as :func:`restore_model` does).
+    :class:`CheckpointNotFound` if it is not committed.
+
+    A flaky store is survived: the metadata read and the whole ``dcp.load``
+    are each retried, collectively (every rank decides alike, see
+    :func:`springback.storage.dcpread.collective_retry`), while every failure is
+    transient (resets, refused connections, 5xx, truncated bodies, on any rank),
+    within the store's `RetryPolicy` (attempts and ``deadline_s``); then
+    :class:`TransientStorageError` names the URI. A permanent error (a missing
+    or unreadable file) is raised at once, on every rank. After a failed read
+    ``state_dict`` may be partly loaded: load into copies to keep the originals,
+    as :func:`restore_model` does.
     """
     s = store or ObjectStore(ckpt_uri, storage_options=storage_options)
     manifest = catalog.read_manifest(ckpt_uri, store=s)
-    reader = storage_reader(ckpt_uri, store=s)
-    saved = set(reader.read_metadata().state_dict_metadata)
+    reader = dcpread.reader_for(ckpt_uri, s)
+    metadata = dcpread.collective_retry(reader.read_metadata, what="reading the metadata of", uri=ckpt_uri,
+                                        store=s, process_group=process_group)
+    reader.prime(metadata)  # dcp.load reads it from here, not from the store again
+    saved = set(metadata.state_dict_metadata)
     if optimizer_state_as_saved:
         _drop_unsaved_optimizer_state(state_dict, saved)
     missing = sorted(k for k in compat.flatten_state_dict(state_dict)[0] if k not in saved)
@@ -100,35 +107,10 @@ def load(
             f"{f' (and {len(missing) - 10} more)' if len(missing) > 10 else ''}: "
             "the state to restore does not match the state that was saved; nothing was loaded",
             uri=ckpt_uri)
-    _load_retrying(state_dict, reader, process_group, s, ckpt_uri)
+    dcpread.collective_retry(
+        lambda: dcp.load(state_dict, storage_reader=reader, process_group=process_group),
+        what="reading", uri=ckpt_uri, store=s, process_group=process_group)
     return manifest
-
-
-def _load_retrying(state_dict: dict[str, Any], reader: Any, process_group: Any, store: ObjectStore, ckpt_uri: str) -> None:
-    """``dcp.load``, repeated whole on transient read errors within the store's retry policy.
-
-    Every entry is read again, so a retry is complete. DCP gathers every rank's
-    failures into one ``CheckpointException`` raised on all ranks, so all ranks
-    take the same decision and a retry stays collective.
-    """
-    policy = store.retry
-    deadline = time.monotonic() + policy.deadline_s
-    backoff = policy.initial_backoff_s
-    for attempt in range(1, policy.max_attempts + 1):
-        try:
-            dcp.load(state_dict, storage_reader=reader, process_group=process_group)
-            return
-        except CheckpointException as exc:
-            failures = [e for e, _ in exc.failures.values()]
-            if not failures or not all(is_transient(e) for e in failures):
-                raise
-            if attempt == policy.max_attempts or time.monotonic() >= deadline:
-                raise TransientStorageError(f"reading {ckpt_uri} failed after {attempt} attempts: {failures[0]!r}",
-                                            uri=ckpt_uri) from exc
-            log.warning("transient error reading %s (attempt %d), reading it again: %r", ckpt_uri, attempt, failures[0])
-            store.stats._add(retries=1)
-            time.sleep(min(policy.max_backoff_s, backoff))
-            backoff *= 2
 
 
 def _drop_unsaved_optimizer_state(state_dict: dict[str, Any], saved: set[str]) -> list[str]:

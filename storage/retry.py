@@ -9,11 +9,16 @@ here and a `RetryPolicy`'s numbers mean what they say.
 What counts as transient (retried), by exception type and structured error
 code, never by message text: connection resets / refusals / timeouts, HTTP 5xx
 and 429, S3's throttling and availability codes (``SlowDown``, ``Throttling``,
-``RequestTimeout``, ``InternalError``, ``ServiceUnavailable``, ...), and
-botocore's and aiohttp's connection errors. Everything else -- missing files,
-files a create-only write found, permissions, bad arguments -- fails at once.
-s3fs translates botocore errors into OSErrors raised from them, so the whole
-``__cause__``/``__context__`` chain is inspected.
+``RequestTimeout``, ``InternalError``, ``ServiceUnavailable``, ...), botocore's
+and aiohttp's connection errors (``EndpointConnectionError`` -- what aiobotocore
+raises for a connection reset or refused --, closed connections, truncated
+bodies), and a `TransientReadError` (a read a lower layer already classified).
+Everything else -- missing files, files a create-only write found, permissions,
+bad arguments, TLS certificate failures -- fails at once. s3fs translates
+botocore errors into OSErrors raised from them, so the whole
+``__cause__``/``__context__`` chain is inspected; a DCP ``CheckpointException``
+(every rank's failures in one dict) is transient only when every failure in it
+is.
 
 A retried operation must be idempotent: callers pass a function that redoes the
 whole unit of work (e.g. rewrites a whole file from staged memory), never a
@@ -32,7 +37,7 @@ from typing import TypeVar
 
 import tenacity
 
-from springback.storage.errors import TransientStorageError
+from springback.storage.errors import TransientReadError, TransientStorageError
 
 log = logging.getLogger(__name__)
 
@@ -53,14 +58,32 @@ def _transient_types() -> tuple[type[BaseException], ...]:
     return (
         ConnectionError,
         TimeoutError,
-        botocore.exceptions.HTTPClientError,  # endpoint, connect/read timeouts, closed connections
+        TransientReadError,
+        # EndpointConnectionError (aiobotocore's name for a reset or refused connection),
+        # connect timeouts, proxy connection errors
+        botocore.exceptions.ConnectionError,
+        botocore.exceptions.HTTPClientError,  # read timeouts, closed connections, streaming errors
         botocore.exceptions.IncompleteReadError,
         aiohttp.ClientConnectionError,  # server disconnected, connector and OS errors
         aiohttp.ClientPayloadError,
     )
-_PERMANENT_TYPES: tuple[type[BaseException], ...] = (
-    FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError, NotADirectoryError,
-)
+
+
+@functools.cache
+def _permanent_types() -> tuple[type[BaseException], ...]:
+    import botocore.exceptions
+
+    return (
+        FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError, NotADirectoryError,
+        botocore.exceptions.SSLError,  # a certificate that does not verify stays so: fail clearly
+    )
+
+
+@functools.cache
+def _checkpoint_exception() -> type[BaseException]:
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return CheckpointException
 
 LOWER_RETRIES_OFF = {"retries": {"max_attempts": 1, "mode": "standard"}}
 """botocore ``config_kwargs`` that make it try once (this module retries)."""
@@ -85,12 +108,23 @@ def _transient_client_error(e: BaseException) -> bool:
     return str(error.get("Code", "")) in _TRANSIENT_CODES or status >= 500 or status == 429
 
 
-def is_transient(exc: BaseException) -> bool:
+def is_transient(exc: BaseException, *, _depth: int = 0) -> bool:
     """True if ``exc`` (or anything in its cause chain) is worth retrying; a
-    permanent error met first in the chain (e.g. FileNotFoundError) wins."""
+    permanent error met first in the chain (e.g. FileNotFoundError) wins.
+
+    A DCP ``CheckpointException`` met in the chain is transient when it lists
+    failures and every one of them is (each with its own chain, nested ones
+    included): one rank's missing file makes the whole load permanent. Note
+    that DCP pickles the failures of other ranks, which drops their cause
+    chains: readers classify before that (`TransientReadError`).
+    """
     for e in _chain(exc):
-        if isinstance(e, _PERMANENT_TYPES):
+        if isinstance(e, _permanent_types()):
             return False
+        if isinstance(e, _checkpoint_exception()):
+            failures = [f[0] if isinstance(f, tuple) else f for f in getattr(e, "failures", {}).values()]
+            return bool(failures) and _depth < 4 and all(
+                isinstance(f, BaseException) and is_transient(f, _depth=_depth + 1) for f in failures)
         if isinstance(e, _transient_types()) or _transient_client_error(e):
             return True
     return False

@@ -74,9 +74,9 @@ class FaultInjector:
             self._rules.append([count, mode, method, 0.0, path])
         return self
 
-    def slow(self, delay_s: float, *, method: str | None = None, count: int = 10**9) -> FaultInjector:
+    def slow(self, delay_s: float, *, method: str | None = None, count: int = 10**9, path: str = "") -> FaultInjector:
         with self._lock:
-            self._rules.append([count, "delay", method, delay_s, ""])
+            self._rules.append([count, "delay", method, delay_s, path])
         return self
 
     def clear(self) -> FaultInjector:

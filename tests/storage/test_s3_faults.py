@@ -4,10 +4,17 @@ Faults come from a real HTTP proxy in front of a real moto S3 server."""
 
 from __future__ import annotations
 
+import logging
+import pickle
+import threading
+import time
+
 import botocore.exceptions
 import pytest
 import torch
 
+from netproxy import NetProxy
+from sbtest import wait_for
 from springback.storage import Checkpointer, RetryPolicy, TransientStorageError, list_checkpoints, restore, verify
 from springback.storage.retry import is_transient
 from springback.storage.store import ObjectStore
@@ -15,6 +22,7 @@ from springback.storage.store import ObjectStore
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 FAST_RETRY = RetryPolicy(max_attempts=6, initial_backoff_s=0.01, max_backoff_s=0.1, deadline_s=60)
+PATIENT_RETRY = RetryPolicy(max_attempts=40, initial_backoff_s=0.02, max_backoff_s=0.2, deadline_s=60)
 
 
 def _client_error(code: str, status: int) -> botocore.exceptions.ClientError:
@@ -142,3 +150,137 @@ def test_truncated_bodies_while_verifying_and_restoring_are_read_again_and_the_c
     assert store.stats.retries >= 4  # verify's rereads and the whole-load retries
     assert result.step == 2 and not result.skipped  # the newest, not a fallback
     assert torch.equal(out["w"], new["w"]) and torch.equal(out["b"], new["b"]) and out["step"] == 4
+
+
+class TestRestoreThroughAFlakyStore:
+    """A restore whose reads meet resets, 503s and truncated bodies for a while reads
+    the checkpoint again, whole, and ends with the saved state; a permanent error
+    (a missing shard file) fails at once."""
+
+    @staticmethod
+    def _saved(s3_bucket, make_s3_options, moto_endpoint, faulty_s3):
+        bucket, _ = s3_bucket
+        endpoint, injector = faulty_s3
+        base = f"{bucket}/job"
+        direct = _store(bucket, _no_lower_retries(moto_endpoint, make_s3_options), FAST_RETRY)
+        sd = _state()
+        info = _save(base, direct, 5, sd)[0].result(timeout=60)
+        flaky = _store(bucket, _no_lower_retries(endpoint, make_s3_options), PATIENT_RETRY)
+        return base, info, sd, flaky, injector
+
+    @pytest.mark.timeout(120)
+    @pytest.mark.parametrize("mode", ["reset", "503", "truncate"])
+    def test_a_restore_through_a_store_failing_its_reads_for_a_while_succeeds_with_the_saved_state(
+            self, mode, s3_bucket, make_s3_options, moto_endpoint, faulty_s3, monkeypatch):
+        import s3fs
+
+        monkeypatch.setattr(s3fs.S3FileSystem, "retries", 1)  # DCP's reader has its own instance
+        base, _, sd, flaky, injector = self._saved(s3_bucket, make_s3_options, moto_endpoint, faulty_s3)
+        injector.fail(6, mode, method="GET", path=".distcp").fail(2, mode, method="GET", path=".metadata")
+        out = {"w": torch.zeros(256, 256), "b": torch.zeros(256), "step": 0}
+        result = restore(base, out, store=flaky, verify_checksums=False)
+        assert len(injector.injected) == 8 and {m for m, _, _ in injector.injected} == {mode}
+        assert flaky.stats.retries >= 1 and flaky.stats.gave_up == 0
+        assert result.step == 5 and not result.skipped
+        assert torch.equal(out["w"], sd["w"]) and torch.equal(out["b"], sd["b"]) and out["step"] == 3
+
+    @pytest.mark.timeout(120)
+    def test_a_store_that_stays_down_fails_the_restore_within_the_deadline_naming_the_uri(
+            self, s3_bucket, make_s3_options, moto_endpoint, faulty_s3, monkeypatch):
+        import s3fs
+
+        monkeypatch.setattr(s3fs.S3FileSystem, "retries", 1)
+        base, info, _, _, injector = self._saved(s3_bucket, make_s3_options, moto_endpoint, faulty_s3)
+        bucket, _ = s3_bucket
+        policy = RetryPolicy(max_attempts=1000, initial_backoff_s=0.05, max_backoff_s=0.2, deadline_s=2.0)
+        flaky = _store(bucket, _no_lower_retries(faulty_s3[0], make_s3_options), policy)
+        injector.fail(10**6, "reset", method="GET", path=".distcp")
+        out = {"w": torch.zeros(256, 256), "b": torch.zeros(256), "step": 0}
+        t0 = time.monotonic()
+        with pytest.raises(TransientStorageError, match=info.uri.split("/")[-1]):
+            restore(base, out, store=flaky, verify_checksums=False)
+        assert time.monotonic() - t0 < 15
+        assert torch.equal(out["w"], torch.zeros(256, 256))  # nothing half-applied to the caller's copy... in place, see load()
+
+    @pytest.mark.timeout(120)
+    def test_a_missing_shard_file_fails_the_restore_at_once_without_retries(
+            self, s3_bucket, make_s3_options, moto_endpoint, faulty_s3):
+        base, info, _, flaky, _ = self._saved(s3_bucket, make_s3_options, moto_endpoint, faulty_s3)
+        flaky.fs.rm(info.uri.removeprefix("s3://") + "/__1_0.distcp")
+        out = {"w": torch.zeros(256, 256), "b": torch.zeros(256), "step": 0}
+        with pytest.raises(BaseException) as caught:
+            restore(base, out, store=flaky, verify_checksums=False)
+        assert not isinstance(caught.value, TransientStorageError), caught.value
+        assert flaky.stats.retries == 0
+
+    @pytest.mark.timeout(120)
+    def test_connections_reset_and_refused_while_the_shards_are_read_are_retried_and_the_state_is_right(
+            self, s3_bucket, make_s3_options, moto_endpoint, faulty_s3, monkeypatch, caplog):
+        """The issue's case: aiobotocore raises EndpointConnectionError for a reset or
+        refused connection, DCP wraps it in its CheckpointException."""
+        import s3fs
+
+        monkeypatch.setattr(s3fs.S3FileSystem, "retries", 1)
+        base, _, sd, _, injector = self._saved(s3_bucket, make_s3_options, moto_endpoint, faulty_s3)
+        bucket, _ = s3_bucket
+        injector.slow(1.0, method="GET", count=1, path=".distcp")  # a shard read in flight, to cut
+        with NetProxy(faulty_s3[0]) as link:
+            flaky = _store(bucket, _no_lower_retries(link.url, make_s3_options), PATIENT_RETRY)
+
+            def cut() -> None:
+                wait_for(lambda: injector.injected, 30, "a shard read in flight")
+                link.reset().refuse()
+                time.sleep(1.0)
+                link.heal()
+
+            cutter = threading.Thread(target=cut, daemon=True)
+            cutter.start()
+            out = {"w": torch.zeros(256, 256), "b": torch.zeros(256), "step": 0}
+            with caplog.at_level(logging.WARNING, logger="springback.storage.dcpread"):
+                result = restore(base, out, store=flaky, verify_checksums=False)
+            cutter.join(10)
+        assert link.num_refused >= 1 and flaky.stats.retries >= 1 and flaky.stats.gave_up == 0
+        assert "EndpointConnectionError" in caplog.text  # the error of the issue was met, and retried
+        assert result.step == 5 and not result.skipped
+        assert torch.equal(out["w"], sd["w"]) and torch.equal(out["b"], sd["b"]) and out["step"] == 3
+
+
+class TestLoadFailureClassification:
+    """What DCP hands the restore: every rank's failure, pickled across ranks."""
+
+    @staticmethod
+    def _gathered(exc: BaseException) -> BaseException:
+        from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
+
+        try:
+            raise exc
+        except BaseException as e:
+            wrapped = _wrap_exception(e)
+        # what DCP's all_gather_object does to another rank's failure: the cause chain is gone
+        return pickle.loads(pickle.dumps(CheckpointException("read", {0: wrapped, 1: wrapped})))
+
+    def test_an_endpoint_connection_error_inside_a_checkpoint_exception_is_transient(self):
+        err = botocore.exceptions.EndpointConnectionError(endpoint_url="http://127.0.0.1:1/b/k")
+        assert is_transient(err) and is_transient(self._gathered(err))
+
+    def test_a_read_classified_transient_on_its_rank_stays_transient_once_gathered(self):
+        from springback.storage.dcpread import _classified
+
+        def s3fs_503():
+            try:
+                raise _client_error("ServiceUnavailable", 503)
+            except botocore.exceptions.ClientError as inner:
+                raise OSError(5, "Service Unavailable") from inner  # what s3fs raises
+
+        with pytest.raises(Exception) as caught:
+            _classified("s3://b/k", "reading", s3fs_503)
+        assert is_transient(self._gathered(caught.value))
+        assert not is_transient(pickle.loads(pickle.dumps(OSError(5, "x"))))  # the chain alone would not survive
+
+    def test_one_rank_missing_a_file_makes_the_whole_load_permanent(self):
+        from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
+
+        mixed = CheckpointException("read", {0: _wrap_exception(ConnectionResetError()),
+                                             1: _wrap_exception(FileNotFoundError("b/__1_0.distcp"))})
+        assert not is_transient(mixed)
+        assert not is_transient(CheckpointException("read", {}))
