@@ -96,7 +96,6 @@ def test_saved_by_two_ranks_restores_bit_identical_on_three_and_one(parallel, tm
         assert_tree_equal(expected["optim"], got["optim"], "optim")
 
 
-@pytest.mark.soak  # six processes importing torch: ~110 s on a loaded 2-core machine
 @pytest.mark.timeout(300)
 def test_saved_with_shard_4_restores_bit_identical_as_replicate_2_by_shard_1(tmp_path):
     base = f"file://{tmp_path}/ckpts"

@@ -106,7 +106,6 @@ FSDP_ACROSS_NODES = {**SPEC, "name": "fsdp-nodes", "min_workers": 2, "max_worker
                      "layout": {"shard": 2}, "max_steps": 60}
 
 
-@pytest.mark.soak  # ~60 s: four agents; the default run keeps the HSDP test above
 @pytest.mark.parametrize("cluster", [FSDP_ACROSS_NODES], indirect=True)
 def test_fsdp_across_nodes_losing_a_shard_and_its_copy_restores_the_newest_commit_at_its_step(
         cluster):
