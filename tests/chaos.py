@@ -23,6 +23,9 @@ Faults (names in `FAULTS`), by class:
   ``skewed-node`` (a node SIGKILLed and replaced by one whose wall clock runs a
   day ahead, an hour behind, and jumps between the two at later faults:
   tests/wallclock);
+* inside recovery: ``kill-in-recovery`` (a node SIGKILLed, then a second one
+  0-1.5 s after the coordinator planned the next generation: inside its
+  rendezvous, state agreement, exchange, hand-over or restore; both replaced);
 * rank <-> rank network: ``reset-rank-links`` (every connection between the
   ranks destroyed: `sockreset`);
 * agents <-> coordinator network: ``slow-agent-links`` (200 +- 50 ms each way
@@ -52,10 +55,11 @@ import sockreset
 from cluster import AgentProcess, children
 from etcdcluster import EtcdCluster
 from netproxy import NetProxy
-from sbtest import CoordinatorProcess
+from sbtest import CoordinatorProcess, wait_for
 from springback.cli.local import free_port
+from springback.client.api import Client
 
-FAULTS = ("kill-node", "kill-rank", "stop-node", "drain-node", "skewed-node",
+FAULTS = ("kill-node", "kill-rank", "stop-node", "drain-node", "skewed-node", "kill-in-recovery",
           "reset-rank-links", "slow-agent-links", "reset-agent-links", "refuse-agent-links",
           "kill-replica", "term-replica", "cut-replica", "kill-etcd-member", "etcd-quorum-loss",
           "reset-storage", "slow-storage")
@@ -68,10 +72,13 @@ LEADER_TTL_S = 2
 class Deployment:
     """etcd x3, two coordinator replicas, S3, and node agents; see the module docstring."""
 
-    def __init__(self, root: Path, num_replicas: int = 2) -> None:
+    def __init__(self, root: Path, num_replicas: int = 2, *, script: str | None = None,
+                 nproc: int = 1) -> None:
         from moto.server import ThreadedMotoServer
 
         self.root = root
+        self.node_args = {"nproc": nproc, **({"script": script} if script else {})}
+        """What every node runs (the DDP form's tiny_train.py unless `script`)."""
         self.etcd = EtcdCluster(str(root / "etcd"), size=3)
         self.etcd.start()
         self.replica_addresses = [f"127.0.0.1:{free_port()}" for _ in range(num_replicas)]
@@ -120,7 +127,8 @@ class Deployment:
     def start_node(self, job_id: str, env: dict[str, str] | None = None) -> AgentProcess:
         name = f"n{next(self._names)}"
         self.agents[name] = AgentProcess(self.root, name, job_id, self.coordinator,
-                                         env={**self.s3_env, **(env or {})})
+                                         env={**self.s3_env, **(env or {})},
+                                         **self.node_args)
         return self.agents[name]
 
     def live_nodes(self) -> list[str]:
@@ -204,6 +212,22 @@ class Faults:
         self.d.agents[victim].process.send_signal(signal.SIGTERM)
         self.d.start_node(self.job_id)
         return victim
+
+    def _kill_in_recovery(self) -> str | None:
+        if not (live := self._full()):
+            return None
+        first, second = self.rng.sample(live, 2)
+        with Client(self.d.coordinator) as client:
+            before = wait_for(lambda: client.get_job(self.job_id), 30, "the job").status.generation
+            self.d.agents[first].signal_node(signal.SIGKILL)
+            wait_for(lambda: client.get_job(self.job_id).status.generation > before, 30,
+                     "the generation after the first kill")
+        delay = self.rng.uniform(0, 1.5)
+        self._hold_for(delay)  # where in the recovery the second fault lands
+        self.d.agents[second].signal_node(signal.SIGKILL)
+        self.d.start_node(self.job_id)
+        self.d.start_node(self.job_id)
+        return f"{first}, then {second} {delay:.2f} s into the recovery"
 
     def _skewed_node(self) -> str | None:
         if not (live := self._full()):
