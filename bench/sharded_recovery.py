@@ -6,7 +6,7 @@ AdamW; ≥ 200 MiB of parameters plus optimizer state by default) on a
 replicate=2 x shard=2 mesh, commit a checkpoint to S3, then ranks 2 and 3 (a
 node) exit. The two survivors form a new group and reach their next step
 twice, through the library's own start-of-generation agreement
-(`worker/agreement.py`):
+(`worker/train/agreement.py`):
 
 * in memory: build on the new mesh, fill every shard from the surviving
   replica (no storage read);
@@ -19,7 +19,7 @@ The build runs on the meta device in both paths (every value is filled).
 
 ``--scenario fsdp`` (also run by the default ``both``): pure FSDP (shard=4
 over two nodes of two ranks, no replica), peer copies every K steps
-(`worker/peercopy.py`, K = the spec's default). It measures the step time
+(`worker/state/peercopy.py`, K = the spec's default). It measures the step time
 with and without the copies in the same run (target: ≤ 5 % more), the host
 memory they take per rank, then loses the node of ranks 2 and 3: the
 survivors reach their next step through the peer copies (rolled back to the
@@ -83,10 +83,10 @@ def plan(world: int, replicate: int, ref=None, nodes: int = 1, kind=None):  # no
 
 
 def agreement(args, ctx_step: int):  # noqa: ANN001, ANN201
-    from springback.worker.agreement import StateAgreement
-    from springback.worker.checkpointing import restore_from_checkpoint
-    from springback.worker.context import RankContext
-    from springback.worker.sharded import ShardedModel
+    from springback.worker.train.agreement import StateAgreement
+    from springback.worker.train.checkpointing import restore_from_checkpoint
+    from springback.worker.rank.context import RankContext
+    from springback.worker.state.sharded import ShardedModel
 
     ctx = RankContext(env=SimpleNamespace(rendezvous_timeout_s=120.0), state={},  # type: ignore[arg-type]
                       device=torch.device("cpu"), state_step=ctx_step)
@@ -185,7 +185,7 @@ def fsdp_rank_main(rank: int, args: argparse.Namespace, tmp: str, q: mp.Queue) -
     """Pure FSDP on two nodes of two ranks with peer copies; node 1 lost."""
     from springback.client.spec import DEFAULT_PEER_COPY_EVERY_STEPS as K
     from springback.v1 import types_pb2 as pb
-    from springback.worker.peercopy import GenerationCopies
+    from springback.worker.state.peercopy import GenerationCopies
 
     torch.set_num_threads(1)
     store = dist.FileStore(os.path.join(tmp, "f1"), 4)

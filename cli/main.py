@@ -268,7 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_run_command(commands: Any, common: argparse.ArgumentParser) -> None:
     # Imported here: the agent pulls in torch, which the other commands do not need.
     from springback.cli.standalone import run_standalone
-    from springback.worker.agent import add_run_arguments, run_main
+    from springback.worker.agent.command import add_run_arguments, run_main
 
     run = commands.add_parser("run", parents=[common], help="node agent: join a job, run CMD")
     add_run_arguments(run)

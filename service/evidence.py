@@ -7,7 +7,7 @@ much sooner, from two independent sides:
 1. **Its peers' sockets.** A rank that shares a collective with the dead
    node's ranks gets gloo's "connection closed/reset by peer [ip]:port" at
    once: the kernel of the dead process's host closed its sockets. The rank
-   maps the address to the peer's rank and member (worker/rendezvous.py) and
+   maps the address to the peer's rank and member (worker/rank/rendezvous.py) and
    says so in a ReportFailure with ``lost_member_id``.
 2. **Its agent's plan stream.** Every agent holds a WatchPlans stream to one
    replica. When the agent's process dies, its host's kernel closes the
@@ -36,7 +36,7 @@ Why this cannot fence a healthy node:
   its agent's stream stays open: no fence; the agent reports the crash
   itself and keeps its membership.
 * A live rank that leaves a broken generation shuts its connections to its
-  peers (worker/rendezvous.py), so they see "closed by peer" naming it: the
+  peers (worker/rank/rendezvous.py), so they see "closed by peer" naming it: the
   first half only; its agent's stream is open.
 * An agent that merely reconnects its stream (another replica, a network
   blip) opens a new one at once, which clears the first half; its ranks'

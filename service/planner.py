@@ -17,7 +17,7 @@ Rules, in order:
   Fewer than min_workers active means WAIT; when enough members are live but
   no prefix satisfies the layout, the WAIT plan's reason names the layout
   field at fault. The rest are hot spares.
-* Layout (see `worker/mesh.py` for the mesh the ranks build from it): global
+* Layout (see `worker/state/mesh.py` for the mesh the ranks build from it): global
   ranks are ordered pp (outermost), then dp, then tp (innermost), so with
   equal ranks per node and tp dividing them a TP group stays inside one
   node. dp splits into replicate x shard (HSDP): the spec's ``layout.shard``

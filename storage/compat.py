@@ -10,7 +10,7 @@ Supported: torch 2.13 (the version the suite runs on; see pyproject.toml).
 An API that is missing raises ImportError / AttributeError at import or first
 use, naming it: there is no silent fallback. One private torch API lives
 elsewhere: torch.distributed's group counter, reset in
-`springback.worker.rendezvous._reset_group_count` (so that starting a rank does
+`springback.worker.rank.rendezvous._reset_group_count` (so that starting a rank does
 not import all of `springback.storage`); its test is here with the others.
 """
 

@@ -1,6 +1,6 @@
 """Rank logs kept beside a job's checkpoints: their layout on storage.
 
-Node agents ship what their ranks print (`springback.worker.ranklogs`) as
+Node agents ship what their ranks print (`springback.worker.agent.ranklogs`) as
 chunks under the job's checkpoint URI::
 
     {checkpoint.uri}/logs/{member_id}/{unix_ms:013d}-{seq:06d}.log

@@ -21,7 +21,7 @@ Progress reaches the coordinator through the node agent: under `springback
 run`, global rank 0 writes `PROGRESS_FILE` (atomic rename) in the control
 directory after every step and commit; the agent relays the step as
 ReportStep and each commit as CommitCheckpoint, fenced by its generation
-(`springback.worker.restart`). So ``job get`` shows the script's step and
+(`springback.worker.agent.restart`). So ``job get`` shows the script's step and
 last checkpoint, the job succeeds when the step reaches the spec's
 ``max_steps``, and the coordinator can count the steps a restart redid (last
 reported step minus the restored one). Outside an agent nothing is reported.

@@ -1,9 +1,20 @@
-"""Springback's worker side: the node agent (`springback run`) and the training
-library a user's script imports (`Session`, `Generation`, `Batch`).
+"""Springback's worker side, in rooms named for where their code runs:
+
+* `agent` — the node agent process (``springback run``): membership, plans,
+  rank supervision. No torch, no training library.
+* `train` — inside a rank: the training library a user's script imports
+  (`Session`, `Generation`, `Batch`), the step boundary, the state agreement,
+  sampling, reporting, checkpoint hooks.
+* `state` — the sharded state inside a rank: meshes, the in-memory reshard,
+  peer copies.
+* `rank` — what every rank process stands on: its context, process groups
+  (rendezvous), device and RNG state.
+* the modules at this level (`control`, `rankstats`, `eventlog`) are the files
+  agent and ranks share: plans, statistics, events.
 
 The library's names are loaded on first use: the node agent imports this
 package too, and must not pay torch's import (seconds) before it starts its
-ranks (worker/startup.py)."""
+ranks (agent/startup.py)."""
 
 from __future__ import annotations
 
@@ -12,8 +23,8 @@ from typing import Any
 
 __all__ = ["Batch", "Generation", "SampleStream", "Session"]
 
-_HOME = {"Batch": "sampler", "SampleStream": "sampler", "Generation": "session",
-         "Session": "session"}
+_HOME = {"Batch": "train.sampler", "SampleStream": "train.sampler",
+         "Generation": "train.generation", "Session": "train.session"}
 
 
 def __getattr__(name: str) -> Any:

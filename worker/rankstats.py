@@ -23,7 +23,7 @@ The numbers, all from this rank process's point of view:
   training (`save()` plus the optimizer step that waited for the copy).
 * ``goodput``: ``step_seconds_total`` over the time since `Session()`.
 * ``pid``, ``seen_generation`` and ``busy``: for the agent's rank watchdog
-  (`worker/watchdog.py`): the newest generation this rank has read from its
+  (`worker/agent/watchdog.py`): the newest generation this rank has read from its
   plan channel (written at once when it changes), and what bounded operation
   it is inside, if any (agreeing on the state at a generation start: a
   restore, a state hand-over, a build), during which it reads no plan.

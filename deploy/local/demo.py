@@ -123,7 +123,7 @@ def main() -> int:
     from springback.cli.local import free_port
     from springback.client.spec import load_spec_file
     from springback.v1 import types_pb2 as pb
-    from springback.worker.audit import check_exactly_once
+    from springback.worker.train.audit import check_exactly_once
 
     state = Path(args.state_dir)
     state.mkdir(parents=True, exist_ok=True)

@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
 
 from springback.storage import Checkpointer, compat
-from springback.worker.rendezvous import _reset_group_count
+from springback.worker.rank.rendezvous import _reset_group_count
 
 
 def test_flatten_state_dict_names_nested_entries_by_dotted_path():

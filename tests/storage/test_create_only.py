@@ -21,7 +21,7 @@ from springback.storage import (
 )
 from springback.storage.store import ObjectStore
 from springback.v1 import types_pb2 as pb
-from springback.worker.checkpointing import GenerationCheckpoints
+from springback.worker.train.checkpointing import GenerationCheckpoints
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

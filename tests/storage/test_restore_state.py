@@ -20,7 +20,7 @@ from springback.storage import (
 )
 from springback.storage.store import ObjectStore, join
 from springback.v1 import types_pb2 as pb
-from springback.worker.checkpointing import GenerationCheckpoints, restore_from_checkpoint
+from springback.worker.train.checkpointing import GenerationCheckpoints, restore_from_checkpoint
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from springback.worker.sampler import SampleStream
+from springback.worker.train.sampler import SampleStream
 
 # Float64 sums of 1/B·B over a few hundred updates stay within this of an integer.
 TOLERANCE = 1e-6

@@ -5,8 +5,8 @@ import json
 import sys
 import time
 
-from springback.worker.boundary import StepBoundary, Vote
-from springback.worker.rendezvous import form_group, leave_group
+from springback.worker.train.boundary import StepBoundary, Vote
+from springback.worker.rank.rendezvous import form_group, leave_group
 
 WORLD = 3
 SEEN = (5, 7, 6)  # rank 1 has seen the newest plan

@@ -9,8 +9,8 @@ import logging
 import os
 import sys
 
-from springback.worker.boundary import StepBoundary, Vote
-from springback.worker.rendezvous import form_group, leave_group
+from springback.worker.train.boundary import StepBoundary, Vote
+from springback.worker.rank.rendezvous import form_group, leave_group
 
 
 class Warnings(logging.Handler):
@@ -37,7 +37,7 @@ def main(rank: int, port: int) -> int:
     if rank == 1:
         os._exit(0)  # dies with the group up: the peer's next collective is reset
     warnings = Warnings()
-    logging.getLogger("springback.worker.rendezvous").addHandler(warnings)
+    logging.getLogger("springback.worker.rank.rendezvous").addHandler(warnings)
     try:
         vote(boundary, 2)
         vote(boundary, 3)  # waits for step 2's all-reduce: raises

@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from springback.worker import boundary as B
-from springback.worker.rendezvous import form_group, leave_group
+from springback.worker.train import boundary as B
+from springback.worker.rank.rendezvous import form_group, leave_group
 
 WORLD, STEPS = 3, 5
 
@@ -55,7 +55,7 @@ def main(rank: int, port: int) -> int:
     warnings: list[str] = []
     handler = logging.Handler(logging.WARNING)
     handler.emit = lambda record: warnings.append(record.getMessage())  # type: ignore[method-assign]
-    logging.getLogger("springback.worker.rendezvous").addHandler(handler)
+    logging.getLogger("springback.worker.rank.rendezvous").addHandler(handler)
     leave_group(release_timeout_s=20.0)
     print(json.dumps({"agreed": agreed, "own_all_reduces": started, "same": same,
                       "warnings": warnings}), flush=True)

@@ -3,7 +3,7 @@
 The training scripts of the tests (`tiny_train.py`, `fsdp_train.py`) seed every
 rank alike and draw one number from torch's global RNG at the start of every
 step (`record_draw`, into ``draws-p<pid>.jsonl`` in the audit directory). With
-the RNG state carried into each generation as `worker/rngstate.py` says, every
+the RNG state carried into each generation as `worker/rank/rngstate.py` says, every
 draw of one step is the same number, on every rank, in every generation and in
 every replay of the step: a joiner takes its source's RNG state, a survivor
 running a broken step again goes back to its state's boundary, a restore from a

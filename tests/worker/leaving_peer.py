@@ -11,7 +11,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from springback.worker.rendezvous import form_group, leave_group, lost_peer_rank
+from springback.worker.rank.rendezvous import form_group, leave_group, lost_peer_rank
 
 
 def main(rank: int, port: int) -> int:

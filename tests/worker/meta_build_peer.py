@@ -24,10 +24,10 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from springback.storage import Checkpointer, committed_checkpoints, model_state_dict
 from springback.v1 import types_pb2 as pb
-from springback.worker.agreement import StateAgreement
-from springback.worker.checkpointing import restore_from_checkpoint
-from springback.worker.context import RankContext
-from springback.worker.sharded import ShardedModel
+from springback.worker.train.agreement import StateAgreement
+from springback.worker.train.checkpointing import restore_from_checkpoint
+from springback.worker.rank.context import RankContext
+from springback.worker.state.sharded import ShardedModel
 
 CASE = sys.argv[3] if len(sys.argv) > 3 else "plain"
 BUILDS: list[str] = []

@@ -25,10 +25,10 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from springback.v1 import types_pb2 as pb
-from springback.worker.agreement import StateAgreement
-from springback.worker.context import RankContext
-from springback.worker.peercopy import GenerationCopies
-from springback.worker.sharded import ShardedModel
+from springback.worker.train.agreement import StateAgreement
+from springback.worker.rank.context import RankContext
+from springback.worker.state.peercopy import GenerationCopies
+from springback.worker.state.sharded import ShardedModel
 
 
 def build(mesh):  # noqa: ANN001, ANN201

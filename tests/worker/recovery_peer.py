@@ -52,16 +52,16 @@ from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
 )
 
-import springback.worker.agreement as agreement_module
-import springback.worker.peercopy as peercopy_module
+import springback.worker.train.agreement as agreement_module
+import springback.worker.state.peercopy as peercopy_module
 from springback.storage import Checkpointer, committed_checkpoints, model_state_dict
 from springback.v1 import types_pb2 as pb
-from springback.worker.agreement import StateAgreement, StateUnrecoverable
-from springback.worker.checkpointing import restore_from_checkpoint
-from springback.worker.context import RankContext
-from springback.worker.peercopy import GenerationCopies
-from springback.worker.rendezvous import leave_group
-from springback.worker.sharded import ShardedModel
+from springback.worker.train.agreement import StateAgreement, StateUnrecoverable
+from springback.worker.train.checkpointing import restore_from_checkpoint
+from springback.worker.rank.context import RankContext
+from springback.worker.state.peercopy import GenerationCopies
+from springback.worker.rank.rendezvous import leave_group
+from springback.worker.state.sharded import ShardedModel
 
 RANK, ROOT, SCENARIO = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 FULL = StateDictOptions(full_state_dict=True)

@@ -6,7 +6,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from springback.worker.rendezvous import RendezvousAborted, form_group, leave_group
+from springback.worker.rank.rendezvous import RendezvousAborted, form_group, leave_group
 
 
 def main(rank: int, port: int, fail_first: bool) -> int:

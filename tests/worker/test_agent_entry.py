@@ -3,7 +3,7 @@ which alone knows how to start a local coordinator."""
 
 from __future__ import annotations
 
-from springback.worker.agent import main
+from springback.worker.agent.command import main
 
 
 def test_standalone_needs_the_springback_cli_and_says_so(capsys):

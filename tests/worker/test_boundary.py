@@ -1,4 +1,4 @@
-"""The step-boundary agreement (worker/boundary.py) on real gloo ranks."""
+"""The step-boundary agreement (worker/train/boundary.py) on real gloo ranks."""
 
 from __future__ import annotations
 

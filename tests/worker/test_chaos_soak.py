@@ -43,7 +43,7 @@ from test_sharded import digests
 from springback.client.api import Client
 from springback.storage import verify
 from springback.v1 import types_pb2 as pb
-from springback.worker.audit import check_exactly_once
+from springback.worker.train.audit import check_exactly_once
 
 SOAK_S = float(os.environ.get("SPRINGBACK_SOAK_S", "600"))
 SEED = int(os.environ.get("SPRINGBACK_SOAK_SEED", "7"))

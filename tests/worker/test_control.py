@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from springback.v1 import types_pb2 as pb
-from springback.worker.agent import AgentConfig
+from springback.worker.agent.config import AgentConfig
 from springback.worker.control import (
     PlanChannel,
     PlanPublisher,
@@ -14,7 +14,7 @@ from springback.worker.control import (
     await_activation,
     ready_path,
 )
-from springback.worker.preemption import FileNotice
+from springback.worker.agent.preemption import FileNotice
 from springback.worker.rankstats import RankStats
 from springback.worker.rankstats import read_all as read_rank_stats
 

@@ -20,7 +20,7 @@ from fakeplans import assert_replicas_identical
 from sbtest import scrape, wait_for
 from springback.cli.local import free_port
 from springback.v1 import types_pb2 as pb
-from springback.worker.audit import check_exactly_once, read_records
+from springback.worker.train.audit import check_exactly_once, read_records
 
 NUM_SAMPLES, BATCH, MAX_STEPS = 256, 12, 60
 SPEC = {"name": "tiny", "min_workers": 2, "max_workers": 3,

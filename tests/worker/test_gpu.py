@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from springback.worker.session import Session, group_backend, rank_device
+from springback.worker.rank.device import group_backend, rank_device
+from springback.worker.train.session import Session
 
 EXAMPLE = str(Path(__file__).resolve().parents[2] / "examples" / "torchrun_ddp" / "train.py")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from sbtest import wait_for
 from springback.cli.local import free_port
-from springback.worker.launch import choose_mode, parse_nnodes, parse_streams, uses_session
+from springback.worker.agent.launch import choose_mode, parse_nnodes, parse_streams, uses_session
 
 HERE = Path(__file__).parent
 ROOT = HERE.parents[1]
@@ -178,7 +178,7 @@ class TestLibraryModeLocalRanks:
 
 class TestRankOutput:
     def test_tee_writes_the_file_and_the_console_redirect_only_the_file(self, tmp_path, capfd):
-        from springback.worker.launch import RankOutput
+        from springback.worker.agent.launch import RankOutput
 
         output = RankOutput(log_dir=str(tmp_path), redirects={1: 1}, tee={0: 1})
         code = "import sys; print('out'); print('err', file=sys.stderr)"
@@ -196,7 +196,7 @@ class TestRankOutput:
         assert console.err.count("err") == 2  # neither redirected stderr
 
     def test_redirects_without_a_log_dir_are_refused(self):
-        from springback.worker.launch import RankOutput
+        from springback.worker.agent.launch import RankOutput
 
         with pytest.raises(ValueError, match="--log-dir"):
             RankOutput(redirects=3)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from springback.v1 import types_pb2 as pb
-from springback.worker.mesh import MeshLayout
-from springback.worker.sampler import SampleStream
+from springback.worker.state.mesh import MeshLayout
+from springback.worker.train.sampler import SampleStream
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -49,7 +49,7 @@ def test_a_layout_that_does_not_cover_the_world_is_refused():
 def test_the_two_ranks_of_a_tp_group_train_on_the_same_whole_batch(fake_job):
     from collections import defaultdict
 
-    from springback.worker.audit import read_records
+    from springback.worker.train.audit import read_records
 
     for m in ("a", "b"):
         fake_job.spawn(m)
@@ -72,7 +72,7 @@ def test_a_checkpoint_manifest_records_the_generations_layout(tmp_path):
     import torch
 
     from springback.storage import committed_checkpoints, job_checkpoint_uri
-    from springback.worker.checkpointing import GenerationCheckpoints
+    from springback.worker.train.checkpointing import GenerationCheckpoints
 
     plan = layout_plan(1, dp=1, tp=1, pp=1, ep=1, replicate=1, shard=1)
     plan.job_id, plan.generation = "job-l", 1

@@ -1,4 +1,4 @@
-"""Peer copies (worker/peercopy.py): pure FSDP across nodes, a node lost,
+"""Peer copies (worker/state/peercopy.py): pure FSDP across nodes, a node lost,
 its shards taken from the copy its partner kept in host memory: no checkpoint
 read, at most K steps redone on the same samples, the state bit-identical to
 the copy step's. Real agents, coordinator, etcd and multi-process gloo."""
@@ -12,14 +12,14 @@ import torch
 from cluster import steps
 from sbtest import wait_for
 from springback.v1 import types_pb2 as pb
-from springback.worker.peercopy import (
+from springback.worker.state.peercopy import (
     PeerCopyStore,
     index_of,
     partners,
     replicated_elsewhere,
     take_snapshot,
 )
-from springback.worker.reshard import Rows
+from springback.worker.state.reshard import Rows
 from test_elastic import cluster  # noqa: F401 - the fixture
 from test_sharded import FSDP_TRAIN, SPEC, assert_resharded_bit_identical, digests, member_id
 

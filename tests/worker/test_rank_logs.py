@@ -72,7 +72,7 @@ class TestShipping:
     def rank_logs(tmp_path, base: str, **kw):  # noqa: ANN205
         import io
 
-        from springback.worker.ranklogs import RankLogs
+        from springback.worker.agent.ranklogs import RankLogs
 
         return RankLogs(label_of=lambda proc: "rank0", member_of=lambda: "m-1",
                         base_uri_of=lambda: base, echo=io.BytesIO(), flush_interval_s=60, **kw)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from sbtest import wait_for
-from springback.worker.ranks import LocalRanks, can_restore_priority
+from springback.worker.agent.ranks import LocalRanks, can_restore_priority
 
 STANDBY = str(Path(__file__).with_name("standby_rank.py"))
 IDENTITY = {"member_id": "m-1", "control_dir": "/nonexistent", "collective_timeout_s": 5.0}

@@ -1,4 +1,4 @@
-"""Rank 0's step reports (worker/reporter.py) against a real coordinator."""
+"""Rank 0's step reports (worker/train/reporter.py) against a real coordinator."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from sbtest import wait_for
 from springback.v1 import types_pb2 as pb
 from springback.v1 import worker_service_pb2 as ws
 from springback.v1 import worker_service_pb2_grpc as ws_grpc
-from springback.worker.reporter import STEP_REPORT_INTERVAL_S, StepReporter
+from springback.worker.train.reporter import STEP_REPORT_INTERVAL_S, StepReporter
 
 pytestmark = pytest.mark.timeout(60)
 REPORT_STEP = "/springback.v1.WorkerService/ReportStep"

@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from springback.worker.audit import AuditLog, check_exactly_once
-from springback.worker.sampler import SampleStream
+from springback.worker.train.audit import AuditLog, check_exactly_once
+from springback.worker.train.sampler import SampleStream
 
 
 class TestStepShards:

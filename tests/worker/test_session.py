@@ -12,7 +12,7 @@ from draws import check_draws
 from fakeplans import FakeJob, assert_replicas_identical
 from sbtest import wait_for
 from springback.client import env as E
-from springback.worker.audit import check_exactly_once
+from springback.worker.train.audit import check_exactly_once
 
 
 @pytest.mark.timeout(120)
@@ -46,7 +46,7 @@ class TestGenerationSwitch:
     def test_survivors_that_rebuild_ddp_at_once_after_a_killed_peer_never_deadlock(
             self, tmp_path):
         # no step sleep: the survivors' old DDP wrappers are freed while gloo's
-        # threads still finish the broken step (worker/rendezvous.py, "Tearing a
+        # threads still finish the broken step (worker/rank/rendezvous.py, "Tearing a
         # gloo group down has a trap"). Failed in an early round until a rank
         # leaving a broken generation shut its connections to the peers
         # (`leave_group(broken=True)`).

@@ -1,4 +1,4 @@
-"""The agent's rank watchdog (worker/watchdog.py) against real statistics files
+"""The agent's rank watchdog (worker/agent/watchdog.py) against real statistics files
 written by `RankStats`, the way a rank writes them."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import os
 import pytest
 
 from sbtest import wait_for
-from springback.worker import watchdog
+from springback.worker.agent import watchdog
 from springback.worker.rankstats import RankStats
-from springback.worker.watchdog import RankWatchdog
+from springback.worker.agent.watchdog import RankWatchdog
 
 pytestmark = pytest.mark.timeout(30)
 

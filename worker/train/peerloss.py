@@ -13,7 +13,7 @@ ranks' crashes).
 from __future__ import annotations
 
 from springback.v1 import types_pb2 as pb
-from springback.worker.rendezvous import lost_peer_rank
+from springback.worker.rank.rendezvous import lost_peer_rank
 
 
 def member_of_rank(plan: pb.Plan, rank: int) -> str | None:

@@ -11,7 +11,7 @@ sequence of generations without shared state:
 * Within a step the ``B`` positions are split into ``world_size`` contiguous
   shards whose sizes differ by at most one, so the per-rank batch adapts as the
   world size changes and the global batch stays constant. A generation calls
-  this with its data-parallel size and coordinate (`worker/mesh.py`): ranks
+  this with its data-parallel size and coordinate (`worker/state/mesh.py`): ranks
   that differ only in their TP or PP coordinate get the same batch.
 
 Because survivors resume at a step boundary (the step their state holds) and a

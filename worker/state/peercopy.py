@@ -14,7 +14,7 @@ in the job spec) each rank therefore
    member of the plan (the ring of nodes), which keeps it as a *copy*. The
    send and the receive are started at the end of step k and waited for at
    the end of step k + 1, overlapping that step's compute the way the step
-   boundary's all-reduce does (`worker/boundary.py`).
+   boundary's all-reduce does (`worker/train/boundary.py`).
 
 A snapshot and the copies of one step replace those of the step before only
 once this rank's send and receive of the newer one have completed, so a
@@ -65,10 +65,10 @@ import torch.distributed as dist
 
 from springback.client.spec import peer_copy_every_steps
 from springback.v1 import types_pb2 as pb
-from springback.worker import rngstate
-from springback.worker.mesh import MeshLayout
-from springback.worker.rendezvous import handed_to_gloo
-from springback.worker.reshard import (
+from springback.worker.rank import rngstate
+from springback.worker.state.mesh import MeshLayout
+from springback.worker.rank.rendezvous import handed_to_gloo
+from springback.worker.state.reshard import (
     NotReshardable,
     Piece,
     Rows,
@@ -81,8 +81,8 @@ from springback.worker.reshard import (
 )
 
 if TYPE_CHECKING:
-    from springback.worker.context import RankContext
-    from springback.worker.sharded import Held, ShardedModel
+    from springback.worker.rank.context import RankContext
+    from springback.worker.state.sharded import Held, ShardedModel
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from the RNG state that belongs to the state it starts from:
   older step) takes the RNG state of the rank it received it from;
 * a restore from a checkpoint gives rank r the RNG state saved by rank r mod N
   (N the saved world size; `storage/restore.py`);
-* a roll back to a peer copy (`worker/peercopy.py`) gives each rank its own RNG
+* a roll back to a peer copy (`worker/state/peercopy.py`) gives each rank its own RNG
   state at the copy step where it holds its own snapshot, else the source's.
 
 A rank that took another rank's RNG state draws the same numbers as that rank

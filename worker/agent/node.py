@@ -39,51 +39,35 @@ Failure semantics:
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import logging
 import os
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
 
 from springback.client.channel import Backoff, connect, parse_addresses
 from springback.client.polling import wait_until
-from springback.client.metrics import Registry
 from springback.client.metrics import serve as serve_metrics
 from springback.v1 import types_pb2 as pb
 from springback.v1 import worker_service_pb2 as wpb
 from springback.v1 import worker_service_pb2_grpc as wgrpc
 from springback.client import env as E
-from springback.worker.agentmetrics import RankRecoveries
+from springback.worker.agent.member import MemberLink
+from springback.worker.agent.metrics import node_registry
 from springback.worker.control import PlanPublisher
-from springback.worker.watchdog import RankWatchdog
-from springback.worker.launch import (
-    RankOutput,
-    add_torchrun_arguments,
-    check_torchrun_flags,
-    choose_mode,
-    command_for,
-    parse_nnodes,
-    parse_nproc,
-    parse_streams,
-)
-from springback.worker.preemption import FileNotice, PreemptionSource
-from springback.worker.ranklogs import RankLogs, rank_label
-from springback.worker.ranks import LocalRanks, with_parent_death
-from springback.worker.rankstats import read_all as read_rank_stats
-from springback.worker.restart import RestartRanks
-from springback.worker.startup import (
+from springback.worker.agent.watchdog import RankWatchdog
+from springback.worker.agent.ranklogs import RankLogs, rank_label
+from springback.worker.agent.ranks import LocalRanks, with_parent_death
+from springback.worker.agent.restart import RestartRanks
+from springback.worker.agent.config import AgentConfig
+from springback.worker.agent.startup import (
     DrainedBeforeJoin,
     JobFinished,
     RendezvousStore,
@@ -97,73 +81,6 @@ log = logging.getLogger("springback.agent")
 
 EXIT_OK, EXIT_ERROR, EXIT_FENCED = 0, 1, 3
 RPC_TIMEOUT_S = 5.0
-
-
-@dataclass(kw_only=True)
-class AgentConfig:
-    """What one agent runs; built from the `run` command line."""
-
-    job_id: str
-    """Job to join."""
-    command: list[str]
-    """The rank command (e.g. ``python train.py``), run once per local rank."""
-    coordinator: str | None = None
-    """Coordinator addresses; None reads SPRINGBACK_COORDINATOR."""
-    token: str | None = None
-    """Bearer token; None reads SPRINGBACK_TOKEN."""
-    nproc_per_node: int = 1
-    """Local ranks on this node."""
-    host: str = "127.0.0.1"
-    """Address other nodes reach this node's rendezvous store and ranks at."""
-    drain_timeout_s: float = 60.0
-    """How long a drain may take before the ranks are killed."""
-    max_restarts: int = 10
-    """Local rank failures tolerated over the agent's life."""
-    ready_timeout_s: float = 600.0
-    """How long the ranks' set-up (up to `Session()`) may take before joining."""
-    standby: bool = True
-    """Keep one warm standby rank (script started, blocked in `Session()`) to
-    replace a crashed rank in well under a second instead of a cold start."""
-    on_fenced: str = "rejoin"
-    """``rejoin`` as a new member, or ``exit`` (status 3), once fenced."""
-    collective_timeout_s: float | None = None
-    """Process-group timeout for the ranks; None uses the liveness timeout."""
-    preemption: list[PreemptionSource] = field(default_factory=list)
-    """Preemption notice sources, polled several times a second."""
-    extra_env: dict[str, str] = field(default_factory=dict)
-    """Added to every rank's environment."""
-    metrics_listen: str | None = None
-    """``HOST:PORT`` for a Prometheus endpoint (``/metrics``) of this node's
-    plan and its ranks' statistics (`rankstats.py`); None serves none."""
-    mode: str = "library"
-    """``library`` (a Session script) or ``restart`` (an unmodified torchrun
-    script); `launch.choose_mode` resolves ``--mode auto``."""
-    output: RankOutput = field(default_factory=RankOutput)
-    """Where the ranks' stdout/stderr go (--log-dir, --redirects, --tee)."""
-    connect_timeout_s: float = 10.0
-    """How long the start-up check may wait for a coordinator to answer."""
-    nnodes: tuple[int, int] | None = None
-    """torchrun's --nnodes: must equal the job's (min_workers, max_workers)."""
-
-    def __post_init__(self) -> None:
-        if not self.job_id:
-            raise ValueError("--job is required")
-        if not self.command:
-            raise ValueError("no rank command: pass it after --, e.g. -- python train.py")
-        if self.nproc_per_node < 1:
-            raise ValueError(f"--nproc-per-node must be >= 1, got {self.nproc_per_node}")
-        if self.on_fenced not in ("rejoin", "exit"):
-            raise ValueError(f"--on-fenced must be rejoin or exit, got {self.on_fenced!r}")
-        if self.mode not in ("library", "restart"):
-            raise ValueError(f"--mode must be library or restart, got {self.mode!r}")
-        if self.connect_timeout_s <= 0:
-            raise ValueError(f"--connect-timeout-s must be positive, got {self.connect_timeout_s}")
-        if self.drain_timeout_s <= 0:
-            raise ValueError(f"--drain-timeout-s must be positive, got {self.drain_timeout_s}")
-        if self.metrics_listen is not None:
-            host, sep, port = self.metrics_listen.rpartition(":")
-            if not sep or not host or not port.isdigit() or int(port) > 65535:
-                raise ValueError(f"--metrics-listen must be HOST:PORT, got {self.metrics_listen!r}")
 
 
 class Agent:
@@ -245,9 +162,12 @@ class Agent:
         log.info("joined job %s as member %s (liveness %.1fs)", self.config.job_id,
                  self.member.id, self.liveness_timeout_s)
         member_id = self.member.id
-        threading.Thread(target=self._heartbeat_loop, args=(member_id,), daemon=True,
+        link = MemberLink(self._stub, self.config.job_id, member_id,
+                          alive=lambda: self._current(member_id), fenced=self._fenced,
+                          stop=self._stop)
+        threading.Thread(target=link.keep_alive, args=(self._heartbeat_s,), daemon=True,
                          name="heartbeat").start()
-        threading.Thread(target=self._watch_loop, args=(member_id,), daemon=True,
+        threading.Thread(target=link.follow_plans, args=(self._on_plan,), daemon=True,
                          name="watch-plans").start()
 
     def agent_store(self) -> Any:
@@ -264,41 +184,6 @@ class Agent:
 
     def _current(self, member_id: str) -> bool:
         return self.member is not None and self.member.id == member_id and not self._stop.is_set()
-
-    def _heartbeat_loop(self, member_id: str) -> None:
-        req = wpb.HeartbeatRequest(job_id=self.config.job_id, member_id=member_id)
-        backoff = Backoff(base_s=0.1, cap_s=max(self._heartbeat_s, 0.1))
-        while self._current(member_id) and not self._fenced.is_set():
-            wait_s = self._heartbeat_s
-            try:
-                self._stub.Heartbeat(req, timeout=max(self._heartbeat_s, 1.0))
-                backoff.reset()
-            except grpc.RpcError as e:
-                if e.code() == grpc.StatusCode.NOT_FOUND:
-                    log.warning("member %s expired: fenced", member_id)
-                    self._fenced.set()
-                    return
-                log.warning("heartbeat failed: %s", e.code().name)
-                wait_s = backoff.next_s()  # sooner than the cadence, spread out
-            self._stop.wait(wait_s)
-
-    def _watch_loop(self, member_id: str) -> None:
-        req = wpb.WatchPlansRequest(job_id=self.config.job_id, member_id=member_id)
-        backoff = Backoff(base_s=0.1, cap_s=2.0)
-        while self._current(member_id) and not self._fenced.is_set():
-            try:
-                for resp in self._stub.WatchPlans(req, timeout=3600):
-                    if not self._current(member_id):
-                        return
-                    self._on_plan(resp.plan)
-                    backoff.reset()
-            except grpc.RpcError as e:
-                if e.code() == grpc.StatusCode.NOT_FOUND:
-                    self._fenced.set()
-                    return
-                if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
-                    log.warning("plan stream broke: %s; reconnecting", e.code().name)
-            self._stop.wait(backoff.next_s())  # jittered: a failover is no thundering herd
 
     def _on_plan(self, plan: pb.Plan) -> None:
         with self._lock:
@@ -418,7 +303,10 @@ class Agent:
         metrics_server = None
         try:
             if self.config.metrics_listen:
-                metrics_server = serve_metrics(self._metrics_registry(), self.config.metrics_listen)
+                metrics_server = serve_metrics(
+                    node_registry(lambda: self._plan, lambda: self._num_restarts,
+                                  lambda: getattr(self, "_publisher", None)),
+                    self.config.metrics_listen)
                 host, port = metrics_server.server_address[:2]
                 log.info("metrics on http://%s:%d/metrics", host, port)
             phases = StartupClock()
@@ -451,37 +339,6 @@ class Agent:
             self._rank_logs.close()
             self._rendezvous.close()
             shutil.rmtree(self._workdir, ignore_errors=True)
-
-    def _metrics_registry(self) -> Registry:
-        """This node's view: its newest plan, its rank failures, and the
-        statistics each local rank wrote last (labelled by local_rank)."""
-        registry = Registry()
-
-        def plan_field(name: str) -> float:
-            plan = self._plan
-            return getattr(plan, name) if plan is not None else 0
-
-        registry.add("springback_agent_generation", "gauge",
-                     "Generation of the newest plan this node received.",
-                     lambda: plan_field("generation"))
-        registry.add("springback_agent_world_size", "gauge", "World size of that plan.",
-                     lambda: plan_field("world_size"))
-        registry.add("springback_agent_rank_failures_total", "counter",
-                     "Local ranks that exited with an error.", lambda: self._num_restarts)
-
-        def per_rank(key: str) -> Callable[[], list]:
-            def collect() -> list:
-                publisher = getattr(self, "_publisher", None)
-                stats = read_rank_stats(publisher.directory) if publisher else {}
-                return [({"local_rank": str(lr)}, float(v[key]))
-                        for lr, v in sorted(stats.items()) if key in v]
-            return collect
-
-        for key, name, kind, help_text in RANK_METRICS:
-            registry.add(name, kind, help_text, per_rank(key))
-        registry.add_collector(RankRecoveries(
-            lambda: read_rank_stats(self._publisher.directory) if hasattr(self, "_publisher") else {}))
-        return registry
 
     def _supervise(self) -> int:
         while True:
@@ -546,7 +403,7 @@ class Agent:
         return None
 
     def _kill_hung_ranks(self) -> None:
-        """SIGKILLs the local ranks the watchdog finds hung (`worker/watchdog.py`);
+        """SIGKILLs the local ranks the watchdog finds hung (`worker/agent/watchdog.py`);
         the next poll reports each as a crashed rank, with why it was killed."""
         running = [(lr, p.pid) for lr, p in self._local.ranks.items()
                    if p.poll() is None and lr not in self._hung]
@@ -600,138 +457,3 @@ class Agent:
                                 timeout=RPC_TIMEOUT_S)
         except grpc.RpcError as e:
             log.warning("LeaveJob failed (%s): the member expires by itself", e.code().name)
-
-
-# -- command line -------------------------------------------------------------
-
-RANK_METRICS = [  # (rankstats key, metric, kind, help)
-    ("generation", "springback_rank_generation", "gauge", "Generation the rank trains in."),
-    ("step", "springback_rank_step", "gauge", "Last step the rank completed."),
-    ("steps_total", "springback_rank_steps_total", "counter",
-     "Steps this rank process completed."),
-    ("step_seconds_total", "springback_rank_step_seconds_total", "counter",
-     "Time those steps took (first step of each generation not counted)."),
-    ("last_step_seconds", "springback_rank_last_step_seconds", "gauge",
-     "Duration of the latest step."),
-    ("recovery_seconds", "springback_rank_recovery_seconds", "gauge",
-     "From the rank's last step in an earlier generation to the start of the current one."),
-    ("checkpoint_stall_seconds", "springback_rank_checkpoint_stall_seconds", "gauge",
-     "How long the latest checkpoint blocked training."),
-    ("goodput", "springback_rank_goodput_ratio", "gauge",
-     "Time in steps over time since the rank's Session started."),
-]
-
-
-def add_run_arguments(p: argparse.ArgumentParser) -> None:
-    """Adds the `run` options to `p` (the CLI's ``run`` sub-command, whose parent
-    parser already defines --coordinator and --token); dispatch to `run_main`."""
-    p.add_argument("--job", default=None, help="job id to join (not with --standalone)")
-    p.add_argument("--nproc-per-node", "--nproc_per_node", dest="nproc_per_node", default="1",
-                   help="local ranks: N, cpu, gpu or auto (as torchrun)")
-    p.add_argument("--host", default=os.environ.get("SPRINGBACK_HOST", "127.0.0.1"),
-                   help="address peers reach this node at (default 127.0.0.1)")
-    p.add_argument("--drain-timeout-s", type=float, default=60.0)
-    p.add_argument("--max-restarts", "--max_restarts", dest="max_restarts", type=int,
-                   default=10)
-    p.add_argument("--connect-timeout-s", type=float, default=10.0,
-                   help="start-up: how long to wait for a coordinator to answer (default 10)")
-    p.add_argument("--no-standby", dest="standby", action="store_false",
-                   help="do not keep a warm standby rank for fast crash recovery")
-    p.add_argument("--on-fenced", choices=["rejoin", "exit"], default="rejoin")
-    p.add_argument("--collective-timeout-s", type=float, default=None,
-                   help="process-group timeout (default: the liveness timeout)")
-    p.add_argument("--preemption-file", default=None,
-                   help="drain when this file appears (a preemption notice)")
-    p.add_argument("--metrics-listen", default=None, metavar="HOST:PORT",
-                   help="serve Prometheus metrics of this node and its ranks at /metrics")
-    p.add_argument("--drained-exit-code", type=int, default=EXIT_OK, metavar="N",
-                   help="exit status after a drain (SIGTERM, preemption notice); e.g. 143 lets "
-                        "a Kubernetes Job replace a drained pod (default 0)")
-    add_torchrun_arguments(p)
-    p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- the rank command")
-
-
-def _config_from_args(args: argparse.Namespace, job_id: str,
-                      coordinator: str | None) -> AgentConfig:
-    """The AgentConfig of parsed `run` arguments; ValueError names a bad flag."""
-    check_torchrun_flags(args)
-    cmd = command_for(list(args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd))
-    return AgentConfig(
-        job_id=job_id, command=cmd, coordinator=coordinator,
-        token=getattr(args, "token", None), nproc_per_node=parse_nproc(args.nproc_per_node),
-        host=args.host, drain_timeout_s=args.drain_timeout_s,
-        max_restarts=args.max_restarts, standby=args.standby, on_fenced=args.on_fenced,
-        collective_timeout_s=args.collective_timeout_s, metrics_listen=args.metrics_listen,
-        preemption=[FileNotice(args.preemption_file)] if args.preemption_file else [],
-        mode=choose_mode(args.mode, cmd) if cmd else "library",
-        output=RankOutput(log_dir=args.log_dir,
-                          redirects=parse_streams("--redirects", args.redirects),
-                          tee=parse_streams("--tee", args.tee)),
-        connect_timeout_s=args.connect_timeout_s,
-        nnodes=None if args.standalone else parse_nnodes(args.nnodes))
-
-
-def _run_agent(config: AgentConfig, drained_exit_code: int = EXIT_OK) -> int:
-    """Runs one agent with signal handling; a drained agent that ended
-    cleanly exits with `drained_exit_code`."""
-    agent = Agent(config)
-    log.info("mode %s: %s", config.mode, " ".join(config.command))
-
-    def on_signal(signum: int, _frame: object) -> None:
-        agent.request_drain(f"signal {signal.Signals(signum).name}")
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    status = agent.run()
-    drained = agent._drain_reason is not None  # noqa: SLF001 (set by on_signal or a notice)
-    return drained_exit_code if status == EXIT_OK and drained else status
-
-
-Standalone = Callable[[str, "tuple[int, int] | None", Callable[[str, str], int]], int]
-"""``(name, nnodes, run_agent) -> status``: brings up a local etcd + coordinator,
-submits a one-node job and returns ``run_agent(coordinator, job_id)``. The CLI
-passes `springback.cli.standalone.run_standalone`; the agent itself knows no
-coordinator code."""
-
-
-def run_main(args: argparse.Namespace, standalone: Standalone | None = None) -> int:
-    """Runs the agent for parsed `run` arguments; returns the exit status
-    (2 for bad arguments, with the flag named on stderr). ``--standalone``
-    needs `standalone` (given by the `springback` CLI)."""
-    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    log.setLevel(logging.INFO)
-    coordinator = getattr(args, "coordinator", None)
-    try:
-        if args.standalone and (args.job or coordinator):
-            raise ValueError("--standalone starts its own coordinator and job: "
-                             "drop --job and --coordinator")
-        if args.standalone and standalone is None:
-            raise ValueError("--standalone is a `springback run` option (the CLI starts "
-                             "the local coordinator)")
-        if not args.standalone and not args.job:
-            raise ValueError("--job is required (or --standalone)")
-        config = _config_from_args(args, args.job or "standalone", coordinator)
-        if standalone is None or not args.standalone:
-            return _run_agent(config, args.drained_exit_code)
-        nnodes = parse_nnodes(args.nnodes)
-    except ValueError as e:
-        print(f"springback run: {e}", file=sys.stderr)
-        return 2
-    name = os.path.splitext(os.path.basename(config.command[-1]))[0].lower()
-    name = "".join(c if c.isalnum() else "-" for c in name).strip("-") or "standalone"
-    return standalone(name, nnodes, lambda address, job_id: _run_agent(
-        dataclasses.replace(config, coordinator=address, job_id=job_id)))
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m springback.worker.agent …``: the `run` command without the CLI."""
-    p = argparse.ArgumentParser(prog="springback run")
-    p.add_argument("--coordinator", default=None,
-                   help="coordinator ADDR[,ADDR...] (or SPRINGBACK_COORDINATOR)")
-    p.add_argument("--token", default=None, help="bearer token (or SPRINGBACK_TOKEN)")
-    add_run_arguments(p)
-    return run_main(p.parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

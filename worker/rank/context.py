@@ -44,7 +44,7 @@ class RankContext:
     state_step: int = -1
     """Step the in-memory state holds; -1: none yet."""
     rng: dict[str, torch.Tensor] | None = None
-    """The RNG state at the boundary after `state_step` (`worker/rngstate.py`);
+    """The RNG state at the boundary after `state_step` (`worker/rank/rngstate.py`);
     None before the first step."""
     clean: bool = False
     """The last generation ended at an agreed step boundary."""
@@ -66,14 +66,14 @@ class RankContext:
             return self.standalone_plan
         plan = self.channel.latest()
         if plan is not None and self.stats is not None:
-            self.stats.plan_seen(plan.generation)  # this rank answers (worker/watchdog.py)
+            self.stats.plan_seen(plan.generation)  # this rank answers (worker/agent/watchdog.py)
         return plan
 
     @contextlib.contextmanager
     def busy(self, what: str) -> Iterator[None]:
         """Marks a bounded operation that reads no plan (its own deadlines end
         it), so the agent's rank watchdog does not take the silence for a
-        hang (worker/watchdog.py)."""
+        hang (worker/agent/watchdog.py)."""
         if self.stats is not None:
             self.stats.busy(what)
         try:

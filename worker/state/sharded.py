@@ -18,7 +18,7 @@ parallelize its model and optimizer on a mesh, the library calls it.
 `build` is called at the start of every generation on that generation's mesh
 (each generation has a new process group, and FSDP2 modules are bound to
 their mesh); the state is then carried over from the previous generation's
-shards in memory (`worker/reshard.py`), or restored from a checkpoint, or,
+shards in memory (`worker/state/reshard.py`), or restored from a checkpoint, or,
 on a fresh start, kept as `build` made it (seed the model's initialisation
 identically on every rank, as with plain FSDP2).
 
@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from springback.worker.reshard import NotReshardable, Rows, rows_of
+from springback.worker.state.reshard import NotReshardable, Rows, rows_of
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh

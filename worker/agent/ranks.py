@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 from springback.client import env as E
 from springback.worker.control import activate_standby, ready_path
-from springback.worker.launch import RankOutput
+from springback.worker.agent.launch import RankOutput
 
 log = logging.getLogger("springback.agent")
 

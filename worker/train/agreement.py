@@ -10,12 +10,12 @@ starts from scratch while a commit exists.
   plan's source rank when it holds it) is broadcast whole, unless every rank
   ended the previous generation cleanly at the same step; with no state
   anywhere and no checkpoint, rank 0's fresh initialisation is broadcast.
-* Both forms carry each rank's RNG state with the state (`worker/rngstate.py`).
-* Sharded form (`StateAgreement.agree_sharded`, see `worker/sharded.py`):
+* Both forms carry each rank's RNG state with the state (`worker/rank/rngstate.py`).
+* Sharded form (`StateAgreement.agree_sharded`, see `worker/state/sharded.py`):
   the model is built on the new mesh and its shards filled from the ranks
-  holding the rows (`worker/reshard.py`); when some rows have no live
+  holding the rows (`worker/state/reshard.py`); when some rows have no live
   holder, every rank rolls back to the newest step the peer copies cover
-  (`worker/peercopy.py`), else the plan's checkpoint is restored.
+  (`worker/state/peercopy.py`), else the plan's checkpoint is restored.
 
 Failure semantics: every step here is collective over the generation's
 group; a failed collective raises what it raises (the generation fails to
@@ -53,12 +53,12 @@ import torch
 import torch.distributed as dist
 
 from springback.v1 import types_pb2 as pb
-from springback.worker import rngstate
-from springback.worker.context import RankContext
-from springback.worker.mesh import MeshLayout, build_mesh
-from springback.worker.peercopy import GenerationCopies, PeerCopyStore
-from springback.worker.rendezvous import handed_to_gloo, note_subgroup_endpoints
-from springback.worker.reshard import (
+from springback.worker.rank import rngstate
+from springback.worker.rank.context import RankContext
+from springback.worker.state.mesh import MeshLayout, build_mesh
+from springback.worker.state.peercopy import GenerationCopies, PeerCopyStore
+from springback.worker.rank.rendezvous import handed_to_gloo, note_subgroup_endpoints
+from springback.worker.state.reshard import (
     Rows,
     agree_written,
     all_gather_objects,
@@ -66,7 +66,7 @@ from springback.worker.reshard import (
     exchange,
     plan_transfers,
 )
-from springback.worker.sharded import Captured, ShardedModel
+from springback.worker.state.sharded import Captured, ShardedModel
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -108,7 +108,7 @@ class StateAgreement:
         self.restore_checkpoint = restore_checkpoint
         self.sharded = sharded
         self.copies = PeerCopyStore()
-        """The sharded form's snapshots and peer copies (`worker/peercopy.py`)."""
+        """The sharded form's snapshots and peer copies (`worker/state/peercopy.py`)."""
         self._captured: Captured | None = None
         """The sharded form: what this rank held when the current start
         began, kept until a start succeeds (the transaction)."""
@@ -165,7 +165,7 @@ class StateAgreement:
     def _carry_rng(self, held: bool, source_rng: rngstate.RngState) -> None:
         """A rank that held the agreed step goes back to its own RNG state at
         that boundary, one that received the state takes the source's
-        (`worker/rngstate.py`)."""
+        (`worker/rank/rngstate.py`)."""
         rngstate.apply(self.ctx.rng if held else source_rng)
 
     def gather_steps(self, world: int, *, refused: bool = False

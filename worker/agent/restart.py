@@ -57,7 +57,7 @@ from springback.client import env as E
 if TYPE_CHECKING:
     import torch.distributed as dist
 
-    from springback.worker.agent import Agent
+    from springback.worker.agent.node import Agent
 
 log = logging.getLogger("springback.agent")
 

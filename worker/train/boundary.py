@@ -51,7 +51,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from springback.worker.rendezvous import handed_to_gloo
+from springback.worker.rank.rendezvous import handed_to_gloo
 
 _FIXED = 3  # generation seen, draining, last holder; then one loss slot per rank
 

@@ -44,9 +44,9 @@ import torch.distributed as dist
 
 from springback.v1 import types_pb2 as pb
 from springback.v1 import worker_service_pb2 as wpb
-from springback.worker.context import RankContext
-from springback.worker.mesh import MeshLayout
-from springback.worker.rendezvous import handed_to_gloo
+from springback.worker.rank.context import RankContext
+from springback.worker.state.mesh import MeshLayout
+from springback.worker.rank.rendezvous import handed_to_gloo
 
 log = logging.getLogger(__name__)
 
@@ -196,7 +196,7 @@ def restore_from_checkpoint(ref: pb.CheckpointRef, state: dict[str, Any]) -> int
     """The session's restore hook: loads the plan's checkpoint (collective over
     the current group, any world size) into the registered model, optimizer
     and other ``state=`` entries, and this rank's RNG state (saved by rank
-    r mod N, `worker/rngstate.py`), and returns the step it holds.
+    r mod N, `worker/rank/rngstate.py`), and returns the step it holds.
 
     Files are verified against the manifest's checksums first; when the plan's
     checkpoint is damaged or missing, the newest intact older one under the same

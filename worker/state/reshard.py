@@ -41,7 +41,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from springback.worker.rendezvous import handed_to_gloo
+from springback.worker.rank.rendezvous import handed_to_gloo
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +108,7 @@ def plan_transfers(have: list[dict[str, Rows]], need: list[dict[str, Rows]],
 
     `have[i]` is held by rank i, or by rank ``owners[i]`` when given (a rank
     may then offer several pieces of one tensor, e.g. its own rows and a
-    peer's copy: `worker/peercopy.py`)."""
+    peer's copy: `worker/state/peercopy.py`)."""
     out: list[Transfer] = []
     for dst, wanted in enumerate(need):
         for key in sorted(wanted):
@@ -136,7 +136,7 @@ def exchange(transfers: list[Transfer], rank: int,
     rows into this rank's `target` views. `held` maps a key to this rank's
     piece, or is a function giving the piece that covers a transfer's rows.
     With `host` the pieces travel in host memory whatever the target's
-    device (the held pieces are host copies: `worker/peercopy.py`).
+    device (the held pieces are host copies: `worker/state/peercopy.py`).
     Returns the bytes received from other ranks."""
     ops: list[dist.P2POp] = []
     landing: list[tuple[torch.Tensor, torch.Tensor]] = []

@@ -137,7 +137,7 @@ class StepReporter:
                          lost_member_id: str) -> bool:
         """Tells the coordinator that `rank` saw `peer`, a rank of
         `lost_member_id`, reset its connection in `plan`'s generation
-        (worker/peerloss.py, service/evidence.py). Best effort, never raises:
+        (worker/train/peerloss.py, service/evidence.py). Best effort, never raises:
         one call with a `LOST_PEER_TIMEOUT_S` deadline; a refusal (a stale
         generation: another report already replanned; the peer already
         fenced) or an unreachable coordinator is logged, and the liveness

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from springback.worker.sampler import Batch
+from springback.worker.train.sampler import Batch
 
 
 class AuditLog:

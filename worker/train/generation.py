@@ -1,0 +1,348 @@
+"""One generation as one rank sees it (`Generation`): its rank, world size,
+process group and mesh, and the batches of the steps it runs; made by
+`Session.generations`. See `springback.worker.train.session` for the failure
+semantics: a collective failure inside ``with gen:`` ends the generation
+quietly, anything the script raised itself propagates."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from springback.v1 import types_pb2 as pb
+from springback.worker import eventlog
+from springback.worker.rank import rngstate
+from springback.worker.train.audit import AuditLog, state_digest
+from springback.worker.train.boundary import Agreed, StepBoundary, Vote, carry_votes_hook
+from springback.worker.train.peerloss import lost_peer
+from springback.worker.rank.rendezvous import (
+    is_collective_failure,
+    leave_group,
+    note_subgroup_endpoints,
+)
+from springback.worker.state.mesh import MeshLayout, build_mesh
+from springback.worker.train.agreement import Outcome
+from springback.worker.rank.context import RankContext
+from springback.worker.train.sampler import Batch, SampleStream
+from springback.worker.state.peercopy import GenerationCopies
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+log = logging.getLogger(__name__)
+
+_LIBRARY_DIRS = tuple(os.path.dirname(str(importlib.util.find_spec(name).origin)) + os.sep  # type: ignore[union-attr]
+                      for name in ("torch", "springback.worker", "springback.storage"))
+"""Where library frames live: torch's, the worker side's (every room of it)
+and storage's."""
+
+
+def _raised_by_script(exc: BaseException) -> bool:
+    """True when `exc` was raised by the script's own code (the innermost
+    frame of its traceback is outside torch and springback): a user's
+    RuntimeError that happens to read like a collective's is never taken for
+    a membership change."""
+    tb = exc.__traceback__
+    if tb is None:
+        return False
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    return not os.path.abspath(tb.tb_frame.f_code.co_filename).startswith(_LIBRARY_DIRS)
+
+
+class Generation:
+    """One membership epoch as seen by one rank: rank, world size, process group,
+    and the batches of the steps it runs. Use as a context manager."""
+
+    def __init__(self, ctx: RankContext, plan: pb.Plan, rank: int) -> None:
+        self.ctx = ctx
+        self.plan = plan
+        self.generation = plan.generation
+        self.rank = rank
+        self.world_size = plan.world_size
+        self.local_rank = ctx.env.local_rank
+        self.max_steps = plan.spec.max_steps or 2**62
+        data = plan.spec.data
+        self.stream = SampleStream(num_samples=int(data.num_samples),
+                                   global_batch_size=int(data.global_batch_size),
+                                   seed=int(data.seed))
+        self.group = dist.group.WORLD
+        self.layout = MeshLayout.from_plan(plan)
+        self.dp_rank = self.layout.dp_rank(rank)
+        """This rank's data-parallel coordinate: ranks sharing it (TP and PP
+        peers) get the same batches."""
+        self.dp_size = self.layout.dp
+        self._mesh: DeviceMesh | None = None
+        self._store: dist.Store | None = None  # the generation's rendezvous store
+        self._boundary = StepBoundary(rank, self.world_size)
+        self._copies: GenerationCopies | None = None  # the sharded form's peer copies
+        self._loss = float("nan")
+        self._audit = (AuditLog(ctx.env.audit_dir, self.generation, rank)
+                       if ctx.env.audit_dir else None)
+        self._checkpoints = None
+        self._drain_saved_step: int | None = None  # step of this generation's drain save
+        if plan.spec.checkpoint.uri and "model" in ctx.state:
+            from springback.worker.train.checkpointing import GenerationCheckpoints
+            self._checkpoints = GenerationCheckpoints(ctx=ctx, plan=plan, rank=rank)
+
+    # -- the step loop ---------------------------------------------------------
+
+    def batches(self) -> Iterator[Batch]:
+        """This rank's batch of each step, from the step after the agreed state.
+
+        Stops after max_steps, or at the end of a step when any rank has seen a
+        newer plan (all ranks stop at the same step). Raises what a failed
+        collective raises; ``with gen:`` turns that into a quiet end."""
+        s = self.ctx
+        s.clean = False
+        while s.state_step < self.max_steps:
+            step = s.state_step + 1
+            batch = self.stream.batch(step, self.dp_size, self.dp_rank)
+            if self._audit is not None:
+                self._audit.record(batch)
+            self._loss = float("nan")
+            yield batch
+            s.state_step = step
+            s.rng = rngstate.capture()  # the boundary's, carried into a next generation
+            switch = self._end_step(batch)
+            if s.stats is not None:
+                s.stats.step_done(step, checkpoint_stall_s=None if self._checkpoints is None
+                                   else self._checkpoints.stall_s)
+            if switch:
+                break
+        s.clean = True
+        if s.state_step >= self.max_steps and not s.finished:
+            self._record_state("end")
+            if s.channel is None or s.reporter is None:
+                s.finished = True  # no coordinator to confirm the end
+            else:  # wait for the coordinator's word (see _next_plan)
+                s.final = self._report_final if self.rank == 0 else (lambda: None)
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The registered model (the sharded form: as built on this generation's mesh)."""
+        return self.ctx.state["model"]
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The registered optimizer (the sharded form: built with the model)."""
+        return self.ctx.state["optimizer"]
+
+    def ddp(self, module: torch.nn.Module, **kwargs: Any
+            ) -> torch.nn.parallel.DistributedDataParallel:
+        """`module` in DistributedDataParallel over this generation's group
+        (``DDP(module, process_group=gen.group, **kwargs)``), with the step
+        boundary's vote carried in its gradient all-reduce: the agreement then
+        costs no collective of its own (`worker/train/boundary.py`). Build it once
+        per generation, as ``DDP(...)``; a DDP built by the script itself
+        works too, with the vote in a small all-reduce of its own. The comm
+        hook is the library's, so ``register_comm_hook`` is not available on
+        the result. On CUDA (NCCL) the vote keeps its own all-reduce on the
+        group's gloo side and only the plain wrapper is returned."""
+        if "process_group" in kwargs:
+            raise ValueError("Generation.ddp: process_group is the generation's group")
+        from torch.nn.parallel import DistributedDataParallel
+
+        if self.ctx.device.type == "cuda":
+            kwargs.setdefault("device_ids", [self.ctx.device.index])
+        wrapped = DistributedDataParallel(module, process_group=self.group, **kwargs)
+        if self.ctx.device.type == "cpu":
+            wrapped.register_comm_hook(self._boundary, carry_votes_hook)
+            self._boundary.ddp_group = self.group
+        return wrapped
+
+    @property
+    def mesh(self) -> DeviceMesh:
+        """The generation's named DeviceMesh (dims `MESH_DIMS`: pp, replicate,
+        shard, tp) over its process group, built on first use (a collective:
+        every rank of the generation must ask for it, in the same order).
+        The ranks then exchange the addresses of the subgroups' sockets, so a
+        peer's death seen first on one of them is reported as that peer's."""
+        if self._mesh is None:
+            self._mesh = build_mesh(self.layout, self.ctx.device.type)
+            if self._store is not None:
+                note_subgroup_endpoints(self._store, self.rank, self.world_size)
+        return self._mesh
+
+    def report(self, *, loss: float) -> None:
+        """Attaches this rank's mean loss over its batch to the current step."""
+        self._loss = float(loss)
+
+    def _end_step(self, batch: Batch) -> bool:
+        """The agreed step boundary (`boundary.StepBoundary`): this step's vote
+        goes out, the previous step's agreed vote decides, the same on every
+        rank. Returns True when the ranks must leave for a newer plan (or stop)."""
+        agreed = self._boundary.vote(self._vote(batch))
+        if self._copies is not None:
+            self._copies.after_step(batch.step)
+        newer = agreed is not None and agreed.newest_generation > self.generation
+        stop = agreed is not None and agreed.last_holder  # the state leaves with us
+        final = batch.step >= self.max_steps
+        if self._checkpoints is not None:
+            drain = (agreed is not None and agreed.draining
+                     and self._drain_saved_step is None) or (
+                stop and self._drain_saved_step != batch.step)
+            every = self._checkpoints.every_steps
+            if drain or final or (every and batch.step % every == 0):
+                # the final step is committed before it is reported: the job's
+                # success ends the generation, and with it the right to commit
+                self._checkpoints.save(batch.step, self.stream.cursor_after(batch.step),
+                                       wait=drain or final)
+                if drain:
+                    self._drain_saved_step = batch.step
+        elif stop:
+            log.error("last holder of the state is draining without checkpoint.uri: "
+                      "the job will restart from scratch")
+        if self.rank == 0 and agreed is not None:
+            self._after_step(agreed)
+        if newer or stop or final:  # leaving: nothing stays in flight
+            last = self._boundary.settle()
+            if self._copies is not None:
+                self._copies.settle()
+            if self.rank == 0 and last is not None:
+                self._after_step(last)
+        if stop:
+            self.ctx.finished = True
+            self._record_state("drained")
+            return True
+        if newer:
+            self._record_state("switch")
+        return newer
+
+    def _vote(self, batch: Batch) -> Vote:
+        """This rank's contribution to the agreement at the end of `batch`'s step."""
+        s = self.ctx
+        latest = s.latest()
+        seen = max(latest.generation if latest is not None else 0, self.generation)
+        if s.reporter is not None and s.reporter.coordinator_generation > seen:
+            seen = s.reporter.coordinator_generation
+        share = 0.0 if self._loss != self._loss else self._loss * len(batch.indices)
+        channel = s.channel
+        return Vote(step=batch.step, generation_seen=seen,
+                    loss_share=share / batch.global_batch_size,
+                    draining=channel is not None and channel.draining(),
+                    last_holder=channel is not None and channel.last_holder(),
+                    ended_t=time.time())
+
+    def _settle_last_vote(self) -> None:
+        """Leaving the generation without a broken collective (the user's own
+        error, a break out of the loop): waits for the vote in flight so rank
+        0 still records and reports the last finished step. A failure here
+        is logged only: it must not mask the user's exception."""
+        try:
+            last = self._boundary.settle()
+        except Exception as e:  # noqa: BLE001 - the user's error is what propagates
+            log.warning("the last step's agreement failed on the way out: %s", e)
+            return
+        if self.rank == 0 and last is not None:
+            self._after_step(last)
+
+    def _report_final(self) -> None:
+        """Rank 0, after max_steps: sends the final step report again unless the
+        coordinator took it."""
+        s = self.ctx
+        if s.reporter is None or s.reporter.accepted == (self.generation, s.step):
+            return  # taken: the STOP plan is on its way
+        epoch, offset = self.stream.cursor_after(s.step)
+        s.reporter.submit(generation=self.generation, step=s.step,
+                           samples_consumed=s.step * self.stream.global_batch_size,
+                           loss=s.last_loss, epoch=epoch, offset=offset)
+
+    def _after_step(self, agreed: Agreed) -> None:
+        """Rank 0: the step's local record first, then the report (whoever sees
+        the job finish can read every step's record). The record's ``t`` is
+        when the step ended, not when its agreement was read."""
+        s = self.ctx
+        step, loss = agreed.step, agreed.loss
+        eventlog.append({"event": "step", "t": agreed.ended_t, "generation": self.generation,
+                        "world_size": self.world_size, "step": step, "loss": loss})
+        epoch, offset = self.stream.cursor_after(step)
+        s.last_loss = loss
+        if s.reporter is not None:
+            s.reporter.submit(generation=self.generation, step=step,
+                               samples_consumed=step * self.stream.global_batch_size,
+                               loss=loss, epoch=epoch, offset=offset)
+            if step >= self.max_steps:
+                s.reporter.flush()
+
+    # -- bookkeeping -----------------------------------------------------------
+
+    def _record_start(self, outcome: Outcome, formed_s: float) -> None:
+        s = self.ctx
+        source = outcome.source
+        if self.rank == 0 and s.reporter is not None:
+            epoch, offset = self.stream.cursor_after(s.step)
+            s.reporter.start(generation=self.generation, step=s.step,
+                              samples_consumed=s.step * self.stream.global_batch_size,
+                              restored_from=outcome.kind, epoch=epoch, offset=offset,
+                              state_lost=outcome.state_lost)
+        if self.rank == 0:
+            eventlog.append({"event": "generation", "generation": self.generation,
+                     "world_size": self.world_size, "step": self.ctx.step,
+                     "source_rank": -1 if source is None else source,
+                     "formed_s": round(formed_s, 4), "reason": self.plan.reason})
+        log.info("rank %d/%d joined generation %d at step %d (state from %s)", self.rank,
+                 self.world_size, self.generation, self.ctx.step,
+                 "memory" if source is None else f"rank {source}")
+        self._record_state("start")
+
+    def _record_state(self, when: str) -> None:
+        if not self.ctx.env.audit_dir:
+            return
+        path = os.path.join(self.ctx.env.audit_dir,
+                            f"state-g{self.generation:06d}-r{self.rank:05d}.jsonl")
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(json.dumps({"generation": self.generation, "rank": self.rank,
+                                "when": when, "step": self.ctx.step,
+                                "digest": state_digest(self.ctx.state)}) + "\n")
+
+    def _close(self) -> None:
+        self._abandon_in_flight()
+        if self._checkpoints is not None:
+            self._checkpoints.close(wait_for_commit=self.ctx.clean)
+            self._checkpoints = None
+        if self._audit is not None:
+            self._audit.close()
+            self._audit = None
+        leave_group()
+
+    def _abandon_in_flight(self) -> None:
+        self._boundary.abandon()
+        if self._copies is not None:
+            self._copies.abandon()
+
+    def __enter__(self) -> Generation:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:  # noqa: ANN001
+        """A failed collective ends the generation quietly once a newer plan
+        comes (the state is kept meanwhile, up to the plan wait); anything
+        else, and a collective failure that no plan follows, propagates."""
+        if exc is None or not is_collective_failure(exc) or _raised_by_script(exc):
+            self._settle_last_vote()  # the last finished step is still recorded
+            return False
+        s = self.ctx
+        s.clean = False
+        why = str(exc).splitlines()[0] if str(exc) else repr(exc)
+        log.warning("generation %d broke on rank %d at step %d: %s", self.generation,
+                    self.rank, s.step + 1, why)
+        self._abandon_in_flight()
+        lost = lost_peer(exc, self.plan, s.env.member_id)
+        if lost is not None and s.reporter is not None:
+            s.reporter.report_lost_peer(self.plan, rank=self.rank, peer=lost[0],
+                                        lost_member_id=lost[1])
+        leave_group(broken=True, cause=exc)
+        if not s.newer_plan_within(self.generation, s.wait_s,
+                                   broken=f"rank {self.rank} at step {s.step + 1}: {why}"[:200]):
+            log.error("no new generation within %.0fs of a failed collective: giving up "
+                      "the state", s.wait_s)
+            return False
+        return True
