@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 
@@ -376,6 +378,12 @@ class TestStateLoss:
         _, events = client.list_job_events(job.id)
         event = next(e for e in events if e.generation == generation)
         assert (event.steps_lost, event.state_lost) == (14, "rank 1's rows have no live holder")
+        for args, said in ((("job", "get"), "STATE LOST 1 times: 14 trained steps"),
+                           (("job", "events"), "STATE LOST (14 steps): rank 1's rows")):
+            out = subprocess.run([sys.executable, "-m", "springback.cli", "--coordinator",
+                                  coordinator.address, *args, job.id], capture_output=True,
+                                 text=True, timeout=60)
+            assert out.returncode == 0 and said in out.stdout, (out.stdout, out.stderr)
 
     def test_with_on_state_lost_fail_the_job_ends_failed_naming_the_loss(
             self, coordinator, client, workers, make_spec):
