@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import pytest
 
 from springback.v1 import types_pb2 as pb
@@ -14,7 +13,9 @@ from springback.worker.control import (
     await_activation,
     ready_path,
 )
-from springback.worker.agent.preemption import FileNotice
+from metadata_server import MetadataServer
+from sbtest import wait_for
+from springback.worker.agent.preemption import CloudNotice, FileNotice
 from springback.worker.rankstats import RankStats
 from springback.worker.rankstats import read_all as read_rank_stats
 
@@ -93,3 +94,41 @@ class TestRankStats:
         assert v["checkpoint_stall_seconds"] == 0.004 and v["recovery_seconds"] == 0
         stats.generation_started(generation=4, world_size=3, rank=1, step=10)
         assert read_rank_stats(str(tmp_path))[1]["recovery_seconds"] > 0
+
+    @pytest.mark.timeout(30)
+    @pytest.mark.parametrize(("cloud", "said"), [
+        ("aws", "aws preemption notice: spot instance-action terminate at 2026-12-03T12:00:00Z"),
+        ("gcp", "gcp preemption notice: instance preempted"),
+        ("azure", "azure preemption notice: scheduled event Preempt not before Thu, 03 Dec"),
+    ])
+    def test_a_cloud_notice_fires_on_the_metadata_services_notice_only(self, cloud, said):
+        server = MetadataServer(cloud)
+        notice = CloudNotice(cloud, server.url)
+        try:
+            wait_for(lambda: len(server.requests) >= 2, 10, "the notice to ask twice")
+            assert notice.poll() is None  # asked, and no notice yet (Azure: only a Freeze)
+            server.preempt()
+            reason = wait_for(notice.poll, 10, "the notice to fire")
+            assert reason.startswith(said), reason
+        finally:
+            notice.close()
+            server.close()
+
+    @pytest.mark.timeout(30)
+    def test_a_failing_metadata_service_is_no_notice_and_is_asked_again(self):
+        server = MetadataServer("gcp")
+        server.broken = True
+        notice = CloudNotice("gcp", server.url)
+        try:
+            wait_for(lambda: len(server.requests) >= 2, 10, "the notice to ask again")
+            assert notice.poll() is None
+            server.broken = False
+            server.preempt()
+            assert "instance preempted" in wait_for(notice.poll, 10, "the notice to fire")
+        finally:
+            notice.close()
+            server.close()
+
+    def test_an_unknown_cloud_is_named(self):
+        with pytest.raises(ValueError, match="--preemption-cloud must be one of aws, gcp, azure"):
+            CloudNotice("ibm")

@@ -15,6 +15,7 @@ import pytest
 import sockreset
 from applied import check_applied
 from draws import check_draws
+from metadata_server import MetadataServer
 from cluster import AgentProcess, children, steps
 from fakeplans import assert_replicas_identical
 from sbtest import scrape, wait_for
@@ -109,21 +110,33 @@ class TestNodeLoss:
 
 
 class TestDrain:
-    @pytest.mark.parametrize("notice", ["sigterm", "preemption-file"])
+    @pytest.mark.parametrize("notice", ["sigterm", "preemption-file", "aws-spot-notice"])
     def test_a_drained_worker_leaves_and_no_step_is_lost_or_redone(self, cluster, notice):
         # With SIGTERM, b exits with the status a Kubernetes Job's pod failure
         # policy ignores (deploy/kubernetes/workers.yaml); by default 0.
         drained_status = 143 if notice == "sigterm" else 0
-        agents = [cluster.start(n, "--preemption-file", str(cluster.root / f"preempted-{n}"),
-                                *(["--drained-exit-code", "143"] if drained_status else []))
-                  for n in ("a", "b", "c")]
-        cluster.wait_world(3, min_step=5)
-        if notice == "sigterm":
-            agents[1].process.send_signal(signal.SIGTERM)
-        else:  # what a node-termination handler would write on node b
-            (cluster.root / "preempted-b").write_text("spot interruption in 2 minutes")
-        assert agents[1].wait(30) == drained_status, agents[1].log()
+        metadata = {n: MetadataServer("aws") for n in ("a", "b", "c")}  # each node's own
+        try:
+            agents = [cluster.start(
+                n, "--preemption-file", str(cluster.root / f"preempted-{n}"),
+                *(["--preemption-cloud", "aws", "--preemption-endpoint", metadata[n].url]
+                  if notice == "aws-spot-notice" else []),
+                *(["--drained-exit-code", "143"] if drained_status else []))
+                for n in ("a", "b", "c")]
+            cluster.wait_world(3, min_step=5)
+            if notice == "sigterm":
+                agents[1].process.send_signal(signal.SIGTERM)
+            elif notice == "aws-spot-notice":  # AWS schedules node b's spot termination
+                metadata["b"].preempt()
+            else:  # what a node-termination handler would write on node b
+                (cluster.root / "preempted-b").write_text("spot interruption in 2 minutes")
+            assert agents[1].wait(30) == drained_status, agents[1].log()
+        finally:
+            for server in metadata.values():
+                server.close()
         assert "draining" in agents[1].log()
+        if notice == "aws-spot-notice":
+            assert "aws preemption notice: spot instance-action terminate" in agents[1].log()
         job = cluster.wait_succeeded()
         assert job.status.step == MAX_STEPS
         assert [a.wait(30) for a in (agents[0], agents[2])] == [0, 0]  # ended with the job

@@ -26,7 +26,7 @@ from springback.worker.agent.launch import (
     parse_streams,
 )
 from springback.worker.agent.node import EXIT_OK, Agent
-from springback.worker.agent.preemption import FileNotice
+from springback.worker.agent.preemption import CLOUDS, CloudNotice, FileNotice, PreemptionSource
 
 log = logging.getLogger("springback.agent")
 
@@ -51,6 +51,10 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    help="process-group timeout (default: the liveness timeout)")
     p.add_argument("--preemption-file", default=None,
                    help="drain when this file appears (a preemption notice)")
+    p.add_argument("--preemption-cloud", choices=CLOUDS, default=None,
+                   help="drain on this cloud's spot/preemption notice (its metadata service)")
+    p.add_argument("--preemption-endpoint", default=None, metavar="URL",
+                   help="the metadata service's address (default: the cloud's own)")
     p.add_argument("--metrics-listen", default=None, metavar="HOST:PORT",
                    help="serve Prometheus metrics of this node and its ranks at /metrics")
     p.add_argument("--drained-exit-code", type=int, default=EXIT_OK, metavar="N",
@@ -71,13 +75,26 @@ def _config_from_args(args: argparse.Namespace, job_id: str,
         host=args.host, drain_timeout_s=args.drain_timeout_s,
         max_restarts=args.max_restarts, standby=args.standby, on_fenced=args.on_fenced,
         collective_timeout_s=args.collective_timeout_s, metrics_listen=args.metrics_listen,
-        preemption=[FileNotice(args.preemption_file)] if args.preemption_file else [],
+        preemption=_notices(args),
         mode=choose_mode(args.mode, cmd) if cmd else "library",
         output=RankOutput(log_dir=args.log_dir,
                           redirects=parse_streams("--redirects", args.redirects),
                           tee=parse_streams("--tee", args.tee)),
         connect_timeout_s=args.connect_timeout_s,
         nnodes=None if args.standalone else parse_nnodes(args.nnodes))
+
+
+def _notices(args: argparse.Namespace) -> list[PreemptionSource]:
+    """The preemption sources the flags name; ValueError for an endpoint
+    without a cloud."""
+    if args.preemption_endpoint and not args.preemption_cloud:
+        raise ValueError("--preemption-endpoint needs --preemption-cloud")
+    sources: list[PreemptionSource] = []
+    if args.preemption_file:
+        sources.append(FileNotice(args.preemption_file))
+    if args.preemption_cloud:
+        sources.append(CloudNotice(args.preemption_cloud, args.preemption_endpoint))
+    return sources
 
 
 def _run_agent(config: AgentConfig, drained_exit_code: int = EXIT_OK) -> int:
