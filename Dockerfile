@@ -36,6 +36,7 @@ COPY cli cli
 COPY service service
 COPY worker worker
 COPY storage storage
+COPY integrations integrations
 RUN pip install -q . && springback --version
 
 RUN useradd --create-home --uid 1000 springback && mkdir -p /app /var/lib/springback \

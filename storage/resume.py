@@ -77,6 +77,10 @@ class Progress:
     """The newest commit: step, uri, world_size, size_bytes, epoch, offset."""
     restored_step: int = 0
     """The step `restore` loaded in this generation (0: none)."""
+    restored_checkpoint: dict[str, Any] | None = None
+    """The commit `restore` loaded (same keys as `checkpoint`): the agent
+    records it in this generation when the coordinator does not hold it yet,
+    e.g. a drain checkpoint written after the generation that wrote it ended."""
 
 
 def write_progress(directory: str, progress: Progress) -> None:
@@ -146,39 +150,56 @@ class RestartCheckpoints:
         self.restored_step = 0
 
     def restore(self, model: torch.nn.Module,
-                optimizer: torch.optim.Optimizer | None = None) -> int:
+                optimizer: torch.optim.Optimizer | None = None, *,
+                extra_state: dict[str, Any] | None = None) -> int:
         """Loads the newest intact commit (at most $SPRINGBACK_RESTORE_MAX_STEP
-        when the agent set it) into `model` (and `optimizer`) and returns its
-        step; 0 (state untouched) when nothing is committed. Collective;
-        raises `CorruptCheckpoint` when every candidate is damaged."""
+        when the agent set it) into `model` (and `optimizer`, and the objects
+        of `extra_state`, e.g. an LR scheduler, saved by `save` with the same
+        names) and returns its step; 0 (state untouched) when nothing is
+        committed. Collective; raises `CorruptCheckpoint` when every candidate
+        is damaged, `CheckpointMismatch` when it lacks an `extra_state` entry."""
         max_step = int(os.environ[ENV_RESTORE_MAX_STEP]) if os.environ.get(
             ENV_RESTORE_MAX_STEP) else None
         try:
-            result = restore_model(self.uri, model, optimizer, max_step=max_step,
-                                   storage_options=self._storage_options)
+            result = restore_model(self.uri, model, optimizer, extra_state=extra_state,
+                                   max_step=max_step, storage_options=self._storage_options)
         except CheckpointNotFound:
             log.info("no committed checkpoint under %s: starting at step 0", self.uri)
             return 0
         self.restored_step = result.step
         log.info("rank %d restored step %d from %s", self.rank, result.step, result.uri)
-        self._report(step=result.step, restored_step=result.step)
+        m = result.manifest
+        self._report(step=result.step, restored_step=result.step, restored_checkpoint={
+            "step": m.step, "uri": result.uri, "world_size": m.world_size,
+            "size_bytes": m.size_bytes, "epoch": m.cursor.epoch, "offset": m.cursor.offset})
         return result.step
 
     def step_done(self, step: int, model: torch.nn.Module,
                   optimizer: torch.optim.Optimizer | None = None, *,
-                  loss: float = math.nan) -> None:
+                  loss: float = math.nan, extra_state: dict[str, Any] | None = None) -> None:
         """Records `step` as finished (rank 0 reports it) and saves when it is
         a multiple of `every_steps`. Collective when a save is due."""
-        self._report(step=step, loss=float(loss))
+        self.report(step, loss=loss)
         if self.every_steps and step % self.every_steps == 0:
-            self.save(step, model, optimizer)
+            self.save(step, model, optimizer, extra_state=extra_state)
+
+    def report(self, step: int, *, loss: float = math.nan) -> None:
+        """Records `step` (and its loss) as finished without saving: global
+        rank 0 writes it for the agent to relay; other ranks do nothing.
+        Never blocks on the network."""
+        self._report(step=step, loss=float(loss))
 
     def save(self, step: int, model: torch.nn.Module,
-             optimizer: torch.optim.Optimizer | None = None, *, wait: bool = False) -> None:
+             optimizer: torch.optim.Optimizer | None = None, *, wait: bool = False,
+             extra_state: dict[str, Any] | None = None) -> None:
         """Checkpoints `step` in the background (collective). With `optimizer`
-        its next ``step()`` waits for the copy of the state to host memory."""
-        self._ckpt.save(step, model_state_dict(model, optimizer), generation=self.generation,
-                        layout={"dp": self.world_size}, optimizer=optimizer)
+        its next ``step()`` waits for the copy of the state to host memory.
+        `extra_state` (name -> object with ``state_dict()``, the same on every
+        rank, e.g. an LR scheduler) is saved beside the model. `wait`: returns
+        once the commit is written (TimeoutError after `CLOSE_TIMEOUT_S`)."""
+        self._ckpt.save(step, model_state_dict(model, optimizer, extra_state=extra_state),
+                        generation=self.generation, layout={"dp": self.world_size},
+                        optimizer=optimizer)
         if wait:
             self._ckpt.wait(CLOSE_TIMEOUT_S)
 

@@ -31,7 +31,10 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   echo "setup: installing torch (CPU) and springback into .venv"
   .venv/bin/pip install -q --upgrade pip
   # Pinned here only: the package itself accepts a range (users bring their torch).
-  .venv/bin/pip install -q "torch==2.13.0"
-  .venv/bin/pip install -q -e ".[test]"
+  torch="torch==2.13.0"
+  .venv/bin/pip install -q "$torch"
+  # The trainers' extras come with the test extras (tests/integrations); the
+  # torch pin again, so that no trainer's requirement replaces the CPU build.
+  .venv/bin/pip install -q -e ".[test,hf,lightning]" "$torch"
   touch "$stamp"
 fi

@@ -32,6 +32,10 @@ Failure semantics:
 * Progress: global rank 0's `springback.storage.resume` helper writes its
   step and commits to the control directory; the agent relays them with
   ReportStep / CommitCheckpoint (a rejected relay is logged and dropped).
+  The commit a generation restored is relayed too, in that generation: a
+  checkpoint the ranks wrote while SIGTERM stopped them (the plan of the next
+  generation had already come) is recorded by the generation that resumes
+  from it.
   While ranks run, the relayed step stays below ``max_steps``: the job
   succeeds when the ranks exit 0, after their last checkpoint was committed.
 """
@@ -300,6 +304,15 @@ class RestartRanks:
             return
         if not self._start_sent:  # where this generation resumed: steps redone, restores
             self._send_step(progress.restored_step, float("nan"), start=True)
+            restored = progress.restored_checkpoint
+            if restored and restored["step"] > self._relayed_checkpoint:
+                # e.g. a drain checkpoint committed to storage after its own
+                # generation ended (the ranks save when SIGTERM stops them, and
+                # a commit of an ended generation is refused): recorded now, so
+                # retention and `job get` know the state this job resumed from.
+                # The same step and URI already recorded is a no-op.
+                self._relayed_checkpoint = restored["step"]
+                self._commit(restored)
         ckpt = progress.checkpoint
         if ckpt and ckpt["step"] > self._relayed_checkpoint:
             self._relayed_checkpoint = ckpt["step"]
