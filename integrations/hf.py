@@ -180,15 +180,16 @@ def _write_trainer_checkpoint(directory: str, trainer: Any, optimizer: torch.opt
     process; written by every rank."""
     from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME, TRAINER_STATE_NAME
 
-    os.makedirs(directory, exist_ok=True)
-    model = trainer.model
-    if hasattr(model, "save_pretrained"):
-        model.save_pretrained(directory)
-    else:  # a plain nn.Module: the Trainer loads model.safetensors
-        from safetensors.torch import save_model
-        from transformers.utils import SAFE_WEIGHTS_NAME
+    from safetensors.torch import save_model
+    from transformers.utils import SAFE_WEIGHTS_NAME
 
-        save_model(model, os.path.join(directory, SAFE_WEIGHTS_NAME))
+    os.makedirs(directory, exist_ok=True)
+    # Not ``save_pretrained``: once torch.distributed is initialized it writes
+    # on global rank 0 only (transformers 5: should_save_on_this_rank), and
+    # every other rank's directory would lack the weights ("Can't find a valid
+    # checkpoint"). The Trainer loads model.safetensors (non-strict: a tied
+    # weight written once is enough); `save_model` drops tied duplicates.
+    save_model(trainer.model, os.path.join(directory, SAFE_WEIGHTS_NAME))
     torch.save(optimizer.state_dict(), os.path.join(directory, OPTIMIZER_NAME))
     torch.save(scheduler.state_dict(), os.path.join(directory, SCHEDULER_NAME))
     state = TrainerState(global_step=step, max_steps=trainer.args.max_steps,
