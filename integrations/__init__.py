@@ -1,7 +1,7 @@
 """Springback for the trainers people already use: Hugging Face ``Trainer``
-(`springback.integrations.hf`) and Lightning (`springback.integrations.lightning`).
+(`springback.integrations.hf`). Lightning is not integrated yet.
 
-Both run in restart mode (``springback run -- python train.py``): on every
+It runs in restart mode (``springback run -- python train.py``): on every
 generation the agent restarts the script's ranks with torchrun's environment,
 and the integration connects the trainer's checkpoints, drains and progress to
 Springback: it resumes from the newest checkpoint committed under the job's
@@ -12,9 +12,8 @@ recipes and their guarantees are in docs/trainers.md.
 
 This package sits at the training-library layer: it may import
 `springback.worker`, `springback.storage` and `springback.client`; nothing but
-the CLI imports it. The trainers themselves are optional extras
-(``springback[hf]``, ``springback[lightning]``) and are imported only by the
-module that needs them.
+the CLI imports it. The trainer itself is an optional extra
+(``springback[hf]``), imported only by the module that needs it.
 """
 
 from springback.integrations.data import per_rank_batch_size

@@ -33,8 +33,8 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   # Pinned here only: the package itself accepts a range (users bring their torch).
   torch="torch==2.13.0"
   .venv/bin/pip install -q "$torch"
-  # The trainers' extras come with the test extras (tests/integrations); the
+  # The Hugging Face extra comes with the test extras (tests/integrations); the
   # torch pin again, so that no trainer's requirement replaces the CPU build.
-  .venv/bin/pip install -q -e ".[test,hf,lightning]" "$torch"
+  .venv/bin/pip install -q -e ".[test,hf]" "$torch"
   touch "$stamp"
 fi

@@ -1,6 +1,6 @@
 """Test helper: one trainer script under `springback run` (restart mode) on a
 real coordinator, through a SIGKILLed node and a join, and the checks of what
-the run's audit file shows (see hf_train.py / lightning_train.py).
+the run's audit file shows (see hf_train.py).
 
 Scenario: agents a and b (1 rank each, world 2) train; once a checkpoint is
 committed node b (agent and rank) is SIGKILLed; a resumes alone (world 1)
