@@ -93,8 +93,12 @@ class _Pump:
         self.on_eof = on_eof
         self.queue: collections.deque[tuple[float, bytes]] = collections.deque()
         self.closed = False
-        threading.Thread(target=self._read, daemon=True, name=f"netproxy-{name}-read").start()
-        threading.Thread(target=self._write, daemon=True, name=f"netproxy-{name}-write").start()
+
+    def start(self) -> None:
+        """Starts copying (after the connection knows both its pumps: a
+        failed send resets the whole connection)."""
+        threading.Thread(target=self._read, daemon=True, name=f"netproxy-{self.name}-read").start()
+        threading.Thread(target=self._write, daemon=True, name=f"netproxy-{self.name}-write").start()
 
     def queued(self) -> int:
         with self.proxy._cond:
@@ -162,6 +166,8 @@ class _Connection:
             UP: _Pump(proxy, UP, client, server, self.reset, self._eof),
             DOWN: _Pump(proxy, DOWN, server, client, self.reset, self._eof),
         }
+        for pump in self.pumps.values():
+            pump.start()
 
     def _eof(self) -> None:
         with self._lock:
