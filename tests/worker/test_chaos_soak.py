@@ -134,22 +134,29 @@ def test_random_faults_of_every_class_lose_and_double_nothing(form, tmp_path, mo
         if form == "ddp":
             assert assert_replicas_identical(audit) >= 2
         else:
-            assert_every_start_bit_identical(tmp_path)
+            assert assert_every_start_bit_identical(tmp_path) >= 3
         assert checkpoints and checkpoints[0].step == max_steps
         for ref in checkpoints:
             assert verify(ref.uri) == [], f"committed checkpoint {ref.uri} does not verify"
 
 
-def assert_every_start_bit_identical(root: Path) -> None:
+def assert_every_start_bit_identical(root: Path) -> int:
     """Every generation start from a trained step holds, bit for bit, the
-    gathered state an earlier generation recorded at that step."""
+    gathered state an earlier generation recorded at that step; returns how
+    many starts were compared. A start at a step no earlier generation
+    recorded (the fault struck in that step's boundary vote, before the next
+    step's record) has nothing to compare with: the applied-counter audit
+    covers it."""
     records = digests(root)
     starts = [r for r in records if r["when"] == "start" and r["step"] > 0]
-    assert starts, "no generation started from a trained state"
+    compared = 0
     for start in starts:
         earlier = {r["digest"] for r in records
                    if r["step"] == start["step"] and r["generation"] < start["generation"]}
-        assert earlier == {start["digest"]}, (start, earlier)
+        if earlier:
+            assert earlier == {start["digest"]}, (start, earlier)
+            compared += 1
+    return compared
 
 
 Fault = tuple[str, str, float, int]
