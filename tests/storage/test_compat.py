@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
 
 from springback.storage import Checkpointer, compat
-from springback.worker.rank.rendezvous import _reset_group_count
+from springback.worker.rank.rendezvous import _forget_meshes, _reset_group_count
 
 
 def test_flatten_state_dict_names_nested_entries_by_dotted_path():
@@ -82,3 +82,14 @@ def test_reset_group_count_puts_the_counter_back_to_zero_without_a_group():
     dist.distributed_c10d._world.group_count = 3  # what a failed init_process_group leaves
     _reset_group_count()
     assert dist.get_pg_count() == 0
+
+
+def test_forget_meshes_empties_dtensors_sharding_caches():
+    # the private entry points it calls exist and leave the caches empty (the
+    # behaviour is tests/worker/test_rendezvous.py's mesh-cache test)
+    from torch.distributed.tensor import DTensor
+
+    _forget_meshes()
+    propagator = DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding
+    assert propagator.cache_info().currsize == 0
+    assert torch._C._get_DTensor_sharding_propagator_cache_stats() is not None

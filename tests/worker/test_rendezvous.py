@@ -58,3 +58,20 @@ def test_a_rank_leaving_a_broken_generation_fails_its_peers_at_once_while_its_gr
     assert match is not None, out1
     assert float(match.group(1)) < 10, out1
     assert match.group(2) == "0", out1  # the error names the rank that left
+
+
+MESH_CACHE = str(Path(__file__).with_name("mesh_cache_peer.py"))
+
+
+@pytest.mark.timeout(60)
+def test_each_generations_dtensors_are_bound_to_its_own_mesh_not_an_equal_older_one():
+    # DTensor caches sharding decisions by value and meshes of one layout are
+    # equal: without forgetting them, generation 2's op output was bound to
+    # generation 1's mesh (whose groups were gone: in the sharded chaos soak a
+    # rank died on "Could not resolve the process group registered under the
+    # name 11" when the world came back to an earlier size)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    out = subprocess.run([sys.executable, MESH_CACHE, str(store.port)], capture_output=True,
+                         text=True, timeout=50)
+    assert out.returncode == 0 and "own meshes [True, True, True]" in out.stdout, \
+        out.stdout + out.stderr

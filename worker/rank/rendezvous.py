@@ -155,6 +155,7 @@ def form_group(*, job_id: str, generation: int, rank: int, world_size: int,
             f"only {prefix.add('arrived', 0)}/{world_size} ranks arrived within "
             f"{rendezvous_timeout_s:.0f}s")
     _reset_group_count()
+    _forget_meshes()
     dist.init_process_group(backend, store=dist.PrefixStore("pg/", prefix), rank=rank,
                             world_size=world_size,
                             timeout=datetime.timedelta(seconds=collective_timeout_s))
@@ -174,6 +175,24 @@ def _reset_group_count() -> None:
         # a rank's start does not import all of springback.storage); its test is
         # in tests/storage/test_compat.py with the others.
         dist.distributed_c10d._world.group_count = 0  # no public setter
+
+
+def _forget_meshes() -> None:
+    """DTensor caches its sharding decisions by value, and a `DeviceMesh`
+    equals any other of the same layout: an op on the new generation's
+    DTensors that hits an entry made in an earlier generation returns a
+    DTensor bound to that generation's mesh, whose groups are gone (the
+    next collective fails with "Could not resolve the process group", or
+    worse, meets a group of the same name and other ranks). Those caches
+    (the C++ and Python sharding propagation caches and the redistribute
+    planner's) are emptied before every generation's group is formed. Private
+    torch APIs, like `_reset_group_count` (tests/storage/test_compat.py)."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import _redistribute
+
+    torch._C._clear_DTensor_sharding_propagator_cache()
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+    _redistribute.clear_redistribute_planner_cache()
 
 
 def leave_group(release_timeout_s: float = 5.0, *, broken: bool = False,
