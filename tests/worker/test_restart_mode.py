@@ -78,8 +78,8 @@ def assert_same_as_torchrun(ours: list[dict], theirs: list[dict], restart: int) 
         expected = dict(by_rank[env["RANK"]], TORCHELASTIC_RESTART_COUNT=str(restart))
         mine = {k: v for k, v in env.items() if not k.startswith(SPRINGBACK_ONLY)}
         assert sorted(mine) == sorted(expected), f"rank {env['RANK']}: key sets differ"
-        for key in SAME_VALUE:
-            assert mine[key] == expected[key], (key, mine[key], expected[key])
+        for key in SAME_VALUE:  # absent from both when inherited unchanged (OMP_NUM_THREADS)
+            assert mine.get(key) == expected.get(key), (key, mine.get(key), expected.get(key))
         assert socket.gethostbyname(mine["MASTER_ADDR"]).startswith("127.")
         ports.add(int(mine["MASTER_PORT"]))
         assert mine["TORCHELASTIC_ERROR_FILE"].endswith(
@@ -142,8 +142,8 @@ class TestUnmodifiedTorchrunScript:
             starts, step_at_kill)
         assert logs().count("reporting failure") >= 1
         # the job's status tells the truth: it restored a commit and redid steps
-        assert done.status.num_restores >= 1
-        assert done.status.steps_redone >= step_at_kill - max(resumed), done.status
+        assert done.status.num_restores >= 1, (done.status, logs())
+        assert done.status.steps_redone >= step_at_kill - max(resumed), (done.status, logs())
         later = [r["env"] for r in rank_envs(dump, env) if r["pid"] not in {f["pid"] for f in first}]
         restarted = [e for e in later if e["TORCHELASTIC_RESTART_COUNT"] == "1"]
         assert sorted(e["RANK"] for e in restarted) == ["0", "1", "2", "3"]

@@ -164,6 +164,7 @@ class RestartRanks:
         self._num_starts = 0
         self._failure_reported = False
         self._finished = False     # every rank of this generation exited 0
+        self._done_sent = False    # ... and the coordinator was told
         self._finish_deadline: float | None = None
         self._stores = GenerationStores(agent.agent_store(), agent.config.job_id)
         self._relayed_step = 0
@@ -189,6 +190,9 @@ class RestartRanks:
             return self._on_failure(*failed[0])
         if self.ranks and not self._finished and all(c == 0 for c in codes.values()):
             self._on_finished(plan)
+        elif self._finished and not self._done_sent and time.monotonic() >= self._next_relay:
+            self._next_relay = time.monotonic() + RELAY_INTERVAL_S
+            self._report_done(plan)  # the last try did not reach the coordinator
         if self._finished and self._finish_deadline and time.monotonic() > self._finish_deadline:
             log.warning("ranks finished but no STOP plan within %.0fs: leaving",
                         self.agent.config.drain_timeout_s)
@@ -200,7 +204,7 @@ class RestartRanks:
         """Stops this generation's ranks and starts the next one's (if this node is in it)."""
         self.stop_all()
         self.generation = plan.generation
-        self._failure_reported = self._finished = False
+        self._failure_reported = self._finished = self._done_sent = False
         self._finish_deadline = None
         self._relayed_step = self._relayed_checkpoint = 0
         self._start_sent = False
@@ -261,10 +265,19 @@ class RestartRanks:
         self._relay(final=True)
         if self._me is None or self._me.first_rank != 0:
             log.info("all local ranks exited 0; waiting for the job to stop")
+            self._done_sent = True  # global rank 0's agent reports it
             return
+        self._report_done(plan)
+
+    def _report_done(self, plan: pb.Plan) -> None:
+        """Global rank 0's agent: the job's last step (the generation's start
+        report goes first while it has not reached the coordinator); tried
+        again by `check` until it does."""
+        if not self._start_sent:
+            self._relay(final=True)
         step = max(plan.spec.max_steps, self._relayed_step)
         log.info("all local ranks exited 0: reporting the job done (step %d)", step)
-        self._send_step(step, loss=float("nan"))
+        self._done_sent = self._send_step(step, loss=float("nan"))
 
     def _on_stop(self) -> int | None:
         """STOP plan (finished or cancelled): ranks still running get the
@@ -303,7 +316,8 @@ class RestartRanks:
         if progress is None or progress.generation != self.generation:
             return
         if not self._start_sent:  # where this generation resumed: steps redone, restores
-            self._send_step(progress.restored_step, float("nan"), start=True)
+            if not self._send_step(progress.restored_step, float("nan"), start=True):
+                return  # resent at the next relay: nothing of this generation counts before it
             restored = progress.restored_checkpoint
             if restored and restored["step"] > self._relayed_checkpoint:
                 # e.g. a drain checkpoint committed to storage after its own
@@ -323,12 +337,14 @@ class RestartRanks:
         if step > self._relayed_step:
             self._send_step(step, progress.loss)
 
-    def _send_step(self, step: int, loss: float, *, start: bool = False) -> None:
+    def _send_step(self, step: int, loss: float, *, start: bool = False) -> bool:
         """Relays a step report; `start`: the generation-start report (the step
-        the script restored, 0 for a fresh start)."""
+        the script restored, 0 for a fresh start). False when the report did
+        not reach the coordinator: a step report is superseded by the next one,
+        but the start report is the only word of where the generation resumed
+        (restores, steps redone), so it is not marked sent and the caller
+        sends it again."""
         agent = self.agent
-        self._relayed_step = max(self._relayed_step, step)
-        self._start_sent = self._start_sent or start
         restored = pb.RESTORE_KIND_CHECKPOINT if step else pb.RESTORE_KIND_NONE
         try:
             agent._stub.ReportStep(wpb.ReportStepRequest(
@@ -337,7 +353,12 @@ class RestartRanks:
                 restored_from=restored if start else pb.RESTORE_KIND_UNSPECIFIED),
                 timeout=RPC_TIMEOUT_S)
         except grpc.RpcError as e:
-            log.warning("ReportStep(step=%d) failed: %s %s", step, e.code().name, e.details())
+            log.warning("ReportStep(step=%d%s) failed: %s %s", step,
+                        ", generation start" if start else "", e.code().name, e.details())
+            return False
+        self._relayed_step = max(self._relayed_step, step)
+        self._start_sent = self._start_sent or start
+        return True
 
     def _member_id(self) -> str:
         member = self.agent.member
