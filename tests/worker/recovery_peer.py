@@ -23,8 +23,10 @@ Scenarios:
 * ``rollback`` (4 one-rank nodes, FSDP2 shard 4, peer copies every 2
   steps): node 3 dies after step 3; generation 2's roll back to step 2
   loses rank 1 as its exchange begins; ranks 0 and 2 roll back to step 2.
-* ``tensor_parallel`` (2 ranks, tp 2, row-wise ``Shard(1)``): no commit, the
-  ranks fail alike (`StateUnrecoverable`); with one, they restore it.
+* ``tensor_parallel`` (tp 2 with FSDP2 on top: ``Shard(0)``, ``Shard(1)``
+  and FSDP2's strided shard): tp 2 on 2 ranks, two joiners (shard 2 x tp 2),
+  the same 4 as HSDP (replicate 2 x tp 2), then the first two lost; each
+  generation holds, bit for bit, the step it resumed from.
 * ``plain`` (2 ranks, FSDP2 with a plain parameter holding each rank's own
   values): rank 1 comes back holding nothing; the ranks refuse to hand it
   rank 0's values.
@@ -313,6 +315,10 @@ def rollback() -> None:
 
 
 def tp_build(mesh):  # noqa: ANN001, ANN201
+    """Tensor parallel on mesh["tp"] (column-wise then row-wise: Shard(0) and
+    Shard(1) weights), FSDP2 over the data-parallel dims on top of it (FSDP2's
+    strided shard of dim 0 under the column-wise Shard(0))."""
+    from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
         RowwiseParallel,
@@ -322,18 +328,28 @@ def tp_build(mesh):  # noqa: ANN001, ANN201
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Linear(32, 8))
     parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "1": RowwiseParallel()})
+    fully_shard(model, mesh=mesh["replicate", "shard"])
     return model, torch.optim.AdamW(model.parameters(), lr=0.1)
 
 
 def tensor_parallel() -> None:
     ag = new_agreement(tp_build)
     rank = join("g1", [0, 1])
-    start(ag, 1, plan(1, 2, shard=1, tp=2), rank)
-    trained(ag, range(1, 3))
-    ref = commit(ag, 2, world=2)
+    if rank is not None:
+        start(ag, 1, plan(1, 2, shard=1, tp=2), rank)  # tp 2 on one node
+        trained(ag, range(1, 3))
+        leave_group()
+    rank = join("g2", [0, 1, 2, 3])  # two joiners: FSDP shard 2 x tp 2
+    start(ag, 2, plan(2, 4, shard=2, tp=2, nodes=2), rank)
     trained(ag, range(3, 4))
-    start(ag, 2, plan(2, 2, shard=1, tp=2), rank)  # nothing committed, as the plan says
-    start(ag, 3, plan(3, 2, shard=1, tp=2, ref=ref), rank)
+    leave_group()
+    rank = join("g3", [0, 1, 2, 3])  # the same ranks as HSDP: replicate 2 x tp 2
+    start(ag, 3, plan(3, 4, shard=1, tp=2, nodes=2), rank)
+    trained(ag, range(4, 5))
+    leave_group()
+    rank = join("g4", [2, 3])  # the first node lost: its replica holds everything
+    if rank is not None:
+        start(ag, 4, plan(4, 2, shard=1, tp=2), rank)
 
 
 def plain_build(mesh):  # noqa: ANN001, ANN201

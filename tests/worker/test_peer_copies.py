@@ -19,7 +19,7 @@ from springback.worker.state.peercopy import (
     replicated_elsewhere,
     take_snapshot,
 )
-from springback.worker.state.reshard import Rows
+from springback.worker.state.reshard import Box
 from test_elastic import cluster  # noqa: F401 - the fixture
 from test_sharded import FSDP_TRAIN, SPEC, assert_resharded_bit_identical, digests, member_id
 
@@ -101,13 +101,13 @@ class TestPartners:
 
 
 def test_a_snapshot_holds_the_shards_at_its_step_and_the_store_offers_them_by_step():
-    held = {"param/w": (torch.arange(6, dtype=torch.float32).reshape(3, 2), Rows((6, 2), "float32", 3, 6)),
-            "optim/w/step": (torch.tensor([7.0]), Rows((), "float32", 0, 1)),
-            "param/c": (torch.ones(5, dtype=torch.float64), Rows((10,), "float64", 5, 10))}
+    held = {"param/w": (torch.arange(6, dtype=torch.float32).reshape(3, 2), Box((6, 2), "float32", (3, 0), (6, 2))),
+            "optim/w/step": (torch.tensor([7.0]), Box((), "float32", (0,), (1,))),
+            "param/c": (torch.ones(5, dtype=torch.float64), Box((10,), "float64", (5,), (10,)))}
     snap = take_snapshot(held, 8, {"hyper": [], "extra": {}})
     held["param/w"][0].add_(100)  # training goes on: the snapshot keeps step 8's values
     data, rows = snap.piece("param/w")
-    assert torch.equal(data, torch.arange(6, dtype=torch.float32).reshape(3, 2)) and rows.start == 3
+    assert torch.equal(data, torch.arange(6, dtype=torch.float32).reshape(3, 2)) and rows.start == (3, 0)
     assert torch.equal(snap.piece("param/c")[0], torch.ones(5, dtype=torch.float64))
     assert snap.flat.numel() == index_of(held)[1]
     store = PeerCopyStore()
@@ -119,7 +119,7 @@ def test_a_snapshot_holds_the_shards_at_its_step_and_the_store_offers_them_by_st
 
 
 def test_a_replaced_pieces_buffer_is_filled_by_the_next_copy_and_one_of_another_size_let_go():
-    held = {"param/w": (torch.arange(6, dtype=torch.float32).reshape(3, 2), Rows((6, 2), "float32", 3, 6))}
+    held = {"param/w": (torch.arange(6, dtype=torch.float32).reshape(3, 2), Box((6, 2), "float32", (3, 0), (6, 2)))}
     store = PeerCopyStore()
     store.own.append(take_snapshot(held, 4, None, store.buffer))
     first = store.own[0].flat  # (referenced here too: its memory cannot be handed out again)
@@ -132,7 +132,7 @@ def test_a_replaced_pieces_buffer_is_filled_by_the_next_copy_and_one_of_another_
     assert torch.equal(third.piece("param/w")[0], held["param/w"][0])  # ... with step 12's values
     store.own.append(third)
     store.keep_from(12)
-    wider = {"param/w": (torch.zeros(3, 40), Rows((6, 40), "float32", 3, 6))}  # another layout
+    wider = {"param/w": (torch.zeros(3, 40), Box((6, 40), "float32", (3, 0), (6, 40)))}  # another layout
     store.own.append(take_snapshot(wider, 16, None, store.buffer))
     store.keep_from(16)
     assert store.nbytes() == index_of(wider)[1]  # the old size's buffers are given back

@@ -71,7 +71,7 @@ from springback.worker.rank.rendezvous import handed_to_gloo
 from springback.worker.state.reshard import (
     NotReshardable,
     Piece,
-    Rows,
+    Box,
     Transfer,
     agree_written,
     all_gather_objects,
@@ -90,8 +90,8 @@ COPY_TAG = 0x5BC0
 """The point-to-point tag of peer-copy transfers (one message per pair and copy)."""
 _ALIGN = 64  # bytes: every tensor's offset in a flat buffer, so any dtype can view it
 
-Index = dict[str, tuple[int, Rows, tuple[int, ...]]]
-"""Key -> (byte offset in the flat buffer, rows, local shape)."""
+Index = dict[str, tuple[int, Box, tuple[int, ...]]]
+"""Key -> (byte offset in the flat buffer, block, local shape)."""
 
 
 @dataclasses.dataclass
@@ -104,8 +104,8 @@ class Snapshot:
     whole: dict[str, Any] | None = None
     """The rank's own snapshot only: hyperparameters and other state= entries."""
 
-    def rows(self) -> dict[str, Rows]:
-        return {k: rows for k, (_, rows, _) in self.index.items()}
+    def boxes(self) -> dict[str, Box]:
+        return {k: box for k, (_, box, _) in self.index.items()}
 
     def piece(self, key: str) -> Piece:
         offset, rows, shape = self.index[key]
@@ -233,15 +233,14 @@ class PeerCopyStore:
         for snap in self.own + self.copies:
             entry = out.setdefault(snap.step, {"own": False, "rows": []})
             entry["own"] = entry["own"] or snap.whole is not None
-            entry["rows"].append(snap.rows())
+            entry["rows"].append(snap.boxes())
         return out
 
     def piece_for(self, step: int, t: Transfer) -> Piece:
-        """A piece of step `step` on this rank that holds `t`'s rows."""
+        """A piece of step `step` on this rank that holds `t`'s block."""
         for snap in self.own + self.copies:
             if snap.step == step and t.key in snap.index:
-                rows = snap.index[t.key][1]
-                if rows.start <= t.start and t.end <= rows.end:
+                if snap.index[t.key][1].contains(t.span):
                     return snap.piece(t.key)
         raise KeyError(f"no piece of step {step} holds {t}")
 

@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from springback.worker.state.reshard import NotReshardable, Rows, rows_of
+from springback.worker.state.reshard import NotReshardable, Box, box_of
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -63,8 +63,8 @@ log = logging.getLogger(__name__)
 BuildFn = Callable[["DeviceMesh"], tuple[torch.nn.Module, torch.optim.Optimizer]]
 """The script's build function: ``(mesh) -> (model, optimizer)``."""
 
-Held = dict[str, tuple[torch.Tensor, Rows]]
-"""Tensors by key: local data and the rows of dim 0 it is."""
+Held = dict[str, tuple[torch.Tensor, Box]]
+"""Tensors by key: local data and the block of the global tensor it is."""
 
 
 class BuildFailed(Exception):
@@ -77,7 +77,7 @@ class Captured:
     taken when a generation starts and kept until one starts (`agreement`)."""
 
     held: Held
-    """Every tensor's local data and the rows it is."""
+    """Every tensor's local data and the block it is."""
     loose: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
     """Per parameter (by name): optimizer state entries that are not tensors."""
     digests: dict[str, str] = dataclasses.field(default_factory=dict)
@@ -85,7 +85,7 @@ class Captured:
     so the agreement can prove every holder has the same values."""
     refused: str = ""
     """Why this rank's state cannot be resharded in memory (a placement or a
-    plain parameter `rows_of` does not handle): a restore is agreed instead."""
+    plain parameter `box_of` does not handle): a restore is agreed instead."""
 
 
 class ShardedModel:
@@ -151,12 +151,12 @@ class ShardedModel:
                     f"parameter {fqn!r} is a plain tensor, not a DTensor: it may hold this "
                     "rank's slice only (declare it with Session(replicated=[...]) if every "
                     "rank holds the same values)")
-            held[f"param/{fqn}"] = rows_of(p)
+            held[f"param/{fqn}"] = box_of(p)
             for name, value in (self.optimizer.state.get(p, {}) if self.optimizer else {}).items():
                 if isinstance(value, torch.Tensor):
-                    held[f"optim/{fqn}/{name}"] = rows_of(value)
+                    held[f"optim/{fqn}/{name}"] = box_of(value)
         for fqn, b in self.model.named_buffers():
-            held[f"buffer/{fqn}"] = rows_of(b)
+            held[f"buffer/{fqn}"] = box_of(b)
         return held
 
     def loose_state(self) -> dict[str, dict[str, Any]]:
@@ -279,7 +279,7 @@ class ShardedModel:
         self.uninitialised = True
         return True
 
-    def targets(self, keys: dict[str, Rows]) -> Held:
+    def targets(self, keys: dict[str, Box]) -> Held:
         """The views of the new model and optimizer that the held `keys` (of
         any rank) go into; creates optimizer state entries the new optimizer
         does not have yet, shaped and placed like their parameter."""
@@ -289,15 +289,15 @@ class ShardedModel:
         for key, rows in keys.items():
             kind, _, rest = key.partition("/")
             if kind == "param":
-                out[key] = rows_of(self._params[rest])
+                out[key] = box_of(self._params[rest])
             elif kind == "buffer":
-                out[key] = rows_of(buffers[rest])
+                out[key] = box_of(buffers[rest])
             else:
                 fqn, _, name = rest.rpartition("/")
-                out[key] = rows_of(self._optimizer_entry(fqn, name, rows))
+                out[key] = box_of(self._optimizer_entry(fqn, name, rows))
         return out
 
-    def _optimizer_entry(self, fqn: str, name: str, rows: Rows) -> torch.Tensor:
+    def _optimizer_entry(self, fqn: str, name: str, rows: Box) -> torch.Tensor:
         param = self._params[fqn]
         state = self.optimizer.state[param]  # type: ignore[union-attr]
         if name not in state:

@@ -59,7 +59,7 @@ from springback.worker.state.mesh import MeshLayout, build_mesh
 from springback.worker.state.peercopy import GenerationCopies, PeerCopyStore
 from springback.worker.rank.rendezvous import handed_to_gloo, note_subgroup_endpoints
 from springback.worker.state.reshard import (
-    Rows,
+    Box,
     agree_written,
     all_gather_objects,
     broadcast_object,
@@ -323,7 +323,7 @@ class StateAgreement:
         have = ({"rows": {k: rows for k, (_, rows) in captured.held.items()},
                  "digests": captured.digests} if steps[rank] == best else {})
         haves = cast(list[dict[str, Any]], all_gather_objects(have, plan.world_size))
-        keys: dict[str, Rows] = {k: r for h in haves for k, r in h.get("rows", {}).items()}
+        keys: dict[str, Box] = {k: r for h in haves for k, r in h.get("rows", {}).items()}
         ref = plan.restore.checkpoint if plan.restore.checkpoint.uri else None
         differing = _differing_replicas(haves)
         if differing:
@@ -337,7 +337,7 @@ class StateAgreement:
         targets = sm.targets(keys)
         needs = all_gather_objects({k: r for k, (_, r) in targets.items()}, plan.world_size)
         transfers = plan_transfers([h.get("rows", {}) for h in haves],
-                                   cast(list[dict[str, Rows]], needs))
+                                   cast(list[dict[str, Box]], needs))
         if transfers is None:
             return self._next_source(plan, rank, best, ref, mesh, "")
         written = exchange(transfers, rank, captured.held, targets)
