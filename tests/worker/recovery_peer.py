@@ -27,6 +27,9 @@ Scenarios:
   and FSDP2's strided shard): tp 2 on 2 ranks, two joiners (shard 2 x tp 2),
   the same 4 as HSDP (replicate 2 x tp 2), then the first two lost; each
   generation holds, bit for bit, the step it resumed from.
+* ``tp_copies`` (two nodes of tp 2, FSDP2 shard 2 across them, peer copies
+  every 2 steps): the second node dies after step 3; the first rolls back to
+  step 2 from the copies it keeps of the lost node's TP slices.
 * ``plain`` (2 ranks, FSDP2 with a plain parameter holding each rank's own
   values): rank 1 comes back holding nothing; the ranks refuse to hand it
   rank 0's values.
@@ -352,6 +355,26 @@ def tensor_parallel() -> None:
         start(ag, 4, plan(4, 2, shard=1, tp=2), rank)
 
 
+def tp_copies() -> None:
+    ag = new_agreement(tp_build)
+    rank = join("g1", [0, 1, 2, 3])
+    first = plan(1, 4, shard=2, tp=2, nodes=2, copies=2)  # FSDP across the two nodes
+    start(ag, 1, first, rank)
+    copies = GenerationCopies.for_generation(ag.copies, ag.ctx, ag.sharded, first, rank)
+    assert copies is not None
+    for step in range(1, 4):
+        trained(ag, range(step, step + 1))
+        if step == 3:
+            break  # node 1 dies after step 3: step 2's copies are the newest complete
+        copies.after_step(step)
+    copies.settle()
+    if RANK >= 2:
+        os._exit(9)
+    leave_group(broken=True)
+    rank = join("g2", [0, 1])
+    start(ag, 2, plan(2, 2, shard=1, tp=2), rank)
+
+
 def plain_build(mesh):  # noqa: ANN001, ANN201
     model, _ = fsdp_build(mesh)
     # a hand-written slice of this rank's own, the same shape on every rank
@@ -407,7 +430,8 @@ def fill() -> None:
 if __name__ == "__main__":
     torch.set_num_threads(1)
     {"second_fault": second_fault, "handover": handover, "restore": restore,
-     "rollback": rollback, "tensor_parallel": tensor_parallel, "plain": plain,
+     "rollback": rollback, "tensor_parallel": tensor_parallel, "tp_copies": tp_copies,
+     "plain": plain,
      "fill": fill}[SCENARIO]()
     with open(os.path.join(ROOT, f"result-{RANK}.json"), "w", encoding="utf-8") as f:
         json.dump(result, f)

@@ -114,6 +114,15 @@ def test_tensor_parallel_state_under_fsdp_is_resharded_in_memory_through_joins_a
 
 
 @pytest.mark.timeout(120)
+def test_a_lost_nodes_tensor_parallel_slices_come_back_from_their_peer_copies(tmp_path):
+    for res in run(tmp_path, "tp_copies", 4, victims=(2, 3))[:2]:
+        last = generation(res, 2)
+        assert (last.get("error"), last["step"], last["kind"]) == \
+            (None, 2, "RESTORE_KIND_PEER_COPY"), res
+        assert last["digest"] == res["trained"]["2"]
+
+
+@pytest.mark.timeout(120)
 def test_a_plain_parameter_is_never_handed_to_a_joiner_as_if_replicated(tmp_path):
     for res in run(tmp_path, "plain", 2):
         refused = generation(res, 2)

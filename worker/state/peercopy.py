@@ -48,8 +48,10 @@ Failure semantics:
 * A failed send or receive raises what a failed collective raises, at the
   boundary it is waited for: ``with gen:`` takes it for a membership change.
 * Copies are not made with one member (nothing to lose them to), when every
-  rank's rows already have a replica on another member (HSDP across nodes),
-  or for placements the in-memory reshard does not handle (TP).
+  rank's blocks already have a replica on another member (HSDP across nodes),
+  or for state the in-memory reshard does not handle (`Partial`, plain
+  parameters not declared replicated). Tensor-parallel slices are copied
+  like FSDP's shards.
 """
 
 from __future__ import annotations
