@@ -4,7 +4,10 @@ Planning is local and deterministic: no collective runs, so a checkpoint never
 hangs on a dead peer. Which rank writes what:
 
 - a ``DTensor`` entry: the rank writes its local shard, unless it is a replica
-  (its mesh coordinate is not 0 along a ``Replicate`` dimension; HSDP / 2-D);
+  (its mesh coordinate is not 0 along a ``Replicate`` dimension; HSDP / 2-D; or
+  the tensor lives on a slice of a larger mesh and this rank's slice is not the
+  one at coordinate 0 of the dimensions left out: FSDP2's data-parallel mesh
+  under tensor parallel, whose TP indices hold the same shard);
 - a plain ``torch.Tensor`` entry is taken to be *replicated* on every rank (DDP),
   and exactly one rank writes it; ranks are chosen by a size-balanced greedy
   assignment computed identically on every rank (largest first, to the least
@@ -108,6 +111,30 @@ def _owns_dtensor(t: DTensor) -> bool:
         if p.is_partial():
             raise ValueError("cannot checkpoint a DTensor with a Partial placement; redistribute it first")
         if p.is_replicate() and coord[dim] != 0:
+            return False
+    return _first_of_parallel_meshes(t.device_mesh)
+
+
+def _first_of_parallel_meshes(mesh: Any) -> bool:
+    """Whether this rank's copy of a DTensor on `mesh`, a slice of a larger
+    mesh, is the one written: the slices parallel to it (the ranks at the
+    same coordinates along the dimensions the slice leaves out, e.g. the
+    other tensor-parallel indices of an FSDP2 mesh["replicate", "shard"])
+    hold the same data, and only the slice at coordinate 0 on each of those
+    dimensions writes it, as a Replicate placement would."""
+    root = mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else mesh
+    if root is mesh:
+        return True
+    where = root.get_coordinate()
+    if where is None:
+        return False
+    members = set(mesh.mesh.flatten().tolist())
+    grid = root.mesh
+    for dim in range(grid.dim()):
+        # the slice is constant along `dim` when all its ranks share this rank's index there
+        index = [slice(None)] * grid.dim()
+        index[dim] = where[dim]
+        if members <= set(grid[tuple(index)].flatten().tolist()) and where[dim] != 0:
             return False
     return True
 

@@ -20,6 +20,9 @@ must equal the session's step before every step, so a reshard, roll-back to
 peer copies or restore that leaves the whole-held state at another step than
 the shards fails the rank.
 
+With a layout of tp > 1 the hidden and output layers are tensor parallel
+(column-wise, row-wise) on ``mesh["tp"]`` under FSDP2.
+
 Environment knobs: TINY_STEP_SLEEP_S slows each step; FSDP_BUILD_RAISE=1
 makes the build function raise (a bug in the user's code).
 """
@@ -89,6 +92,15 @@ def build(mesh):  # noqa: ANN001, ANN201 - the form a user writes
         raise ValueError("fsdp_train: no such layer 'decoder.7'")
     torch.manual_seed(0)
     model = Net()
+    if mesh["tp"].size() > 1:  # tensor parallel inside a node, FSDP2 over the dp dims
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            RowwiseParallel,
+            parallelize_module,
+        )
+
+        parallelize_module(model, mesh["tp"], {"hidden": ColwiseParallel(),
+                                               "out": RowwiseParallel()})
     dp = mesh["replicate", "shard"]
     for unit in (model.hidden, model.out, model.counter):
         fully_shard(unit, mesh=dp)

@@ -80,6 +80,35 @@ def test_hsdp_join_2_to_4_then_node_loss_4_to_2_reshard_in_memory_bit_identical(
     cluster.audit()  # exactly once: sampler records and the applied counter
 
 
+TP = {**SPEC, "name": "tp", "layout": {"tp": 2, "shard": 1}}
+
+
+@pytest.mark.parametrize("cluster", [TP], indirect=True)
+def test_tensor_parallel_under_fsdp_join_then_node_loss_reshard_in_memory_bit_identical(cluster):
+    """tp 2 inside each node, the nodes data-parallel replicas: a join
+    reshards the TP slices onto the joiner, the loss of a node leaves its
+    replica holding every slice."""
+    fsdp = {"script": FSDP_TRAIN, "nproc": 2, "env": {"TINY_STEP_SLEEP_S": "0.2"}}
+    a = cluster.start("a", **fsdp)
+    cluster.wait_world(2, min_step=3, timeout_s=120)
+    b = cluster.start("b", **fsdp)
+    cluster.wait_world(4, min_step=max(r["step"] for r in steps(cluster.root)) + 3,
+                       timeout_s=120)
+    b.signal_node(signal.SIGKILL)
+    cluster.wait_world(2, min_step=max(r["step"] for r in steps(cluster.root)) + 2,
+                       timeout_s=90)
+    job = cluster.wait_succeeded(timeout_s=120)
+    assert a.wait(30) == 0, a.log()
+    assert job.status.num_restores == 0 and job.status.steps_redone == 0, job.status
+    assert "restoring checkpoint" not in a.log()
+    # commits too: the counter, FSDP-sharded over the dp dims only, is written
+    # once, not by both TP indices (DCP's "overlapping chunks")
+    assert job.status.last_checkpoint.step >= 10 and "failed on rank" not in a.log(), a.log()
+    assert_resharded_bit_identical(cluster.root, world=4)
+    assert_resharded_bit_identical(cluster.root, world=2)
+    cluster.audit()
+
+
 BAD_BUILD = {**SPEC, "name": "bad-build", "failures": {"max_per_step": 1}, "max_steps": 5}
 
 
