@@ -30,6 +30,8 @@ Scenarios:
 * ``tp_copies`` (two nodes of tp 2, FSDP2 shard 2 across them, peer copies
   every 2 steps): the second node dies after step 3; the first rolls back to
   step 2 from the copies it keeps of the lost node's TP slices.
+* ``tp_restore`` (4 ranks, tp 2 x FSDP2 shard 2, committed at step 2): ranks
+  holding nothing restore it as tp 1 x shard 2, then as tp 4.
 * ``plain`` (2 ranks, FSDP2 with a plain parameter holding each rank's own
   values): rank 1 comes back holding nothing; the ranks refuse to hand it
   rank 0's values.
@@ -375,6 +377,21 @@ def tp_copies() -> None:
     start(ag, 2, plan(2, 2, shard=1, tp=2), rank)
 
 
+def tp_restore() -> None:
+    ag = new_agreement(tp_build)
+    rank = join("g1", [0, 1, 2, 3])
+    start(ag, 1, plan(1, 4, shard=2, tp=2, nodes=2), rank)
+    trained(ag, range(1, 3))
+    ref = commit(ag, 2, world=4)
+    leave_group()
+    rank = join("g2", [0, 1])  # tp 2 x shard 2 -> tp 1 x shard 2, nothing held
+    if rank is not None:
+        start(new_agreement(tp_build), 2, plan(2, 2, shard=2, tp=1, ref=ref), rank)
+        leave_group()
+    rank = join("g3", [0, 1, 2, 3])  # -> tp 4, nothing held
+    start(new_agreement(tp_build), 3, plan(3, 4, shard=1, tp=4, ref=ref), rank)
+
+
 def plain_build(mesh):  # noqa: ANN001, ANN201
     model, _ = fsdp_build(mesh)
     # a hand-written slice of this rank's own, the same shape on every rank
@@ -431,7 +448,7 @@ if __name__ == "__main__":
     torch.set_num_threads(1)
     {"second_fault": second_fault, "handover": handover, "restore": restore,
      "rollback": rollback, "tensor_parallel": tensor_parallel, "tp_copies": tp_copies,
-     "plain": plain,
+     "tp_restore": tp_restore, "plain": plain,
      "fill": fill}[SCENARIO]()
     with open(os.path.join(ROOT, f"result-{RANK}.json"), "w", encoding="utf-8") as f:
         json.dump(result, f)

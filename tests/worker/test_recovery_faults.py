@@ -123,6 +123,17 @@ def test_a_lost_nodes_tensor_parallel_slices_come_back_from_their_peer_copies(tm
 
 
 @pytest.mark.timeout(120)
+def test_a_tensor_parallel_commit_restores_bit_identical_at_other_tp_sizes(tmp_path):
+    results = run(tmp_path, "tp_restore", 4)
+    for rank, res in enumerate(results):
+        for gen in (2, 3) if rank < 2 else (3,):
+            g = generation(res, gen)
+            assert (g.get("error"), g["step"], g["kind"]) == \
+                (None, 2, "RESTORE_KIND_CHECKPOINT"), (rank, res)
+            assert g["digest"] == res["trained"]["2"], (rank, gen)
+
+
+@pytest.mark.timeout(120)
 def test_a_plain_parameter_is_never_handed_to_a_joiner_as_if_replicated(tmp_path):
     for res in run(tmp_path, "plain", 2):
         refused = generation(res, 2)
