@@ -110,7 +110,11 @@ class TestNodeLoss:
 
 
 class TestDrain:
-    @pytest.mark.parametrize("notice", ["sigterm", "preemption-file", "aws-spot-notice"])
+    # the notice file's detection is tested alone (test_control.py); its drain is the
+    # same as the two kept in the default run, so the default run leaves it out
+    @pytest.mark.parametrize("notice", ["sigterm", pytest.param("preemption-file",
+                                                                 marks=pytest.mark.soak),
+                                        "aws-spot-notice"])
     def test_a_drained_worker_leaves_and_no_step_is_lost_or_redone(self, cluster, notice):
         # With SIGTERM, b exits with the status a Kubernetes Job's pod failure
         # policy ignores (deploy/kubernetes/workers.yaml); by default 0.
