@@ -90,9 +90,11 @@ class History:
             self._awaiting.clear()
             self._unflushed.clear()
 
-    def on_change(self, job: pb.Job, plan: pb.Plan | None) -> list:
+    def on_change(self, job: pb.Job, plan: pb.Plan | None,
+                  interval: pb.CheckpointInterval | None = None) -> list:
         """Stamps `job`'s timestamps; for a new generation (`plan` not None),
-        returns the transaction ops that record it. Where its state really
+        returns the transaction ops that record it (with `interval`, the auto
+        checkpoint interval chosen for it and its figures). Where its state really
         came from, and the steps redone, arrive with its start (`on_start`)."""
         now = time.time()
         status = job.status
@@ -109,6 +111,8 @@ class History:
             restore=plan.restore.kind, start_step=plan.step,
         )
         event.created_at.CopyFrom(plan.created_at)
+        if interval is not None:
+            event.checkpoint_interval.CopyFrom(interval)
         with self._lock:
             if plan.action == pb.PLAN_ACTION_RUN:
                 self._awaiting[job.id] = event

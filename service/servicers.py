@@ -245,7 +245,8 @@ class WorkerServicer(ws_grpc.WorkerServiceServicer):
             return ws.ReportStepResponse(
                 generation=self.coordinator.current_generation(request.job_id))
         generation = self.coordinator.record_progress(
-            request.job_id, request.member_id, request.generation, progress)
+            request.job_id, request.member_id, request.generation, progress,
+            checkpoint_stall_s=request.checkpoint_stall_s)
         return ws.ReportStepResponse(generation=generation)
 
     @_handle

@@ -267,9 +267,11 @@ class Generation:
         epoch, offset = self.stream.cursor_after(step)
         s.last_loss = loss
         if s.reporter is not None:
+            stall = None if self._checkpoints is None else self._checkpoints.stall_s
             s.reporter.submit(generation=self.generation, step=step,
                                samples_consumed=step * self.stream.global_batch_size,
-                               loss=loss, epoch=epoch, offset=offset)
+                               loss=loss, epoch=epoch, offset=offset,
+                               checkpoint_stall_s=stall or 0.0)
             if step >= self.max_steps:
                 s.reporter.flush()
 

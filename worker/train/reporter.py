@@ -58,7 +58,7 @@ class StepReporter:
         self._job_id = job_id
         self._member_id = member_id
         self._cond = threading.Condition()
-        self._pending: tuple[int, int, int, float, int, int] | None = None
+        self._pending: tuple[int, int, int, float, int, int, float] | None = None
         """The newest step report's fields (`submit`), until the thread sends it."""
         self._pending_start: wpb.ReportStepRequest | None = None
         self._in_flight = False
@@ -73,11 +73,12 @@ class StepReporter:
         self._thread.start()
 
     def submit(self, *, generation: int, step: int, samples_consumed: int, loss: float,
-               epoch: int, offset: int) -> None:
+               epoch: int, offset: int, checkpoint_stall_s: float = 0.0) -> None:
         """Replaces the pending step report (called at every step by rank 0:
         the request is built by the sending thread, which is woken only when
-        no report was pending, i.e. at most once per interval)."""
-        report = (generation, step, samples_consumed, loss, epoch, offset)
+        no report was pending, i.e. at most once per interval).
+        `checkpoint_stall_s`: the newest checkpoint's stall (0: none yet)."""
+        report = (generation, step, samples_consumed, loss, epoch, offset, checkpoint_stall_s)
         with self._cond:
             idle = self._pending is None
             self._pending = report
@@ -194,11 +195,11 @@ class StepReporter:
             return None
 
     def _request(self, generation: int, step: int, samples_consumed: int, loss: float,
-                 epoch: int, offset: int) -> wpb.ReportStepRequest:
+                 epoch: int, offset: int, stall_s: float) -> wpb.ReportStepRequest:
         return wpb.ReportStepRequest(
             job_id=self._job_id, member_id=self._member_id, generation=generation, step=step,
             samples_consumed=samples_consumed, loss=loss,
-            cursor=pb.DataCursor(epoch=epoch, offset=offset))
+            cursor=pb.DataCursor(epoch=epoch, offset=offset), checkpoint_stall_s=stall_s)
 
     def _loop(self) -> None:
         while (req := self._next()) is not None:
