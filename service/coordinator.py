@@ -409,7 +409,8 @@ class Coordinator:
             raise StaleGeneration(job_id, generation, current)
 
     def record_progress(self, job_id: str, member_id: str, generation: int,
-                        progress: planner.Progress, checkpoint_stall_s: float = 0.0) -> int:
+                        progress: planner.Progress, checkpoint_stall_s: float = 0.0,
+                        stall_total_s: float = 0.0) -> int:
         """Accepts a step report from a member of the current generation.
 
         In memory only. The member's registration is read from etcd at most
@@ -419,7 +420,8 @@ class Coordinator:
         is right. The job succeeds (one read, one write) when max_steps is
         reached. The job's max_steps is read once per leadership: no request
         changes it. The report's time and `checkpoint_stall_s` are kept for
-        the auto checkpoint interval (`ckptinterval`).
+        the auto checkpoint interval (`ckptinterval`); the time and
+        `stall_total_s` (the generation's stalls summed) for badput by cause.
         """
         self.require_leader()
         now = time.monotonic()
@@ -437,9 +439,10 @@ class Coordinator:
             if previous is None or progress.step >= previous.step:
                 self._progress[job_id] = progress
                 self._dirty.add(job_id)
-                self._measures.setdefault(job_id, _Measures()).step_reported(
-                    generation, progress.step, checkpoint_stall_s, now)
-                self.history.on_progress(job_id, generation)
+                measures = self._measures.setdefault(job_id, _Measures())
+                measures.step_reported(generation, progress.step, checkpoint_stall_s, now)
+                self.history.on_progress(job_id, generation, stall_total_s=stall_total_s,
+                                         step_s=measures.step_s)
                 self._notify(job_id, f"step {progress.step}")
         max_steps = self._max_steps.get(job_id)
         if max_steps is None:
@@ -452,7 +455,8 @@ class Coordinator:
 
     def record_generation_start(self, job_id: str, member_id: str, generation: int,
                                 progress: planner.Progress, restored_from: int,
-                                state_lost: str = "") -> None:
+                                state_lost: str = "",
+                                spans: tuple[float, float, float] = (0.0, 0.0, 0.0)) -> None:
         """Rank 0's word that generation `generation` agreed on the state of
         `progress.step`, taken from `restored_from` (memory, a checkpoint, or
         nothing).
@@ -466,6 +470,8 @@ class Coordinator:
         counted in ``num_state_losses`` and ``steps_lost``, marked on the
         generation's event and the job's message, and with
         ``failures.on_state_lost: fail`` the job ends FAILED instead.
+        `spans` (rank 0's start-up, rendezvous and transfer seconds) and the
+        report's arrival are recorded on the generation's event (badput).
         One etcd write per generation. Raises `StaleGeneration` for an old
         generation (nothing changes); idempotent for a repeated report.
         """
@@ -497,7 +503,8 @@ class Coordinator:
                     said = f"failed (failures.on_state_lost: fail): {said}"
                 log.error("job %s: %s", job_id, said)
             self.history.on_start(job_id, generation, step=progress.step, steps_redone=redone,
-                                  restored_from=restored_from, state_lost=why, steps_lost=lost)
+                                  restored_from=restored_from, state_lost=why, steps_lost=lost,
+                                  spans=spans)
             if restored_from == pb.RESTORE_KIND_CHECKPOINT:
                 status.num_restores += 1
             status.step = progress.step
