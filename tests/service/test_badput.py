@@ -52,3 +52,17 @@ def test_rank_spans_longer_than_their_window_are_clipped():
     causes = badput.per_generation(job, events, now=104)[0][2]
     assert causes["state_transfer"] == 0.5 and causes["startup"] == 0.5
     assert causes["useful"] == 3 and math.isclose(sum(causes.values()), 4)
+
+
+def test_a_negative_price_in_a_spec_file_is_named():
+    import pytest
+
+    from springback.client import spec as specs
+    from springback.client.errors import InvalidArgument
+
+    base = {"name": "a", "data": {"num_samples": 64, "global_batch_size": 8}, "max_steps": 10}
+    assert specs.spec_from_dict({**base, "price_per_node_hour": 2}).price_per_node_hour == 2
+    for bad, problem in ((-1, "negative"), ("3 EUR", "number"), (True, "number")):
+        with pytest.raises(InvalidArgument) as e:
+            specs.spec_from_dict({**base, "price_per_node_hour": bad})
+        assert e.value.field == "price_per_node_hour" and problem in e.value.problem
