@@ -12,8 +12,10 @@ Figures: MTBF is the job's running time divided by its failures
 (``status.num_failures``), or the spec's ``mtbf_prior_s`` until a failure is
 seen; ``C`` is the stall rank 0 last measured, and the step time the
 coordinator measured between step reports. Until both are measured the
-interval is ``min_every_steps`` (checkpoint early, which measures the cost).
-The result is always within ``[min_every_steps, max_every_steps]``.
+interval is `DEFAULT_INITIAL_STEPS` (a generation's interval stays as chosen
+until the next generation: a job that never fails keeps its first choice).
+The result is always within ``[min_every_steps, max_every_steps]``. The
+measurements are the leader's memory: a new leader starts from the prior.
 """
 
 from __future__ import annotations
@@ -26,6 +28,9 @@ from springback.v1 import types_pb2 as pb
 DEFAULT_MTBF_PRIOR_S = 3600
 """checkpoint.mtbf_prior_s when the spec leaves it 0: one failure an hour."""
 DEFAULT_MIN_EVERY_STEPS = 1
+DEFAULT_INITIAL_STEPS = 100
+"""The interval before a checkpoint cost and a step time are measured
+(within the spec's bounds)."""
 
 
 def young_daly_s(cost_s: float, mtbf_s: float) -> float:
@@ -65,8 +70,9 @@ def choose(spec: pb.JobSpec, seen: Observed) -> pb.CheckpointInterval:
     out = pb.CheckpointInterval(mtbf_s=mtbf, failures=seen.failures, cost_s=seen.cost_s,
                                 step_s=seen.step_s)
     if seen.cost_s <= 0 or seen.step_s <= 0:
-        out.every_steps = lo
-        out.basis = "min_every_steps: checkpoint cost or step time not measured yet"
+        out.every_steps = max(lo, min(hi, DEFAULT_INITIAL_STEPS))
+        out.basis = (f"initial {DEFAULT_INITIAL_STEPS} within [{lo}, {hi}]: checkpoint cost "
+                     "or step time not measured yet")
         return out
     interval_s = young_daly_s(seen.cost_s, mtbf)
     steps = max(lo, min(hi, int(round(interval_s / seen.step_s)) or 1))

@@ -45,13 +45,15 @@ class TestChoice:
         mid = ckptinterval.choose(spec, Observed(**{**seen.__dict__, "cost_s": 0.5}))
         assert mid.every_steps == 100  # sqrt(2 * 0.5 * 100) = 10 s
 
-    def test_the_prior_until_a_failure_and_the_minimum_until_measured(self):
+    def test_the_prior_until_a_failure_and_the_initial_interval_until_measured(self):
         spec = auto_spec(mtbf_prior_s=800, min_every_steps=5)
         prior = ckptinterval.choose(spec, Observed(running_s=100, failures=0, cost_s=1.0,
                                                    step_s=1.0))
         assert prior.mtbf_s == 800 and prior.every_steps == round(math.sqrt(2 * 800))
         unmeasured = ckptinterval.choose(spec, Observed(running_s=100, failures=3))
-        assert unmeasured.every_steps == 5 and "not measured" in unmeasured.basis
+        assert unmeasured.every_steps == 100 and "not measured" in unmeasured.basis
+        bounded = ckptinterval.choose(auto_spec(min_every_steps=150), Observed())
+        assert bounded.every_steps == 150
 
     def test_a_plan_of_a_fixed_interval_job_is_left_alone(self):
         plan = pb.Plan(action=pb.PLAN_ACTION_RUN)
@@ -78,12 +80,12 @@ def test_each_run_plan_carries_the_interval_chosen_from_what_was_measured(
         coordinator, client, workers, make_spec):
     job = client.create_job(make_spec(
         min_workers=1, max_workers=2, max_steps=100_000,
-        checkpoint={"uri": "/tmp/ckpt", "every_steps": "auto", "min_every_steps": 3}))
+        checkpoint={"uri": "/tmp/ckpt", "every_steps": "auto", "max_every_steps": 3000}))
     a = workers.JoinJob(ws.JoinJobRequest(job_id=job.id, host="127.0.0.1", rendezvous_port=5101,
                                           num_local_ranks=1), timeout=10).member.id
     first = coordinator.coordinator.current_plan(job.id)
     assert first.action == pb.PLAN_ACTION_RUN
-    assert first.spec.checkpoint.every_steps == 3  # nothing measured: the minimum
+    assert first.spec.checkpoint.every_steps == 100  # nothing measured: the initial interval
     workers.ReportStep(ws.ReportStepRequest(
         job_id=job.id, member_id=a, generation=first.generation, step=0, generation_start=True,
         restored_from=pb.RESTORE_KIND_NONE), timeout=5)
@@ -105,5 +107,5 @@ def test_each_run_plan_carries_the_interval_chosen_from_what_was_measured(
         running_s=chosen.mtbf_s, failures=1, cost_s=chosen.cost_s, step_s=chosen.step_s))
     assert plan.spec.checkpoint.every_steps == chosen.every_steps == expected.every_steps
     by_generation = {e.generation: e for e in events}
-    assert by_generation[first.generation].checkpoint_interval.every_steps == 3
+    assert by_generation[first.generation].checkpoint_interval.every_steps == 100
     assert not by_generation[1].HasField("checkpoint_interval")  # the WAIT plan: none

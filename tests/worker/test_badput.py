@@ -39,8 +39,10 @@ def lived(tmp_path, start_coordinator):
     wait_for(server.election.is_leader, 10, "the coordinator to lead")
     agents: list[AgentProcess] = []
     with Client(server.address) as client:
-        job = client.create_job({**SPEC, "checkpoint": {"uri": f"file://{tmp_path}/ckpt",
-                                                        "every_steps": 10}})
+        # every_steps auto, bounded to 10: the interval reaches the ranks through the plan
+        job = client.create_job({**SPEC, "checkpoint": {
+            "uri": f"file://{tmp_path}/ckpt", "every_steps": "auto",
+            "min_every_steps": 10, "max_every_steps": 10}})
         try:
             slow = {"TINY_STEP_SLEEP_S": "0.15"}
             wait_for(lambda: client.get_job(job.id).status.state == pb.JOB_STATE_PENDING, 10,
@@ -85,6 +87,7 @@ def test_causes_sum_to_the_wall_time_and_each_is_where_it_happened(lived):
     for g in waits:
         assert g["badput_s"]["waiting"] == g["wall_s"], g
     runs = [g for g in gens if g["action"] == "run"]
+    assert all(g["checkpoint_interval"]["every_steps"] == 10 for g in runs)
     first, joined = runs[0], runs[-1]
     # the first world: start-up, training, checkpoints, then the loss went unseen a while
     assert first["badput_s"]["startup"] > 0 and first["badput_s"]["detection"] > 0
