@@ -163,7 +163,9 @@ def median_step(steps: list[dict], key: str) -> float:
     return statistics.median(d) if d else float("nan")
 
 
-def springback_side(args, work: Path) -> dict:  # noqa: ANN001
+def springback_side(args, work: Path, checkpoint: str = "") -> dict:  # noqa: ANN001
+    """`checkpoint`: the job's checkpoint.every_steps ("auto" or a count; "":
+    no checkpoints, the survivors' memory only)."""
     from _baselines import unfinished_note
     from _local_coordinator import local_coordinator
     from springback.client.api import Client
@@ -178,7 +180,11 @@ def springback_side(args, work: Path) -> dict:  # noqa: ANN001
             job = client.create_job({
                 "name": "bench-goodput", "min_workers": 2, "max_workers": args.nodes,
                 "data": {"num_samples": 4096, "global_batch_size": 24, "seed": 0},
-                "max_steps": args.max_steps})
+                "max_steps": args.max_steps,
+                **({"checkpoint": {"uri": f"file://{work}/ckpt", "every_steps": (
+                    checkpoint if checkpoint == "auto" else int(checkpoint)),
+                    **({"mtbf_prior_s": int(args.kill_every_s)} if checkpoint == "auto"
+                       else {})}} if checkpoint else {})})
             env = dict(os.environ, SPRINGBACK_METRICS_FILE=str(metrics), PYTHONUNBUFFERED="1",
                        GOODPUT_STEP_SLEEP_S=str(args.step_sleep_s),
                        GOODPUT_MAX_STEPS=str(args.max_steps), OMP_NUM_THREADS="1")
@@ -214,7 +220,9 @@ def springback_side(args, work: Path) -> dict:  # noqa: ANN001
     gens = [e for e in events if e["event"] == "generation"]
     # the job's committed final step: survivors keep every finished step, nothing is redone
     useful = final["step"]
-    return {"system": f"springback lt {args.liveness_timeout_s:g}s", "t0": t0,
+    label = f"springback lt {args.liveness_timeout_s:g}s" + (
+        f" ckpt {checkpoint}" if checkpoint else "")
+    return {"system": label, "t0": t0,
             "end": steps[-1]["t"], "useful": useful, "first": steps[0]["t"],
             "executed": len(steps), "generations": len(gens), "kills": kills,
             "redone": final.get("redone", 0), "steps": steps, "key": "generation",
@@ -240,6 +248,10 @@ def _parse() -> argparse.Namespace:
                    help="torchrun side: more --rdzv-conf")
     p.add_argument("--gloo-timeout-s", type=float, default=10.0, help="torchrun side")
     p.add_argument("--timeout-s", type=float, default=900.0, help="give up on a side after this")
+    p.add_argument("--springback-checkpoints", default="",
+                   help="also run Springback with these checkpoint.every_steps, e.g. "
+                   "auto,10,50,200 (auto: Young-Daly, its MTBF prior the trace's kill "
+                   "interval); the goodput ratios of auto to each are printed")
     p.add_argument("--only", default="springback,torchft,torchrun",
                    help="comma-separated sides to run")
     p.add_argument("--work-dir", help="logs and state (default: a new temp dir)")
@@ -254,6 +266,10 @@ def _sides(args: argparse.Namespace, work: Path) -> list[tuple[str, Callable[[],
     sides: list[tuple[str, Callable[[], dict]]] = []
     if "springback" in wanted:
         sides.append(("springback", lambda: springback_side(args, work / "springback")))
+    for every in (x for x in args.springback_checkpoints.split(",") if x):
+        d = work / f"springback-ckpt-{every}"
+        sides.append((f"springback-ckpt-{every}",
+                      lambda d=d, every=every: springback_side(args, d, every)))
     if "torchft" in wanted:
         for hb in (int(x) for x in args.torchft_heartbeat_ms.split(",") if x):
             d = work / f"torchft-hb{hb}"
@@ -290,6 +306,12 @@ def _print_table(rows: list[dict], plain_s: float, failures: dict[str, str]) -> 
               f"{r['step_ms']:>9.1f}{r['overhead_ms']:>+8.1f}{r['goodput']:>9.1%}  {r['note']}")
     for name, why in failures.items():
         print(f"{name:<20}FAILED: {why}")
+    auto = next((r for r in rows if r["system"].endswith("ckpt auto")), None)
+    for r in rows:
+        if auto is not None and r is not auto and " ckpt " in r["system"]:
+            print(f"{auto['system']} / {r['system']}: goodput "
+                  f"{auto['goodput'] / r['goodput']:.3f}x, redone {auto['redone']} vs "
+                  f"{r['redone']}")
     sb = next((r for r in rows if r["system"].startswith("springback")), None)
     for r in rows:
         if sb is not None and r is not sb:

@@ -42,6 +42,12 @@ def _human_history(summary: dict[str, Any]) -> str:
             f"{g['restore']:<10} {g['start_step']:>6} {g['steps_redone']:>6} {recovery:>9}  "
             f"{g['reason']}" + (f"   STATE LOST ({g['steps_lost']} steps): {g['state_lost']}"
                                 if g["steps_lost"] else ""))
+        if g.get("badput_s"):
+            lines.append(f"{'':>6}{g['wall_s']:.2f}s: " + "  ".join(
+                f"{k} {v:.2f}s" for k, v in g["badput_s"].items() if v))
+    if "badput" in summary:
+        lines.append(f"wall     {summary['badput']['wall_s']:.2f}s: " + "  ".join(
+            f"{k} {v:.2f}s" for k, v in summary["badput"]["causes_s"].items() if v))
     return "\n".join(lines)
 
 

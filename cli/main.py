@@ -33,8 +33,8 @@ from springback.client.errors import InvalidArgument
 from springback.v1 import types_pb2 as pb
 
 
-def _human_job(job: pb.Job) -> str:
-    s = job_summary(job)
+def _human_job(job: pb.Job, events: list | None = None) -> str:
+    s = job_summary(job, events)
     ckpt = s["last_checkpoint"]
     lines = [
         f"job        {s['id']} ({s['name']})",
@@ -53,6 +53,15 @@ def _human_job(job: pb.Job) -> str:
                      f"thrown away (started from scratch)")
     if s["checkpoint_error"]:
         lines.append(f"ckpt error {s['checkpoint_error']}")
+    if "badput" in s:
+        b, c = s["badput"], s["cost"]
+        lines.append(f"wall time  {b['wall_s']:.1f}s: " + "  ".join(
+            f"{k} {v:.1f}s" for k, v in b["causes_s"].items() if v))
+        lines.append(f"node-hours {c['node_hours']:.3f} ({c['node_hours_spares']:.3f} spares, "
+                     f"{c['node_hours_useful']:.3f} useful)" + (
+                         f"   cost {c['cost']:.4g}, {c['cost_per_useful_step'] or 0:.4g} per "
+                         f"useful step, {c['cost_per_1000_samples'] or 0:.4g} per 1,000 samples"
+                         if c["cost"] is not None else ""))
     return "\n".join(lines)
 
 
@@ -81,7 +90,9 @@ def _job_command(args: argparse.Namespace) -> int:
         if action == "submit":
             out.job(client.create_job(args.file))
         elif action == "get":
-            out.job(client.get_job(args.job))
+            job, events = client.list_job_events(args.job)
+            print(json.dumps(job_summary(job, events)) if args.json
+                  else _human_job(job, events))
         elif action == "list":
             jobs = client.list_jobs()
             if args.json:

@@ -8,11 +8,13 @@ the same message. Validation has no side effects.
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Mapping
 from typing import Any
 
 import yaml
+from google.protobuf.message import Message
 
 from springback.client.errors import InvalidArgument
 from springback.v1 import types_pb2
@@ -52,7 +54,11 @@ def peer_copy_every_steps(spec: types_pb2.JobSpec) -> int:
 _NAME = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
 _URI_SCHEMES = ("file://", "s3://", "memory://", "/")
 
-# key -> (kind, required); kind is int, str or a nested schema.
+_INT_OR_AUTO = "int or auto"
+"""checkpoint.every_steps: a step count, or ``auto`` (`service.ckptinterval`)."""
+
+# key -> (kind, required); kind is int, float, str, _INT_OR_AUTO, a tuple of
+# allowed strings or a nested schema.
 _SCHEMA: dict[str, Any] = {
     "name": (str, True),
     "min_workers": (int, False),
@@ -66,9 +72,12 @@ _SCHEMA: dict[str, Any] = {
     "checkpoint": (
         {
             "uri": (str, True),
-            "every_steps": (int, False),
+            "every_steps": (_INT_OR_AUTO, False),
             "keep_last": (int, False),
             "keep_every": (int, False),
+            "min_every_steps": (int, False),
+            "max_every_steps": (int, False),
+            "mtbf_prior_s": (int, False),
         },
         False,
     ),
@@ -79,6 +88,7 @@ _SCHEMA: dict[str, Any] = {
         False,
     ),
     "peer_copies": ({"every_steps": (int, False)}, False),
+    "price_per_node_hour": (float, False),
 }
 
 
@@ -96,11 +106,21 @@ def _check(value: Mapping[str, Any], schema: dict[str, Any], path: str) -> None:
                 raise InvalidArgument(where, "is required")
             continue
         item = value[key]
+        if kind == _INT_OR_AUTO:
+            if item == "auto":
+                continue
+            if isinstance(item, bool) or not isinstance(item, int):
+                raise InvalidArgument(where, f"must be an integer or auto, got {item!r}")
+            kind = int
         if isinstance(kind, dict):
             _check(item, kind, where)
         elif kind is int and (isinstance(item, bool) or not isinstance(item, int)):
             raise InvalidArgument(where, f"must be an integer, got {item!r}")
         elif kind is int and item < 0:
+            raise InvalidArgument(where, f"must not be negative, got {item}")
+        elif kind is float and (isinstance(item, bool) or not isinstance(item, (int, float))):
+            raise InvalidArgument(where, f"must be a number, got {item!r}")
+        elif kind is float and not item >= 0:
             raise InvalidArgument(where, f"must not be negative, got {item}")
         elif kind is str and not isinstance(item, str):
             raise InvalidArgument(where, f"must be a string, got {item!r}")
@@ -114,16 +134,21 @@ def spec_from_dict(value: Mapping[str, Any]) -> types_pb2.JobSpec:
     spec = types_pb2.JobSpec()
     if value.get("checkpoint") and value["checkpoint"].get("keep_last") is None:
         spec.checkpoint.keep_last = DEFAULT_KEEP_LAST
-    fields = [(spec, key, key) for key in ("name", "min_workers", "max_workers", "max_steps")]
+    fields: list[tuple[Message, str, str]] = [(spec, key, key) for key in ("name", "min_workers", "max_workers", "max_steps",
+                                           "price_per_node_hour")]
     fields += [
         (getattr(spec, section), key, f"{section}.{key}")
         for section in ("layout", "data", "checkpoint", "failures", "peer_copies")
         for key in (value.get(section) or {})
     ]
+    message: Message
     for message, key, where in fields:
         section, _, _ = where.rpartition(".")
         item = (value.get(section) or {}).get(key) if section else value.get(key)
         if item is None:
+            continue
+        if where == "checkpoint.every_steps" and item == "auto":
+            spec.checkpoint.auto_interval = True
             continue
         if where == "failures.on_state_lost":
             item = types_pb2.StateLostPolicy.Value(f"STATE_LOST_POLICY_{item.upper()}")
@@ -199,6 +224,25 @@ def validate(spec: types_pb2.JobSpec) -> types_pb2.JobSpec:
                 f"{out.checkpoint.uri!r} must be an absolute path or a file://, s3:// "
                 "or memory:// URI",
             )
-    elif out.checkpoint.every_steps:
+    elif out.checkpoint.every_steps or out.checkpoint.auto_interval:
         raise InvalidArgument("checkpoint.uri", "is required when checkpoint.every_steps is set")
+    _validate_auto_interval(out)
+    if not out.price_per_node_hour >= 0 or math.isinf(out.price_per_node_hour):
+        raise InvalidArgument("price_per_node_hour",
+                              f"must be a finite number >= 0, got {out.price_per_node_hour}")
     return out
+
+
+def _validate_auto_interval(out: types_pb2.JobSpec) -> None:
+    """The bounds of `checkpoint.every_steps: auto` (`service.ckptinterval`)."""
+    ck = out.checkpoint
+    if not ck.auto_interval:
+        for name in ("min_every_steps", "max_every_steps", "mtbf_prior_s"):
+            if getattr(ck, name):
+                raise InvalidArgument(f"checkpoint.{name}",
+                                      "is only meaningful with checkpoint.every_steps: auto")
+        return
+    if ck.min_every_steps and ck.max_every_steps and ck.min_every_steps > ck.max_every_steps:
+        raise InvalidArgument("checkpoint.min_every_steps",
+                              f"{ck.min_every_steps} exceeds checkpoint.max_every_steps "
+                              f"{ck.max_every_steps}")

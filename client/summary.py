@@ -6,17 +6,22 @@ well-formed message.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Sequence
 from typing import Any
 
 from google.protobuf.json_format import MessageToDict
 from google.protobuf.timestamp_pb2 import Timestamp
 
+from springback.client import badput
 from springback.v1 import job_service_pb2 as js
 from springback.v1 import types_pb2 as pb
 
 
-def job_summary(job: pb.Job) -> dict[str, Any]:
-    """The `job get --json` object."""
+def job_summary(job: pb.Job, events: Sequence[js.GenerationEvent] | None = None,
+                now: float | None = None) -> dict[str, Any]:
+    """The `job get --json` object; with the job's `events`, its badput by
+    cause (`badput.job_badput`, until `now`, default the clock) too."""
     status = job.status
     checkpoint = None
     if status.last_checkpoint.step:
@@ -46,7 +51,16 @@ def job_summary(job: pb.Job) -> dict[str, Any]:
         "failures": status.num_failures,
         "message": status.message,
         "spec": MessageToDict(job.spec, preserving_proto_field_name=True),
+        **(_badput(job, events, now) if events is not None else {}),
     }
+
+
+def _badput(job: pb.Job, events: Sequence[js.GenerationEvent],
+            now: float | None) -> dict[str, Any]:
+    total = badput.job_badput(job, events, time.time() if now is None else now)
+    return {"badput": {"wall_s": total["wall_s"], "useful_ratio": total["useful_ratio"],
+                       "causes_s": total["causes"]},
+            "cost": total["cost"]}
 
 
 def _time(ts: Timestamp) -> str | None:
@@ -57,8 +71,11 @@ def _enum(name: str, prefix: str) -> str:
     return name.removeprefix(prefix).lower()
 
 
-def event_summary(event: js.GenerationEvent) -> dict[str, Any]:
-    """One generation of `job events --json`."""
+def event_summary(event: js.GenerationEvent,
+                  causes: tuple[float, dict[str, float]] | None = None) -> dict[str, Any]:
+    """One generation of `job events --json`; `causes`: its wall seconds and
+    badput by cause."""
+    interval = event.checkpoint_interval if event.HasField("checkpoint_interval") else None
     return {
         "generation": event.generation,
         "time": _time(event.created_at),
@@ -74,16 +91,23 @@ def event_summary(event: js.GenerationEvent) -> dict[str, Any]:
         "state_lost": event.state_lost or None,
         "recovery_s": event.recovery.ToNanoseconds() / 1e9 if event.HasField("recovery") else None,
         "first_step_at": _time(event.first_step_at),
+        "checkpoint_interval": None if interval is None else MessageToDict(
+            interval, preserving_proto_field_name=True, always_print_fields_with_no_presence=True),
+        **({"wall_s": causes[0], "badput_s": causes[1]} if causes is not None else {}),
     }
 
 
-def history_summary(job: pb.Job, events: list[js.GenerationEvent]) -> dict[str, Any]:
-    """The `job events --json` object."""
+def history_summary(job: pb.Job, events: list[js.GenerationEvent],
+                    now: float | None = None) -> dict[str, Any]:
+    """The `job events --json` object (badput until `now`, default the clock)."""
+    now = time.time() if now is None else now
+    rows = badput.per_generation(job, events, now)
     return {
         "id": job.id, "name": job.spec.name,
         "state": _enum(pb.JobState.Name(job.status.state), "JOB_STATE_"),
         "created_at": _time(job.created_at), "started_at": _time(job.started_at),
         "finished_at": _time(job.finished_at), "step": job.status.step,
         "message": job.status.message,
-        "generations": [event_summary(e) for e in events],
+        "generations": [event_summary(e, (w, c)) for e, w, c in rows],
+        **_badput(job, events, now),
     }

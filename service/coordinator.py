@@ -23,7 +23,8 @@ import time
 from collections.abc import Callable, Collection, Iterator
 from typing import NamedTuple
 
-from springback.service import keys, planner, replan
+from springback.service import ckptinterval, keys, planner, replan
+from springback.service.history import change_kind
 from springback.service.replan import timestamp_now  # noqa: F401 (used by membership, jobs, commits)
 from springback.service.writer import FencedWriter
 from springback.service.election import Election
@@ -32,6 +33,7 @@ from springback.client.errors import (
     Conflict, FailedPrecondition, NotFound, NotLeader, SpringbackError, StaleGeneration,
 )
 from springback.service.store import Store
+from springback.v1 import job_service_pb2 as js
 from springback.v1 import types_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -65,6 +67,30 @@ class _PlanView(NamedTuple):
     generation: int
     signature: tuple  # planner.signature: action and rank assignment
     members: frozenset[str]  # active member ids
+
+
+class _Measures:
+    """The leader's measurements of one job, for `ckptinterval` (0.0: none yet)."""
+
+    def __init__(self) -> None:
+        self.failures = 0  # generations made for a node loss or a rank failure
+        self.cost_s = 0.0  # rank 0's newest checkpoint stall
+        self.step_s = 0.0  # seconds per step, a moving average of report gaps
+        self.last: tuple[int, int, float] | None = None  # (generation, step, when) reported
+
+    def step_reported(self, generation: int, step: int, stall_s: float, now: float) -> None:
+        if stall_s > 0:
+            self.cost_s = stall_s
+        last = self.last
+        if last is not None and last[0] == generation and step > last[1]:
+            gap = (now - last[2]) / (step - last[1])
+            self.step_s = gap if self.step_s <= 0 else 0.7 * self.step_s + 0.3 * gap
+        self.last = (generation, step, now)
+
+
+FAILURE_CHANGES = (js.CHANGE_KIND_NODE_LOST, js.CHANGE_KIND_RANK_FAILURE)
+"""`ChangeKind`s that count as failures for
+the auto checkpoint interval's MTBF (a drain is planned, not a failure)."""
 
 
 class Coordinator:
@@ -104,6 +130,9 @@ class Coordinator:
         self._departures: dict[tuple[str, str], str] = {}
         # job id -> members' (count, newest revision) when last found in line with the plan
         self._fingerprints: dict[str, tuple[int, int]] = {}
+        # job id -> what `checkpoint.every_steps: auto` is chosen from (leader
+        # memory: a new leader starts again from the spec's prior)
+        self._measures: dict[str, _Measures] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="reconcile", daemon=True)
         self.num_loop_errors = 0
@@ -134,6 +163,7 @@ class Coordinator:
             self._member_checked.clear()
             self._fingerprints.clear()
             self._unsettled.clear()
+            self._measures.clear()
             self.history.forget()
             self._version += 1
             self._changed.notify_all()
@@ -253,7 +283,9 @@ class Coordinator:
         progress = self._progress.get(job_id)  # after mutate: a start sets it
         previous = plan_entry.value if plan_entry else None
         reason = self._naming_departures(job_id, previous, members, reason)
+        failure = change_kind(reason, job.status.state) in FAILURE_CHANGES
         decision = replan.replan(replan.Inputs(
+            observed=self._observed(job, failure),
             job=job, previous=previous,
             previous_signature=self._signature_of(job_id, previous) if previous else None,
             members=members, checkpoints=checkpoints, progress=progress, reason=reason,
@@ -261,7 +293,8 @@ class Coordinator:
             ended=ended,
         ))
         self.last_replan_s = decision.planning_s
-        history_ops = self.history.on_change(job, decision.plan if decision.new_generation else None)
+        history_ops = self.history.on_change(job, decision.plan if decision.new_generation else None,
+                                             interval=decision.interval)
         txn = self.writer.txn
         compare = [
             txn.mod(keys.job(job_id)) == job_entry.mod_revision,
@@ -277,7 +310,20 @@ class Coordinator:
         ops.extend(history_ops)
         self.writer.write_or_conflict(fence, compare, ops, f"job {job_id}")
         self._applied(job_id, decision, progress, reason)
+        if failure and decision.new_generation:
+            with self._changed:
+                self._measures.setdefault(job_id, _Measures()).failures += 1
         return job
+
+    def _observed(self, job: pb.Job, failure: bool) -> ckptinterval.Observed:
+        """What the auto checkpoint interval of `job`'s next plan is chosen
+        from; `failure`: the change being planned is itself a failure."""
+        with self._changed:
+            m = self._measures.get(job.id) or _Measures()
+            started = job.started_at.ToNanoseconds() / 1e9 if job.started_at.seconds else 0.0
+            return ckptinterval.Observed(
+                running_s=max(time.time() - started, 0.0) if started else 0.0,
+                failures=m.failures + int(failure), cost_s=m.cost_s, step_s=m.step_s)
 
     def _applied(self, job_id: str, decision: replan.Decision,
                  progress: planner.Progress | None, reason: str) -> None:
@@ -363,7 +409,8 @@ class Coordinator:
             raise StaleGeneration(job_id, generation, current)
 
     def record_progress(self, job_id: str, member_id: str, generation: int,
-                        progress: planner.Progress) -> int:
+                        progress: planner.Progress, checkpoint_stall_s: float = 0.0,
+                        stall_total_s: float = 0.0) -> int:
         """Accepts a step report from a member of the current generation.
 
         In memory only. The member's registration is read from etcd at most
@@ -372,7 +419,9 @@ class Coordinator:
         still come from the current generation's training, so counting them
         is right. The job succeeds (one read, one write) when max_steps is
         reached. The job's max_steps is read once per leadership: no request
-        changes it.
+        changes it. The report's time and `checkpoint_stall_s` are kept for
+        the auto checkpoint interval (`ckptinterval`); the time and
+        `stall_total_s` (the generation's stalls summed) for badput by cause.
         """
         self.require_leader()
         now = time.monotonic()
@@ -390,7 +439,10 @@ class Coordinator:
             if previous is None or progress.step >= previous.step:
                 self._progress[job_id] = progress
                 self._dirty.add(job_id)
-                self.history.on_progress(job_id, generation)
+                measures = self._measures.setdefault(job_id, _Measures())
+                measures.step_reported(generation, progress.step, checkpoint_stall_s, now)
+                self.history.on_progress(job_id, generation, stall_total_s=stall_total_s,
+                                         step_s=measures.step_s)
                 self._notify(job_id, f"step {progress.step}")
         max_steps = self._max_steps.get(job_id)
         if max_steps is None:
@@ -403,7 +455,8 @@ class Coordinator:
 
     def record_generation_start(self, job_id: str, member_id: str, generation: int,
                                 progress: planner.Progress, restored_from: int,
-                                state_lost: str = "") -> None:
+                                state_lost: str = "",
+                                spans: tuple[float, float, float] = (0.0, 0.0, 0.0)) -> None:
         """Rank 0's word that generation `generation` agreed on the state of
         `progress.step`, taken from `restored_from` (memory, a checkpoint, or
         nothing).
@@ -417,6 +470,8 @@ class Coordinator:
         counted in ``num_state_losses`` and ``steps_lost``, marked on the
         generation's event and the job's message, and with
         ``failures.on_state_lost: fail`` the job ends FAILED instead.
+        `spans` (rank 0's start-up, rendezvous and transfer seconds) and the
+        report's arrival are recorded on the generation's event (badput).
         One etcd write per generation. Raises `StaleGeneration` for an old
         generation (nothing changes); idempotent for a repeated report.
         """
@@ -448,7 +503,8 @@ class Coordinator:
                     said = f"failed (failures.on_state_lost: fail): {said}"
                 log.error("job %s: %s", job_id, said)
             self.history.on_start(job_id, generation, step=progress.step, steps_redone=redone,
-                                  restored_from=restored_from, state_lost=why, steps_lost=lost)
+                                  restored_from=restored_from, state_lost=why, steps_lost=lost,
+                                  spans=spans)
             if restored_from == pb.RESTORE_KIND_CHECKPOINT:
                 status.num_restores += 1
             status.step = progress.step

@@ -80,6 +80,7 @@ class History:
         self._lock = threading.Lock()
         self._last_step_at: dict[str, float] = {}  # job -> wall time of its newest step report
         self._awaiting: dict[str, js.GenerationEvent] = {}  # job -> its generation's first step
+        self._running: dict[str, js.GenerationEvent] = {}  # job -> its stepping generation
         # (job, generation) -> record to write again, with its recovery time
         self._unflushed: dict[tuple[str, int], js.GenerationEvent] = {}
 
@@ -88,11 +89,14 @@ class History:
         with self._lock:
             self._last_step_at.clear()
             self._awaiting.clear()
+            self._running.clear()
             self._unflushed.clear()
 
-    def on_change(self, job: pb.Job, plan: pb.Plan | None) -> list:
+    def on_change(self, job: pb.Job, plan: pb.Plan | None,
+                  interval: pb.CheckpointInterval | None = None) -> list:
         """Stamps `job`'s timestamps; for a new generation (`plan` not None),
-        returns the transaction ops that record it. Where its state really
+        returns the transaction ops that record it (with `interval`, the auto
+        checkpoint interval chosen for it and its figures). Where its state really
         came from, and the steps redone, arrive with its start (`on_start`)."""
         now = time.time()
         status = job.status
@@ -106,10 +110,13 @@ class History:
             generation=plan.generation, reason=plan.reason or status.message,
             kind=change_kind(status.message, status.state), action=plan.action,
             world_size=plan.world_size, members=[m.member_id for m in plan.members],
-            restore=plan.restore.kind, start_step=plan.step,
+            restore=plan.restore.kind, start_step=plan.step, spares=list(plan.spares),
         )
         event.created_at.CopyFrom(plan.created_at)
+        if interval is not None:
+            event.checkpoint_interval.CopyFrom(interval)
         with self._lock:
+            self._running.pop(job.id, None)
             if plan.action == pb.PLAN_ACTION_RUN:
                 self._awaiting[job.id] = event
             else:
@@ -117,20 +124,30 @@ class History:
         return [self._store.txn.put(keys.history_event(job.id, plan.generation), event.SerializeToString())]
 
     def on_start(self, job_id: str, generation: int, *, step: int, steps_redone: int,
-                 restored_from: int, state_lost: str = "", steps_lost: int = 0) -> None:
+                 restored_from: int, state_lost: str = "", steps_lost: int = 0,
+                 spans: tuple[float, float, float] = (0.0, 0.0, 0.0)) -> None:
         """The ranks of `generation` agreed on the state of `step`, taken from
         `restored_from`: what the plan only expected becomes what happened
-        (memory only until the generation's first step is flushed)."""
+        (memory only until the generation's first step is flushed). `spans`:
+        rank 0's (startup, rendezvous, transfer) seconds."""
+        now = time.time()
         with self._lock:
             event = self._awaiting.get(job_id)
             if event is not None and event.generation == generation:
+                if not event.started_at.seconds:
+                    event.started_at.FromNanoseconds(int(now * 1e9))
+                event.startup_s, event.rendezvous_s, event.transfer_s = spans
                 event.start_step = step
                 event.steps_redone = steps_redone
                 event.restore = cast(pb.RestoreKind, restored_from)
                 event.state_lost, event.steps_lost = state_lost, steps_lost
 
-    def on_progress(self, job_id: str, generation: int) -> None:
-        """A step of `generation` was accepted (memory only; cheap)."""
+    def on_progress(self, job_id: str, generation: int, *, stall_total_s: float = 0.0,
+                    step_s: float = 0.0) -> None:
+        """A step of `generation` was accepted (memory only; cheap): the
+        generation's newest step time, its checkpoint stalls so far
+        (`stall_total_s`) and the measured `step_s` are written with the next
+        flush."""
         now = time.time()
         with self._lock:
             event = self._awaiting.get(job_id)
@@ -138,7 +155,15 @@ class History:
                 started = self._last_step_at.get(job_id, event.created_at.ToNanoseconds() / 1e9)
                 event.recovery.FromNanoseconds(int(max(now - started, 0.0) * 1e9))
                 event.first_step_at.FromNanoseconds(int(now * 1e9))
-                self._unflushed[(job_id, generation)] = self._awaiting.pop(job_id)
+                if not event.started_at.seconds:  # no start report came (an older rank)
+                    event.started_at.CopyFrom(event.first_step_at)
+                self._running[job_id] = self._awaiting.pop(job_id)
+            event = self._running.get(job_id)
+            if event is not None and event.generation == generation:
+                event.last_step_at.FromNanoseconds(int(now * 1e9))
+                event.checkpoint_stall_s = max(event.checkpoint_stall_s, stall_total_s)
+                event.step_s = step_s or event.step_s
+                self._unflushed[(job_id, generation)] = event
             self._last_step_at[job_id] = now
 
     def flush(self) -> None:
@@ -148,18 +173,19 @@ class History:
         deleted) or a lost fence drops the update. Raises `StoreUnavailable`
         when etcd is unreachable (the updates are kept for the next call).
         """
-        with self._lock:
-            pending = list(self._unflushed.items())
-        for (job_id, generation), event in pending:
+        with self._lock:  # serialized here: step reports keep updating the records
+            pending = [(k, e, e.SerializeToString()) for k, e in self._unflushed.items()]
+        for (job_id, generation), event, data in pending:
             key = keys.history_event(job_id, event.generation)
             txn = self._store.txn
             written = self._writer.write(
-                self._writer.fence(), [txn.version(key) > 0], [txn.put(key, event.SerializeToString())])
+                self._writer.fence(), [txn.version(key) > 0], [txn.put(key, data)])
             if not written:
                 log.info("history of %s generation %d not updated (record gone or not leader)",
                          job_id, event.generation)
-            with self._lock:
-                if self._unflushed.get((job_id, generation)) is event:
+            with self._lock:  # kept when updated since it was serialized
+                if (self._unflushed.get((job_id, generation)) is event
+                        and event.SerializeToString() == data):
                     del self._unflushed[(job_id, generation)]
 
     def events(self, job_id: str) -> list[js.GenerationEvent]:
@@ -167,8 +193,14 @@ class History:
         measured but not yet flushed."""
         events = [e.value for e in self._store.get_prefix(keys.history(job_id), js.GenerationEvent)]
         with self._lock:
-            pending = {g: e for (j, g), e in self._unflushed.items() if j == job_id}
+            pending = {g: _copy(e) for (j, g), e in self._unflushed.items() if j == job_id}
         return [pending.get(e.generation, e) for e in events]
+
+
+def _copy(event: js.GenerationEvent) -> js.GenerationEvent:
+    out = js.GenerationEvent()
+    out.CopyFrom(event)
+    return out
 
 
 def delete_job(store: Store, fence: Callable[[], list], job_id: str) -> pb.Job:

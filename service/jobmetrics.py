@@ -5,7 +5,11 @@ Prometheus scraping every replica sees each job once): one read of the job
 records and one of each job's history (`service/history.py`) per scrape.
 Counters (recoveries, failures, restores, steps redone) are derived from the
 history in etcd, so they survive leader changes and never go backwards while
-the job exists.
+the job exists. Badput by cause (`client.badput`) is derived the same way,
+with one exception: the running generation's tail counts as useful until a
+failure ends it, and then moves to ``detection`` (the useful counter may
+step back by that tail, at most the step-report interval plus the failure
+detection time).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from springback.client import badput
 from springback.service.coordinator import Coordinator
 from springback.service.history import FAILURE_KINDS
 from springback.v1 import job_service_pb2 as js
@@ -74,7 +79,15 @@ class JobMetrics(Collector):
                         ("restores", "Generations that restored a committed checkpoint.", ["job"]),
                         ("steps_redone", "Steps trained again after a restore.", ["job"]),
                         ("failures", "Generations made because of a failure, by kind.",
+                         ["job", "kind"]),
+                        ("badput_seconds", "Wall time by cause (client/badput.py; useful "
+                         "included): the causes sum to the job's wall time.", ["job", "cause"]),
+                        ("node_hours", "Node-hours held, by kind (active, spares, useful).",
                          ["job", "kind"]))}
+        gauges["cost_per_useful_step"] = GaugeMetricFamily(
+            "springback_job_cost_per_useful_step",
+            "Cost (spec.price_per_node_hour x node-hours, spares included) per useful step.",
+            labels=["job"])
         recoveries = HistogramMetricFamily(
             "springback_job_recovery_seconds",
             "From the last step before a generation to its first step (start-up excluded).",
@@ -101,6 +114,15 @@ class JobMetrics(Collector):
             for kind, kind_name in FAILURE_KINDS.items():
                 counters["failures"].add_metric(
                     [job.id, kind_name], sum(e.kind == kind for e in events))
+            total = badput.job_badput(job, events, now)
+            for cause, seconds in total["causes"].items():
+                counters["badput_seconds"].add_metric([job.id, cause], seconds)
+            for held in ("active", "spares", "useful"):
+                counters["node_hours"].add_metric([job.id, held],
+                                                  total["cost"][f"node_hours_{held}"])
+            if total["cost"]["cost_per_useful_step"] is not None:
+                gauges["cost_per_useful_step"].add_metric(label,
+                                                          total["cost"]["cost_per_useful_step"])
             times = recovery_times(events)
             buckets = [(str(b), sum(t <= b for t in times)) for b in RECOVERY_BUCKETS_S]
             recoveries.add_metric(label, buckets + [("+Inf", len(times))], sum(times))

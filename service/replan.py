@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from springback.service import planner
+from springback.service import ckptinterval, planner
 from springback.v1 import types_pb2 as pb
 
 
@@ -47,6 +47,8 @@ class Inputs:
     stateless: Collection[str] = ()
     draining: Collection[str] = ()
     force_generation: bool = False
+    observed: ckptinterval.Observed = ckptinterval.Observed()
+    """What an auto checkpoint interval is chosen from (`ckptinterval`)."""
     ended: bool = False
     """The job had ended (a terminal state) before the caller's mutation: its
     status message, which says why it ended, is kept."""
@@ -64,6 +66,8 @@ class Decision:
     """The plan record to write: the new plan, the previous one with new spares, or None."""
     planning_s: float
     """Seconds spent in the planner (a metric)."""
+    interval: pb.CheckpointInterval | None = None
+    """The checkpoint interval chosen for the plan (auto jobs' RUN plans only)."""
 
 
 def _keep_holders(job: pb.Job, members: list[pb.Member], stateless: Collection[str]) -> list[str]:
@@ -131,6 +135,7 @@ def replan(inputs: Inputs) -> Decision:
     if job.status.restore_step:
         requested = next((c for c in inputs.checkpoints if c.step == job.status.restore_step), None)
     plan, planning_s = _make_plan(inputs, holders, requested)
+    interval = ckptinterval.apply(plan, inputs.observed)
     signature = planner.signature(plan)
     new_generation = (inputs.force_generation or previous is None
                       or signature != inputs.previous_signature)
@@ -144,4 +149,4 @@ def replan(inputs: Inputs) -> Decision:
         del plan_write.spares[:]
         plan_write.spares.extend(plan.spares)
     return Decision(job=job, plan=plan, new_generation=new_generation, signature=signature,
-                    plan_write=plan_write, planning_s=planning_s)
+                    plan_write=plan_write, planning_s=planning_s, interval=interval)

@@ -241,11 +241,14 @@ class WorkerServicer(ws_grpc.WorkerServiceServicer):
         if request.generation_start:
             self.coordinator.record_generation_start(
                 request.job_id, request.member_id, request.generation, progress,
-                request.restored_from, state_lost=request.state_lost)
+                request.restored_from, state_lost=request.state_lost,
+                spans=(request.startup_s, request.rendezvous_s, request.transfer_s))
             return ws.ReportStepResponse(
                 generation=self.coordinator.current_generation(request.job_id))
         generation = self.coordinator.record_progress(
-            request.job_id, request.member_id, request.generation, progress)
+            request.job_id, request.member_id, request.generation, progress,
+            checkpoint_stall_s=request.checkpoint_stall_s,
+            stall_total_s=request.checkpoint_stall_total_s)
         return ws.ReportStepResponse(generation=generation)
 
     @_handle

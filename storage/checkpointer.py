@@ -97,6 +97,8 @@ class CheckpointerStats:
     """Time the last save() blocked the caller (waiting for the previous + snapshot)."""
     last_hook_wait_s: float = 0.0
     """Time the optimizer step after the last save() waited for its deferred copy."""
+    total_stall_s: float = 0.0
+    """Every save's stall and hook wait, summed (badput by cause)."""
     last_snapshot_s: float = 0.0
     last_upload_s: float = 0.0
     last_error: str = ""
@@ -251,6 +253,7 @@ class Checkpointer:
             self._last = (generation, step)
             self.stats.last_snapshot_s = t2 - t1
             self.stats.last_stall_s = t2 - t0
+            self.stats.total_stall_s += t2 - t0
             ckpt_uri = join(self.base_uri, checkpoint_dir_name(step, generation))
             args = (ckpt_uri, snap, rng, step, generation, _as_cursor(cursor), dict(layout or {}), extra)
             self._inflight = self._executor.submit(self._write, *args)
@@ -274,7 +277,9 @@ class Checkpointer:
         """Optimizer step pre-hook: the state may change now, so the deferred copy must be done."""
         t0 = time.perf_counter()
         self.wait_snapshot()
-        self.stats.last_hook_wait_s += time.perf_counter() - t0
+        waited = time.perf_counter() - t0
+        self.stats.last_hook_wait_s += waited
+        self.stats.total_stall_s += waited
 
     def wait_snapshot(self) -> None:
         """Block until the state passed to the last ``save()`` is in host memory.

@@ -90,6 +90,13 @@ class TestBadInput:
             (lambda s: (setattr(s, "min_workers", 4), setattr(s, "max_workers", 2)), "max_workers"),
             (lambda s: setattr(s.checkpoint, "uri", "ftp://x"), "checkpoint.uri"),
             (lambda s: setattr(s.checkpoint, "every_steps", 10), "checkpoint.uri"),
+            (lambda s: setattr(s, "price_per_node_hour", -1.5), "price_per_node_hour"),
+            (lambda s: setattr(s, "price_per_node_hour", float("nan")), "price_per_node_hour"),
+            (lambda s: setattr(s.checkpoint, "auto_interval", True), "checkpoint.uri"),
+            (lambda s: (setattr(s.checkpoint, "uri", "/tmp/c"),
+                        setattr(s.checkpoint, "auto_interval", True),
+                        setattr(s.checkpoint, "min_every_steps", 9),
+                        setattr(s.checkpoint, "max_every_steps", 3)), "checkpoint.min_every_steps"),
         ],
     )
     def test_a_bad_spec_is_rejected_naming_the_field_and_nothing_is_stored(

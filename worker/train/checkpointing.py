@@ -130,6 +130,11 @@ class GenerationCheckpoints:
         stats = self._ckpt.stats
         return stats.last_stall_s + stats.last_hook_wait_s if stats.saves else None
 
+    @property
+    def stall_total_s(self) -> float:
+        """Every save's stall in this generation, summed (0.0 before the first)."""
+        return self._ckpt.stats.total_stall_s
+
     def close(self, *, wait_for_commit: bool) -> None:
         """Ends this generation's checkpointing.
 

@@ -267,15 +267,21 @@ class Generation:
         epoch, offset = self.stream.cursor_after(step)
         s.last_loss = loss
         if s.reporter is not None:
+            ckpt = self._checkpoints
             s.reporter.submit(generation=self.generation, step=step,
                                samples_consumed=step * self.stream.global_batch_size,
-                               loss=loss, epoch=epoch, offset=offset)
+                               loss=loss, epoch=epoch, offset=offset,
+                               checkpoint_stall_s=(ckpt.stall_s or 0.0) if ckpt else 0.0,
+                               checkpoint_stall_total_s=ckpt.stall_total_s if ckpt else 0.0)
             if step >= self.max_steps:
                 s.reporter.flush()
 
     # -- bookkeeping -----------------------------------------------------------
 
-    def _record_start(self, outcome: Outcome, formed_s: float) -> None:
+    def _record_start(self, outcome: Outcome, formed_s: float,
+                      spans: tuple[float, float, float] = (0.0, 0.0, 0.0)) -> None:
+        """`spans`: rank 0's (startup, rendezvous, transfer) seconds, reported
+        with the start for badput by cause."""
         s = self.ctx
         source = outcome.source
         if self.rank == 0 and s.reporter is not None:
@@ -283,7 +289,7 @@ class Generation:
             s.reporter.start(generation=self.generation, step=s.step,
                               samples_consumed=s.step * self.stream.global_batch_size,
                               restored_from=outcome.kind, epoch=epoch, offset=offset,
-                              state_lost=outcome.state_lost)
+                              state_lost=outcome.state_lost, spans=spans)
         if self.rank == 0:
             eventlog.append({"event": "generation", "generation": self.generation,
                      "world_size": self.world_size, "step": self.ctx.step,

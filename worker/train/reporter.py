@@ -58,7 +58,7 @@ class StepReporter:
         self._job_id = job_id
         self._member_id = member_id
         self._cond = threading.Condition()
-        self._pending: tuple[int, int, int, float, int, int] | None = None
+        self._pending: tuple[int, int, int, float, int, int, float, float] | None = None
         """The newest step report's fields (`submit`), until the thread sends it."""
         self._pending_start: wpb.ReportStepRequest | None = None
         self._in_flight = False
@@ -73,11 +73,15 @@ class StepReporter:
         self._thread.start()
 
     def submit(self, *, generation: int, step: int, samples_consumed: int, loss: float,
-               epoch: int, offset: int) -> None:
+               epoch: int, offset: int, checkpoint_stall_s: float = 0.0,
+               checkpoint_stall_total_s: float = 0.0) -> None:
         """Replaces the pending step report (called at every step by rank 0:
         the request is built by the sending thread, which is woken only when
-        no report was pending, i.e. at most once per interval)."""
-        report = (generation, step, samples_consumed, loss, epoch, offset)
+        no report was pending, i.e. at most once per interval).
+        `checkpoint_stall_s`: the newest checkpoint's stall (0: none yet);
+        `checkpoint_stall_total_s`: the generation's stalls summed."""
+        report = (generation, step, samples_consumed, loss, epoch, offset, checkpoint_stall_s,
+                  checkpoint_stall_total_s)
         with self._cond:
             idle = self._pending is None
             self._pending = report
@@ -85,15 +89,17 @@ class StepReporter:
                 self._cond.notify_all()
 
     def start(self, *, generation: int, step: int, samples_consumed: int, restored_from: int,
-              epoch: int, offset: int, state_lost: str = "") -> None:
+              epoch: int, offset: int, state_lost: str = "",
+              spans: tuple[float, float, float] = (0.0, 0.0, 0.0)) -> None:
         """Queues the generation-start report (see the module docstring);
         `state_lost` says why the ranks started from scratch although trained
-        state existed."""
+        state existed; `spans`: (startup, rendezvous, transfer) seconds."""
         req = wpb.ReportStepRequest(
             job_id=self._job_id, member_id=self._member_id, generation=generation, step=step,
             samples_consumed=samples_consumed, cursor=pb.DataCursor(epoch=epoch, offset=offset),
             generation_start=True, restored_from=cast(pb.RestoreKind, restored_from),
-            state_lost=state_lost)
+            state_lost=state_lost, startup_s=spans[0], rendezvous_s=spans[1],
+            transfer_s=spans[2])
         with self._cond:
             self._pending_start = req
             self._pending = None  # reports of an older generation are moot
@@ -194,11 +200,13 @@ class StepReporter:
             return None
 
     def _request(self, generation: int, step: int, samples_consumed: int, loss: float,
-                 epoch: int, offset: int) -> wpb.ReportStepRequest:
+                 epoch: int, offset: int, stall_s: float,
+                 stall_total_s: float) -> wpb.ReportStepRequest:
         return wpb.ReportStepRequest(
             job_id=self._job_id, member_id=self._member_id, generation=generation, step=step,
             samples_consumed=samples_consumed, loss=loss,
-            cursor=pb.DataCursor(epoch=epoch, offset=offset))
+            cursor=pb.DataCursor(epoch=epoch, offset=offset), checkpoint_stall_s=stall_s,
+            checkpoint_stall_total_s=stall_total_s)
 
     def _loop(self) -> None:
         while (req := self._next()) is not None:

@@ -139,6 +139,7 @@ class Session:
         self._fallback = (num_samples, global_batch_size, seed, max_steps)
         self._generation = 0
         self._was_member = False
+        self._started_once = False  # this process's start-up was reported
         self._standalone_store: dist.TCPStore | None = None
         self.ctx = RankContext(env=self.env, state=self.state, device=self.device,
                                wait_s=plan_wait_s or DEFAULT_PLAN_WAIT_S)
@@ -284,6 +285,7 @@ class Session:
                        collective_timeout_s=self.env.collective_timeout_s,
                        rendezvous_timeout_s=self.env.rendezvous_timeout_s,
                        superseded=superseded)
+            t1 = time.monotonic()
             with self.ctx.busy("agreeing on the state"):  # reads no plan meanwhile
                 outcome = (self._agreement.agree_sharded(plan, rank, store)
                            if self._agreement.sharded is not None
@@ -298,7 +300,12 @@ class Session:
         gen = Generation(self.ctx, plan, rank)
         gen._store, gen._mesh = store, outcome.mesh
         gen._copies = self._agreement.copies_for(plan, rank)
-        gen._record_start(outcome, time.monotonic() - t0)
+        t2 = time.monotonic()
+        startup_s = 0.0
+        if not self._started_once:  # this process's start-up: its creation to this generation
+            self._started_once = True
+            startup_s = max(time.time() - _process_started_at() - (t2 - t0), 0.0)
+        gen._record_start(outcome, t2 - t0, (startup_s, t1 - t0, t2 - t1))
         if self.ctx.stats is not None:
             self.ctx.stats.generation_started(generation=plan.generation,
                                            world_size=plan.world_size, rank=rank, step=self.step)
@@ -323,6 +330,23 @@ class Session:
         if self.ctx.reporter is not None:
             self.ctx.reporter.close()
             self.ctx.reporter = None
+
+
+_IMPORTED_AT = time.time()
+
+
+def _process_started_at() -> float:
+    """When this process was created (wall clock, from /proc); where /proc
+    cannot say, when this module was imported (start-up then misses the
+    interpreter's own start)."""
+    try:
+        with open("/proc/self/stat", encoding="ascii") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/stat", encoding="ascii") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return _IMPORTED_AT
 
 
 def _activated(rank_env: RankEnv) -> RankEnv:

@@ -36,7 +36,7 @@ CHANGE_KIND_FINISH: ChangeKind
 CHANGE_KIND_OTHER: ChangeKind
 
 class GenerationEvent(_message.Message):
-    __slots__ = ("generation", "created_at", "reason", "kind", "action", "world_size", "members", "restore", "start_step", "steps_redone", "recovery", "first_step_at", "state_lost", "steps_lost")
+    __slots__ = ("generation", "created_at", "reason", "kind", "action", "world_size", "members", "restore", "start_step", "steps_redone", "recovery", "first_step_at", "state_lost", "steps_lost", "checkpoint_interval", "started_at", "last_step_at", "startup_s", "rendezvous_s", "transfer_s", "checkpoint_stall_s", "step_s", "spares")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     CREATED_AT_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
@@ -51,6 +51,15 @@ class GenerationEvent(_message.Message):
     FIRST_STEP_AT_FIELD_NUMBER: _ClassVar[int]
     STATE_LOST_FIELD_NUMBER: _ClassVar[int]
     STEPS_LOST_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_INTERVAL_FIELD_NUMBER: _ClassVar[int]
+    STARTED_AT_FIELD_NUMBER: _ClassVar[int]
+    LAST_STEP_AT_FIELD_NUMBER: _ClassVar[int]
+    STARTUP_S_FIELD_NUMBER: _ClassVar[int]
+    RENDEZVOUS_S_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_S_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_STALL_S_FIELD_NUMBER: _ClassVar[int]
+    STEP_S_FIELD_NUMBER: _ClassVar[int]
+    SPARES_FIELD_NUMBER: _ClassVar[int]
     generation: int
     created_at: _timestamp_pb2.Timestamp
     reason: str
@@ -65,7 +74,16 @@ class GenerationEvent(_message.Message):
     first_step_at: _timestamp_pb2.Timestamp
     state_lost: str
     steps_lost: int
-    def __init__(self, generation: _Optional[int] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., reason: _Optional[str] = ..., kind: _Optional[_Union[ChangeKind, str]] = ..., action: _Optional[_Union[_types_pb2.PlanAction, str]] = ..., world_size: _Optional[int] = ..., members: _Optional[_Iterable[str]] = ..., restore: _Optional[_Union[_types_pb2.RestoreKind, str]] = ..., start_step: _Optional[int] = ..., steps_redone: _Optional[int] = ..., recovery: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., first_step_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., state_lost: _Optional[str] = ..., steps_lost: _Optional[int] = ...) -> None: ...
+    checkpoint_interval: _types_pb2.CheckpointInterval
+    started_at: _timestamp_pb2.Timestamp
+    last_step_at: _timestamp_pb2.Timestamp
+    startup_s: float
+    rendezvous_s: float
+    transfer_s: float
+    checkpoint_stall_s: float
+    step_s: float
+    spares: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, generation: _Optional[int] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., reason: _Optional[str] = ..., kind: _Optional[_Union[ChangeKind, str]] = ..., action: _Optional[_Union[_types_pb2.PlanAction, str]] = ..., world_size: _Optional[int] = ..., members: _Optional[_Iterable[str]] = ..., restore: _Optional[_Union[_types_pb2.RestoreKind, str]] = ..., start_step: _Optional[int] = ..., steps_redone: _Optional[int] = ..., recovery: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., first_step_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., state_lost: _Optional[str] = ..., steps_lost: _Optional[int] = ..., checkpoint_interval: _Optional[_Union[_types_pb2.CheckpointInterval, _Mapping]] = ..., started_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., last_step_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., startup_s: _Optional[float] = ..., rendezvous_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., checkpoint_stall_s: _Optional[float] = ..., step_s: _Optional[float] = ..., spares: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ListJobEventsRequest(_message.Message):
     __slots__ = ("job_id",)

@@ -25,49 +25,51 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19springback/v1/types.proto\x12\rspringback.v1\x1a\x1fgoogle/protobuf/timestamp.proto\";\n\x06Layout\x12\n\n\x02tp\x18\x01 \x01(\r\x12\n\n\x02pp\x18\x02 \x01(\r\x12\n\n\x02\x65p\x18\x03 \x01(\r\x12\r\n\x05shard\x18\x04 \x01(\r\"H\n\x08\x44\x61taSpec\x12\x13\n\x0bnum_samples\x18\x01 \x01(\x04\x12\x19\n\x11global_batch_size\x18\x02 \x01(\r\x12\x0c\n\x04seed\x18\x03 \x01(\x04\"Y\n\x0e\x43heckpointSpec\x12\x0b\n\x03uri\x18\x01 \x01(\t\x12\x13\n\x0b\x65very_steps\x18\x02 \x01(\r\x12\x11\n\tkeep_last\x18\x03 \x01(\r\x12\x12\n\nkeep_every\x18\x04 \x01(\r\"8\n\x0cPeerCopySpec\x12\x18\n\x0b\x65very_steps\x18\x01 \x01(\rH\x00\x88\x01\x01\x42\x0e\n\x0c_every_steps\"\x83\x01\n\rFailurePolicy\x12\x14\n\x0cmax_per_step\x18\x01 \x01(\r\x12\x10\n\x08window_s\x18\x02 \x01(\r\x12\x13\n\x0bplan_wait_s\x18\x03 \x01(\r\x12\x35\n\ron_state_lost\x18\x04 \x01(\x0e\x32\x1e.springback.v1.StateLostPolicy\"\xb7\x02\n\x07JobSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0bmin_workers\x18\x02 \x01(\r\x12\x13\n\x0bmax_workers\x18\x03 \x01(\r\x12%\n\x06layout\x18\x04 \x01(\x0b\x32\x15.springback.v1.Layout\x12%\n\x04\x64\x61ta\x18\x05 \x01(\x0b\x32\x17.springback.v1.DataSpec\x12\x31\n\ncheckpoint\x18\x06 \x01(\x0b\x32\x1d.springback.v1.CheckpointSpec\x12\x11\n\tmax_steps\x18\x07 \x01(\x04\x12.\n\x08\x66\x61ilures\x18\x08 \x01(\x0b\x32\x1c.springback.v1.FailurePolicy\x12\x30\n\x0bpeer_copies\x18\t \x01(\x0b\x32\x1b.springback.v1.PeerCopySpec\"+\n\nDataCursor\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x0e\n\x06offset\x18\x02 \x01(\x04\"\xc3\x01\n\rCheckpointRef\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x0b\n\x03uri\x18\x02 \x01(\t\x12\x12\n\ngeneration\x18\x03 \x01(\x04\x12\x12\n\nworld_size\x18\x04 \x01(\r\x12\x12\n\nsize_bytes\x18\x05 \x01(\x04\x12)\n\x06\x63ursor\x18\x06 \x01(\x0b\x32\x19.springback.v1.DataCursor\x12\x30\n\x0c\x63ommitted_at\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\xa2\x04\n\tJobStatus\x12&\n\x05state\x18\x01 \x01(\x0e\x32\x17.springback.v1.JobState\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x12\n\nworld_size\x18\x03 \x01(\r\x12\x0f\n\x07members\x18\x04 \x03(\t\x12\x0e\n\x06spares\x18\x05 \x03(\t\x12\x0c\n\x04step\x18\x06 \x01(\x04\x12\x18\n\x10samples_consumed\x18\x07 \x01(\x04\x12\x0c\n\x04loss\x18\x08 \x01(\x01\x12\x35\n\x0flast_checkpoint\x18\t \x01(\x0b\x32\x1c.springback.v1.CheckpointRef\x12\x0f\n\x07message\x18\n \x01(\t\x12\x18\n\x10\x63heckpoint_error\x18\x0b \x01(\t\x12\x14\n\x0crestore_step\x18\x0c \x01(\x04\x12.\n\nupdated_at\x18\r \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12)\n\x06\x63ursor\x18\x0e \x01(\x0b\x32\x19.springback.v1.DataCursor\x12\x14\n\x0cnum_restores\x18\x0f \x01(\r\x12\x14\n\x0csteps_redone\x18\x10 \x01(\x04\x12\x14\n\x0cnum_failures\x18\x11 \x01(\r\x12\x15\n\rstate_holders\x18\x12 \x03(\t\x12\x14\n\x0cholders_step\x18\x13 \x01(\x04\x12\x18\n\x10num_state_losses\x18\x14 \x01(\r\x12\x12\n\nsteps_lost\x18\x15 \x01(\x04\"\xf2\x01\n\x03Job\x12\n\n\x02id\x18\x01 \x01(\t\x12$\n\x04spec\x18\x02 \x01(\x0b\x32\x16.springback.v1.JobSpec\x12(\n\x06status\x18\x03 \x01(\x0b\x32\x18.springback.v1.JobStatus\x12.\n\ncreated_at\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\nstarted_at\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12/\n\x0b\x66inished_at\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\xcd\x01\n\x06Member\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\x0c\n\x04host\x18\x03 \x01(\t\x12\x17\n\x0frendezvous_port\x18\x04 \x01(\r\x12\x17\n\x0fnum_local_ranks\x18\x05 \x01(\r\x12-\n\tjoined_at\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x12\n\njoin_order\x18\x07 \x01(\x04\x12\x10\n\x08\x64raining\x18\x08 \x01(\x08\x12\x12\n\njoin_token\x18\x0b \x01(\t\"m\n\nPlanMember\x12\x11\n\tmember_id\x18\x01 \x01(\t\x12\x0c\n\x04host\x18\x02 \x01(\t\x12\x11\n\tnode_rank\x18\x03 \x01(\r\x12\x12\n\nfirst_rank\x18\x04 \x01(\r\x12\x17\n\x0fnum_local_ranks\x18\x05 \x01(\r\"b\n\x0eParallelLayout\x12\n\n\x02\x64p\x18\x01 \x01(\r\x12\n\n\x02tp\x18\x02 \x01(\r\x12\n\n\x02pp\x18\x03 \x01(\r\x12\n\n\x02\x65p\x18\x04 \x01(\r\x12\x11\n\treplicate\x18\x05 \x01(\r\x12\r\n\x05shard\x18\x06 \x01(\r\"\x80\x01\n\rRestoreSource\x12(\n\x04kind\x18\x01 \x01(\x0e\x32\x1a.springback.v1.RestoreKind\x12\x13\n\x0bsource_rank\x18\x02 \x01(\r\x12\x30\n\ncheckpoint\x18\x03 \x01(\x0b\x32\x1c.springback.v1.CheckpointRef\"\xcc\x03\n\x04Plan\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12)\n\x06\x61\x63tion\x18\x03 \x01(\x0e\x32\x19.springback.v1.PlanAction\x12\x12\n\nworld_size\x18\x04 \x01(\r\x12*\n\x07members\x18\x05 \x03(\x0b\x32\x19.springback.v1.PlanMember\x12\x0e\n\x06spares\x18\x06 \x03(\t\x12-\n\x06layout\x18\x07 \x01(\x0b\x32\x1d.springback.v1.ParallelLayout\x12\x13\n\x0bmaster_addr\x18\x08 \x01(\t\x12\x13\n\x0bmaster_port\x18\t \x01(\r\x12)\n\x06\x63ursor\x18\n \x01(\x0b\x32\x19.springback.v1.DataCursor\x12\x0c\n\x04step\x18\x0b \x01(\x04\x12-\n\x07restore\x18\x0c \x01(\x0b\x32\x1c.springback.v1.RestoreSource\x12$\n\x04spec\x18\r \x01(\x0b\x32\x16.springback.v1.JobSpec\x12\x0e\n\x06reason\x18\x0e \x01(\t\x12.\n\ncreated_at\x18\x0f \x01(\x0b\x32\x1a.google.protobuf.Timestamp*o\n\x0fStateLostPolicy\x12!\n\x1dSTATE_LOST_POLICY_UNSPECIFIED\x10\x00\x12\x1d\n\x19STATE_LOST_POLICY_RESTART\x10\x01\x12\x1a\n\x16STATE_LOST_POLICY_FAIL\x10\x02*\xb1\x01\n\x08JobState\x12\x19\n\x15JOB_STATE_UNSPECIFIED\x10\x00\x12\x15\n\x11JOB_STATE_PENDING\x10\x01\x12\x15\n\x11JOB_STATE_RUNNING\x10\x02\x12\x14\n\x10JOB_STATE_PAUSED\x10\x03\x12\x17\n\x13JOB_STATE_SUCCEEDED\x10\x04\x12\x14\n\x10JOB_STATE_FAILED\x10\x05\x12\x17\n\x13JOB_STATE_CANCELLED\x10\x06*\x93\x01\n\x0bRestoreKind\x12\x1c\n\x18RESTORE_KIND_UNSPECIFIED\x10\x00\x12\x15\n\x11RESTORE_KIND_NONE\x10\x01\x12\x16\n\x12RESTORE_KIND_PEERS\x10\x02\x12\x1b\n\x17RESTORE_KIND_CHECKPOINT\x10\x03\x12\x1a\n\x16RESTORE_KIND_PEER_COPY\x10\x04*j\n\nPlanAction\x12\x1b\n\x17PLAN_ACTION_UNSPECIFIED\x10\x00\x12\x13\n\x0fPLAN_ACTION_RUN\x10\x01\x12\x14\n\x10PLAN_ACTION_WAIT\x10\x02\x12\x14\n\x10PLAN_ACTION_STOP\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19springback/v1/types.proto\x12\rspringback.v1\x1a\x1fgoogle/protobuf/timestamp.proto\";\n\x06Layout\x12\n\n\x02tp\x18\x01 \x01(\r\x12\n\n\x02pp\x18\x02 \x01(\r\x12\n\n\x02\x65p\x18\x03 \x01(\r\x12\r\n\x05shard\x18\x04 \x01(\r\"H\n\x08\x44\x61taSpec\x12\x13\n\x0bnum_samples\x18\x01 \x01(\x04\x12\x19\n\x11global_batch_size\x18\x02 \x01(\r\x12\x0c\n\x04seed\x18\x03 \x01(\x04\"\xb8\x01\n\x0e\x43heckpointSpec\x12\x0b\n\x03uri\x18\x01 \x01(\t\x12\x13\n\x0b\x65very_steps\x18\x02 \x01(\r\x12\x11\n\tkeep_last\x18\x03 \x01(\r\x12\x12\n\nkeep_every\x18\x04 \x01(\r\x12\x15\n\rauto_interval\x18\x14 \x01(\x08\x12\x17\n\x0fmin_every_steps\x18\x15 \x01(\r\x12\x17\n\x0fmax_every_steps\x18\x16 \x01(\r\x12\x14\n\x0cmtbf_prior_s\x18\x17 \x01(\r\"z\n\x12\x43heckpointInterval\x12\x13\n\x0b\x65very_steps\x18\x01 \x01(\r\x12\x0e\n\x06mtbf_s\x18\x02 \x01(\x01\x12\x10\n\x08\x66\x61ilures\x18\x03 \x01(\r\x12\x0e\n\x06\x63ost_s\x18\x04 \x01(\x01\x12\x0e\n\x06step_s\x18\x05 \x01(\x01\x12\r\n\x05\x62\x61sis\x18\x06 \x01(\t\"8\n\x0cPeerCopySpec\x12\x18\n\x0b\x65very_steps\x18\x01 \x01(\rH\x00\x88\x01\x01\x42\x0e\n\x0c_every_steps\"\x83\x01\n\rFailurePolicy\x12\x14\n\x0cmax_per_step\x18\x01 \x01(\r\x12\x10\n\x08window_s\x18\x02 \x01(\r\x12\x13\n\x0bplan_wait_s\x18\x03 \x01(\r\x12\x35\n\ron_state_lost\x18\x04 \x01(\x0e\x32\x1e.springback.v1.StateLostPolicy\"\xd4\x02\n\x07JobSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0bmin_workers\x18\x02 \x01(\r\x12\x13\n\x0bmax_workers\x18\x03 \x01(\r\x12%\n\x06layout\x18\x04 \x01(\x0b\x32\x15.springback.v1.Layout\x12%\n\x04\x64\x61ta\x18\x05 \x01(\x0b\x32\x17.springback.v1.DataSpec\x12\x31\n\ncheckpoint\x18\x06 \x01(\x0b\x32\x1d.springback.v1.CheckpointSpec\x12\x11\n\tmax_steps\x18\x07 \x01(\x04\x12.\n\x08\x66\x61ilures\x18\x08 \x01(\x0b\x32\x1c.springback.v1.FailurePolicy\x12\x30\n\x0bpeer_copies\x18\t \x01(\x0b\x32\x1b.springback.v1.PeerCopySpec\x12\x1b\n\x13price_per_node_hour\x18\x14 \x01(\x01\"+\n\nDataCursor\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x0e\n\x06offset\x18\x02 \x01(\x04\"\xc3\x01\n\rCheckpointRef\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x0b\n\x03uri\x18\x02 \x01(\t\x12\x12\n\ngeneration\x18\x03 \x01(\x04\x12\x12\n\nworld_size\x18\x04 \x01(\r\x12\x12\n\nsize_bytes\x18\x05 \x01(\x04\x12)\n\x06\x63ursor\x18\x06 \x01(\x0b\x32\x19.springback.v1.DataCursor\x12\x30\n\x0c\x63ommitted_at\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\xa2\x04\n\tJobStatus\x12&\n\x05state\x18\x01 \x01(\x0e\x32\x17.springback.v1.JobState\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x12\n\nworld_size\x18\x03 \x01(\r\x12\x0f\n\x07members\x18\x04 \x03(\t\x12\x0e\n\x06spares\x18\x05 \x03(\t\x12\x0c\n\x04step\x18\x06 \x01(\x04\x12\x18\n\x10samples_consumed\x18\x07 \x01(\x04\x12\x0c\n\x04loss\x18\x08 \x01(\x01\x12\x35\n\x0flast_checkpoint\x18\t \x01(\x0b\x32\x1c.springback.v1.CheckpointRef\x12\x0f\n\x07message\x18\n \x01(\t\x12\x18\n\x10\x63heckpoint_error\x18\x0b \x01(\t\x12\x14\n\x0crestore_step\x18\x0c \x01(\x04\x12.\n\nupdated_at\x18\r \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12)\n\x06\x63ursor\x18\x0e \x01(\x0b\x32\x19.springback.v1.DataCursor\x12\x14\n\x0cnum_restores\x18\x0f \x01(\r\x12\x14\n\x0csteps_redone\x18\x10 \x01(\x04\x12\x14\n\x0cnum_failures\x18\x11 \x01(\r\x12\x15\n\rstate_holders\x18\x12 \x03(\t\x12\x14\n\x0cholders_step\x18\x13 \x01(\x04\x12\x18\n\x10num_state_losses\x18\x14 \x01(\r\x12\x12\n\nsteps_lost\x18\x15 \x01(\x04\"\xf2\x01\n\x03Job\x12\n\n\x02id\x18\x01 \x01(\t\x12$\n\x04spec\x18\x02 \x01(\x0b\x32\x16.springback.v1.JobSpec\x12(\n\x06status\x18\x03 \x01(\x0b\x32\x18.springback.v1.JobStatus\x12.\n\ncreated_at\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\nstarted_at\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12/\n\x0b\x66inished_at\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\xcd\x01\n\x06Member\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\x0c\n\x04host\x18\x03 \x01(\t\x12\x17\n\x0frendezvous_port\x18\x04 \x01(\r\x12\x17\n\x0fnum_local_ranks\x18\x05 \x01(\r\x12-\n\tjoined_at\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x12\n\njoin_order\x18\x07 \x01(\x04\x12\x10\n\x08\x64raining\x18\x08 \x01(\x08\x12\x12\n\njoin_token\x18\x0b \x01(\t\"m\n\nPlanMember\x12\x11\n\tmember_id\x18\x01 \x01(\t\x12\x0c\n\x04host\x18\x02 \x01(\t\x12\x11\n\tnode_rank\x18\x03 \x01(\r\x12\x12\n\nfirst_rank\x18\x04 \x01(\r\x12\x17\n\x0fnum_local_ranks\x18\x05 \x01(\r\"b\n\x0eParallelLayout\x12\n\n\x02\x64p\x18\x01 \x01(\r\x12\n\n\x02tp\x18\x02 \x01(\r\x12\n\n\x02pp\x18\x03 \x01(\r\x12\n\n\x02\x65p\x18\x04 \x01(\r\x12\x11\n\treplicate\x18\x05 \x01(\r\x12\r\n\x05shard\x18\x06 \x01(\r\"\x80\x01\n\rRestoreSource\x12(\n\x04kind\x18\x01 \x01(\x0e\x32\x1a.springback.v1.RestoreKind\x12\x13\n\x0bsource_rank\x18\x02 \x01(\r\x12\x30\n\ncheckpoint\x18\x03 \x01(\x0b\x32\x1c.springback.v1.CheckpointRef\"\xcc\x03\n\x04Plan\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12)\n\x06\x61\x63tion\x18\x03 \x01(\x0e\x32\x19.springback.v1.PlanAction\x12\x12\n\nworld_size\x18\x04 \x01(\r\x12*\n\x07members\x18\x05 \x03(\x0b\x32\x19.springback.v1.PlanMember\x12\x0e\n\x06spares\x18\x06 \x03(\t\x12-\n\x06layout\x18\x07 \x01(\x0b\x32\x1d.springback.v1.ParallelLayout\x12\x13\n\x0bmaster_addr\x18\x08 \x01(\t\x12\x13\n\x0bmaster_port\x18\t \x01(\r\x12)\n\x06\x63ursor\x18\n \x01(\x0b\x32\x19.springback.v1.DataCursor\x12\x0c\n\x04step\x18\x0b \x01(\x04\x12-\n\x07restore\x18\x0c \x01(\x0b\x32\x1c.springback.v1.RestoreSource\x12$\n\x04spec\x18\r \x01(\x0b\x32\x16.springback.v1.JobSpec\x12\x0e\n\x06reason\x18\x0e \x01(\t\x12.\n\ncreated_at\x18\x0f \x01(\x0b\x32\x1a.google.protobuf.Timestamp*o\n\x0fStateLostPolicy\x12!\n\x1dSTATE_LOST_POLICY_UNSPECIFIED\x10\x00\x12\x1d\n\x19STATE_LOST_POLICY_RESTART\x10\x01\x12\x1a\n\x16STATE_LOST_POLICY_FAIL\x10\x02*\xb1\x01\n\x08JobState\x12\x19\n\x15JOB_STATE_UNSPECIFIED\x10\x00\x12\x15\n\x11JOB_STATE_PENDING\x10\x01\x12\x15\n\x11JOB_STATE_RUNNING\x10\x02\x12\x14\n\x10JOB_STATE_PAUSED\x10\x03\x12\x17\n\x13JOB_STATE_SUCCEEDED\x10\x04\x12\x14\n\x10JOB_STATE_FAILED\x10\x05\x12\x17\n\x13JOB_STATE_CANCELLED\x10\x06*\x93\x01\n\x0bRestoreKind\x12\x1c\n\x18RESTORE_KIND_UNSPECIFIED\x10\x00\x12\x15\n\x11RESTORE_KIND_NONE\x10\x01\x12\x16\n\x12RESTORE_KIND_PEERS\x10\x02\x12\x1b\n\x17RESTORE_KIND_CHECKPOINT\x10\x03\x12\x1a\n\x16RESTORE_KIND_PEER_COPY\x10\x04*j\n\nPlanAction\x12\x1b\n\x17PLAN_ACTION_UNSPECIFIED\x10\x00\x12\x13\n\x0fPLAN_ACTION_RUN\x10\x01\x12\x14\n\x10PLAN_ACTION_WAIT\x10\x02\x12\x14\n\x10PLAN_ACTION_STOP\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'springback.v1.types_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_STATELOSTPOLICY']._serialized_start=2859
-  _globals['_STATELOSTPOLICY']._serialized_end=2970
-  _globals['_JOBSTATE']._serialized_start=2973
-  _globals['_JOBSTATE']._serialized_end=3150
-  _globals['_RESTOREKIND']._serialized_start=3153
-  _globals['_RESTOREKIND']._serialized_end=3300
-  _globals['_PLANACTION']._serialized_start=3302
-  _globals['_PLANACTION']._serialized_end=3408
+  _globals['_STATELOSTPOLICY']._serialized_start=3108
+  _globals['_STATELOSTPOLICY']._serialized_end=3219
+  _globals['_JOBSTATE']._serialized_start=3222
+  _globals['_JOBSTATE']._serialized_end=3399
+  _globals['_RESTOREKIND']._serialized_start=3402
+  _globals['_RESTOREKIND']._serialized_end=3549
+  _globals['_PLANACTION']._serialized_start=3551
+  _globals['_PLANACTION']._serialized_end=3657
   _globals['_LAYOUT']._serialized_start=77
   _globals['_LAYOUT']._serialized_end=136
   _globals['_DATASPEC']._serialized_start=138
   _globals['_DATASPEC']._serialized_end=210
-  _globals['_CHECKPOINTSPEC']._serialized_start=212
-  _globals['_CHECKPOINTSPEC']._serialized_end=301
-  _globals['_PEERCOPYSPEC']._serialized_start=303
-  _globals['_PEERCOPYSPEC']._serialized_end=359
-  _globals['_FAILUREPOLICY']._serialized_start=362
-  _globals['_FAILUREPOLICY']._serialized_end=493
-  _globals['_JOBSPEC']._serialized_start=496
-  _globals['_JOBSPEC']._serialized_end=807
-  _globals['_DATACURSOR']._serialized_start=809
-  _globals['_DATACURSOR']._serialized_end=852
-  _globals['_CHECKPOINTREF']._serialized_start=855
-  _globals['_CHECKPOINTREF']._serialized_end=1050
-  _globals['_JOBSTATUS']._serialized_start=1053
-  _globals['_JOBSTATUS']._serialized_end=1599
-  _globals['_JOB']._serialized_start=1602
-  _globals['_JOB']._serialized_end=1844
-  _globals['_MEMBER']._serialized_start=1847
-  _globals['_MEMBER']._serialized_end=2052
-  _globals['_PLANMEMBER']._serialized_start=2054
-  _globals['_PLANMEMBER']._serialized_end=2163
-  _globals['_PARALLELLAYOUT']._serialized_start=2165
-  _globals['_PARALLELLAYOUT']._serialized_end=2263
-  _globals['_RESTORESOURCE']._serialized_start=2266
-  _globals['_RESTORESOURCE']._serialized_end=2394
-  _globals['_PLAN']._serialized_start=2397
-  _globals['_PLAN']._serialized_end=2857
+  _globals['_CHECKPOINTSPEC']._serialized_start=213
+  _globals['_CHECKPOINTSPEC']._serialized_end=397
+  _globals['_CHECKPOINTINTERVAL']._serialized_start=399
+  _globals['_CHECKPOINTINTERVAL']._serialized_end=521
+  _globals['_PEERCOPYSPEC']._serialized_start=523
+  _globals['_PEERCOPYSPEC']._serialized_end=579
+  _globals['_FAILUREPOLICY']._serialized_start=582
+  _globals['_FAILUREPOLICY']._serialized_end=713
+  _globals['_JOBSPEC']._serialized_start=716
+  _globals['_JOBSPEC']._serialized_end=1056
+  _globals['_DATACURSOR']._serialized_start=1058
+  _globals['_DATACURSOR']._serialized_end=1101
+  _globals['_CHECKPOINTREF']._serialized_start=1104
+  _globals['_CHECKPOINTREF']._serialized_end=1299
+  _globals['_JOBSTATUS']._serialized_start=1302
+  _globals['_JOBSTATUS']._serialized_end=1848
+  _globals['_JOB']._serialized_start=1851
+  _globals['_JOB']._serialized_end=2093
+  _globals['_MEMBER']._serialized_start=2096
+  _globals['_MEMBER']._serialized_end=2301
+  _globals['_PLANMEMBER']._serialized_start=2303
+  _globals['_PLANMEMBER']._serialized_end=2412
+  _globals['_PARALLELLAYOUT']._serialized_start=2414
+  _globals['_PARALLELLAYOUT']._serialized_end=2512
+  _globals['_RESTORESOURCE']._serialized_start=2515
+  _globals['_RESTORESOURCE']._serialized_end=2643
+  _globals['_PLAN']._serialized_start=2646
+  _globals['_PLAN']._serialized_end=3106
 # @@protoc_insertion_point(module_scope)

@@ -83,16 +83,40 @@ class DataSpec(_message.Message):
     def __init__(self, num_samples: _Optional[int] = ..., global_batch_size: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class CheckpointSpec(_message.Message):
-    __slots__ = ("uri", "every_steps", "keep_last", "keep_every")
+    __slots__ = ("uri", "every_steps", "keep_last", "keep_every", "auto_interval", "min_every_steps", "max_every_steps", "mtbf_prior_s")
     URI_FIELD_NUMBER: _ClassVar[int]
     EVERY_STEPS_FIELD_NUMBER: _ClassVar[int]
     KEEP_LAST_FIELD_NUMBER: _ClassVar[int]
     KEEP_EVERY_FIELD_NUMBER: _ClassVar[int]
+    AUTO_INTERVAL_FIELD_NUMBER: _ClassVar[int]
+    MIN_EVERY_STEPS_FIELD_NUMBER: _ClassVar[int]
+    MAX_EVERY_STEPS_FIELD_NUMBER: _ClassVar[int]
+    MTBF_PRIOR_S_FIELD_NUMBER: _ClassVar[int]
     uri: str
     every_steps: int
     keep_last: int
     keep_every: int
-    def __init__(self, uri: _Optional[str] = ..., every_steps: _Optional[int] = ..., keep_last: _Optional[int] = ..., keep_every: _Optional[int] = ...) -> None: ...
+    auto_interval: bool
+    min_every_steps: int
+    max_every_steps: int
+    mtbf_prior_s: int
+    def __init__(self, uri: _Optional[str] = ..., every_steps: _Optional[int] = ..., keep_last: _Optional[int] = ..., keep_every: _Optional[int] = ..., auto_interval: _Optional[bool] = ..., min_every_steps: _Optional[int] = ..., max_every_steps: _Optional[int] = ..., mtbf_prior_s: _Optional[int] = ...) -> None: ...
+
+class CheckpointInterval(_message.Message):
+    __slots__ = ("every_steps", "mtbf_s", "failures", "cost_s", "step_s", "basis")
+    EVERY_STEPS_FIELD_NUMBER: _ClassVar[int]
+    MTBF_S_FIELD_NUMBER: _ClassVar[int]
+    FAILURES_FIELD_NUMBER: _ClassVar[int]
+    COST_S_FIELD_NUMBER: _ClassVar[int]
+    STEP_S_FIELD_NUMBER: _ClassVar[int]
+    BASIS_FIELD_NUMBER: _ClassVar[int]
+    every_steps: int
+    mtbf_s: float
+    failures: int
+    cost_s: float
+    step_s: float
+    basis: str
+    def __init__(self, every_steps: _Optional[int] = ..., mtbf_s: _Optional[float] = ..., failures: _Optional[int] = ..., cost_s: _Optional[float] = ..., step_s: _Optional[float] = ..., basis: _Optional[str] = ...) -> None: ...
 
 class PeerCopySpec(_message.Message):
     __slots__ = ("every_steps",)
@@ -113,7 +137,7 @@ class FailurePolicy(_message.Message):
     def __init__(self, max_per_step: _Optional[int] = ..., window_s: _Optional[int] = ..., plan_wait_s: _Optional[int] = ..., on_state_lost: _Optional[_Union[StateLostPolicy, str]] = ...) -> None: ...
 
 class JobSpec(_message.Message):
-    __slots__ = ("name", "min_workers", "max_workers", "layout", "data", "checkpoint", "max_steps", "failures", "peer_copies")
+    __slots__ = ("name", "min_workers", "max_workers", "layout", "data", "checkpoint", "max_steps", "failures", "peer_copies", "price_per_node_hour")
     NAME_FIELD_NUMBER: _ClassVar[int]
     MIN_WORKERS_FIELD_NUMBER: _ClassVar[int]
     MAX_WORKERS_FIELD_NUMBER: _ClassVar[int]
@@ -123,6 +147,7 @@ class JobSpec(_message.Message):
     MAX_STEPS_FIELD_NUMBER: _ClassVar[int]
     FAILURES_FIELD_NUMBER: _ClassVar[int]
     PEER_COPIES_FIELD_NUMBER: _ClassVar[int]
+    PRICE_PER_NODE_HOUR_FIELD_NUMBER: _ClassVar[int]
     name: str
     min_workers: int
     max_workers: int
@@ -132,7 +157,8 @@ class JobSpec(_message.Message):
     max_steps: int
     failures: FailurePolicy
     peer_copies: PeerCopySpec
-    def __init__(self, name: _Optional[str] = ..., min_workers: _Optional[int] = ..., max_workers: _Optional[int] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., data: _Optional[_Union[DataSpec, _Mapping]] = ..., checkpoint: _Optional[_Union[CheckpointSpec, _Mapping]] = ..., max_steps: _Optional[int] = ..., failures: _Optional[_Union[FailurePolicy, _Mapping]] = ..., peer_copies: _Optional[_Union[PeerCopySpec, _Mapping]] = ...) -> None: ...
+    price_per_node_hour: float
+    def __init__(self, name: _Optional[str] = ..., min_workers: _Optional[int] = ..., max_workers: _Optional[int] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., data: _Optional[_Union[DataSpec, _Mapping]] = ..., checkpoint: _Optional[_Union[CheckpointSpec, _Mapping]] = ..., max_steps: _Optional[int] = ..., failures: _Optional[_Union[FailurePolicy, _Mapping]] = ..., peer_copies: _Optional[_Union[PeerCopySpec, _Mapping]] = ..., price_per_node_hour: _Optional[float] = ...) -> None: ...
 
 class DataCursor(_message.Message):
     __slots__ = ("epoch", "offset")

@@ -93,7 +93,7 @@ class WatchPlansResponse(_message.Message):
     def __init__(self, plan: _Optional[_Union[_types_pb2.Plan, _Mapping]] = ...) -> None: ...
 
 class ReportStepRequest(_message.Message):
-    __slots__ = ("job_id", "member_id", "generation", "step", "samples_consumed", "loss", "cursor", "generation_start", "restored_from", "state_lost")
+    __slots__ = ("job_id", "member_id", "generation", "step", "samples_consumed", "loss", "cursor", "generation_start", "restored_from", "state_lost", "checkpoint_stall_s", "startup_s", "rendezvous_s", "transfer_s", "checkpoint_stall_total_s")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
@@ -104,6 +104,11 @@ class ReportStepRequest(_message.Message):
     GENERATION_START_FIELD_NUMBER: _ClassVar[int]
     RESTORED_FROM_FIELD_NUMBER: _ClassVar[int]
     STATE_LOST_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_STALL_S_FIELD_NUMBER: _ClassVar[int]
+    STARTUP_S_FIELD_NUMBER: _ClassVar[int]
+    RENDEZVOUS_S_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_S_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_STALL_TOTAL_S_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     member_id: str
     generation: int
@@ -114,7 +119,12 @@ class ReportStepRequest(_message.Message):
     generation_start: bool
     restored_from: _types_pb2.RestoreKind
     state_lost: str
-    def __init__(self, job_id: _Optional[str] = ..., member_id: _Optional[str] = ..., generation: _Optional[int] = ..., step: _Optional[int] = ..., samples_consumed: _Optional[int] = ..., loss: _Optional[float] = ..., cursor: _Optional[_Union[_types_pb2.DataCursor, _Mapping]] = ..., generation_start: _Optional[bool] = ..., restored_from: _Optional[_Union[_types_pb2.RestoreKind, str]] = ..., state_lost: _Optional[str] = ...) -> None: ...
+    checkpoint_stall_s: float
+    startup_s: float
+    rendezvous_s: float
+    transfer_s: float
+    checkpoint_stall_total_s: float
+    def __init__(self, job_id: _Optional[str] = ..., member_id: _Optional[str] = ..., generation: _Optional[int] = ..., step: _Optional[int] = ..., samples_consumed: _Optional[int] = ..., loss: _Optional[float] = ..., cursor: _Optional[_Union[_types_pb2.DataCursor, _Mapping]] = ..., generation_start: _Optional[bool] = ..., restored_from: _Optional[_Union[_types_pb2.RestoreKind, str]] = ..., state_lost: _Optional[str] = ..., checkpoint_stall_s: _Optional[float] = ..., startup_s: _Optional[float] = ..., rendezvous_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., checkpoint_stall_total_s: _Optional[float] = ...) -> None: ...
 
 class ReportStepResponse(_message.Message):
     __slots__ = ("generation",)

@@ -1,0 +1,147 @@
+"""Badput by cause and cost per useful step, from a job's generation events.
+
+Pure functions of `springback.v1` messages (no I/O; nothing raised for
+well-formed messages), shared by `job get`, `job events` and the
+coordinator's metrics.
+
+The job's wall time, from its first generation's creation to its end (or
+`now`), is split generation by generation; each generation owns the time
+from its creation to the next one's. Every second lands in exactly one cause,
+so the causes sum to the wall time (no "other" bucket):
+
+* ``waiting``: a WAIT generation (PENDING: too few members; PAUSED).
+* For a RUN generation, from its creation to its start report (rank 0's word
+  that the ranks agreed on the state): ``state_transfer`` (rank 0's measured
+  agreement and transfer: hand-over, reshard, peer-copy roll-back, restore),
+  ``reforming`` (rank 0's measured rendezvous of the group), ``startup``
+  (rank 0's measured process start, imports and build, for a new process),
+  and the rest (the plan reaching the ranks, the old generation's last
+  step): ``reforming``; in the job's first RUN generation the rendezvous and
+  the rest are ``startup``.
+* From the start report to the end of training: ``checkpoint`` (rank 0's
+  checkpoint stalls, summed), ``redone`` (the steps redone after a rewind
+  times the measured step time), and ``useful`` (the rest).
+* ``detection``: when the next generation was made for a failure (a node
+  lost, a rank failure), from this generation's last step report to the
+  next one's creation: the time the failure went unnoticed.
+
+Limits: times are taken where the leader received reports (step reports
+come at most every 0.25 s, so detection may include up to that much
+training); rank spans are clipped to the window they belong to; a span the
+ranks did not report (an older rank) falls to the window's rest.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from springback.v1 import job_service_pb2 as js
+from springback.v1 import types_pb2 as pb
+
+CAUSES = ("useful", "startup", "detection", "reforming", "state_transfer", "redone",
+          "checkpoint", "waiting")
+"""Every cause, in the order shown."""
+
+_FAILURES = (js.CHANGE_KIND_NODE_LOST, js.CHANGE_KIND_RANK_FAILURE)
+
+
+def _t(ts: Any) -> float | None:
+    return ts.ToNanoseconds() / 1e9 if ts.seconds or ts.nanos else None
+
+
+def _job_end(job: pb.Job, events: Sequence[js.GenerationEvent], now: float) -> float:
+    last = _t(events[-1].created_at) or now
+    finished = _t(job.finished_at)
+    return max(finished if finished is not None else now, last)
+
+
+def generation_causes(event: js.GenerationEvent, end_s: float, *, first_run: bool,
+                      next_kind: int | None) -> dict[str, float]:
+    """Seconds by cause of `event`'s generation, which lasted until `end_s`;
+    `first_run`: the job's first RUN generation; `next_kind`: the next
+    generation's `ChangeKind` (None: this is the newest)."""
+    out = dict.fromkeys(CAUSES, 0.0)
+    created = _t(event.created_at) or end_s
+    window = max(end_s - created, 0.0)
+    if event.action != pb.PLAN_ACTION_RUN:
+        out["waiting"] = window
+        return out
+    started = _t(event.started_at)
+    if started is None:
+        started = _t(event.first_step_at)
+    pre = window if started is None else min(max(started - created, 0.0), window)
+    forming = "startup" if first_run else "reforming"
+    out["state_transfer"] = min(event.transfer_s, pre)
+    out[forming] = min(event.rendezvous_s, pre - out["state_transfer"])
+    out["startup"] += min(event.startup_s, pre - out["state_transfer"] - out[forming])
+    out[forming] += pre - out["state_transfer"] - out["reforming"] - out["startup"]
+    begin = created + pre
+    train_end = end_s
+    last = _t(event.last_step_at)
+    if next_kind in _FAILURES:
+        train_end = min(max(last if last is not None else begin, begin), end_s)
+        out["detection"] = end_s - train_end
+    steps = max(train_end - begin, 0.0)
+    out["checkpoint"] = min(event.checkpoint_stall_s, steps)
+    out["redone"] = min(event.steps_redone * event.step_s, steps - out["checkpoint"])
+    out["useful"] = steps - out["checkpoint"] - out["redone"]
+    return out
+
+
+def per_generation(job: pb.Job, events: Sequence[js.GenerationEvent],
+                   now: float) -> list[tuple[js.GenerationEvent, float, dict[str, float]]]:
+    """(event, its wall seconds, its causes) of every generation, oldest first."""
+    if not events:
+        return []
+    end = _job_end(job, events, now)
+    out = []
+    seen_run = False
+    for i, event in enumerate(events):
+        nxt = events[i + 1] if i + 1 < len(events) else None
+        until = (_t(nxt.created_at) or end) if nxt is not None else end
+        first_run = event.action == pb.PLAN_ACTION_RUN and not seen_run
+        seen_run = seen_run or event.action == pb.PLAN_ACTION_RUN
+        causes = generation_causes(event, until, first_run=first_run,
+                                   next_kind=nxt.kind if nxt is not None else None)
+        out.append((event, max(until - (_t(event.created_at) or until), 0.0), causes))
+    return out
+
+
+def job_badput(job: pb.Job, events: Sequence[js.GenerationEvent], now: float) -> dict[str, Any]:
+    """``{"wall_s", "causes": {cause: s}, "useful_ratio"}`` of the whole job,
+    and its cost (`cost`) when the spec names a price."""
+    rows = per_generation(job, events, now)
+    causes = dict.fromkeys(CAUSES, 0.0)
+    for _, _, c in rows:
+        for k, v in c.items():
+            causes[k] += v
+    wall = sum(w for _, w, _ in rows)
+    out: dict[str, Any] = {"wall_s": wall, "causes": causes,
+                           "useful_ratio": causes["useful"] / wall if wall > 0 else None}
+    out["cost"] = cost(job, rows)
+    return out
+
+
+def cost(job: pb.Job, rows: Sequence[tuple[js.GenerationEvent, float, dict[str, float]]]
+         ) -> dict[str, Any]:
+    """Node-hours of the job (active members and hot spares apart), the
+    useful ones (useful seconds x the generation's members), and, with
+    ``spec.price_per_node_hour``, the money: in all, per useful step (the
+    job's step) and per 1,000 samples consumed (None where nothing was
+    done yet). Spares are as the generation was planned (a later spares-only
+    change is not seen)."""
+    active = sum(w * len(e.members) for e, w, _ in rows) / 3600
+    spares = sum(w * len(e.spares) for e, w, _ in rows) / 3600
+    useful = sum(c["useful"] * len(e.members) for e, _, c in rows) / 3600
+    price = job.spec.price_per_node_hour
+    out: dict[str, Any] = {"node_hours": active + spares, "node_hours_active": active,
+                           "node_hours_spares": spares, "node_hours_useful": useful,
+                           "price_per_node_hour": price or None}
+    total = (active + spares) * price if price else None
+    out["cost"] = total
+    steps, samples = job.status.step, job.status.samples_consumed
+    out["cost_per_useful_step"] = total / steps if total is not None and steps else None
+    out["cost_per_1000_samples"] = (total / samples * 1000 if total is not None and samples
+                                    else None)
+    return out
