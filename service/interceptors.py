@@ -22,7 +22,10 @@
   drops only the streams of the replica that went away. These are asyncio
   interceptors (the server is `grpc.aio`); forwarding handlers are plain
   functions, run on the server's worker threads.
-* `CallCounter`: counts calls per method for the metrics endpoint.
+* `CallCounter`: counts calls per method for the metrics endpoint; only
+  methods the server registers are counted (a caller sending random method
+  names cannot grow the metrics' label set), and it runs after `BearerAuth`,
+  so unauthenticated calls are not counted either.
 """
 
 from __future__ import annotations
@@ -214,10 +217,12 @@ class LeaderForwarding(grpc.aio.ServerInterceptor):
 
 
 class CallCounter(grpc.aio.ServerInterceptor):
-    def __init__(self) -> None:
+    def __init__(self, methods: Iterable[str]) -> None:
         self.calls: Counter[str] = Counter()
+        self._methods = frozenset(methods)
 
     async def intercept_service(self, continuation: Callable,
                                 details: grpc.HandlerCallDetails) -> Any:
-        self.calls[details.method] += 1
+        if details.method in self._methods:
+            self.calls[details.method] += 1
         return await continuation(details)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import re
 import time
 import uuid
 
@@ -26,11 +27,17 @@ from springback.v1 import types_pb2 as pb
 
 
 _MAX_TOKEN = 128
+_HOST = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9_.-]*[A-Za-z0-9_])?|\[?[0-9A-Fa-f:.]+\]?")
+"""A DNS name, an IPv4 address or an IPv6 address (bracketed or not)."""
+_MAX_HOST = 253
 
 
 def _validate_join(host: str, rendezvous_port: int, num_local_ranks: int, join_token: str) -> None:
     if not host:
         raise InvalidArgument("host", "is required")
+    if len(host) > _MAX_HOST or not _HOST.fullmatch(host):
+        raise InvalidArgument("host", f"{host[:64]!r} is not a host name or IP address "
+                                      f"(at most {_MAX_HOST} characters)")
     if not 0 < rendezvous_port < 65536:
         raise InvalidArgument("rendezvous_port", f"{rendezvous_port} is not a TCP port")
     if num_local_ranks == 0:

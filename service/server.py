@@ -226,15 +226,21 @@ class CoordinatorServer:
         # The advertised address is known once the port is bound (below).
         self.election = Election(self.store, "", ttl_s=config.leader_ttl_s,
                                  on_elected=self._on_leadership, on_lost=self._on_leadership)
-        self.counter = CallCounter()
+        self.counter = CallCounter(
+            f"/{service.full_name}/{method.name}"
+            for module, name in ((job_service_pb2, "JobService"),
+                                 (worker_service_pb2, "WorkerService"), (health_pb2, "Health"))
+            for service in (module.DESCRIPTOR.services_by_name[name],)
+            for method in service.methods)
         # WatchJob streams (operators') read the leader's watch on these threads.
         self._stream_pool = futures.ThreadPoolExecutor(max_workers=config.max_workers,
                                                        thread_name_prefix="stream")
         self._forwarding = LeaderForwarding(self.election, self._stream_pool)
-        interceptors: list[grpc.aio.ServerInterceptor] = [self.counter]
+        # Authentication first: a call refused UNAUTHENTICATED is not counted.
+        interceptors: list[grpc.aio.ServerInterceptor] = []
         if config.token:
             interceptors.append(BearerAuth(config.token))
-        interceptors.append(self._forwarding)
+        interceptors += [self.counter, self._forwarding]
         self._loop = _Loop()
         self._server = self._loop.run(self._make_server(interceptors))
         port = self._bind()

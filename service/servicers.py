@@ -44,6 +44,16 @@ log = logging.getLogger(__name__)
 
 F = TypeVar("F", bound=Callable[..., Any])
 
+MAX_REASON_CHARS = 1024
+"""Free text from members (leave, drain, failure and checkpoint-error
+reasons) is cut to this many characters before it reaches etcd, job status
+or logs, so a member cannot fill them."""
+
+
+def _bounded(text: str) -> str:
+    return text if len(text) <= MAX_REASON_CHARS else text[:MAX_REASON_CHARS]
+
+
 JOIN_PLAN_WAIT_S = 5.0
 """Longest JoinJob waits for the plan that places the new member."""
 
@@ -200,13 +210,13 @@ class WorkerServicer(ws_grpc.WorkerServiceServicer):
 
     @_handle
     def LeaveJob(self, request: ws.LeaveJobRequest, context: grpc.ServicerContext) -> ws.LeaveJobResponse:
-        self.membership.leave(request.job_id, request.member_id, request.reason)
+        self.membership.leave(request.job_id, request.member_id, _bounded(request.reason))
         return ws.LeaveJobResponse()
 
     @_handle
     def DrainMember(self, request: ws.DrainMemberRequest,
                     context: grpc.ServicerContext) -> ws.DrainMemberResponse:
-        checkpoint = self.membership.drain(request.job_id, request.member_id, request.reason)
+        checkpoint = self.membership.drain(request.job_id, request.member_id, _bounded(request.reason))
         return ws.DrainMemberResponse(checkpoint=checkpoint)
 
     async def WatchPlans(self, request: ws.WatchPlansRequest,
@@ -260,7 +270,7 @@ class WorkerServicer(ws_grpc.WorkerServiceServicer):
                 request.lost_member_id, request.lost_rank)
             return ws.ReportFailureResponse(generation=generation)
         generation = self.membership.report_failure(
-            request.job_id, request.member_id, request.generation, request.reason,
+            request.job_id, request.member_id, request.generation, _bounded(request.reason),
             state_kept=request.state_kept, job_fatal=request.job_fatal)
         return ws.ReportFailureResponse(generation=generation)
 
@@ -282,5 +292,5 @@ class WorkerServicer(ws_grpc.WorkerServiceServicer):
     @_handle
     def ReportCheckpointError(self, request: ws.ReportCheckpointErrorRequest,
                               context: grpc.ServicerContext) -> ws.ReportCheckpointErrorResponse:
-        self.commits.report_error(request.job_id, request.member_id, request.generation, request.error)
+        self.commits.report_error(request.job_id, request.member_id, request.generation, _bounded(request.error))
         return ws.ReportCheckpointErrorResponse()

@@ -75,3 +75,32 @@ class TestIdempotentJoin:
             assert [m.id for m in registered(coordinator, job.id)] == [member.id]
             plan = coordinator.coordinator.current_plan(job.id)
             assert [m.member_id for m in plan.members] == [member.id]
+
+
+class TestBoundedInput:
+    @pytest.mark.parametrize("host", ["two words", "a" * 254, "evil\nhost", "h/x", "-lead"])
+    def test_a_join_with_a_bad_host_is_refused_naming_the_field(self, coordinator, client, make_spec, host):
+        job = client.create_job(make_spec(max_workers=2))
+        bad = ws.JoinJobRequest(job_id=job.id, host=host, rendezvous_port=9701, num_local_ranks=1)
+        with grpc.insecure_channel(coordinator.address) as channel:
+            with pytest.raises(grpc.RpcError) as e:
+                ws_grpc.WorkerServiceStub(channel).JoinJob(bad, timeout=10)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert e.value.details().startswith("host:")
+        assert registered(coordinator, job.id) == []
+
+    def test_free_text_reasons_are_truncated(self, coordinator, client, make_spec):
+        from springback.service.servicers import MAX_REASON_CHARS
+
+        job = client.create_job(make_spec(max_workers=2))
+        with grpc.insecure_channel(coordinator.address) as channel:
+            workers = ws_grpc.WorkerServiceStub(channel)
+            first = workers.JoinJob(request(job.id, "j-1"), timeout=10).member
+            second = workers.JoinJob(request(job.id, "j-2", port=9702), timeout=10).member
+            workers.DrainMember(ws.DrainMemberRequest(job_id=job.id, member_id=second.id,
+                                                      reason="d" * 100_000), timeout=10)
+            workers.LeaveJob(ws.LeaveJobRequest(job_id=job.id, member_id=first.id,
+                                                reason="x" * 100_000), timeout=10)
+        seen = str(client.get_job(job.id)) + str(client.list_job_events(job.id))
+        assert "x" * MAX_REASON_CHARS in seen
+        assert "x" * (MAX_REASON_CHARS + 1) not in seen and "d" * (MAX_REASON_CHARS + 1) not in seen

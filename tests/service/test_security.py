@@ -153,3 +153,28 @@ class TestWrongCa:
             assert e.value.code == grpc.StatusCode.UNAVAILABLE  # the handshake fails
         with Client(server.address, token=TOKEN, tls_ca=str(pki / "ca.pem")) as right:
             assert right.list_jobs() == []  # nothing was created
+
+
+class TestCallCounting:
+    """Only registered method names are counted, and only calls that passed
+    authentication: random names cannot grow the metrics' label set."""
+
+    def test_random_method_names_leave_the_counted_labels_unchanged(self, coordinator):
+        before = set(coordinator.counter.calls)
+        with grpc.insecure_channel(coordinator.address) as channel:
+            for i in range(1000):
+                with pytest.raises(grpc.RpcError) as e:
+                    channel.unary_unary(f"/springback.v1.JobService/Nope{i}")(b"", timeout=5)
+                assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        assert set(coordinator.counter.calls) == before
+
+    def test_unauthenticated_calls_are_not_counted(self, secured):
+        def api_calls():  # health checks need no token (the channel's own are counted)
+            return {m: n for m, n in secured.counter.calls.items() if m.startswith("/springback.v1.")}
+
+        before = api_calls()
+        with Client(secured.address, token="wrong") as bad:
+            for _ in range(5):
+                with pytest.raises(ApiError):
+                    bad.list_jobs()
+        assert api_calls() == before
