@@ -16,6 +16,7 @@ from typing import Any
 
 
 from springback.service import planner
+from springback.client.jobdir import outside_job_directory
 from springback.client.api import Client
 from springback.client.summary import history_summary
 from springback.v1 import job_service_pb2 as js
@@ -88,8 +89,15 @@ def _delete_command(args: argparse.Namespace) -> int:
         if args.checkpoints:
             from springback.storage.catalog import delete_checkpoint
 
+            rows = checkpoint_rows(client, args.job)
+            strays = [why for row in rows if (why := outside_job_directory(
+                row["uri"], job.spec.checkpoint.uri, args.job))]
+            if strays:  # a forged record must not steer a recursive delete
+                print(f"error: {strays[0]}: refusing to delete (nothing was deleted)",
+                      file=sys.stderr)
+                return 1
             # Files first: if this fails, the record is still there to retry with.
-            for row in checkpoint_rows(client, args.job):
+            for row in rows:
                 delete_checkpoint(row["uri"])
                 deleted.append(row["uri"])
             if job.spec.checkpoint.uri:

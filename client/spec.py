@@ -16,6 +16,7 @@ from typing import Any
 import yaml
 from google.protobuf.message import Message
 
+from springback.client.jobdir import dot_segments
 from springback.client.errors import InvalidArgument
 from springback.v1 import types_pb2
 
@@ -224,6 +225,9 @@ def validate(spec: types_pb2.JobSpec) -> types_pb2.JobSpec:
                 f"{out.checkpoint.uri!r} must be an absolute path or a file://, s3:// "
                 "or memory:// URI",
             )
+        if dot_segments(out.checkpoint.uri):
+            raise InvalidArgument("checkpoint.uri", f"{out.checkpoint.uri!r} has a '.' or '..' "
+                                  "segment (give the directory itself)")
     elif out.checkpoint.every_steps or out.checkpoint.auto_interval:
         raise InvalidArgument("checkpoint.uri", "is required when checkpoint.every_steps is set")
     _validate_auto_interval(out)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from springback.service import fencing, keys
 from springback.service.coordinator import Coordinator, timestamp_now
+from springback.client.jobdir import outside_job_directory
 from springback.client.errors import Conflict, FailedPrecondition, InvalidArgument, NotFound
 from springback.v1 import types_pb2 as pb
 
@@ -76,6 +77,10 @@ class Commits:
         if job_entry is None:
             raise NotFound(f"job {job_id!r} not found")
         compare = fencing.report_fence(coordinator, job_id, member_id, generation)
+        base = job_entry.value.spec.checkpoint.uri
+        why = outside_job_directory(ref.uri, base, job_id) if base else None
+        if why is not None:  # ranks would restore (unpickle) and a delete remove what it names
+            raise InvalidArgument("checkpoint.uri", why)
         # Read after the job record: every commit writes both, so while the
         # job's mod revision holds (compared below) this is the whole record.
         existing = [e.value for e in store.get_prefix(keys.checkpoints(job_id), pb.CheckpointRef)]

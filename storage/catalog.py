@@ -19,6 +19,7 @@ import logging
 from collections.abc import Iterable
 from typing import Any
 
+from springback.client.jobdir import job_directory
 from springback.storage.errors import CheckpointNotFound, StorageError
 from springback.storage.manifest import MANIFEST_NAME, Manifest, crc32_hex, parse_checkpoint_dir_name
 from springback.storage.store import ObjectStore, join
@@ -51,11 +52,10 @@ def job_checkpoint_uri(checkpoint_uri: str, job_id: str) -> str:
 
     Jobs are namespaced so that two jobs given the same ``checkpoint.uri`` (the
     same job.yaml submitted twice) never write into each other's directories.
-    Raises ``ValueError`` for a job id that is empty or not one path segment.
+    Raises ``ValueError`` for a job id that is empty or not one path segment,
+    or a URI with ``.`` / ``..`` segments (`springback.client.jobdir`).
     """
-    if not job_id or "/" in job_id or job_id in (".", ".."):
-        raise ValueError(f"job id {job_id!r} cannot name a checkpoint directory under {checkpoint_uri}")
-    return join(checkpoint_uri, job_id)
+    return job_directory(checkpoint_uri, job_id)
 
 
 def _store(uri: str, store: ObjectStore | None, storage_options: dict[str, Any] | None) -> ObjectStore:

@@ -72,3 +72,25 @@ def test_ckpt_commands_show_commits_partials_and_restore(coordinator, client, ma
     plan = coordinator.coordinator.current_plan(job.id)
     assert plan.action == pb.PLAN_ACTION_RUN
     assert plan.restore.checkpoint.step == 10 and plan.step == 10
+
+
+def test_job_delete_refuses_to_remove_a_recorded_uri_outside_the_jobs_directory(
+        coordinator, client, make_spec, tmp_path):
+    """A job without checkpoint.uri has no directory of its own: whatever a
+    member recorded is not deleted recursively with the operator's rights."""
+    victim = tmp_path / "not-the-jobs"
+    victim.mkdir()
+    (victim / "precious").write_text("kept")
+    job = client.create_job(make_spec(max_workers=1))
+    workers = ws_grpc.WorkerServiceStub(grpc.insecure_channel(coordinator.address))
+    member = workers.JoinJob(ws.JoinJobRequest(job_id=job.id, host="127.0.0.1", rendezvous_port=1,
+                                               num_local_ranks=1), timeout=10).member
+    workers.CommitCheckpoint(ws.CommitCheckpointRequest(
+        job_id=job.id, member_id=member.id, generation=client.get_job(job.id).status.generation,
+        checkpoint=pb.CheckpointRef(step=10, uri=f"file://{victim}", world_size=1)), timeout=10)
+    client.cancel_job(job.id)
+    out = _cli(coordinator.address, "job", "delete", job.id, "--checkpoints")
+    assert out.returncode == 1 and "not a checkpoint directory directly under" in out.stderr, out
+    assert "nothing was deleted" in out.stderr
+    assert (victim / "precious").read_text() == "kept"
+    assert client.get_job(job.id).id == job.id  # the record stays too

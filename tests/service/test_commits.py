@@ -33,7 +33,7 @@ class TestOneRecordPerStep:
         job = client.create_job(make_spec(max_workers=1, checkpoint={"uri": "file:///tmp/c1"}))
         a = join(workers, job.id, 9501)
         generation = generation_of(coordinator, job.id)
-        uris = [f"file:///tmp/c1/step-10-writer{i}" for i in range(4)]
+        uris = [f"file:///tmp/c1/{job.id}/step-10-writer{i}" for i in range(4)]
         acknowledged, refused = [], []
         start = threading.Barrier(len(uris))
 
@@ -57,7 +57,7 @@ class TestOneRecordPerStep:
         assert client.get_job(job.id).status.last_checkpoint.uri == acknowledged[0]
         # A second commit of the step, later, is refused naming the one that stands.
         with pytest.raises(grpc.RpcError) as e:
-            commit(workers, job.id, a, generation, 10, "file:///tmp/c1/step-10-late")
+            commit(workers, job.id, a, generation, 10, f"file:///tmp/c1/{job.id}/step-10-late")
         assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert acknowledged[0] in e.value.details()
 
@@ -67,8 +67,8 @@ class TestOneRecordPerStep:
         job = client.create_job(make_spec(max_workers=1, checkpoint={"uri": "file:///tmp/c2"}))
         a = join(workers, job.id, 9502)
         generation = generation_of(coordinator, job.id)
-        first = commit(workers, job.id, a, generation, 10, "file:///tmp/c2/step-10")
-        again = commit(workers, job.id, a, generation, 10, "file:///tmp/c2/step-10")
+        first = commit(workers, job.id, a, generation, 10, f"file:///tmp/c2/{job.id}/step-10")
+        again = commit(workers, job.id, a, generation, 10, f"file:///tmp/c2/{job.id}/step-10")
         assert list(again.retained) == list(first.retained)
 
     def test_a_step_recommitted_by_a_later_generation_replaces_the_damaged_record(
@@ -77,20 +77,20 @@ class TestOneRecordPerStep:
         job = client.create_job(make_spec(max_workers=2, checkpoint={"uri": "file:///tmp/c3"}))
         a = join(workers, job.id, 9503)
         old_generation = generation_of(coordinator, job.id)
-        commit(workers, job.id, a, old_generation, 5, "file:///tmp/c3/step-5-g1")
-        commit(workers, job.id, a, old_generation, 10, "file:///tmp/c3/step-10-g1")
+        commit(workers, job.id, a, old_generation, 5, f"file:///tmp/c3/{job.id}/step-5-g1")
+        commit(workers, job.id, a, old_generation, 10, f"file:///tmp/c3/{job.id}/step-10-g1")
         # The step-10 copy turns out damaged; training restores 5 and re-reaches 10.
         join(workers, job.id, 9504)
         generation = generation_of(coordinator, job.id)
         assert generation > old_generation
-        response = commit(workers, job.id, a, generation, 10, "file:///tmp/c3/step-10-g2")
-        assert [r.uri for r in response.retained] == ["file:///tmp/c3/step-5-g1",
-                                                      "file:///tmp/c3/step-10-g2"]
+        response = commit(workers, job.id, a, generation, 10, f"file:///tmp/c3/{job.id}/step-10-g2")
+        assert [r.uri for r in response.retained] == [f"file:///tmp/c3/{job.id}/step-5-g1",
+                                                      f"file:///tmp/c3/{job.id}/step-10-g2"]
         assert {c.step: (c.uri, c.generation) for c in client.list_checkpoints(job.id)} == {
-            5: ("file:///tmp/c3/step-5-g1", old_generation),
-            10: ("file:///tmp/c3/step-10-g2", generation),
+            5: (f"file:///tmp/c3/{job.id}/step-5-g1", old_generation),
+            10: (f"file:///tmp/c3/{job.id}/step-10-g2", generation),
         }
-        assert client.get_job(job.id).status.last_checkpoint.uri == "file:///tmp/c3/step-10-g2"
+        assert client.get_job(job.id).status.last_checkpoint.uri == f"file:///tmp/c3/{job.id}/step-10-g2"
 
 
 class TestFencedMembers:
@@ -103,14 +103,14 @@ class TestFencedMembers:
         job = client.create_job(make_spec(max_workers=1, checkpoint={"uri": "file:///tmp/c4"}))
         a = join(workers, job.id, 9505)
         generation = generation_of(coordinator, job.id)
-        commit(workers, job.id, a, generation, 10, "file:///tmp/c4/step-10")  # caches its lease
+        commit(workers, job.id, a, generation, 10, f"file:///tmp/c4/{job.id}/step-10")  # caches its lease
         wait_for(lambda: coordinator.store.get(keys.member(job.id, a)) is None, 15,
                  "the member's lease to expire")
         assert generation_of(coordinator, job.id) == generation
         for call, request in (
             (workers.CommitCheckpoint, ws.CommitCheckpointRequest(
                 job_id=job.id, member_id=a, generation=generation,
-                checkpoint=pb.CheckpointRef(step=20, uri="file:///tmp/c4/step-20"))),
+                checkpoint=pb.CheckpointRef(step=20, uri=f"file:///tmp/c4/{job.id}/step-20"))),
             (workers.ReportFailure, ws.ReportFailureRequest(
                 job_id=job.id, member_id=a, generation=generation, reason="late")),
             (workers.ReportCheckpointError, ws.ReportCheckpointErrorRequest(
@@ -130,7 +130,41 @@ class TestFencedMembers:
         plan = coordinator.coordinator.current_plan(job.id)
         assert [m.member_id for m in plan.members] == [a] and list(plan.spares) == [spare]
         with pytest.raises(grpc.RpcError) as e:
-            commit(workers, job.id, spare, plan.generation, 10, "file:///tmp/c5/step-10")
+            commit(workers, job.id, spare, plan.generation, 10, f"file:///tmp/c5/{job.id}/step-10")
         assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert "holds no ranks" in e.value.details()
         assert client.list_checkpoints(job.id) == []
+
+
+class TestConfinedToTheJobsDirectory:
+    @pytest.mark.parametrize("uri", [
+        "file:///etc",                                   # anywhere else
+        "file:///tmp/c6/step-10",                        # the spec's URI, not the job's directory
+        "file:///tmp/c6/{job}/../other-job/step-10",     # out through '..'
+        "file:///tmp/c6/{job}/step-10/../../x",
+        "file:///tmp/c6/{job}",                          # the directory itself
+        "file:///tmp/c6/{job}/a/b",                      # not one name directly in it
+        "file:///tmp/c6/{job}-other/step-10",            # a sibling sharing the prefix
+    ])
+    def test_a_commit_outside_the_jobs_own_directory_is_refused_and_never_recorded(
+        self, coordinator, client, workers, make_spec, uri
+    ):
+        job = client.create_job(make_spec(max_workers=1, checkpoint={"uri": "file:///tmp/c6"}))
+        a = join(workers, job.id, 9601)
+        generation = generation_of(coordinator, job.id)
+        with pytest.raises(grpc.RpcError) as e:
+            commit(workers, job.id, a, generation, 10, uri.format(job=job.id))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "checkpoint.uri" in e.value.details() and job.id in e.value.details()
+        assert client.list_checkpoints(job.id) == []
+        assert not client.get_job(job.id).status.last_checkpoint.uri
+        # the job's own directory is accepted
+        commit(workers, job.id, a, generation, 10, f"file:///tmp/c6/{job.id}/step-00000010-g1")
+        assert [c.step for c in client.list_checkpoints(job.id)] == [10]
+
+    def test_a_spec_whose_checkpoint_uri_climbs_out_is_refused_naming_the_field(self, client,
+                                                                               make_spec):
+        with pytest.raises(Exception) as e:
+            client.create_job(make_spec(checkpoint={"uri": "file:///x/../../etc"}))
+        assert "checkpoint.uri" in str(e.value) and "'..'" in str(e.value)
+        assert client.list_jobs() == []

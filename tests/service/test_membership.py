@@ -427,10 +427,11 @@ class TestCommits:
         for step in (10, 20, 30):
             response = workers.CommitCheckpoint(ws.CommitCheckpointRequest(
                 job_id=job.id, member_id=a, generation=generation,
-                checkpoint=pb.CheckpointRef(step=step, uri=f"file:///tmp/c/step-{step}", world_size=1,
+                checkpoint=pb.CheckpointRef(step=step, uri=f"file:///tmp/c/{job.id}/step-{step}", world_size=1,
                                             cursor=pb.DataCursor(offset=step * 32))), timeout=5)
             assert [r.step for r in response.retained] == [s for s in (10, 20, 30) if step - 20 < s <= step]
-        assert {r.uri for r in response.retained} == {"file:///tmp/c/step-20", "file:///tmp/c/step-30"}
+        assert {r.uri for r in response.retained} == {f"file:///tmp/c/{job.id}/step-20",
+                                                  f"file:///tmp/c/{job.id}/step-30"}
         assert [c.step for c in client.list_checkpoints(job.id)] == [30, 20]
         assert client.get_job(job.id).status.last_checkpoint.step == 30
         # When every holder is gone, the next generation restores the newest commit.
@@ -494,5 +495,5 @@ class TestCommits:
         assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         workers.CommitCheckpoint(ws.CommitCheckpointRequest(
             job_id=job.id, member_id=a, generation=generation,
-            checkpoint=pb.CheckpointRef(step=20, uri="s3://b/p/step-20")), timeout=5)
+            checkpoint=pb.CheckpointRef(step=20, uri=f"s3://b/p/{job.id}/step-20")), timeout=5)
         assert client.get_job(job.id).status.checkpoint_error == ""
