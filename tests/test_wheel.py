@@ -60,6 +60,9 @@ def test_the_wheel_installed_in_a_fresh_venv_runs_the_cli_and_a_coordinator(tmp_
     purelib = subprocess.run([str(python), "-c", "import sysconfig; "
                               "print(sysconfig.get_paths()['purelib'])"],
                              check=True, capture_output=True, text=True).stdout.strip()
+    # the API's sources ship beside the generated code (package-data)
+    protos = sorted(p.name for p in Path(purelib, "springback", "v1").glob("*.proto"))
+    assert protos == sorted(p.name for p in (REPO / "proto/springback/v1").glob("*.proto")), protos
     Path(purelib, "zz_springback_test_deps.pth").write_text(
         sysconfig.get_paths()["purelib"] + "\n")
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
