@@ -1,5 +1,5 @@
 """Springback for the trainers people already use: Hugging Face ``Trainer``
-(`springback.integrations.hf`). Lightning is not integrated yet.
+(`springback.integrations.hf`) and Lightning (`springback.integrations.lightning`).
 
 It runs in restart mode (``springback run -- python train.py``): on every
 generation the agent restarts the script's ranks with torchrun's environment,
@@ -13,7 +13,7 @@ recipes and their guarantees are in docs/trainers.md.
 This package sits at the training-library layer: it may import
 `springback.worker`, `springback.storage` and `springback.client`; nothing but
 the CLI imports it. The trainer itself is an optional extra
-(``springback[hf]``), imported only by the module that needs it.
+(``springback[hf]``, ``springback[lightning]``), imported only by the module that needs it.
 """
 
 from springback.integrations.data import per_rank_batch_size

@@ -35,6 +35,6 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   .venv/bin/pip install -q "$torch"
   # The Hugging Face extra comes with the test extras (tests/integrations); the
   # torch pin again, so that no trainer's requirement replaces the CPU build.
-  .venv/bin/pip install -q -e ".[test,hf]" "$torch"
+  .venv/bin/pip install -q -e ".[test,hf,lightning]" "$torch"
   touch "$stamp"
 fi
