@@ -43,6 +43,10 @@ def _human_history(summary: dict[str, Any]) -> str:
             f"{g['restore']:<10} {g['start_step']:>6} {g['steps_redone']:>6} {recovery:>9}  "
             f"{g['reason']}" + (f"   STATE LOST ({g['steps_lost']} steps): {g['state_lost']}"
                                 if g["steps_lost"] else ""))
+        if g.get("step_time_s"):
+            q = g["step_time_s"]
+            lines.append(f"{'':>6}step time p50 {q['p50'] * 1e3:.1f} ms  p90 "
+                         f"{q['p90'] * 1e3:.1f} ms  p99 {q['p99'] * 1e3:.1f} ms")
         if g.get("badput_s"):
             lines.append(f"{'':>6}{g['wall_s']:.2f}s: " + "  ".join(
                 f"{k} {v:.2f}s" for k, v in g["badput_s"].items() if v))

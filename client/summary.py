@@ -91,6 +91,8 @@ def event_summary(event: js.GenerationEvent,
         "state_lost": event.state_lost or None,
         "recovery_s": event.recovery.ToNanoseconds() / 1e9 if event.HasField("recovery") else None,
         "first_step_at": _time(event.first_step_at),
+        "step_time_s": ({"p50": event.step_p50_s, "p90": event.step_p90_s,
+                         "p99": event.step_p99_s} if event.step_p50_s else None),
         "checkpoint_interval": None if interval is None else MessageToDict(
             interval, preserving_proto_field_name=True, always_print_fields_with_no_presence=True),
         **({"wall_s": causes[0], "badput_s": causes[1]} if causes is not None else {}),

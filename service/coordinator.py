@@ -410,7 +410,8 @@ class Coordinator:
 
     def record_progress(self, job_id: str, member_id: str, generation: int,
                         progress: planner.Progress, checkpoint_stall_s: float = 0.0,
-                        stall_total_s: float = 0.0) -> int:
+                        stall_total_s: float = 0.0,
+                        step_quantiles: tuple[float, float, float] = (0.0, 0.0, 0.0)) -> int:
         """Accepts a step report from a member of the current generation.
 
         In memory only. The member's registration is read from etcd at most
@@ -442,7 +443,7 @@ class Coordinator:
                 measures = self._measures.setdefault(job_id, _Measures())
                 measures.step_reported(generation, progress.step, checkpoint_stall_s, now)
                 self.history.on_progress(job_id, generation, stall_total_s=stall_total_s,
-                                         step_s=measures.step_s)
+                                         step_s=measures.step_s, step_quantiles=step_quantiles)
                 self._notify(job_id, f"step {progress.step}")
         max_steps = self._max_steps.get(job_id)
         if max_steps is None:

@@ -143,11 +143,13 @@ class History:
                 event.state_lost, event.steps_lost = state_lost, steps_lost
 
     def on_progress(self, job_id: str, generation: int, *, stall_total_s: float = 0.0,
-                    step_s: float = 0.0) -> None:
+                    step_s: float = 0.0,
+                    step_quantiles: tuple[float, float, float] = (0.0, 0.0, 0.0)) -> None:
         """A step of `generation` was accepted (memory only; cheap): the
         generation's newest step time, its checkpoint stalls so far
-        (`stall_total_s`) and the measured `step_s` are written with the next
-        flush."""
+        (`stall_total_s`), the measured `step_s` and rank 0's step time
+        percentiles (`step_quantiles`: p50, p90, p99; zeros keep the last
+        reported) are written with the next flush."""
         now = time.time()
         with self._lock:
             event = self._awaiting.get(job_id)
@@ -163,6 +165,8 @@ class History:
                 event.last_step_at.FromNanoseconds(int(now * 1e9))
                 event.checkpoint_stall_s = max(event.checkpoint_stall_s, stall_total_s)
                 event.step_s = step_s or event.step_s
+                if any(step_quantiles):
+                    event.step_p50_s, event.step_p90_s, event.step_p99_s = step_quantiles
                 self._unflushed[(job_id, generation)] = event
             self._last_step_at[job_id] = now
 

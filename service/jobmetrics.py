@@ -88,6 +88,11 @@ class JobMetrics(Collector):
             "springback_job_cost_per_useful_step",
             "Cost (spec.price_per_node_hour x node-hours, spares included) per useful step.",
             labels=["job"])
+        step_times = GaugeMetricFamily(
+            "springback_job_step_seconds",
+            "Rank 0's step time in the newest generation that reported one "
+            "(worker/train/steptimes.py: its last 1,024 steps), by quantile.",
+            labels=["job", "quantile"])
         recoveries = HistogramMetricFamily(
             "springback_job_recovery_seconds",
             "From the last step before a generation to its first step (start-up excluded).",
@@ -123,9 +128,15 @@ class JobMetrics(Collector):
             if total["cost"]["cost_per_useful_step"] is not None:
                 gauges["cost_per_useful_step"].add_metric(label,
                                                           total["cost"]["cost_per_useful_step"])
+            timed = next((e for e in reversed(events) if e.step_p50_s), None)
+            if timed is not None:
+                for q, value in (("0.5", timed.step_p50_s), ("0.9", timed.step_p90_s),
+                                 ("0.99", timed.step_p99_s)):
+                    step_times.add_metric([job.id, q], value)
             times = recovery_times(events)
             buckets = [(str(b), sum(t <= b for t in times)) for b in RECOVERY_BUCKETS_S]
             recoveries.add_metric(label, buckets + [("+Inf", len(times))], sum(times))
         yield from gauges.values()
         yield from counters.values()
+        yield step_times
         yield recoveries

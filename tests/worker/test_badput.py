@@ -98,6 +98,10 @@ def test_causes_sum_to_the_wall_time_and_each_is_where_it_happened(lived):
     assert joined["restore"] == "checkpoint" and joined["steps_redone"] > 0
     assert joined["badput_s"]["state_transfer"] > 0 and joined["badput_s"]["redone"] > 0
     assert joined["badput_s"]["reforming"] > 0 and joined["badput_s"]["detection"] == 0
+    # distributions: rank 0's step times per generation; each step sleeps 0.15 s
+    for g in runs:
+        q = g["step_time_s"]
+        assert 0.15 <= q["p50"] <= q["p90"] <= q["p99"], g
 
     # cost: node-hours of the wall time held (one node; no spares), per useful step
     cost = got["cost"]
@@ -116,3 +120,7 @@ def test_causes_sum_to_the_wall_time_and_each_is_where_it_happened(lived):
     assert all(v > 0 for v in by_cause.values()), by_cause
     assert samples[f'springback_job_cost_per_useful_step{{job="{job_id}"}}'] == pytest.approx(
         cost["cost_per_useful_step"], rel=0.01)
+    last = runs[-1]["step_time_s"]  # the newest generation's percentiles, as job events has them
+    for q, key in (("0.5", "p50"), ("0.9", "p90"), ("0.99", "p99")):
+        assert samples[f'springback_job_step_seconds{{job="{job_id}",quantile="{q}"}}'] == \
+            pytest.approx(last[key])

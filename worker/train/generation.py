@@ -23,6 +23,7 @@ from springback.worker.rank import rngstate
 from springback.worker.train.audit import AuditLog, state_digest
 from springback.worker.train.boundary import Agreed, StepBoundary, Vote, carry_votes_hook
 from springback.worker.train.peerloss import lost_peer
+from springback.worker.train.steptimes import StepTimes
 from springback.worker.rank.rendezvous import (
     is_collective_failure,
     leave_group,
@@ -88,6 +89,7 @@ class Generation:
         self._audit = (AuditLog(ctx.env.audit_dir, self.generation, rank)
                        if ctx.env.audit_dir else None)
         self._checkpoints = None
+        self._step_times = StepTimes()  # rank 0 reports their percentiles
         self._drain_saved_step: int | None = None  # step of this generation's drain save
         if plan.spec.checkpoint.uri and "model" in ctx.state:
             from springback.worker.train.checkpointing import GenerationCheckpoints
@@ -266,13 +268,15 @@ class Generation:
                         "world_size": self.world_size, "step": step, "loss": loss})
         epoch, offset = self.stream.cursor_after(step)
         s.last_loss = loss
+        self._step_times.step_ended(agreed.ended_t)
         if s.reporter is not None:
             ckpt = self._checkpoints
             s.reporter.submit(generation=self.generation, step=step,
                                samples_consumed=step * self.stream.global_batch_size,
                                loss=loss, epoch=epoch, offset=offset,
                                checkpoint_stall_s=(ckpt.stall_s or 0.0) if ckpt else 0.0,
-                               checkpoint_stall_total_s=ckpt.stall_total_s if ckpt else 0.0)
+                               checkpoint_stall_total_s=ckpt.stall_total_s if ckpt else 0.0,
+                               step_quantiles=self._step_times.quantiles())
             if step >= self.max_steps:
                 s.reporter.flush()
 

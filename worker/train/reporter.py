@@ -58,7 +58,8 @@ class StepReporter:
         self._job_id = job_id
         self._member_id = member_id
         self._cond = threading.Condition()
-        self._pending: tuple[int, int, int, float, int, int, float, float] | None = None
+        self._pending: tuple[int, int, int, float, int, int, float, float,
+                             tuple[float, float, float]] | None = None
         """The newest step report's fields (`submit`), until the thread sends it."""
         self._pending_start: wpb.ReportStepRequest | None = None
         self._in_flight = False
@@ -74,14 +75,16 @@ class StepReporter:
 
     def submit(self, *, generation: int, step: int, samples_consumed: int, loss: float,
                epoch: int, offset: int, checkpoint_stall_s: float = 0.0,
-               checkpoint_stall_total_s: float = 0.0) -> None:
+               checkpoint_stall_total_s: float = 0.0,
+               step_quantiles: tuple[float, float, float] = (0.0, 0.0, 0.0)) -> None:
         """Replaces the pending step report (called at every step by rank 0:
         the request is built by the sending thread, which is woken only when
         no report was pending, i.e. at most once per interval).
         `checkpoint_stall_s`: the newest checkpoint's stall (0: none yet);
-        `checkpoint_stall_total_s`: the generation's stalls summed."""
+        `checkpoint_stall_total_s`: the generation's stalls summed;
+        `step_quantiles`: the generation's step time p50, p90, p99 (`steptimes`)."""
         report = (generation, step, samples_consumed, loss, epoch, offset, checkpoint_stall_s,
-                  checkpoint_stall_total_s)
+                  checkpoint_stall_total_s, step_quantiles)
         with self._cond:
             idle = self._pending is None
             self._pending = report
@@ -200,13 +203,14 @@ class StepReporter:
             return None
 
     def _request(self, generation: int, step: int, samples_consumed: int, loss: float,
-                 epoch: int, offset: int, stall_s: float,
-                 stall_total_s: float) -> wpb.ReportStepRequest:
+                 epoch: int, offset: int, stall_s: float, stall_total_s: float,
+                 quantiles: tuple[float, float, float]) -> wpb.ReportStepRequest:
         return wpb.ReportStepRequest(
             job_id=self._job_id, member_id=self._member_id, generation=generation, step=step,
             samples_consumed=samples_consumed, loss=loss,
             cursor=pb.DataCursor(epoch=epoch, offset=offset), checkpoint_stall_s=stall_s,
-            checkpoint_stall_total_s=stall_total_s)
+            checkpoint_stall_total_s=stall_total_s, step_p50_s=quantiles[0],
+            step_p90_s=quantiles[1], step_p99_s=quantiles[2])
 
     def _loop(self) -> None:
         while (req := self._next()) is not None:

@@ -36,7 +36,7 @@ CHANGE_KIND_FINISH: ChangeKind
 CHANGE_KIND_OTHER: ChangeKind
 
 class GenerationEvent(_message.Message):
-    __slots__ = ("generation", "created_at", "reason", "kind", "action", "world_size", "members", "restore", "start_step", "steps_redone", "recovery", "first_step_at", "state_lost", "steps_lost", "checkpoint_interval", "started_at", "last_step_at", "startup_s", "rendezvous_s", "transfer_s", "checkpoint_stall_s", "step_s", "spares")
+    __slots__ = ("generation", "created_at", "reason", "kind", "action", "world_size", "members", "restore", "start_step", "steps_redone", "recovery", "first_step_at", "state_lost", "steps_lost", "checkpoint_interval", "started_at", "last_step_at", "startup_s", "rendezvous_s", "transfer_s", "checkpoint_stall_s", "step_s", "spares", "step_p50_s", "step_p90_s", "step_p99_s")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     CREATED_AT_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
@@ -60,6 +60,9 @@ class GenerationEvent(_message.Message):
     CHECKPOINT_STALL_S_FIELD_NUMBER: _ClassVar[int]
     STEP_S_FIELD_NUMBER: _ClassVar[int]
     SPARES_FIELD_NUMBER: _ClassVar[int]
+    STEP_P50_S_FIELD_NUMBER: _ClassVar[int]
+    STEP_P90_S_FIELD_NUMBER: _ClassVar[int]
+    STEP_P99_S_FIELD_NUMBER: _ClassVar[int]
     generation: int
     created_at: _timestamp_pb2.Timestamp
     reason: str
@@ -83,7 +86,10 @@ class GenerationEvent(_message.Message):
     checkpoint_stall_s: float
     step_s: float
     spares: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, generation: _Optional[int] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., reason: _Optional[str] = ..., kind: _Optional[_Union[ChangeKind, str]] = ..., action: _Optional[_Union[_types_pb2.PlanAction, str]] = ..., world_size: _Optional[int] = ..., members: _Optional[_Iterable[str]] = ..., restore: _Optional[_Union[_types_pb2.RestoreKind, str]] = ..., start_step: _Optional[int] = ..., steps_redone: _Optional[int] = ..., recovery: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., first_step_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., state_lost: _Optional[str] = ..., steps_lost: _Optional[int] = ..., checkpoint_interval: _Optional[_Union[_types_pb2.CheckpointInterval, _Mapping]] = ..., started_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., last_step_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., startup_s: _Optional[float] = ..., rendezvous_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., checkpoint_stall_s: _Optional[float] = ..., step_s: _Optional[float] = ..., spares: _Optional[_Iterable[str]] = ...) -> None: ...
+    step_p50_s: float
+    step_p90_s: float
+    step_p99_s: float
+    def __init__(self, generation: _Optional[int] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., reason: _Optional[str] = ..., kind: _Optional[_Union[ChangeKind, str]] = ..., action: _Optional[_Union[_types_pb2.PlanAction, str]] = ..., world_size: _Optional[int] = ..., members: _Optional[_Iterable[str]] = ..., restore: _Optional[_Union[_types_pb2.RestoreKind, str]] = ..., start_step: _Optional[int] = ..., steps_redone: _Optional[int] = ..., recovery: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., first_step_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., state_lost: _Optional[str] = ..., steps_lost: _Optional[int] = ..., checkpoint_interval: _Optional[_Union[_types_pb2.CheckpointInterval, _Mapping]] = ..., started_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., last_step_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., startup_s: _Optional[float] = ..., rendezvous_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., checkpoint_stall_s: _Optional[float] = ..., step_s: _Optional[float] = ..., spares: _Optional[_Iterable[str]] = ..., step_p50_s: _Optional[float] = ..., step_p90_s: _Optional[float] = ..., step_p99_s: _Optional[float] = ...) -> None: ...
 
 class ListJobEventsRequest(_message.Message):
     __slots__ = ("job_id",)
