@@ -59,10 +59,14 @@ class SimMember:
         """One heartbeat now, outside the thread; raises RpcError."""
         self.stub.Heartbeat(ws.HeartbeatRequest(job_id=self.job_id, member_id=self.id), timeout=5)
 
-    def commit(self, generation: int, step: int) -> ws.CommitCheckpointResponse:
+    def commit(self, generation: int, step: int,
+               checkpoint_uri: str = "file:///tmp") -> ws.CommitCheckpointResponse:
+        """Commits step `step` in the job's own directory under
+        `checkpoint_uri` (the spec's; the coordinator refuses any other)."""
         return self.stub.CommitCheckpoint(ws.CommitCheckpointRequest(
             job_id=self.job_id, member_id=self.id, generation=generation,
-            checkpoint=pb.CheckpointRef(step=step, uri=f"file:///tmp/{self.job_id}/step-{step}")),
+            checkpoint=pb.CheckpointRef(
+                step=step, uri=f"{checkpoint_uri}/{self.job_id}/step-{step}")),
             timeout=10)
 
     def report_step(self, generation: int, step: int) -> ws.ReportStepResponse:

@@ -46,7 +46,7 @@ class TestFaultyAgentLink:
                 start = member.num_ok
                 wait_for(lambda: beats_after(start + 2 * 4), 20, "heartbeats over the slow link")
                 assert member.report_step(generation, 5).generation == generation
-                member.commit(generation, 5)
+                member.commit(generation, 5, "file:///tmp/nf")
                 link.heal()
                 # 2. Connections reset under the member, three times.
                 for _ in range(3):
@@ -76,7 +76,7 @@ class TestFaultyAgentLink:
                 with pytest.raises(grpc.RpcError) as e:
                     member.heartbeat_once()
                 assert e.value.code() == grpc.StatusCode.NOT_FOUND
-                for late in (lambda: member.commit(generation, 10),
+                for late in (lambda: member.commit(generation, 10, "file:///tmp/nf"),
                              lambda: member.report_step(generation, 10)):
                     with pytest.raises(grpc.RpcError) as e:
                         late()

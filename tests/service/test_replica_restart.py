@@ -28,7 +28,7 @@ class TestRestartFromNothing:
                     for i in range(2)]
             member = SimMember([r.address for r in old], jobs[0])
             generation = client.get_job(jobs[0]).status.generation
-            member.commit(generation, 10)
+            member.commit(generation, 10, "file:///tmp/rr0")
             member.close()
             before = {j: (client.get_job(j).status.generation,
                           [c.step for c in client.list_checkpoints(j)]) for j in jobs}
@@ -50,7 +50,7 @@ class TestRestartFromNothing:
                 job = wait_for(lambda: (j := client.get_job(jobs[0])).status.members and j, 10,
                                "the new member to be planned")
                 assert job.status.generation == generation + 2
-                joined.commit(job.status.generation, 20)
+                joined.commit(job.status.generation, 20, "file:///tmp/rr0")
                 assert [c.step for c in client.list_checkpoints(jobs[0])] == [20, 10]
             finally:
                 joined.close()
