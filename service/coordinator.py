@@ -20,6 +20,7 @@ import logging
 import random
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Collection, Iterator
 from typing import NamedTuple
 
@@ -53,6 +54,8 @@ MAX_SETTLE_S = 2.0
 MEMBER_CHECK_S = 1.0
 """A step reporter's registration is read from etcd at most this often (a
 report every step would otherwise be an etcd read every step)."""
+SERIES_POINTS = 2000
+"""Newest (time, step, loss) points kept per job for the dashboard's loss curve."""
 
 
 class _Unsettled(NamedTuple):
@@ -121,6 +124,9 @@ class Coordinator:
         self._version = 0  # bumped on every change; watchers wait on it
         self._events: dict[str, str] = {}  # job id -> last change, in words
         self._progress: dict[str, planner.Progress] = {}
+        # job id -> (time, step, loss) of its newest reported steps, for the
+        # dashboard's live loss curve (leader memory, SERIES_POINTS at most)
+        self._series: dict[str, deque[tuple[float, int, float]]] = {}
         self._dirty: set[str] = set()  # jobs whose progress is not yet in etcd
         self._plans: dict[str, _PlanView] = {}  # job id -> what matters of its current plan
         self._max_steps: dict[str, int] = {}  # job id -> spec.max_steps (fixed at submission)
@@ -156,6 +162,7 @@ class Coordinator:
         """Drops leader-only caches and wakes every watcher (they re-check leadership)."""
         with self._changed:
             self._progress.clear()
+            self._series.clear()
             self._dirty.clear()
             self._plans.clear()
             self._max_steps.clear()
@@ -229,6 +236,14 @@ class Coordinator:
         )
         self._plans[job_id] = view
         return view
+
+    def series(self, job_id: str) -> list[tuple[float, int, float]]:
+        """(unix time, step, loss) of the job's steps as this leader accepted
+        them, oldest first: each step once (the first report of it), at most
+        the newest `SERIES_POINTS` (2,000); leader memory, so empty on other
+        replicas and restarted by a new leader."""
+        with self._lock:
+            return list(self._series.get(job_id, ()))
 
     def members(self, job_id: str) -> list[pb.Member]:
         """Live members (join_order filled from etcd), caching their lease ids."""
@@ -438,6 +453,9 @@ class Coordinator:
                 raise StaleGeneration(job_id, generation, self.current_generation(job_id))
             previous = self._progress.get(job_id)
             if previous is None or progress.step >= previous.step:
+                if previous is None or progress.step > previous.step:
+                    self._series.setdefault(job_id, deque(maxlen=SERIES_POINTS)).append(
+                        (time.time(), progress.step, progress.loss))
                 self._progress[job_id] = progress
                 self._dirty.add(job_id)
                 measures = self._measures.setdefault(job_id, _Measures())

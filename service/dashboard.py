@@ -1,6 +1,7 @@
 """A read-only web dashboard of the coordinator, on its metrics HTTP listener.
 
-Pages (plain HTML rendered on the server, no JavaScript):
+Pages (HTML rendered on the server; the job page adds one small inline
+script, no external assets):
 
 * ``/`` — every job: state, generation, world size, progress, loss, newest
   checkpoint, timestamps.
@@ -9,6 +10,18 @@ Pages (plain HTML rendered on the server, no JavaScript):
   size and the step rate over time.
 * ``/jobs/{id}/world.svg``, ``/jobs/{id}/steps.svg`` — those plots, drawn by
   matplotlib (SVG, Agg-free object API, so no display is needed).
+* ``/jobs/{id}/series.json`` — the job's (time, step, loss) points as the
+  leader accepted them (`Coordinator.series`: at most `SERIES_POINTS`, 2,000,
+  the newest; empty on a non-leader) and its generations' start steps and
+  reasons. The job page's script polls it every second and draws the live
+  loss curve (inline SVG, a vertical marker at each generation's start, its
+  reason as the tooltip) and the step rate, without reloading.
+* ``/jobs/{id}/members.json`` — the live members with their ranks in the
+  current plan (active or spare, draining); the page's members table is
+  refreshed from it every second.
+
+An unknown job id is 404 (JSON ``{"error": ..., "job": id}`` for the JSON
+endpoints).
 
 The world size comes from the history in etcd (exact, survives leader
 changes). The step rate comes from samples of the job's step that the
@@ -23,6 +36,7 @@ from __future__ import annotations
 
 import html
 import io
+import json
 import re
 import threading
 import time
@@ -31,16 +45,110 @@ from collections import deque
 from springback.service import planner
 from springback.client.metrics import Page
 from springback.client.summary import event_summary, job_summary
-from springback.service.coordinator import Coordinator
+from springback.service.coordinator import SERIES_POINTS, Coordinator
 from springback.client.errors import NotFound
 from springback.service.jobmetrics import goodput
 from springback.v1 import types_pb2 as pb
 
-_JOB_PAGE = re.compile(r"^/jobs/([a-z0-9-]+)(/world\.svg|/steps\.svg)?$")
+_JOB_PAGE = re.compile(
+    r"^/jobs/([a-z0-9-]+)(/world\.svg|/steps\.svg|/series\.json|/members\.json)?$")
 _STYLE = """body{font-family:sans-serif;margin:2em;color:#222}table{border-collapse:collapse}
 td,th{border:1px solid #ccc;padding:3px 8px;text-align:left;font-size:14px}
 th{background:#f0f0f0}.plots img{width:560px;margin-right:1em;border:1px solid #ddd}
-.state-running{color:#070}.state-failed{color:#b00}.meta td:first-child{font-weight:bold}"""
+.state-running{color:#070}#loss-plot{border:1px solid #ddd;background:#fff}
+.state-failed{color:#b00}.meta td:first-child{font-weight:bold}"""
+
+_LIVE_HTML = """<h2>Live loss</h2>
+<p>step rate <b id='step-rate'>-</b>; <span id='live-step'></span> <small id='live-status'>(loading)</small></p>
+<svg id='loss-plot' xmlns='http://www.w3.org/2000/svg' width='720' height='260' viewBox='0 0 720 260'
+ role='img' aria-label='loss by step'></svg>
+<h2>Members</h2><table id='members'><thead><tr><th>member</th><th>host</th><th>ranks</th>
+<th>role</th><th>draining</th></tr></thead><tbody></tbody></table>"""
+
+_LIVE_JS = r"""(function () {
+const job = __JOB__, NS = "http://www.w3.org/2000/svg";
+const W = 720, H = 260, L = 60, R = 12, T = 12, B = 34;
+function el(name, attrs, parent) {
+  const e = document.createElementNS(NS, name);
+  for (const k in attrs) e.setAttribute(k, attrs[k]);
+  parent.appendChild(e);
+  return e;
+}
+function text(name, attrs, parent, content) { el(name, attrs, parent).textContent = content; }
+function drawSeries(data) {
+  const svg = document.getElementById("loss-plot"), pts = data.points, gens = data.generations;
+  svg.replaceChildren();
+  svg.setAttribute("data-count", pts.length);
+  let x1 = 1, y0 = Infinity, y1 = -Infinity;
+  for (const p of pts) { x1 = Math.max(x1, p[1]); y0 = Math.min(y0, p[2]); y1 = Math.max(y1, p[2]); }
+  for (const g of gens) x1 = Math.max(x1, g.start_step);
+  if (!pts.length) { y0 = 0; y1 = 1; }
+  if (y1 - y0 < 1e-9) { y0 -= 0.5; y1 += 0.5; }
+  const sx = s => L + (W - L - R) * s / x1, sy = v => T + (H - T - B) * (y1 - v) / (y1 - y0);
+  el("rect", {x: L, y: T, width: W - L - R, height: H - T - B, fill: "none", stroke: "#999"}, svg);
+  for (let i = 0; i <= 4; i++) {
+    const v = y0 + (y1 - y0) * i / 4, s = Math.round(x1 * i / 4);
+    el("line", {x1: L, x2: W - R, y1: sy(v), y2: sy(v), stroke: "#eee"}, svg);
+    text("text", {x: L - 4, y: sy(v) + 4, "text-anchor": "end", "font-size": 11}, svg, v.toFixed(3));
+    text("text", {x: sx(s), y: H - B + 15, "text-anchor": "middle", "font-size": 11}, svg, s);
+  }
+  text("text", {x: (L + W - R) / 2, y: H - 3, "text-anchor": "middle", "font-size": 12}, svg, "step");
+  text("text", {x: 12, y: T + (H - T - B) / 2, "font-size": 12, "text-anchor": "middle",
+                transform: `rotate(-90 12 ${T + (H - T - B) / 2})`}, svg, "loss");
+  for (const g of gens) {
+    const x = sx(g.start_step), m = el("line", {class: "gen-marker", x1: x, x2: x, y1: T, y2: H - B,
+      stroke: "#c60", "stroke-width": 2, "stroke-dasharray": "4 3",
+      "data-generation": g.generation, "data-step": g.start_step}, svg);
+    text("title", {}, m, `generation ${g.generation} (${g.kind}) from step ${g.start_step}: ${g.reason}`);
+  }
+  el("polyline", {id: "loss-line", fill: "none", stroke: "#1f77b4", "stroke-width": 1.5,
+    points: pts.map(p => sx(p[1]).toFixed(1) + "," + sy(p[2]).toFixed(1)).join(" ")}, svg);
+  const dots = el("g", {id: "loss-points", fill: "#1f77b4"}, svg);
+  for (const p of pts) el("circle", {class: "pt", cx: sx(p[1]).toFixed(2), cy: sy(p[2]).toFixed(2),
+    r: 1.6, "data-step": p[1], "data-loss": p[2]}, dots);
+  const last = pts[pts.length - 1];
+  let first = last;
+  for (let i = pts.length - 1; i >= 0 && last[0] - pts[i][0] <= 10; i--) first = pts[i];
+  document.getElementById("step-rate").textContent = last && last[0] > first[0]
+    ? (Math.max(last[1] - first[1], 0) / (last[0] - first[0])).toFixed(2) + " steps/s" : "-";
+  document.getElementById("live-step").textContent = `step ${data.step}, loss ${data.loss.toFixed(4)}`
+    + (data.leader ? "" : " (this replica does not lead: no live series)");
+}
+function drawMembers(data) {
+  const rows = data.members.map(m => {
+    const tr = document.createElement("tr");
+    tr.className = "member-" + m.role;
+    for (const c of [m.id, m.host, m.first_rank === null ? "-" : `${m.first_rank}..${m.last_rank}`,
+                     m.role, m.draining ? "yes" : "no"]) {
+      const td = document.createElement("td");
+      td.textContent = c;
+      tr.appendChild(td);
+    }
+    return tr;
+  });
+  document.querySelector("#members tbody").replaceChildren(...rows);
+}
+let busy = false;
+async function tick() {
+  if (busy) return;
+  busy = true;
+  const status = document.getElementById("live-status");
+  try {
+    const [s, m] = await Promise.all(["series", "members"].map(
+      n => fetch(`/jobs/${job}/${n}.json`, {cache: "no-store"})));
+    if (!s.ok || !m.ok) throw new Error(`HTTP ${s.status}/${m.status}`);
+    drawSeries(await s.json());
+    drawMembers(await m.json());
+    status.textContent = "(live, updated " + new Date().toLocaleTimeString() + ")";
+  } catch (e) {
+    status.textContent = "(update failed: " + e.message + ")";
+  } finally {
+    busy = false;
+  }
+}
+tick();
+setInterval(tick, 1000);
+})();"""
 
 
 def _page(title: str, body: str) -> bytes:
@@ -123,9 +231,59 @@ class Dashboard:
         try:
             if plot is None:
                 return 200, "text/html; charset=utf-8", self.job_page(job_id)
+            if plot.endswith(".json"):
+                data = self.series(job_id) if plot == "/series.json" else self.members(job_id)
+                return 200, "application/json", json.dumps(data).encode()
             return 200, "image/svg+xml", self.plot(job_id, plot.strip("/").removesuffix(".svg"))
         except NotFound as e:
+            if plot is not None and plot.endswith(".json"):
+                return 404, "application/json", json.dumps({"error": str(e), "job": job_id}).encode()
             return 404, "text/plain", f"{e}\n".encode()
+
+    # -- JSON for the live view -------------------------------------------------------
+
+    def series(self, job_id: str) -> dict:
+        """The `series.json` object: ``points`` [[time, step, loss], ...] oldest
+        first, ``generations`` [{generation, start_step, time, kind, reason}]."""
+        c = self._coordinator
+        job = c.get_job(job_id)  # NotFound for an unknown id
+        return {
+            "job": job_id, "leader": c.election.is_leader(), "max_points": SERIES_POINTS,
+            "step": job.status.step, "loss": job.status.loss,
+            "points": [[t, step, loss] for t, step, loss in c.series(job_id)],
+            "generations": [{"generation": e.generation, "start_step": e.start_step,
+                             "time": e.created_at.ToNanoseconds() / 1e9,
+                             "kind": event_summary(e)["kind"], "reason": e.reason}
+                            for e in c.history.events(job_id)],
+        }
+
+    def members(self, job_id: str) -> dict:
+        """The `members.json` object: the current plan's active members (by
+        node rank, with ranks first..last), then its spares, then live
+        members the plan does not name yet (``pending``)."""
+        c = self._coordinator
+        c.get_job(job_id)  # NotFound for an unknown id
+        live = {m.id: m for m in c.members(job_id)}
+        plan = c.current_plan(job_id)
+        rows = []
+        named: set[str] = set()
+
+        def row(member_id: str, role: str, host: str, first: int | None, count: int) -> dict:
+            m = live.get(member_id)
+            named.add(member_id)
+            return {"id": member_id, "host": m.host if m else host, "role": role,
+                    "first_rank": first, "last_rank": None if first is None else first + count - 1,
+                    "num_local_ranks": count or (m.num_local_ranks if m else 0),
+                    "draining": bool(m and m.draining), "live": m is not None}
+
+        if plan is not None:
+            for pm in sorted(plan.members, key=lambda pm: pm.node_rank):
+                rows.append(row(pm.member_id, "active", pm.host, pm.first_rank, pm.num_local_ranks))
+            for spare in plan.spares:
+                rows.append(row(spare, "spare", "", None, 0))
+        for member_id in sorted(set(live) - named):
+            rows.append(row(member_id, "pending", "", None, 0))
+        return {"job": job_id, "generation": plan.generation if plan else 0, "members": rows}
 
     # -- pages -----------------------------------------------------------------------
 
@@ -191,8 +349,9 @@ class Dashboard:
                 f"<h2>World size and step rate</h2><div class='plots'>"
                 f"<img id='world-plot' alt='world size over time' src='/jobs/{job_id}/world.svg'>"
                 f"<img id='steps-plot' alt='step rate over time' src='/jobs/{job_id}/steps.svg'>"
-                f"</div><h2>Generations</h2>{timeline}<h2>Checkpoints</h2>{checkpoints}")
-        return _page(f"Springback job {job_id}", body)
+                f"</div>{_LIVE_HTML}<h2>Generations</h2>{timeline}<h2>Checkpoints</h2>{checkpoints}")
+        script = _LIVE_JS.replace("__JOB__", json.dumps(job_id))
+        return _page(f"Springback job {job_id}", body + f"<script>{script}</script>")
 
     # -- plots -----------------------------------------------------------------------
 

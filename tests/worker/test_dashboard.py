@@ -4,6 +4,7 @@ selenium, on a real job trained by a real node agent."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import urllib.error
@@ -109,6 +110,87 @@ def test_the_dashboard_shows_a_running_job_its_generations_and_plots(browser, ru
     svg = urllib.request.urlopen(urllib.request.Request(
         f"{base}/jobs/{job_id}/world.svg", headers={"Authorization": f"Bearer {TOKEN}"}), timeout=10)
     assert svg.headers["Content-Type"] == "image/svg+xml" and b"world size" in svg.read()
+    check_the_live_view(browser, client, base, job_id)
     if os.environ.get(SCREENSHOT):
         browser.save_screenshot(os.environ[SCREENSHOT])
     assert client.get_job(job_id).status.state == pb.JOB_STATE_RUNNING
+
+
+def _get_json(url: str, token: str | None = TOKEN) -> dict:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=10) as r:
+        assert r.headers["Content-Type"] == "application/json"
+        return json.load(r)
+
+
+PLOTTED = """return Array.from(document.querySelectorAll('#loss-plot circle.pt')).map(
+    c => [Number(c.dataset.step), Number(c.dataset.loss), Number(c.getAttribute('cx')),
+          Number(c.getAttribute('cy'))])"""
+
+
+def check_the_live_view(browser, client, base, job_id):
+    """The job page's live loss curve, generation markers and members table,
+    polled from series.json / members.json by the page's script, no reload."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    browser.execute_script("window.notReloaded = true")  # gone if the page reloads
+    wait = WebDriverWait(browser, 20, poll_frequency=0.2)
+    first = wait.until(lambda d: d.execute_script(PLOTTED) or False, "loss curve drawn")
+    # the plotted points are the coordinator's: each in the JSON series with
+    # its loss, one point per step, x growing with the step, y falling with the loss
+    series = {step: loss for _, step, loss in _get_json(f"{base}/jobs/{job_id}/series.json")["points"]}
+    for step, loss, _, _ in first:
+        assert series[step] == pytest.approx(loss), (step, loss)
+    by_step = sorted(first)
+    assert [p[0] for p in by_step] == sorted({p[0] for p in first})
+    assert all(a[2] < b[2] for a, b in zip(by_step, by_step[1:]))
+    assert all((a[1] - b[1]) * (a[3] - b[3]) <= 1e-9 for a, b in zip(first, first[1:]))
+    # the series ends at the step and loss the API reports (read when the job
+    # did not move between two reads of it)
+    def settled():
+        before = client.get_job(job_id).status
+        points = _get_json(f"{base}/jobs/{job_id}/series.json")["points"]
+        after = client.get_job(job_id).status
+        return (before.step == after.step and points, points, after)
+    _, points, status = wait.until(lambda d: settled()[0] and settled(), "a quiet moment")
+    assert points[-1][1:] == [status.step, pytest.approx(status.loss)]
+    # the curve grows without a reload
+    grown = wait.until(lambda d: (len(d.execute_script(PLOTTED)) > len(first)
+                                  and d.execute_script(PLOTTED)), "more points")
+    assert max(p[0] for p in grown) > max(p[0] for p in first)
+    assert browser.execute_script("return window.notReloaded") is True
+    # a marker at each generation's start, its reason as the tooltip
+    events = _get_json(f"{base}/jobs/{job_id}/series.json")["generations"]
+    markers = browser.find_elements(By.CSS_SELECTOR, "#loss-plot line.gen-marker")
+    assert len(markers) == len(events) >= 3, (len(markers), events)
+    for marker, event in zip(markers, events):
+        assert int(marker.get_attribute("data-step")) == event["start_step"]
+        title = browser.execute_script("return arguments[0].querySelector('title').textContent",
+                                       marker)
+        assert event["reason"] and event["reason"] in title, (title, event)
+    assert [e["kind"] for e in events][:1] == ["start"] and "rank_failure" in [
+        e["kind"] for e in events]
+    # the members table is the job's members, their ranks covering the world
+    status = client.get_job(job_id).status
+    def table():
+        rows = [[td.text for td in tr.find_elements(By.TAG_NAME, "td")]
+                for tr in browser.find_elements(By.CSS_SELECTOR, "#members tbody tr")]
+        return rows if [r[0] for r in rows] == [*status.members, *status.spares] else False
+    rows = wait.until(lambda d: table(), "members table")
+    assert [r[3] for r in rows] == ["active"] * len(status.members) + ["spare"] * len(status.spares)
+    ranks = [tuple(map(int, r[2].split(".."))) for r in rows if r[3] == "active"]
+    assert ranks[0][0] == 0 and ranks[-1][1] == status.world_size - 1
+    assert all(a[1] + 1 == b[0] for a, b in zip(ranks, ranks[1:]))
+    assert all(r[1] and r[4] == "no" for r in rows), rows
+    # the JSON endpoints: same auth as the pages, 404 naming an unknown job
+    for name in ("series", "members"):
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            _get_json(f"{base}/jobs/{job_id}/{name}.json", token=None)
+        assert refused.value.code == 401
+        with pytest.raises(urllib.error.HTTPError) as missing:
+            _get_json(f"{base}/jobs/no-such-job/{name}.json")
+        assert missing.value.code == 404
+        assert missing.value.headers["Content-Type"] == "application/json"
+        error = json.load(missing.value)
+        assert error["job"] == "no-such-job" and "no-such-job" in error["error"], error
