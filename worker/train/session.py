@@ -135,6 +135,11 @@ class Session:
         if restore_checkpoint is None and ("model" in self.state or build is not None):
             from springback.worker.train.checkpointing import restore_from_checkpoint
             restore_checkpoint = restore_from_checkpoint
+            # imported now, not inside a generation's restore: its first
+            # collective waits under the collective timeout while the slowest
+            # rank imports (seconds on a loaded machine; a restore of every
+            # rank's warm standby timed out at a 2 s timeout that way in CI)
+            import springback.storage.restore  # noqa: F401
         self._plan_wait_override_s = plan_wait_s  # else the job's failures.plan_wait_s
         self._fallback = (num_samples, global_batch_size, seed, max_steps)
         self._generation = 0
