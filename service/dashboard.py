@@ -17,8 +17,11 @@ script, no external assets):
   loss curve (inline SVG, a vertical marker at each generation's start, its
   reason as the tooltip) and the step rate, without reloading.
 * ``/jobs/{id}/members.json`` — the live members with their ranks in the
-  current plan (active or spare, draining); the page's members table is
-  refreshed from it every second.
+  current plan (active or spare, draining) and when each last heartbeat, read
+  from its etcd lease (the time left of its liveness lease, so it is the same
+  on every replica; whole seconds, for the first `LEASES_SHOWN` members
+  only: one etcd read each); the page's members table is refreshed from it
+  every second.
 
 An unknown job id is 404 (JSON ``{"error": ..., "job": id}`` for the JSON
 endpoints).
@@ -37,17 +40,19 @@ from __future__ import annotations
 import html
 import io
 import json
+import math
 import re
 import threading
 import time
 from collections import deque
 
 from springback.service import planner
+from springback.client import badput
 from springback.client.metrics import Page
 from springback.client.summary import event_summary, job_summary
 from springback.service.coordinator import SERIES_POINTS, Coordinator
 from springback.client.errors import NotFound
-from springback.service.jobmetrics import goodput
+from springback.service.jobmetrics import goodput, recovery_times
 from springback.v1 import types_pb2 as pb
 
 _JOB_PAGE = re.compile(
@@ -56,14 +61,23 @@ _STYLE = """body{font-family:sans-serif;margin:2em;color:#222}table{border-colla
 td,th{border:1px solid #ccc;padding:3px 8px;text-align:left;font-size:14px}
 th{background:#f0f0f0}.plots img{width:560px;margin-right:1em;border:1px solid #ddd}
 .state-running{color:#070}#loss-plot{border:1px solid #ddd;background:#fff}
-.state-failed{color:#b00}.meta td:first-child{font-weight:bold}"""
+.state-failed{color:#b00}.meta td:first-child{font-weight:bold}
+.swatch{display:inline-block;width:10px;height:10px;margin-right:4px}"""
+
+LEASES_SHOWN = 64
+"""Members whose last heartbeat `members.json` reads (one etcd call each)."""
+
+CAUSE_COLOURS = {"useful": "#2ca02c", "startup": "#9467bd", "detection": "#d62728",
+                 "reforming": "#ff7f0e", "state_transfer": "#1f77b4", "redone": "#8c564b",
+                 "checkpoint": "#e377c2", "waiting": "#7f7f7f"}
+"""One colour per `badput.CAUSES` entry, shared by the bar and the timeline."""
 
 _LIVE_HTML = """<h2>Live loss</h2>
 <p>step rate <b id='step-rate'>-</b>; <span id='live-step'></span> <small id='live-status'>(loading)</small></p>
 <svg id='loss-plot' xmlns='http://www.w3.org/2000/svg' width='720' height='260' viewBox='0 0 720 260'
  role='img' aria-label='loss by step'></svg>
 <h2>Members</h2><table id='members'><thead><tr><th>member</th><th>host</th><th>ranks</th>
-<th>role</th><th>draining</th></tr></thead><tbody></tbody></table>"""
+<th>role</th><th>draining</th><th>last heartbeat</th></tr></thead><tbody></tbody></table>"""
 
 _LIVE_JS = r"""(function () {
 const job = __JOB__, NS = "http://www.w3.org/2000/svg";
@@ -119,7 +133,8 @@ function drawMembers(data) {
     const tr = document.createElement("tr");
     tr.className = "member-" + m.role;
     for (const c of [m.id, m.host, m.first_rank === null ? "-" : `${m.first_rank}..${m.last_rank}`,
-                     m.role, m.draining ? "yes" : "no"]) {
+                     m.role, m.draining ? "yes" : "no",
+                     m.heartbeat_s_ago === null ? "-" : `${m.heartbeat_s_ago} s ago`]) {
       const td = document.createElement("td");
       td.textContent = c;
       tr.appendChild(td);
@@ -166,6 +181,96 @@ def _table(headers: list[str], rows: list[list[str]], table_id: str) -> str:
 
 def _ts(job_ts) -> str:  # noqa: ANN001 (a protobuf Timestamp)
     return job_ts.ToDatetime().strftime("%Y-%m-%d %H:%M:%S") if job_ts.seconds else "-"
+
+
+def _badput_html(job: pb.Job, events: list, now: float) -> str:
+    """"Where the time went": the job's wall time as one stacked bar by cause
+    (`badput.job_badput`), a table of the causes, and a timeline of the
+    generations, each split by its own causes (`badput.per_generation`), all
+    as of `now` (the page's ``data-now``, so a reader can recompute them).
+    Every shape carries its cause and seconds as ``data-`` attributes."""
+    rows = badput.per_generation(job, events, now)
+    total = badput.job_badput(job, events, now)
+    wall = total["wall_s"]
+    if not rows or wall <= 0:
+        return "<h2>Where the time went</h2><p id='badput-none'>nothing yet</p>"
+    width, height = 720, 28
+
+    def rect(x: float, w: float, cause: str, seconds: float, y: int, h: int, extra: str,
+             label: str) -> str:
+        return (f"<rect class='cause' x='{x:.2f}' y='{y}' width='{w:.2f}' height='{h}' "
+                f"fill='{CAUSE_COLOURS[cause]}' data-cause='{cause}' data-seconds='{seconds:.6f}'"
+                f"{extra}><title>{html.escape(label)}</title></rect>")
+
+    x, bar = 0.0, []
+    for cause in badput.CAUSES:
+        seconds = total["causes"][cause]
+        if seconds > 0:
+            w = width * seconds / wall
+            bar.append(rect(x, w, cause, seconds, 0, height, "",
+                            f"{cause}: {seconds:.2f} s ({seconds / wall:.1%})"))
+            x += w
+    x, timeline, ticks = 0.0, [], []
+    for event, seconds, causes in rows:
+        gx = x
+        for cause in badput.CAUSES:
+            if causes[cause] > 0:
+                w = width * causes[cause] / wall
+                timeline.append(rect(x, w, cause, causes[cause], 0, 22,
+                                     f" data-generation='{event.generation}'",
+                                     f"generation {event.generation}: {cause} "
+                                     f"{causes[cause]:.2f} s"))
+                x += w
+        ticks.append(f"<line class='gen-start' x1='{gx:.2f}' x2='{gx:.2f}' y1='0' y2='30' "
+                     f"stroke='#333' data-generation='{event.generation}' "
+                     f"data-wall='{seconds:.6f}'/><text x='{gx + 2:.2f}' y='40' "
+                     f"font-size='10'>{event.generation}</text>")
+    legend = _table(["cause", "seconds", "share"], [
+        [f"<span class='swatch' style='background:{CAUSE_COLOURS[c]}'></span>{c}",
+         f"{total['causes'][c]:.2f}", f"{total['causes'][c] / wall:.1%}"]
+        for c in badput.CAUSES], "badput")
+    return (f"<h2>Where the time went</h2><p>wall time <b id='badput-wall' "
+            f"data-seconds='{wall:.6f}'>{wall:.1f} s</b>, useful "
+            f"{total['causes']['useful'] / wall:.1%} (as of this page's load)</p>"
+            f"<svg id='badput-bar' data-now='{now:.6f}' xmlns='http://www.w3.org/2000/svg' "
+            f"width='{width}' height='{height}'>{''.join(bar)}</svg>{legend}"
+            f"<h3>By generation</h3><svg id='badput-timeline' xmlns='http://www.w3.org/2000/svg' "
+            f"width='{width}' height='44'>{''.join(timeline)}{''.join(ticks)}</svg>")
+
+
+def _recovery_html(events: list) -> str:
+    """Recovery time (`GenerationEvent.recovery`) by what caused the change:
+    count, p50, p90 and the worst, nearest-rank quantiles over the job's
+    recoveries (the job's first start is start-up, not recovery)."""
+    by_kind: dict[str, list[float]] = {}
+    runs = [e for e in events if e.HasField("recovery")][1:]
+    for event, seconds in zip(runs, recovery_times(events)):
+        by_kind.setdefault(event_summary(event)["kind"], []).append(seconds)
+
+    def q(values: list[float], p: float) -> float:
+        ordered = sorted(values)
+        return ordered[max(0, math.ceil(len(ordered) * p) - 1)]
+
+    rows = [[kind, str(len(v)), f"{q(v, 0.5):.2f} s", f"{q(v, 0.9):.2f} s", f"{max(v):.2f} s"]
+            for kind, v in sorted(by_kind.items())]
+    return ("<h2>Recovery by cause</h2>"
+            + (_table(["change", "recoveries", "p50", "p90", "max"], rows, "recovery-by-kind")
+               if rows else "<p id='recovery-by-kind'>no recovery yet</p>"))
+
+
+def _cost_html(cost: dict) -> str:
+    """Node-hours (active, spares, useful) and, with a price, the money."""
+    text = (f"<span id='node-hours'>{cost['node_hours']:.4f}</span> node-hours "
+            f"({cost['node_hours_active']:.4f} active, {cost['node_hours_spares']:.4f} spares, "
+            f"{cost['node_hours_useful']:.4f} useful)")
+    if cost["cost"] is not None:
+        per_step = cost["cost_per_useful_step"]
+        per_samples = cost["cost_per_1000_samples"]
+        text += (f"; cost <b id='cost'>{cost['cost']:.4g}</b> at {cost['price_per_node_hour']:g} "
+                 f"per node-hour, <span id='cost-per-step'>"
+                 f"{'-' if per_step is None else format(per_step, '.4g')}</span> per useful step, "
+                 f"{'-' if per_samples is None else format(per_samples, '.4g')} per 1,000 samples")
+    return text
 
 
 class Dashboard:
@@ -264,6 +369,8 @@ class Dashboard:
         c = self._coordinator
         c.get_job(job_id)  # NotFound for an unknown id
         live = {m.id: m for m in c.members(job_id)}
+        beats = {member_id: self._heartbeat_s_ago(member_id)
+                 for member_id in sorted(live)[:LEASES_SHOWN]}
         plan = c.current_plan(job_id)
         rows = []
         named: set[str] = set()
@@ -274,7 +381,8 @@ class Dashboard:
             return {"id": member_id, "host": m.host if m else host, "role": role,
                     "first_rank": first, "last_rank": None if first is None else first + count - 1,
                     "num_local_ranks": count or (m.num_local_ranks if m else 0),
-                    "draining": bool(m and m.draining), "live": m is not None}
+                    "draining": bool(m and m.draining), "live": m is not None,
+                    "heartbeat_s_ago": beats.get(member_id)}
 
         if plan is not None:
             for pm in sorted(plan.members, key=lambda pm: pm.node_rank):
@@ -284,6 +392,19 @@ class Dashboard:
         for member_id in sorted(set(live) - named):
             rows.append(row(member_id, "pending", "", None, 0))
         return {"job": job_id, "generation": plan.generation if plan else 0, "members": rows}
+
+    def _heartbeat_s_ago(self, member_id: str) -> int | None:
+        """Whole seconds since the member's lease was last renewed (granted
+        TTL - TTL left); None for a lease this replica does not know, or
+        when etcd does not answer."""
+        lease = self._coordinator.cached_lease(member_id)
+        if lease is None:
+            return None
+        try:
+            left, granted = self._coordinator.store.lease_time_left(lease)
+        except Exception:  # noqa: BLE001 (etcd away: the table says "-", the page stays up)
+            return None
+        return max(granted - left, 0) if left > 0 else None
 
     # -- pages -----------------------------------------------------------------------
 
@@ -315,7 +436,9 @@ class Dashboard:
         job = c.get_job(job_id)
         events = c.history.events(job_id)
         s = job_summary(job)
-        ratio = goodput(job, events, time.time())
+        now = time.time()
+        ratio = goodput(job, events, now)
+        cost = badput.job_badput(job, events, now)["cost"]
         meta = _table([], [
             ["state", f"<span class='state-{s['state']}'>{s['state']}</span> "
                       f"{html.escape(s['message'])}"],
@@ -326,17 +449,21 @@ class Dashboard:
                             f"times ({s['steps_lost']} steps)</strong>"
                             if s["state_losses"] else "")],
             ["goodput", f"<span id='goodput'>{ratio:.1%}</span>" if ratio is not None else "-"],
+            ["node-hours", _cost_html(cost)],
             ["created / started / finished",
              f"{_ts(job.created_at)} / {_ts(job.started_at)} / {_ts(job.finished_at)}"],
         ], "summary").replace("<table", "<table class='meta'", 1)
         timeline = _table(
-            ["gen", "time", "kind", "world", "restore", "from step", "redone", "recovery", "reason"],
+            ["gen", "time", "kind", "world", "restore", "from step", "redone", "recovery", "reason",
+             "step time p50 / p90 / p99"],
             [[str(g["generation"]), html.escape(g["time"] or "-"), g["kind"], str(g["world_size"]),
               g["restore"].replace("unspecified", "-"), str(g["start_step"]), str(g["steps_redone"]),
               f"{g['recovery_s']:.2f} s" if g["recovery_s"] is not None else "-",
               html.escape(g["reason"]) + (
                   f" <strong class='state-lost'>state lost ({g['steps_lost']} steps): "
-                  f"{html.escape(g['state_lost'] or '')}</strong>" if g["steps_lost"] else "")]
+                  f"{html.escape(g['state_lost'] or '')}</strong>" if g["steps_lost"] else ""),
+              " / ".join(f"{g['step_time_s'][q] * 1e3:.1f}" for q in ("p50", "p90", "p99"))
+              + " ms" if g["step_time_s"] else "-"]
              for g in map(event_summary, reversed(events))],
             "generations")
         checkpoints = _table(
@@ -349,7 +476,8 @@ class Dashboard:
                 f"<h2>World size and step rate</h2><div class='plots'>"
                 f"<img id='world-plot' alt='world size over time' src='/jobs/{job_id}/world.svg'>"
                 f"<img id='steps-plot' alt='step rate over time' src='/jobs/{job_id}/steps.svg'>"
-                f"</div>{_LIVE_HTML}<h2>Generations</h2>{timeline}<h2>Checkpoints</h2>{checkpoints}")
+                f"</div>{_LIVE_HTML}{_badput_html(job, events, now)}<h2>Generations</h2>{timeline}"
+                f"{_recovery_html(events)}<h2>Checkpoints</h2>{checkpoints}")
         script = _LIVE_JS.replace("__JOB__", json.dumps(job_id))
         return _page(f"Springback job {job_id}", body + f"<script>{script}</script>")
 

@@ -172,5 +172,12 @@ class Store:
         return 0
 
     @_translate
+    def lease_time_left(self, lease_id: int) -> tuple[int, int]:
+        """(seconds left, seconds granted) of a lease, whole seconds as etcd
+        keeps them; left <= 0 when it expired. Reads only (renews nothing)."""
+        response = self._client.get_lease_info(lease_id)
+        return int(response.TTL), int(response.grantedTTL)
+
+    @_translate
     def revoke_lease(self, lease_id: int) -> None:
         self._client.revoke_lease(lease_id)

@@ -5,6 +5,7 @@ selenium, on a real job trained by a real node agent."""
 from __future__ import annotations
 
 import json
+import re
 import os
 import shutil
 import urllib.error
@@ -20,7 +21,8 @@ pytestmark = pytest.mark.timeout(180)
 CHROMEDRIVER = "/usr/bin/chromedriver"
 TOKEN = "dashboard-test-token"
 SPEC = {"name": "dash", "min_workers": 1, "max_workers": 2,
-        "data": {"num_samples": 240, "global_batch_size": 12, "seed": 5}, "max_steps": 400}
+        "data": {"num_samples": 240, "global_batch_size": 12, "seed": 5}, "max_steps": 400,
+        "price_per_node_hour": 2.5}
 SCREENSHOT = "SPRINGBACK_DASHBOARD_SCREENSHOT"
 """When set, the test saves the job page's screenshot there (docs/dashboard.png)."""
 
@@ -110,7 +112,8 @@ def test_the_dashboard_shows_a_running_job_its_generations_and_plots(browser, ru
     svg = urllib.request.urlopen(urllib.request.Request(
         f"{base}/jobs/{job_id}/world.svg", headers={"Authorization": f"Bearer {TOKEN}"}), timeout=10)
     assert svg.headers["Content-Type"] == "image/svg+xml" and b"world size" in svg.read()
-    check_the_live_view(browser, client, base, job_id)
+    check_the_breakdown(browser, client, job_id)
+    check_the_live_view(browser, server, client, base, job_id)
     if os.environ.get(SCREENSHOT):
         browser.save_screenshot(os.environ[SCREENSHOT])
     assert client.get_job(job_id).status.state == pb.JOB_STATE_RUNNING
@@ -128,7 +131,7 @@ PLOTTED = """return Array.from(document.querySelectorAll('#loss-plot circle.pt')
           Number(c.getAttribute('cy'))])"""
 
 
-def check_the_live_view(browser, client, base, job_id):
+def check_the_live_view(browser, server, client, base, job_id):
     """The job page's live loss curve, generation markers and members table,
     polled from series.json / members.json by the page's script, no reload."""
     from selenium.webdriver.common.by import By
@@ -183,6 +186,11 @@ def check_the_live_view(browser, client, base, job_id):
     assert ranks[0][0] == 0 and ranks[-1][1] == status.world_size - 1
     assert all(a[1] + 1 == b[0] for a, b in zip(ranks, ranks[1:]))
     assert all(r[1] and r[4] == "no" for r in rows), rows
+    # last heartbeat from the member's etcd lease: within its liveness timeout
+    liveness_s = server.coordinator.liveness_timeout_s
+    for r in rows:
+        ago = r[5].removesuffix(" s ago")
+        assert ago.isdigit() and int(ago) <= liveness_s, rows
     # the JSON endpoints: same auth as the pages, 404 naming an unknown job
     for name in ("series", "members"):
         with pytest.raises(urllib.error.HTTPError) as refused:
@@ -194,3 +202,84 @@ def check_the_live_view(browser, client, base, job_id):
         assert missing.value.headers["Content-Type"] == "application/json"
         error = json.load(missing.value)
         assert error["job"] == "no-such-job" and "no-such-job" in error["error"], error
+
+
+def _shapes(browser, selector: str) -> list[dict]:
+    return browser.execute_script(
+        "return Array.from(document.querySelectorAll(arguments[0])).map(r => ({"
+        "cause: r.dataset.cause, seconds: Number(r.dataset.seconds), "
+        "generation: r.dataset.generation, width: Number(r.getAttribute('width'))}))", selector)
+
+
+def check_the_breakdown(browser, client, job_id):
+    """Where the time went (badput by cause: bar, table, per-generation
+    timeline), recovery by cause, step-time quantiles and the cost, each
+    against what the API computes from the same records at the page's time."""
+    from selenium.webdriver.common.by import By
+    from springback.client import badput
+    from springback.client.summary import job_summary
+
+    bar = browser.find_element(By.ID, "badput-bar")
+    now = float(bar.get_attribute("data-now"))
+    job, events = client.list_job_events(job_id)
+    api = job_summary(job, events, now)
+    wall = float(browser.find_element(By.ID, "badput-wall").get_attribute("data-seconds"))
+    assert wall == pytest.approx(api["badput"]["wall_s"], abs=0.5)
+    shown = {r["cause"]: r["seconds"] for r in _shapes(browser, "#badput-bar rect.cause")}
+    assert sum(shown.values()) == pytest.approx(wall, rel=1e-6)  # every second in one cause
+    assert sum(r["width"] for r in _shapes(browser, "#badput-bar rect.cause")) == pytest.approx(720, abs=0.05)
+    # the records move on while the job trains (the current generation's
+    # steps and checkpoint stalls): the API's figures at the same time agree
+    # to within the time between the page's load and this read
+    for cause in badput.CAUSES:
+        assert shown.get(cause, 0.0) == pytest.approx(api["badput"]["causes_s"][cause], abs=0.5), cause
+    # what happened here: a start, a rank crash noticed, a re-formed group,
+    # state from the peers, checkpoints; nothing redone (crash[6] above)
+    assert {"useful", "startup", "detection", "reforming", "checkpoint"} <= set(shown), shown
+    assert "redone" not in shown, shown
+    table = {tr.find_elements(By.TAG_NAME, "td")[0].text: float(tr.find_elements(
+        By.TAG_NAME, "td")[1].text) for tr in browser.find_elements(By.CSS_SELECTOR, "#badput tbody tr")}
+    assert set(table) == set(badput.CAUSES)
+    for cause in badput.CAUSES:
+        assert table[cause] == pytest.approx(shown.get(cause, 0.0), abs=0.006)
+    # the timeline: each generation's causes sum to its own wall time
+    ticks = browser.find_elements(By.CSS_SELECTOR, "#badput-timeline line.gen-start")
+    assert [int(t.get_attribute("data-generation")) for t in ticks] == [e.generation for e in events]
+    segments = _shapes(browser, "#badput-timeline rect.cause")
+    for tick in ticks:
+        generation = tick.get_attribute("data-generation")
+        own = sum(r["seconds"] for r in segments if r["generation"] == generation)
+        assert own == pytest.approx(float(tick.get_attribute("data-wall")), rel=1e-6, abs=1e-6)
+    assert sum(r["seconds"] for r in segments) == pytest.approx(wall, rel=1e-6)
+    # recovery by cause: one row per kind of change after the start
+    rows = {tr.find_elements(By.TAG_NAME, "td")[0].text: tr.find_elements(By.TAG_NAME, "td")
+            for tr in browser.find_elements(By.CSS_SELECTOR, "#recovery-by-kind tbody tr")}
+    recovered = [e for e in events if e.HasField("recovery")][1:]
+    kinds = {}
+    for e in recovered:
+        kind = js_kind(e)
+        kinds[kind] = kinds.get(kind, 0) + 1
+    assert {k: int(v[1].text) for k, v in rows.items()} == kinds and "rank_failure" in kinds
+    worst = max(e.recovery.ToNanoseconds() / 1e9 for e in recovered if js_kind(e) == "rank_failure")
+    assert rows["rank_failure"][4].text == f"{worst:.2f} s"
+    # step time quantiles per generation (newest first), from the events
+    cells = [tr.find_elements(By.TAG_NAME, "td")[9].text
+             for tr in browser.find_elements(By.CSS_SELECTOR, "#generations tbody tr")]
+    quantiles = [e for e in reversed(events)]
+    assert any(e.step_p50_s for e in quantiles[1:])
+    # the current generation's move on as it trains: its form only
+    assert re.fullmatch(r"[0-9.]+ / [0-9.]+ / [0-9.]+ ms|-", cells[0]), cells[0]
+    for text, e in zip(cells[1:], quantiles[1:]):
+        assert text == (f"{e.step_p50_s * 1e3:.1f} / {e.step_p90_s * 1e3:.1f} / "
+                        f"{e.step_p99_s * 1e3:.1f} ms" if e.step_p50_s else "-"), (text, e.generation)
+    # node-hours and the money, as `job get --json` has them
+    assert float(browser.find_element(By.ID, "node-hours").text) == pytest.approx(
+        api["cost"]["node_hours"], abs=1e-3)
+    assert float(browser.find_element(By.ID, "cost").text) == pytest.approx(
+        api["cost"]["cost"], rel=0.05)
+
+
+def js_kind(event) -> str:
+    from springback.client.summary import event_summary
+
+    return event_summary(event)["kind"]
