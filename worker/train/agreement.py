@@ -35,6 +35,10 @@ is a transaction:
   plain parameter not declared replicated, plain tensors that differ between
   ranks) is an agreed decision: every rank restores the plan's checkpoint,
   and with none the job fails (`StateUnrecoverable`) naming it;
+* a restore reads only a checkpoint directly in the job's own directory
+  (`outside_job`: the coordinator's rule at commit, checked again before
+  anything is read); any other URI fails the job (`StateUnrecoverable`)
+  naming the URI and the directory;
 * with no holder, no complete peer copy and no commit the state is lost:
   the ranks start from the built model at step 0 and say so
   (`Outcome.state_lost`, reported to the coordinator, which records the loss
@@ -52,6 +56,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 import torch.distributed as dist
 
+from springback.client.jobdir import outside_job_directory
 from springback.v1 import types_pb2 as pb
 from springback.worker.rank import rngstate
 from springback.worker.rank.context import RankContext
@@ -80,6 +85,20 @@ class StateUnrecoverable(Exception):
     """The ranks agreed that nothing can fill the new generation's state and
     no membership would change that (the rank fails with this: it is not a
     RuntimeError, so never taken for a membership change)."""
+
+
+def outside_job(plan: pb.Plan, uri: str, job_id: str) -> str | None:
+    """Why this rank refuses to restore checkpoint `uri`, or None. With a
+    ``checkpoint.uri`` in the spec, a checkpoint the job may restore lies
+    directly in its own directory, ``<checkpoint.uri>/<job id>/<name>``: the
+    rule the coordinator applies at commit (`springback.client.jobdir`),
+    checked again here because a restore unpickles what it reads and a
+    record written straight into etcd never passed the coordinator."""
+    base = plan.spec.checkpoint.uri
+    if not base:
+        return None
+    why = outside_job_directory(uri, base, plan.job_id or job_id)
+    return None if why is None else f"refusing to restore checkpoint {uri!r}: {why}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,11 +213,19 @@ class StateAgreement:
         if not self._will_restore(plan, best):
             return False
         ref = plan.restore.checkpoint
-        self.restore(ref, f"no rank holds the state the plan expected (best step {best})"
-                      if plan.restore.kind == pb.RESTORE_KIND_PEERS else "")
+        self.restore(plan, ref, f"no rank holds the state the plan expected (best step {best})"
+                     if plan.restore.kind == pb.RESTORE_KIND_PEERS else "")
         return True
 
-    def restore(self, ref: pb.CheckpointRef, why: str) -> None:
+    def restore(self, plan: pb.Plan, ref: pb.CheckpointRef, why: str) -> None:
+        """Restores `ref` through the restore hook. The URI is checked first,
+        before anything is read (`outside_job`): a record written straight
+        into etcd bypasses the coordinator's check at commit."""
+        refused = outside_job(plan, ref.uri, self.ctx.env.job_id)
+        if refused is not None:
+            if self.ctx.reporter is not None:  # the job fails at once, naming it
+                self.ctx.reporter.report_fatal(plan, refused)
+            raise StateUnrecoverable(refused)
         if self.restore_checkpoint is None:
             raise RuntimeError(f"plan says restore from checkpoint {ref.uri} "
                                "but no restore hook is set")
@@ -250,8 +277,8 @@ class StateAgreement:
                 captured.refused, plan.world_size)) if w), "")
             outcome = self._refused(plan, rank, best, why, ref, mesh)
         elif self._will_restore(plan, best):
-            self._restore_sharded(plan.restore.checkpoint, f"no rank holds the state the plan "
-                                  f"expected (best step {best})"
+            self._restore_sharded(plan, plan.restore.checkpoint,
+                                  f"no rank holds the state the plan expected (best step {best})"
                                   if plan.restore.kind == pb.RESTORE_KIND_PEERS else "")
             outcome = Outcome(None, pb.RESTORE_KIND_CHECKPOINT, mesh)
         elif best < 0:
@@ -280,11 +307,11 @@ class StateAgreement:
             if rank == 0 and self.ctx.reporter is not None:
                 self.ctx.reporter.report_fatal(plan, message)
             raise StateUnrecoverable(message)
-        self._restore_sharded(ref, f"the state of step {best} cannot be resharded in memory "
+        self._restore_sharded(plan, ref, f"the state of step {best} cannot be resharded in memory "
                                    f"({why})")
         return Outcome(None, pb.RESTORE_KIND_CHECKPOINT, mesh)
 
-    def _restore_sharded(self, ref: pb.CheckpointRef, why: str) -> None:
+    def _restore_sharded(self, plan: pb.Plan, ref: pb.CheckpointRef, why: str) -> None:
         """Restores `ref` into the new model. Optimizer entries made for a fill
         (`ShardedModel.targets`) are dropped first: the checkpoint fills what
         it holds, and a parameter never stepped before the save starts
@@ -295,7 +322,7 @@ class StateAgreement:
         if sm.uninitialised and sm.model is not None and any(
                 m._non_persistent_buffers_set for m in sm.model.modules()):
             self._built_for_real(sm.mesh)  # the checkpoint holds no non-persistent buffers
-        self.restore(ref, why)
+        self.restore(plan, ref, why)
 
     def _built_for_real(self, mesh: DeviceMesh) -> None:
         """The model as the build function initialises it (nothing holds the
@@ -379,7 +406,7 @@ class StateAgreement:
             return Outcome(0, pb.RESTORE_KIND_NONE, mesh, state_lost=(
                 f"the shards of step {best} have no live holder{f' ({why})' if why else ''}, "
                 "no complete peer copy and nothing was committed"))
-        self._restore_sharded(ref, f"shards of step {best} have no live holder"
+        self._restore_sharded(plan, ref, f"shards of step {best} have no live holder"
                                    + (f" ({why})" if why else ""))
         return Outcome(None, pb.RESTORE_KIND_CHECKPOINT, mesh)
 
