@@ -8,9 +8,16 @@ failures. The coordinator chooses it for each RUN generation (`apply`, from
 and tells the ranks through the plan's ``spec.checkpoint.every_steps`` (the
 field ranks read today, worker/train/checkpointing.py).
 
-Figures: MTBF is the job's running time divided by its failures
-(``status.num_failures``), or the spec's ``mtbf_prior_s`` until a failure is
-seen; ``C`` is the stall rank 0 last measured, and the step time the
+Which failures count: a checkpoint insures only against *rollbacks*, the
+failures whose recovery went back to a checkpoint (or lost the steps:
+``steps_redone > 0`` at the next generation's start). A failure the survivors
+recovered from their own memory (a hand-over, a reshard, a peer copy) redoes
+nothing whatever the interval, so counting it would checkpoint more often for
+no gain. So ``MTBF`` here is the mean time between rollbacks: the job's
+running time divided by its rollbacks, or, while none has been seen, the
+spec's ``mtbf_prior_s`` plus the running time (the prior, lengthened by the
+time the job has run without one; all failures seen so far are reported with
+it). ``C`` is the stall rank 0 last measured, and the step time the
 coordinator measured between step reports. Until both are measured the
 interval is `DEFAULT_INITIAL_STEPS` (a generation's interval stays as chosen
 until the next generation: a job that never fails keeps its first choice).
@@ -54,6 +61,7 @@ class Observed:
 
     running_s: float = 0.0
     failures: int = 0
+    rollbacks: int = 0
     cost_s: float = 0.0
     step_s: float = 0.0
 
@@ -63,12 +71,16 @@ def choose(spec: pb.JobSpec, seen: Observed) -> pb.CheckpointInterval:
     for a validated spec."""
     lo, hi = bounds(spec)
     prior = float(spec.checkpoint.mtbf_prior_s or DEFAULT_MTBF_PRIOR_S)
-    if seen.failures > 0 and seen.running_s > 0:
-        mtbf, where = seen.running_s / seen.failures, f"MTBF observed ({seen.failures} failures)"
+    if seen.rollbacks > 0 and seen.running_s > 0:
+        mtbf = seen.running_s / seen.rollbacks
+        where = (f"time between rollbacks observed ({seen.rollbacks} rollbacks in "
+                 f"{seen.failures} failures)")
     else:
-        mtbf, where = prior, "MTBF prior (no failure yet)"
-    out = pb.CheckpointInterval(mtbf_s=mtbf, failures=seen.failures, cost_s=seen.cost_s,
-                                step_s=seen.step_s)
+        mtbf = prior + seen.running_s
+        where = (f"no rollback yet ({seen.failures} failures, all recovered live): the prior "
+                 f"{prior:.4g} s + {seen.running_s:.4g} s run")
+    out = pb.CheckpointInterval(mtbf_s=mtbf, failures=seen.failures, rollbacks=seen.rollbacks,
+                                cost_s=seen.cost_s, step_s=seen.step_s)
     if seen.cost_s <= 0 or seen.step_s <= 0:
         out.every_steps = max(lo, min(hi, DEFAULT_INITIAL_STEPS))
         out.basis = (f"initial {DEFAULT_INITIAL_STEPS} within [{lo}, {hi}]: checkpoint cost "

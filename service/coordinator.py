@@ -77,6 +77,7 @@ class _Measures:
 
     def __init__(self) -> None:
         self.failures = 0  # generations made for a node loss or a rank failure
+        self.rollbacks = 0  # generation starts that redid or lost steps
         self.cost_s = 0.0  # rank 0's newest checkpoint stall
         self.step_s = 0.0  # seconds per step, a moving average of report gaps
         self.last: tuple[int, int, float] | None = None  # (generation, step, when) reported
@@ -338,7 +339,8 @@ class Coordinator:
             started = job.started_at.ToNanoseconds() / 1e9 if job.started_at.seconds else 0.0
             return ckptinterval.Observed(
                 running_s=max(time.time() - started, 0.0) if started else 0.0,
-                failures=m.failures + int(failure), cost_s=m.cost_s, step_s=m.step_s)
+                failures=m.failures + int(failure), rollbacks=m.rollbacks, cost_s=m.cost_s,
+                step_s=m.step_s)
 
     def _applied(self, job_id: str, decision: replan.Decision,
                  progress: planner.Progress | None, reason: str) -> None:
@@ -503,11 +505,15 @@ class Coordinator:
         reason = f"generation {generation} started at step {progress.step} (state from " \
                  f"{pb.RestoreKind.Name(restored_from).removeprefix('RESTORE_KIND_').lower()})"
 
+        rolled_back = [False]  # set by the attempt that lands (a retry sets it afresh)
+
         def started(job: pb.Job) -> str | None:
             status = job.status
+            rolled_back[0] = False
             if status.holders_step == progress.step and list(status.state_holders) == holders:
                 return status.message  # a repeated report: what was said stands
             redone = max(status.step - progress.step, 0)
+            rolled_back[0] = redone > 0
             lost = redone if restored_from == pb.RESTORE_KIND_NONE and redone else 0
             status.steps_redone += redone
             why, said = "", None
@@ -537,6 +543,9 @@ class Coordinator:
             return said
 
         self.change_with_retry(job_id, reason, started)
+        if rolled_back[0]:
+            with self._changed:
+                self._measures.setdefault(job_id, _Measures()).rollbacks += 1
 
     # -- watching -----------------------------------------------------------------
 

@@ -28,18 +28,29 @@ def auto_spec(**checkpoint) -> pb.JobSpec:
 class TestChoice:
     def test_two_failure_rates_move_the_interval_as_sqrt_of_mtbf(self):
         spec = auto_spec()
-        often = ckptinterval.choose(spec, Observed(running_s=4000, failures=40, cost_s=2.0,
-                                                   step_s=0.1))
-        rarely = ckptinterval.choose(spec, Observed(running_s=4000, failures=10, cost_s=2.0,
-                                                    step_s=0.1))
+        often = ckptinterval.choose(spec, Observed(running_s=4000, failures=60, rollbacks=40,
+                                                   cost_s=2.0, step_s=0.1))
+        rarely = ckptinterval.choose(spec, Observed(running_s=4000, failures=60, rollbacks=10,
+                                                    cost_s=2.0, step_s=0.1))
         assert often.mtbf_s == 100 and rarely.mtbf_s == 400
         # sqrt(2 * 2 * 100) = 20 s = 200 steps; four times the MTBF: twice the interval
         assert often.every_steps == 200 and rarely.every_steps == 400
-        assert "Young-Daly" in often.basis and "40 failures" in often.basis
+        assert "Young-Daly" in often.basis and "40 rollbacks in 60 failures" in often.basis
+        assert often.rollbacks == 40 and often.failures == 60
+
+    def test_failures_recovered_live_do_not_shorten_it(self):
+        # checkpoints insure against rollbacks only: 40 failures the
+        # survivors recovered from memory leave the prior, lengthened by the run
+        spec = auto_spec(mtbf_prior_s=600)
+        live = ckptinterval.choose(spec, Observed(running_s=4000, failures=40, cost_s=2.0,
+                                                  step_s=0.1))
+        assert live.mtbf_s == 4600 and live.rollbacks == 0
+        assert live.every_steps == round(math.sqrt(2 * 2.0 * 4600) / 0.1)
+        assert "no rollback yet (40 failures" in live.basis
 
     def test_the_cost_moves_it_too_and_the_bounds_hold(self):
         spec = auto_spec(min_every_steps=50, max_every_steps=300)
-        seen = Observed(running_s=4000, failures=40, step_s=0.1)
+        seen = Observed(running_s=4000, failures=40, rollbacks=40, step_s=0.1)
         assert ckptinterval.choose(spec, Observed(**{**seen.__dict__, "cost_s": 8.0})).every_steps == 300
         assert ckptinterval.choose(spec, Observed(**{**seen.__dict__, "cost_s": 0.02})).every_steps == 50
         mid = ckptinterval.choose(spec, Observed(**{**seen.__dict__, "cost_s": 0.5}))
@@ -49,7 +60,7 @@ class TestChoice:
         spec = auto_spec(mtbf_prior_s=800, min_every_steps=5)
         prior = ckptinterval.choose(spec, Observed(running_s=100, failures=0, cost_s=1.0,
                                                    step_s=1.0))
-        assert prior.mtbf_s == 800 and prior.every_steps == round(math.sqrt(2 * 800))
+        assert prior.mtbf_s == 900 and prior.every_steps == round(math.sqrt(2 * 900))
         unmeasured = ckptinterval.choose(spec, Observed(running_s=100, failures=3))
         assert unmeasured.every_steps == 100 and "not measured" in unmeasured.basis
         bounded = ckptinterval.choose(auto_spec(min_every_steps=150), Observed())
@@ -102,10 +113,29 @@ def test_each_run_plan_carries_the_interval_chosen_from_what_was_measured(
     _, events = client.list_job_events(job.id)
     chosen = next(e for e in events if e.generation == plan.generation).checkpoint_interval
     assert chosen.failures == 1 and chosen.cost_s == 0.5 and chosen.step_s > 0
+    assert chosen.rollbacks == 0  # nothing started yet after the failure
     assert "Young-Daly" in chosen.basis
     expected = ckptinterval.choose(plan.spec, Observed(
-        running_s=chosen.mtbf_s, failures=1, cost_s=chosen.cost_s, step_s=chosen.step_s))
+        running_s=chosen.mtbf_s - ckptinterval.DEFAULT_MTBF_PRIOR_S, failures=1,
+        cost_s=chosen.cost_s, step_s=chosen.step_s))
     assert plan.spec.checkpoint.every_steps == chosen.every_steps == expected.every_steps
     by_generation = {e.generation: e for e in events}
     assert by_generation[first.generation].checkpoint_interval.every_steps == 100
     assert not by_generation[1].HasField("checkpoint_interval")  # the WAIT plan: none
+    # a start that went back to step 20 (9 steps redone) is a rollback: the
+    # next failure's interval comes from the time between rollbacks
+    workers.ReportStep(ws.ReportStepRequest(
+        job_id=job.id, member_id=a, generation=plan.generation, step=20, generation_start=True,
+        restored_from=pb.RESTORE_KIND_CHECKPOINT), timeout=5)
+    assert client.get_job(job.id).status.steps_redone == 9
+    workers.ReportFailure(ws.ReportFailureRequest(
+        job_id=job.id, member_id=a, generation=plan.generation, reason="rank 0 exited 1"),
+        timeout=5)
+    wait_for(lambda: coordinator.coordinator.current_plan(job.id).generation > plan.generation,
+             10, "the generation after the second failure")
+    third = coordinator.coordinator.current_plan(job.id)
+    _, events = client.list_job_events(job.id)
+    chosen = next(e for e in events if e.generation == third.generation).checkpoint_interval
+    assert chosen.failures == 2 and chosen.rollbacks == 1, chosen
+    assert chosen.mtbf_s < ckptinterval.DEFAULT_MTBF_PRIOR_S  # the running time, no prior
+    assert "1 rollbacks in 2 failures" in chosen.basis

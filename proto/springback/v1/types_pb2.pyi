@@ -103,20 +103,22 @@ class CheckpointSpec(_message.Message):
     def __init__(self, uri: _Optional[str] = ..., every_steps: _Optional[int] = ..., keep_last: _Optional[int] = ..., keep_every: _Optional[int] = ..., auto_interval: _Optional[bool] = ..., min_every_steps: _Optional[int] = ..., max_every_steps: _Optional[int] = ..., mtbf_prior_s: _Optional[int] = ...) -> None: ...
 
 class CheckpointInterval(_message.Message):
-    __slots__ = ("every_steps", "mtbf_s", "failures", "cost_s", "step_s", "basis")
+    __slots__ = ("every_steps", "mtbf_s", "failures", "cost_s", "step_s", "basis", "rollbacks")
     EVERY_STEPS_FIELD_NUMBER: _ClassVar[int]
     MTBF_S_FIELD_NUMBER: _ClassVar[int]
     FAILURES_FIELD_NUMBER: _ClassVar[int]
     COST_S_FIELD_NUMBER: _ClassVar[int]
     STEP_S_FIELD_NUMBER: _ClassVar[int]
     BASIS_FIELD_NUMBER: _ClassVar[int]
+    ROLLBACKS_FIELD_NUMBER: _ClassVar[int]
     every_steps: int
     mtbf_s: float
     failures: int
     cost_s: float
     step_s: float
     basis: str
-    def __init__(self, every_steps: _Optional[int] = ..., mtbf_s: _Optional[float] = ..., failures: _Optional[int] = ..., cost_s: _Optional[float] = ..., step_s: _Optional[float] = ..., basis: _Optional[str] = ...) -> None: ...
+    rollbacks: int
+    def __init__(self, every_steps: _Optional[int] = ..., mtbf_s: _Optional[float] = ..., failures: _Optional[int] = ..., cost_s: _Optional[float] = ..., step_s: _Optional[float] = ..., basis: _Optional[str] = ..., rollbacks: _Optional[int] = ...) -> None: ...
 
 class PeerCopySpec(_message.Message):
     __slots__ = ("every_steps",)
