@@ -182,9 +182,8 @@ def springback_side(args, work: Path, checkpoint: str = "") -> dict:  # noqa: AN
                 "data": {"num_samples": 4096, "global_batch_size": 24, "seed": 0},
                 "max_steps": args.max_steps,
                 **({"checkpoint": {"uri": f"file://{work}/ckpt", "every_steps": (
-                    checkpoint if checkpoint == "auto" else int(checkpoint)),
-                    **({"mtbf_prior_s": int(args.kill_every_s)} if checkpoint == "auto"
-                       else {})}} if checkpoint else {})})
+                    checkpoint if checkpoint == "auto" else int(checkpoint))}}
+                   if checkpoint else {})})
             env = dict(os.environ, SPRINGBACK_METRICS_FILE=str(metrics), PYTHONUNBUFFERED="1",
                        GOODPUT_STEP_SLEEP_S=str(args.step_sleep_s),
                        GOODPUT_MAX_STEPS=str(args.max_steps), OMP_NUM_THREADS="1")
@@ -250,8 +249,11 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--timeout-s", type=float, default=900.0, help="give up on a side after this")
     p.add_argument("--springback-checkpoints", default="",
                    help="also run Springback with these checkpoint.every_steps, e.g. "
-                   "auto,10,50,200 (auto: Young-Daly, its MTBF prior the trace's kill "
-                   "interval); the goodput ratios of auto to each are printed")
+                   "auto,10,50,200 (auto: Young-Daly with the default prior); the "
+                   "goodput ratios of auto to each are printed")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="run every side this many times, in interleaved rounds; the "
+                   "ratios are of each system's median")
     p.add_argument("--only", default="springback,torchft,torchrun",
                    help="comma-separated sides to run")
     p.add_argument("--work-dir", help="logs and state (default: a new temp dir)")
@@ -295,6 +297,29 @@ def _summary(r: dict, plain_s: float) -> dict:
             "goodput": r["useful"] * med / wall, "note": r["note"]}
 
 
+def _medians(rows: list[dict]) -> list[dict]:
+    """One row per system: with --repeat, the median of its runs' numbers
+    (goodput, redone, overhead), printed with the runs' goodput range; the
+    ratios below are of these medians."""
+    by_system: dict[str, list[dict]] = {}
+    for r in rows:
+        by_system.setdefault(r["system"], []).append(r)
+    if all(len(runs) == 1 for runs in by_system.values()):
+        return rows
+    print(f"\nmedians of {max(len(v) for v in by_system.values())} runs per system "
+          "(interleaved rounds):")
+    out = []
+    for system, runs in by_system.items():
+        med = {k: statistics.median(r[k] for r in runs)
+               for k in ("goodput", "redone", "overhead_ms", "lost_per_kill_s", "first_step_s")}
+        print(f"{system:<28} goodput {med['goodput']:.1%} (runs "
+              + ", ".join(f"{r['goodput']:.1%}" for r in runs)
+              + f"), 1st step {med['first_step_s']:.1f} s, lost {med['lost_per_kill_s']:.2f} "
+              f"s/kill, redone {med['redone']:g}")
+        out.append({"system": system, **med})
+    return out
+
+
 def _print_table(rows: list[dict], plain_s: float, failures: dict[str, str]) -> None:
     print(f"\nplain single process: {plain_s * 1000:.1f} ms per step (same model, one "
           f"rank's batch); load average {[round(x, 2) for x in os.getloadavg()]}")
@@ -306,6 +331,7 @@ def _print_table(rows: list[dict], plain_s: float, failures: dict[str, str]) -> 
               f"{r['step_ms']:>9.1f}{r['overhead_ms']:>+8.1f}{r['goodput']:>9.1%}  {r['note']}")
     for name, why in failures.items():
         print(f"{name:<20}FAILED: {why}")
+    rows = _medians(rows)
     auto = next((r for r in rows if r["system"].endswith("ckpt auto")), None)
     for r in rows:
         if auto is not None and r is not auto and " ckpt " in r["system"]:
@@ -314,7 +340,7 @@ def _print_table(rows: list[dict], plain_s: float, failures: dict[str, str]) -> 
                   f"{r['redone']}")
     sb = next((r for r in rows if r["system"].startswith("springback")), None)
     for r in rows:
-        if sb is not None and r is not sb:
+        if sb is not None and not r["system"].startswith("springback"):  # the baselines
             print(f"springback / {r['system']}: goodput {sb['goodput'] / r['goodput']:.2f}x, "
                   f"per-step overhead {sb['overhead_ms']:+.1f} vs {r['overhead_ms']:+.1f} ms")
 
@@ -334,7 +360,10 @@ def main() -> int:
     import _baselines as B
     plain_s = B.plain_step_s(args.nodes)
     results, failures = [], {}
-    for name, fn in _sides(args, work):
+    rounds = [(f"round{i + 1}/" if args.repeat > 1 else "", side) for i in range(args.repeat)
+              for side in _sides(args, work / (f"round{i + 1}" if args.repeat > 1 else ""))]
+    for prefix, (name, fn) in rounds:
+        name = prefix + name
         (work / name).mkdir(parents=True, exist_ok=True)
         print(f"-- {name}", flush=True)
         try:
