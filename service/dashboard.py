@@ -183,6 +183,11 @@ def _ts(job_ts) -> str:  # noqa: ANN001 (a protobuf Timestamp)
     return job_ts.ToDatetime().strftime("%Y-%m-%d %H:%M:%S") if job_ts.seconds else "-"
 
 
+_IN_TIME_ORDER = ("waiting", "startup", "reforming", "state_transfer", "redone", "checkpoint",
+                  "useful", "detection")
+"""The causes in the order they happen within a generation (the timeline's)."""
+
+
 def _badput_html(job: pb.Job, events: list, now: float) -> str:
     """"Where the time went": the job's wall time as one stacked bar by cause
     (`badput.job_badput`), a table of the causes, and a timeline of the
@@ -213,7 +218,7 @@ def _badput_html(job: pb.Job, events: list, now: float) -> str:
     x, timeline, ticks = 0.0, [], []
     for event, seconds, causes in rows:
         gx = x
-        for cause in badput.CAUSES:
+        for cause in _IN_TIME_ORDER:
             if causes[cause] > 0:
                 w = width * causes[cause] / wall
                 timeline.append(rect(x, w, cause, causes[cause], 0, 22,

@@ -114,7 +114,9 @@ def test_the_dashboard_shows_a_running_job_its_generations_and_plots(browser, ru
     assert svg.headers["Content-Type"] == "image/svg+xml" and b"world size" in svg.read()
     check_the_breakdown(browser, client, job_id)
     check_the_live_view(browser, server, client, base, job_id)
-    if os.environ.get(SCREENSHOT):
+    if os.environ.get(SCREENSHOT):  # the whole page, its breakdown included
+        browser.set_window_size(1300, browser.execute_script(
+            "return document.body.scrollHeight") + 120)
         browser.save_screenshot(os.environ[SCREENSHOT])
     assert client.get_job(job_id).status.state == pb.JOB_STATE_RUNNING
 
