@@ -16,7 +16,7 @@ from typing import Any
 
 
 from springback.service import planner
-from springback.client.jobdir import outside_job_directory
+from springback.client.jobdir import job_directory, outside_job_directory
 from springback.client.api import Client
 from springback.client.summary import history_summary
 from springback.v1 import job_service_pb2 as js
@@ -108,7 +108,8 @@ def _delete_command(args: argparse.Namespace) -> int:
                 from springback.storage.ranklogs import delete_logs
                 from springback.storage.store import ObjectStore
 
-                delete_logs(ObjectStore(job.spec.checkpoint.uri), job.spec.checkpoint.uri)
+                logs_base = job_directory(job.spec.checkpoint.uri, job.id)  # its own, no other's
+                delete_logs(ObjectStore(logs_base), logs_base)
         client.delete_job(args.job)
     if args.json:
         print(json.dumps({"id": args.job, "deleted": True, "checkpoints_deleted": deleted}))
@@ -128,11 +129,11 @@ def _logs_command(args: argparse.Namespace) -> int:
 
     with Client(args.coordinator, token=args.token) as client:
         job = client.get_job(args.job)
-        base = job.spec.checkpoint.uri
-        if not base:
+        if not job.spec.checkpoint.uri:
             print(f"error: job {args.job} has no checkpoint.uri, so its agents ship no rank "
                   "logs (they are only in each agent's own output)", file=sys.stderr)
             return 1
+        base = job_directory(job.spec.checkpoint.uri, job.id)  # its own: <uri>/<job id>
         store = ObjectStore(base)
         if args.member and args.member not in members(store, base):
             known = ", ".join(members(store, base)) or "none yet"

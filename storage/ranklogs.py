@@ -1,9 +1,16 @@
 """Rank logs kept beside a job's checkpoints: their layout on storage.
 
 Node agents ship what their ranks print (`springback.worker.agent.ranklogs`) as
-chunks under the job's checkpoint URI::
+chunks in the job's own directory, beside its checkpoints::
 
-    {checkpoint.uri}/logs/{member_id}/{unix_ms:013d}-{seq:06d}.log
+    {checkpoint.uri}/{job_id}/logs/{member_id}/{unix_ms:013d}-{seq:06d}.log
+
+Every function here takes that directory as its base URI
+(`springback.client.jobdir.job_directory`), never the spec's
+``checkpoint.uri`` itself: jobs sharing a ``checkpoint.uri`` then never read or
+delete each other's logs. ``logs`` is not a checkpoint directory name
+(``step-<step>-g<generation>``), so listing, retention and verification of
+the job's checkpoints pass it by.
 
 Each chunk is written once, atomically (on S3 an object is complete or
 absent), so a reader never sees half a chunk and appends need no
@@ -32,7 +39,8 @@ class Chunk(NamedTuple):
 
 
 def logs_uri(base_uri: str) -> str:
-    """Where a job whose checkpoints live at `base_uri` keeps its rank logs."""
+    """Where the job whose own directory is `base_uri` (``<checkpoint.uri>/<job
+    id>``) keeps its rank logs."""
     return join(base_uri, LOGS_DIR)
 
 
@@ -63,5 +71,6 @@ def list_chunks(store: ObjectStore, base_uri: str, member_id: str | None = None)
 
 
 def delete_logs(store: ObjectStore, base_uri: str) -> None:
-    """Deletes every rank log of the job (idempotent)."""
+    """Deletes every rank log of the job whose directory is `base_uri`, and
+    only its (idempotent)."""
     store.rm_tree(logs_uri(base_uri))

@@ -1,5 +1,6 @@
-"""Rank logs: prefixed by rank, shipped beside the checkpoints by real node
-agents, read back through `springback job logs` against a real coordinator."""
+"""Rank logs: prefixed by rank, shipped beside the checkpoints (in the job's
+own directory) by real node agents, read back through `springback job logs`
+against a real coordinator."""
 
 from __future__ import annotations
 
@@ -52,7 +53,8 @@ def test_job_logs_show_every_rank_s_lines_with_its_rank(tmp_path, client, coordi
     echoed = [LINE.match(line) for line in agents[0].log().splitlines()]  # the agent's output
     assert len({m[1] for m in echoed if m}) == 2  # a's two ranks, prefixed there too
 
-    members = sorted(p.name for p in (tmp_path / "ckpt" / "logs").iterdir())
+    members = sorted(p.name for p in (tmp_path / "ckpt" / job.id / "logs").iterdir())
+    assert not (tmp_path / "ckpt" / "logs").exists()  # in the job's directory, nowhere else
     assert len(members) == 2
     out = subprocess.run([sys.executable, "-m", "springback.cli", "--coordinator",
                           coordinator_address, "job", "logs", "--member", members[0], job.id],
@@ -65,6 +67,64 @@ def test_job_logs_show_every_rank_s_lines_with_its_rank(tmp_path, client, coordi
                             coordinator_address, "job", "logs", "--member", "m-nope", job.id],
                            capture_output=True, text=True, timeout=60)
     assert wrong.returncode == 1 and "m-nope" in wrong.stderr and members[0] in wrong.stderr
+
+
+def job_cli(address: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "springback.cli", "--coordinator", address,
+                           "job", *args], capture_output=True, text=True, timeout=60)
+
+
+def test_jobs_sharing_a_checkpoint_uri_see_and_delete_only_their_own_logs(
+        tmp_path, client, coordinator_address):
+    uri = f"file://{tmp_path}/shared"  # one job.yaml submitted twice, say
+    max_steps = {"a": 4, "b": 7}  # told apart by how many steps they print
+    jobs = {name: client.create_job({**SPEC, "name": f"logs-{name}", "min_workers": 1,
+                                     "max_workers": 1, "max_steps": n,
+                                     "checkpoint": {"uri": uri, "every_steps": 2}})
+            for name, n in max_steps.items()}
+    env = {"TINY_PRINT_STEPS": "1", "TINY_STEP_SLEEP_S": "0.05"}
+    agents = []
+    for name, job in jobs.items():
+        (tmp_path / name).mkdir()
+        agents.append(AgentProcess(tmp_path / name, name, job.id, coordinator_address,
+                                   "--no-standby", env=env))
+    try:
+        for job in jobs.values():
+            wait_for(lambda job=job: client.get_job(job.id).status.state
+                     == pb.JOB_STATE_SUCCEEDED, 90, f"job {job.id} to succeed")
+        assert [a.wait(30) for a in agents] == [0, 0]  # their last lines are shipped
+    finally:
+        for agent in agents:
+            agent.stop()
+
+    members = {}
+    for name, job in jobs.items():
+        out = job_cli(coordinator_address, "logs", job.id)
+        assert out.returncode == 0, out.stderr
+        lines = [m.groups() for m in map(LINE.match, out.stdout.splitlines()) if m]
+        assert sorted(lines) == sorted(("0", str(s)) for s in range(1, max_steps[name] + 1)), (
+            name, out.stdout)  # its own steps, exactly once: none of the other job's
+        members[name] = sorted(p.name for p in (tmp_path / "shared" / job.id / "logs").iterdir())
+        assert len(members[name]) == 1
+    wrong = job_cli(coordinator_address, "logs", "--member", members["b"][0], jobs["a"].id)
+    assert wrong.returncode == 1 and members["b"][0] in wrong.stderr  # b's member is not a's
+
+    deleted = job_cli(coordinator_address, "delete", "--checkpoints", jobs["a"].id)
+    assert deleted.returncode == 0, deleted.stderr
+    assert not (tmp_path / "shared" / jobs["a"].id / "logs").exists()
+    kept = job_cli(coordinator_address, "logs", jobs["b"].id)  # b's logs are untouched
+    assert kept.returncode == 0 and len(kept.stdout.splitlines()) == max_steps["b"], kept
+
+
+def test_an_agent_ships_into_the_job_s_own_directory():
+    from springback.worker.agent.ranklogs import job_logs_base
+
+    plan = pb.Plan(job_id="j-1", spec=pb.JobSpec(checkpoint=pb.CheckpointSpec(uri="s3://b/c/")))
+    assert job_logs_base(plan, "j-env") == "s3://b/c/j-1"
+    plan.job_id = ""
+    assert job_logs_base(plan, "j-env") == "s3://b/c/j-env"
+    assert job_logs_base(pb.Plan(job_id="j-1"), "j-1") is None  # no checkpoint.uri: echo only
+    assert job_logs_base(None, "j-1") is None  # no plan yet
 
 
 class TestShipping:

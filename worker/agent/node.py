@@ -63,7 +63,7 @@ from springback.worker.agent.member import MemberLink
 from springback.worker.agent.metrics import node_registry
 from springback.worker.control import PlanPublisher
 from springback.worker.agent.watchdog import RankWatchdog
-from springback.worker.agent.ranklogs import RankLogs, rank_label
+from springback.worker.agent.ranklogs import RankLogs, job_logs_base, rank_label
 from springback.worker.agent.ranks import LocalRanks, with_parent_death
 from springback.worker.agent.restart import RestartRanks
 from springback.worker.agent.config import AgentConfig
@@ -106,7 +106,7 @@ class Agent:
             label_of=lambda p: rank_label(p, self._local.ranks, self._plan,
                                           self.member.id if self.member else None),
             member_of=lambda: self.member.id if self.member else None,
-            base_uri_of=lambda: self._plan.spec.checkpoint.uri if self._plan else None)
+            base_uri_of=lambda: job_logs_base(self._plan, self.config.job_id))
         self._local = LocalRanks(config.command, self._workdir, keep_spare=config.standby,
                                  output=config.output, rank_logs=self._rank_logs.attach,
                                  pass_fds=(self._rendezvous.fd,)

@@ -6,9 +6,9 @@ line with the rank it is now (``[rank3]``, from the agent's current plan;
 ``[standby]`` before a warm standby is given an identity), echoes it to the
 agent's own stdout (so `kubectl logs` or journald see it), and buffers it.
 Every ``flush_interval_s`` the buffer is shipped as one chunk beside the job's
-checkpoints (`springback.storage.ranklogs`: ``{checkpoint.uri}/logs/{member}/``)
-for ``springback job logs``; a job without a checkpoint URI keeps only the
-echo.
+checkpoints, in the job's own directory (`springback.storage.ranklogs`:
+``{checkpoint.uri}/{job id}/logs/{member}/``, `job_logs_base`) for
+``springback job logs``; a job without a checkpoint URI keeps only the echo.
 
 Failure semantics: shipping never blocks a rank (the pipe is drained by the
 reader whatever happens to storage). A failed upload is logged and retried
@@ -28,6 +28,25 @@ from collections.abc import Callable
 from typing import IO, Any
 
 log = logging.getLogger("springback.agent.logs")
+
+
+def job_logs_base(plan: Any, job_id: str) -> str | None:
+    """Where the agent of job `job_id` ships rank logs under `plan`: the job's
+    own directory, ``<checkpoint.uri>/<job id>`` (`springback.client.jobdir`),
+    so jobs sharing a ``checkpoint.uri`` never read or delete each other's
+    logs. None before a plan, without a checkpoint URI, or when the two do not
+    make a directory (the lines stay buffered; the coordinator refuses such a
+    spec)."""
+    from springback.client.jobdir import job_directory
+
+    uri = plan.spec.checkpoint.uri if plan is not None else ""
+    if not uri:
+        return None
+    try:
+        return job_directory(uri, plan.job_id or job_id)
+    except ValueError as e:
+        log.warning("not shipping rank logs: %s", e)
+        return None
 
 
 class RankLogs:
