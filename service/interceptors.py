@@ -3,7 +3,13 @@
 * `BearerAuth`: every call must carry ``authorization: Bearer <token>``
   (compared in constant time); others get UNAUTHENTICATED before any handler
   runs, so they change nothing. Health checks are exempt so that load
-  balancers and Kubernetes probes, which cannot send a token, work.
+  balancers and Kubernetes probes, which cannot send a token, work. Two
+  roles: the operator's token opens every call; a member credential
+  (`credentials`, issued by `JoinJob`) opens only `MEMBER_METHODS`, and only
+  for the job and member it names (the request is read to check, also a
+  raw one about to be forwarded to the leader, which checks it again):
+  anything else is PERMISSION_DENIED naming what would be needed, before the
+  handler runs.
 * `LeaderForwarding`: on a replica that is not the leader, Springback calls
   are relayed, as raw bytes, to the leader with the caller's metadata and
   remaining deadline; the leader's status comes back unchanged. A call that
@@ -32,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import inspect
 import logging
 import threading
 from collections import Counter
@@ -44,7 +51,9 @@ import grpc
 from springback.client.channel import DEFAULT_TIMEOUT_S, connect
 from springback.client.errors import SpringbackError
 from springback.client.polling import wait_until
+from springback.service import credentials
 from springback.service.election import Election
+from springback.v1 import worker_service_pb2 as ws
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +101,7 @@ class BearerAuth(grpc.aio.ServerInterceptor):
     def __init__(self, token: str) -> None:
         if not token:
             raise ValueError("token: must not be empty")
+        self._token = token
         self._expected = f"Bearer {token}".encode()
 
     async def intercept_service(self, continuation: Callable,
@@ -99,9 +109,70 @@ class BearerAuth(grpc.aio.ServerInterceptor):
         if details.method.startswith("/grpc.health.v1."):
             return await continuation(details)
         sent = dict(details.invocation_metadata or ()).get("authorization", "")
-        if isinstance(sent, str) and hmac.compare_digest(sent.encode(), self._expected):
+        if not isinstance(sent, str):
+            sent = ""
+        if hmac.compare_digest(sent.encode(), self._expected):
             return await continuation(details)
-        return _deny(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid bearer token")
+        member = credentials.member_of(self._token, sent.removeprefix("Bearer "))
+        if member is None:
+            return _deny(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid bearer token")
+        if details.method not in credentials.MEMBER_METHODS:
+            return _deny(grpc.StatusCode.PERMISSION_DENIED,
+                         f"{details.method} needs the operator role (the coordinator's token); "
+                         f"this is the member credential of member {member[1]!r} of job "
+                         f"{member[0]!r}, which makes only that member's own calls")
+        handler = await continuation(details)
+        return None if handler is None else _bound(handler, details.method, *member)
+
+
+def _bound(handler: grpc.RpcMethodHandler, method: str, job_id: str,
+           member_id: str) -> grpc.RpcMethodHandler:
+    """`handler`, refusing (PERMISSION_DENIED) a request that names another
+    job or member than the credential's (a raw request, about to be
+    forwarded, is parsed to check)."""
+    request_type = getattr(ws, method.rsplit("/", 1)[1] + "Request")
+
+    def refusal(request: Any) -> str | None:
+        if isinstance(request, bytes):
+            request = request_type.FromString(request)
+        if request.job_id == job_id and request.member_id == member_id:
+            return None
+        return (f"the member credential of member {member_id!r} of job {job_id!r} cannot act "
+                f"for member {request.member_id!r} of job {request.job_id!r}: that needs "
+                "that member's own credential or the operator role")
+
+    if handler.unary_unary is not None:
+        inner = handler.unary_unary
+        if inspect.iscoroutinefunction(inner):
+            async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                if (why := refusal(request)) is not None:
+                    await context.abort(grpc.StatusCode.PERMISSION_DENIED, why)
+                return await inner(request, context)
+
+            return handler._replace(unary_unary=unary)
+
+        def unary_sync(request: Any, context: grpc.ServicerContext) -> Any:
+            if (why := refusal(request)) is not None:
+                _abort(context, grpc.StatusCode.PERMISSION_DENIED, why)
+            return inner(request, context)
+
+        return handler._replace(unary_unary=unary_sync)
+    inner_stream = handler.unary_stream
+    if inspect.isasyncgenfunction(inner_stream):
+        async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            if (why := refusal(request)) is not None:
+                await context.abort(grpc.StatusCode.PERMISSION_DENIED, why)
+            async for item in inner_stream(request, context):
+                yield item
+
+        return handler._replace(unary_stream=stream)
+
+    def stream_sync(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+        if (why := refusal(request)) is not None:
+            _abort(context, grpc.StatusCode.PERMISSION_DENIED, why)
+        yield from inner_stream(request, context)
+
+    return handler._replace(unary_stream=stream_sync)
 
 
 class LeaderForwarding(grpc.aio.ServerInterceptor):

@@ -21,6 +21,7 @@ resignation fails its fencing compare and is not acknowledged.
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import logging
 import threading
@@ -45,6 +46,7 @@ from springback.service.evidence import PeerLossEvidence
 from springback.service.health import Health
 from springback.service.heartbeats import Heartbeats, LeaseRenewer
 from springback.service.jobmetrics import JobMetrics
+from springback.service import credentials
 from springback.service.interceptors import BearerAuth, CallCounter, LeaderForwarding
 from springback.service.liveness import EtcdReachability
 from springback.service.planboard import PlanBoard
@@ -264,7 +266,9 @@ class CoordinatorServer:
                              JobServicer(self.coordinator, self._stream_pool)),
             _worker_service_handler(
                 WorkerServicer(self.coordinator, self.liveness, self.plan_streams, heartbeats,
-                               self.stream_notes)),
+                               self.stream_notes, issue_credential=(
+                                   functools.partial(credentials.issue, config.token)
+                                   if config.token else None))),
         ])
         self._draining = False
         self._stopped = False

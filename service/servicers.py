@@ -164,8 +164,13 @@ class WorkerServicer(ws_grpc.WorkerServiceServicer):
                  liveness: EtcdReachability | None = None,
                  plan_streams: PlanStreams | None = None,
                  heartbeats: Heartbeats | None = None,
-                 stream_notes: StreamNotes | None = None) -> None:
+                 stream_notes: StreamNotes | None = None,
+                 issue_credential: Callable[[str, str], str] | None = None) -> None:
+        """`issue_credential(job_id, member_id)`: the member credential
+        `JoinJob` hands out (`credentials.issue` with the coordinator's token;
+        None without a token: no credential)."""
         self.coordinator = coordinator
+        self.issue_credential = issue_credential
         self.membership = Membership(coordinator, liveness)
         self.evidence = stream_notes.evidence if stream_notes else PeerLossEvidence(coordinator)
         self.stream_notes = stream_notes
@@ -194,6 +199,8 @@ class WorkerServicer(ws_grpc.WorkerServiceServicer):
         return ws.JoinJobResponse(
             member=member, liveness_timeout=_duration(timeout),
             heartbeat_interval=_duration(timeout / 4),
+            member_credential=(self.issue_credential(request.job_id, member.id)
+                               if self.issue_credential is not None else ""),
         )
 
     async def Heartbeat(self, request: ws.HeartbeatRequest,

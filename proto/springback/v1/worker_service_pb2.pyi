@@ -25,14 +25,16 @@ class JoinJobRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., host: _Optional[str] = ..., rendezvous_port: _Optional[int] = ..., num_local_ranks: _Optional[int] = ..., join_token: _Optional[str] = ...) -> None: ...
 
 class JoinJobResponse(_message.Message):
-    __slots__ = ("member", "liveness_timeout", "heartbeat_interval")
+    __slots__ = ("member", "liveness_timeout", "heartbeat_interval", "member_credential")
     MEMBER_FIELD_NUMBER: _ClassVar[int]
     LIVENESS_TIMEOUT_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_CREDENTIAL_FIELD_NUMBER: _ClassVar[int]
     member: _types_pb2.Member
     liveness_timeout: _duration_pb2.Duration
     heartbeat_interval: _duration_pb2.Duration
-    def __init__(self, member: _Optional[_Union[_types_pb2.Member, _Mapping]] = ..., liveness_timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., heartbeat_interval: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
+    member_credential: str
+    def __init__(self, member: _Optional[_Union[_types_pb2.Member, _Mapping]] = ..., liveness_timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., heartbeat_interval: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., member_credential: _Optional[str] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("job_id", "member_id")

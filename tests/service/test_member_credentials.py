@@ -1,0 +1,168 @@
+"""Member credentials on real coordinators (a leader and a follower) and a
+real etcd: a member may make only its own calls, for its own job; a training
+rank holding its member's credential can do nothing to another job."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from sbtest import wait_for
+from springback.client.api import Client
+from springback.client.channel import connect
+from springback.service import credentials, keys
+from springback.v1 import job_service_pb2 as js
+from springback.v1 import job_service_pb2_grpc as js_grpc
+from springback.v1 import types_pb2 as pb
+from springback.v1 import worker_service_pb2 as ws
+from springback.v1 import worker_service_pb2_grpc as ws_grpc
+
+pytestmark = pytest.mark.timeout(90)
+
+TOKEN = "operator-token-for-members"
+
+
+@pytest.fixture
+def replicas(start_coordinator):
+    first = start_coordinator(token=TOKEN)
+    wait_for(first.election.is_leader, 10, "leadership")
+    second = start_coordinator(token=TOKEN)
+    return first, second
+
+
+def _join(address: str, job_id: str, port: int) -> ws.JoinJobResponse:
+    with connect([address], token=TOKEN) as channel:
+        return ws_grpc.WorkerServiceStub(channel).JoinJob(ws.JoinJobRequest(
+            job_id=job_id, host="127.0.0.1", rendezvous_port=port, num_local_ranks=1,
+            join_token=f"join-{port}"), timeout=10)
+
+
+def _running(leader, job_id: str) -> pb.Plan:
+    wait_for(lambda: (p := leader.coordinator.current_plan(job_id)) is not None
+             and p.action == pb.PLAN_ACTION_RUN, 20, f"job {job_id} running")
+    return leader.coordinator.current_plan(job_id)
+
+
+def _member_calls(job_id: str, member_id: str, generation: int) -> dict:
+    """One request of each member call, naming `job_id` / `member_id`."""
+    return {
+        "Heartbeat": ws.HeartbeatRequest(job_id=job_id, member_id=member_id),
+        "ReportStep": ws.ReportStepRequest(job_id=job_id, member_id=member_id,
+                                           generation=generation, step=400),
+        "ReportFailure": ws.ReportFailureRequest(job_id=job_id, member_id=member_id,
+                                                 generation=generation, reason="forged"),
+        "CommitCheckpoint": ws.CommitCheckpointRequest(
+            job_id=job_id, member_id=member_id, generation=generation,
+            checkpoint=pb.CheckpointRef(step=5, uri=f"file:///tmp/creds/{job_id}/step-5")),
+        "ReportCheckpointError": ws.ReportCheckpointErrorRequest(
+            job_id=job_id, member_id=member_id, generation=generation, error="forged"),
+        "DrainMember": ws.DrainMemberRequest(job_id=job_id, member_id=member_id, reason="forged"),
+        "LeaveJob": ws.LeaveJobRequest(job_id=job_id, member_id=member_id, reason="forged"),
+        "WatchPlans": ws.WatchPlansRequest(job_id=job_id, member_id=member_id),
+    }
+
+
+def _call(stub: ws_grpc.WorkerServiceStub, name: str, request) -> None:  # noqa: ANN001
+    if name == "WatchPlans":
+        next(stub.WatchPlans(request, timeout=5))
+    else:
+        getattr(stub, name)(request, timeout=5)
+
+
+def _snapshot(store, job_id: str) -> list:  # noqa: ANN001
+    return [(e.key, e.mod_revision) for prefix in (keys.job(job_id), keys.plan(job_id),
+                                                   keys.members(job_id), keys.CHECKPOINTS)
+            for e in store.get_prefix(prefix)]
+
+
+def test_a_member_of_one_job_can_do_nothing_to_another_job_on_either_replica(
+        replicas, make_spec):
+    leader, follower = replicas
+    with Client(leader.address, token=TOKEN) as client:
+        job_a = client.create_job(make_spec(max_workers=1, checkpoint={"uri": "file:///tmp/creds"}))
+        job_b = client.create_job(make_spec(max_workers=1, checkpoint={"uri": "file:///tmp/creds"}))
+        a = _join(follower.address, job_a.id, 5201)  # issued through the follower
+        b = _join(leader.address, job_b.id, 5202)
+        assert credentials.member_of(TOKEN, a.member_credential) == (job_a.id, a.member.id)
+        plan_b = _running(leader, job_b.id)
+        _running(leader, job_a.id)
+        before = _snapshot(leader.store, job_b.id)
+        for replica in (leader, follower):
+            with connect([replica.address], token=a.member_credential) as channel:
+                stub = ws_grpc.WorkerServiceStub(channel)
+                for name, request in _member_calls(job_b.id, b.member.id,
+                                                   plan_b.generation).items():
+                    with pytest.raises(grpc.RpcError) as e:
+                        _call(stub, name, request)
+                    assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED, (name, replica)
+                    assert b.member.id in e.value.details() and a.member.id in e.value.details()
+                # A's member in B's job, B's member in A's job: refused alike
+                for job_id, member_id in ((job_b.id, a.member.id), (job_a.id, b.member.id)):
+                    with pytest.raises(grpc.RpcError) as e:
+                        stub.Heartbeat(ws.HeartbeatRequest(job_id=job_id, member_id=member_id),
+                                       timeout=5)
+                    assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+                # the job API and the replicas' own calls need the operator
+                jobs = js_grpc.JobServiceStub(channel)
+                for call in (lambda: jobs.GetJob(js.GetJobRequest(job_id=job_b.id), timeout=5),
+                             lambda: jobs.CancelJob(js.CancelJobRequest(job_id=job_b.id), timeout=5),
+                             lambda: jobs.CreateJob(js.CreateJobRequest(), timeout=5),
+                             lambda: stub.JoinJob(ws.JoinJobRequest(job_id=job_b.id), timeout=5),
+                             lambda: stub.ReportPlanStreams(ws.ReportPlanStreamsRequest(), timeout=5)):
+                    with pytest.raises(grpc.RpcError) as e:
+                        call()
+                    assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+                    assert "operator" in e.value.details()
+        assert _snapshot(leader.store, job_b.id) == before  # nothing of B changed
+        status = client.get_job(job_b.id).status
+        assert status.state == pb.JOB_STATE_RUNNING and status.step == 0
+        assert list(status.members) == [b.member.id] and not client.list_checkpoints(job_b.id)
+
+        # its own calls pass, on either replica (the follower forwards what the leader serves)
+        plan_a = leader.coordinator.current_plan(job_a.id)
+        for replica in (follower, leader):
+            with connect([replica.address], token=a.member_credential) as channel:
+                stub = ws_grpc.WorkerServiceStub(channel)
+                stub.Heartbeat(ws.HeartbeatRequest(job_id=job_a.id, member_id=a.member.id),
+                               timeout=5)
+                first = next(stub.WatchPlans(ws.WatchPlansRequest(
+                    job_id=job_a.id, member_id=a.member.id), timeout=5))
+                assert first.plan.generation == plan_a.generation
+        with connect([follower.address], token=a.member_credential) as channel:
+            stub = ws_grpc.WorkerServiceStub(channel)
+            stub.ReportStep(ws.ReportStepRequest(
+                job_id=job_a.id, member_id=a.member.id, generation=plan_a.generation, step=0,
+                generation_start=True, restored_from=pb.RESTORE_KIND_NONE), timeout=5)
+            stub.ReportStep(ws.ReportStepRequest(
+                job_id=job_a.id, member_id=a.member.id, generation=plan_a.generation, step=3),
+                timeout=5)
+        wait_for(lambda: client.get_job(job_a.id).status.step == 3, 10, "A's own step")
+
+
+def test_a_forged_or_stale_credential_is_unauthenticated(replicas, make_spec):
+    leader, _ = replicas
+    with Client(leader.address, token=TOKEN) as client:
+        job = client.create_job(make_spec(max_workers=1))
+        a = _join(leader.address, job.id, 5203)
+        mac = a.member_credential.rsplit(".", 1)[1]
+        forged = [
+            f"{credentials.PREFIX}.{job.id}.m-someone-else.{mac}",  # another member, A's MAC
+            credentials.issue("another-operator-token", job.id, a.member.id),  # other key
+            a.member_credential[:-1] + ("0" if a.member_credential[-1] != "0" else "1"),
+        ]
+        for token in forged:
+            with connect([leader.address], token=token) as channel:
+                with pytest.raises(grpc.RpcError) as e:
+                    ws_grpc.WorkerServiceStub(channel).Heartbeat(ws.HeartbeatRequest(
+                        job_id=job.id, member_id=a.member.id), timeout=5)
+                assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_without_a_token_no_credential_is_issued(coordinator, make_spec):
+    with Client(coordinator.address) as client:
+        job = client.create_job(make_spec(max_workers=1))
+        with connect([coordinator.address]) as channel:
+            response = ws_grpc.WorkerServiceStub(channel).JoinJob(ws.JoinJobRequest(
+                job_id=job.id, host="127.0.0.1", rendezvous_port=5204, num_local_ranks=1),
+                timeout=10)
+        assert response.member_credential == ""
