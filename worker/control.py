@@ -92,15 +92,17 @@ class PlanChannel:
 
 
 def activate_standby(path: str, *, local_rank: int, member_id: str, control_dir: str,
-                     collective_timeout_s: float) -> None:
-    """Agent side: hands a warm standby rank its identity (atomic write). The
+                     collective_timeout_s: float, credential: str = "") -> None:
+    """Agent side: hands a warm standby rank its identity (atomic write, the
+    file readable by its owner only: it holds the member's credential). The
     standby was started before the agent joined, so everything learnt at join
     time travels here rather than in its environment."""
     tmp = f"{path}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with open(fd, "w", encoding="utf-8") as f:
         json.dump({"local_rank": local_rank, "member_id": member_id,
-                   "control_dir": control_dir,
-                   "collective_timeout_s": collective_timeout_s}, f)
+                   "control_dir": control_dir, "collective_timeout_s": collective_timeout_s,
+                   "credential": credential}, f)
     os.replace(tmp, path)
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from springback.v1 import types_pb2 as pb
@@ -45,10 +47,11 @@ class TestStandby:
     def test_activation_hands_over_identity_after_the_ready_marker(self, tmp_path):
         path = str(tmp_path / "standby-1.json")
         activate_standby(path, local_rank=2, member_id="m-1", control_dir="/c",
-                         collective_timeout_s=2.0)
+                         collective_timeout_s=2.0, credential="sbm1.j.m-1.ab")
         identity = await_activation(path)
         assert identity == {"local_rank": 2, "member_id": "m-1", "control_dir": "/c",
-                            "collective_timeout_s": 2.0}
+                            "collective_timeout_s": 2.0, "credential": "sbm1.j.m-1.ab"}
+        assert os.stat(path).st_mode & 0o077 == 0  # it holds a credential: the owner's only
         assert (tmp_path / "standby-1.json.ready").exists() and ready_path(path).endswith(".ready")
 
 

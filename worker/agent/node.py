@@ -117,6 +117,7 @@ class Agent:
         self._stop_deadline: float | None = None
         self._hung: dict[int, str] = {}  # local rank -> why the watchdog killed it
         self.member: pb.Member | None = None
+        self._member_credential = ""  # JoinJob's, for the ranks (empty without auth)
         self.liveness_timeout_s = 5.0
 
     # -- membership ------------------------------------------------------------
@@ -151,6 +152,7 @@ class Agent:
                 log.warning("JoinJob: %s %s; retrying", e.code().name, e.details())
                 time.sleep(backoff.next_s())  # jittered: replicas coming back are no herd
         self.member = resp.member
+        self._member_credential = resp.member_credential
         self.liveness_timeout_s = resp.liveness_timeout.ToTimedelta().total_seconds() or 5.0
         self._heartbeat_s = (resp.heartbeat_interval.ToTimedelta().total_seconds()
                              or self.liveness_timeout_s / 3)
@@ -218,8 +220,13 @@ class Agent:
         if self.member is not None:  # a standby learns these when activated
             environ[E.MEMBER_ID] = self.member.id
             environ[E.CONTROL_DIR] = self._publisher.directory
-        if self.config.token:
-            environ[E.TOKEN] = self.config.token
+        # Ranks never get the operator token (not even inherited from this
+        # agent's environment): only this member's own credential, which makes
+        # only this member's calls (service/credentials.py); a standby, started
+        # before the join, is handed it at activation (`_identity`).
+        environ.pop(E.TOKEN, None)
+        if self.member is not None and self._member_credential:
+            environ[E.TOKEN] = self._member_credential
         if self.config.host.startswith("127.") and "GLOO_SOCKET_IFNAME" not in environ:
             environ["GLOO_SOCKET_IFNAME"] = "lo"
         plan = self._plan
@@ -238,7 +245,8 @@ class Agent:
         """What an activated standby learns: known only after joining."""
         assert self.member is not None
         return {"member_id": self.member.id, "control_dir": self._publisher.directory,
-                "collective_timeout_s": self._collective_timeout_s()}
+                "collective_timeout_s": self._collective_timeout_s(),
+                "credential": self._member_credential}
 
     def _start_ranks(self, phases: StartupClock) -> None:
         """Starts the local ranks as standbys, waits until every one has done

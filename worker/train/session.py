@@ -367,4 +367,5 @@ def _activated(rank_env: RankEnv) -> RankEnv:
     return dataclasses.replace(rank_env, local_rank=int(identity["local_rank"]),
                                member_id=identity["member_id"],
                                control_dir=identity["control_dir"],
-                               collective_timeout_s=float(identity["collective_timeout_s"]))
+                               collective_timeout_s=float(identity["collective_timeout_s"]),
+                               token=identity.get("credential") or None)
