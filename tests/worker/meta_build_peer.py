@@ -84,7 +84,7 @@ def digest(ctx: RankContext) -> str:
 
 
 def agreement() -> StateAgreement:
-    ctx = RankContext(env=SimpleNamespace(rendezvous_timeout_s=60.0), state={},  # type: ignore[arg-type]
+    ctx = RankContext(env=SimpleNamespace(rendezvous_timeout_s=60.0, job_id=""), state={},  # type: ignore[arg-type]
                       device=torch.device("cpu"))
     return StateAgreement(ctx, restore_from_checkpoint, ShardedModel(build))
 

@@ -65,7 +65,7 @@ def main(rank: int, root: str) -> None:
     torch.set_num_threads(1)
     store = dist.FileStore(os.path.join(root, "g1"), 4)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=4)
-    ctx = RankContext(env=SimpleNamespace(rendezvous_timeout_s=60.0), state={},  # type: ignore[arg-type]
+    ctx = RankContext(env=SimpleNamespace(rendezvous_timeout_s=60.0, job_id=""), state={},  # type: ignore[arg-type]
                       device=torch.device("cpu"))
     agreement = StateAgreement(ctx, None, ShardedModel(build))
     first = plan(4, nodes=2)

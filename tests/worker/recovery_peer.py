@@ -119,7 +119,7 @@ def plan(generation: int, world: int, *, shard: int, tp: int = 1, nodes: int | N
 
 
 def new_agreement(build: Any, **kwargs: Any) -> StateAgreement:
-    ctx = RankContext(env=SimpleNamespace(rendezvous_timeout_s=60.0), state={},  # type: ignore[arg-type]
+    ctx = RankContext(env=SimpleNamespace(rendezvous_timeout_s=60.0, job_id=""), state={},  # type: ignore[arg-type]
                       device=torch.device("cpu"))
     return StateAgreement(ctx, restore_from_checkpoint, ShardedModel(build, **kwargs))
 
@@ -241,7 +241,7 @@ def handover() -> None:
     torch.manual_seed(RANK if RANK >= 2 else 0)  # joiners start from other values
     model = Replicated()
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
-    ctx = RankContext(env=SimpleNamespace(rendezvous_timeout_s=60.0),  # type: ignore[arg-type]
+    ctx = RankContext(env=SimpleNamespace(rendezvous_timeout_s=60.0, job_id=""),  # type: ignore[arg-type]
                       state={"model": model, "optimizer": opt}, device=torch.device("cpu"))
     ag = StateAgreement(ctx, None, None)
     if RANK < 2:
