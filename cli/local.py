@@ -41,6 +41,10 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+PORT_ATTEMPTS = 3
+"""Starts of an `EtcdServer` whose picked ports were taken meanwhile."""
+
+
 class EtcdServer:
     """One etcd member on loopback, for laptops and tests: alone by default, or
     one member of a loopback cluster when `initial_cluster` names its peers
@@ -53,6 +57,10 @@ class EtcdServer:
         self.host = host
         self.client_port = client_port or free_port(host)
         self.peer_port = peer_port or free_port(host)
+        # ports picked here may be taken by another process before etcd binds
+        # them (nothing can hold a port for a child): such a start is retried
+        # on fresh ones; ports the caller chose, or a cluster's, are not changed
+        self._ports_ours = not client_port and not peer_port and initial_cluster is None
         self.name = name
         self.initial_cluster = initial_cluster
         self.process: subprocess.Popen | None = None
@@ -69,7 +77,25 @@ class EtcdServer:
     def start(self, timeout_s: float = 20.0, *, wait: bool = True) -> None:
         """Starts etcd and (with `wait`) waits until it serves; raises on timeout
         (with its log's tail). A cluster's members must all be started before
-        any serves: start them with ``wait=False``, then `wait_serving` each."""
+        any serves: start them with ``wait=False``, then `wait_serving` each.
+        When the ports were picked here and one was taken meanwhile (etcd
+        exits: "address already in use"), starts again on fresh ports, up to
+        `PORT_ATTEMPTS` times."""
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            mark = os.path.getsize(self.log_path) if os.path.exists(self.log_path) else 0
+            self._spawn()
+            if not wait:
+                return
+            try:
+                self.wait_serving(timeout_s)
+                return
+            except RuntimeError:
+                taken = "address already in use" in self._tail(since=mark)
+                if not (taken and self._ports_ours and attempt < PORT_ATTEMPTS):
+                    raise
+            self.client_port, self.peer_port = free_port(self.host), free_port(self.host)
+
+    def _spawn(self) -> None:
         os.makedirs(self.data_dir, exist_ok=True)
         client = f"http://{self.host}:{self.client_port}"
         peer = f"http://{self.host}:{self.peer_port}"
@@ -85,8 +111,6 @@ class EtcdServer:
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )
         log.close()
-        if wait:
-            self.wait_serving(timeout_s)
 
     def wait_serving(self, timeout_s: float = 20.0) -> None:
         """Blocks until this member answers a (quorum) read; raises on timeout."""
@@ -110,10 +134,11 @@ class EtcdServer:
         finally:
             store.close()
 
-    def _tail(self) -> str:
+    def _tail(self, since: int = 0) -> str:
         try:
-            with open(self.log_path, encoding="utf-8", errors="replace") as f:
-                return f.read()[-2000:]
+            with open(self.log_path, "rb") as f:
+                f.seek(since)
+                return f.read()[-2000:].decode(errors="replace")
         except OSError:
             return "(no log)"
 

@@ -67,3 +67,37 @@ def test_up_without_an_etcd_binary_says_how_to_get_one(tmp_path):
     )
     assert out.returncode == 2
     assert "no etcd binary" in out.stderr and "etcd-server" in out.stderr
+
+
+def test_etcd_on_picked_ports_starts_again_when_one_was_taken_meanwhile(tmp_path):
+    # the race CI met ("bind: address already in use"): a picked port is
+    # taken by another process before etcd binds it
+    import socket
+
+    from springback.cli.local import EtcdServer
+
+    etcd = EtcdServer(str(tmp_path / "etcd"))
+    taken = etcd.client_port
+    with socket.socket() as squatter:
+        squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        squatter.bind(("127.0.0.1", taken))
+        squatter.listen()
+        etcd.start()
+        try:
+            assert etcd.client_port != taken
+            assert "address already in use" in (tmp_path / "etcd" / "etcd.log").read_text()
+            from springback.service.store import Store
+
+            store = Store(etcd.endpoint)
+            store.get("/springback/v1/ping")  # it serves, on the fresh port
+            store.close()
+        finally:
+            etcd.stop()
+    # ports the caller chose are not changed: the error names the cause
+    chosen = EtcdServer(str(tmp_path / "chosen"), client_port=taken, peer_port=free_port())
+    with socket.socket() as squatter:
+        squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        squatter.bind(("127.0.0.1", taken))
+        squatter.listen()
+        with pytest.raises(RuntimeError, match="address already in use"):
+            chosen.start()
