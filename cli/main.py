@@ -32,6 +32,9 @@ from springback.client.api import ApiError, Client
 from springback.client.errors import InvalidArgument
 from springback.v1 import types_pb2 as pb
 
+ENV_VIEWER_TOKEN = "SPRINGBACK_VIEWER_TOKEN"
+"""The coordinator's read-only token (`--viewer-token`)."""
+
 
 def _human_job(job: pb.Job, events: list | None = None) -> str:
     s = job_summary(job, events)
@@ -159,7 +162,8 @@ def _coordinator_command(args: argparse.Namespace) -> int:
         etcd=args.etcd, listen=args.listen, advertise=args.advertise, token=args.token,
         tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
         liveness_timeout_s=args.liveness_timeout_s, leader_ttl_s=args.leader_ttl_s,
-        metrics_listen=args.metrics_listen, drain_s=args.drain_s,
+        metrics_listen=args.metrics_listen, drain_s=args.drain_s, insecure=args.insecure,
+        viewer_token=args.viewer_token,
     )
     server = CoordinatorServer(config)
     server.start()
@@ -181,12 +185,16 @@ def _up_command(args: argparse.Namespace) -> int:
     from springback.cli.local import EtcdServer
     from springback.service.server import CoordinatorConfig, CoordinatorServer
 
+    def config(endpoint: str) -> CoordinatorConfig:
+        return CoordinatorConfig(
+            etcd=endpoint, listen=args.listen, token=args.token, insecure=args.insecure,
+            viewer_token=args.viewer_token,
+            liveness_timeout_s=args.liveness_timeout_s, metrics_listen=args.metrics_listen)
+
+    config("http://127.0.0.1:0")  # bad settings are refused before etcd starts
     etcd = EtcdServer(os.path.join(args.state_dir, "etcd"), client_port=args.etcd_port)
     etcd.start()
-    server = CoordinatorServer(CoordinatorConfig(
-        etcd=etcd.endpoint, listen=args.listen, token=args.token,
-        liveness_timeout_s=args.liveness_timeout_s, metrics_listen=args.metrics_listen,
-    ))
+    server = CoordinatorServer(config(etcd.endpoint))
     server.start()
     if not server.wait_for_leadership(timeout_s=15):
         server.stop()
@@ -230,12 +238,20 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--etcd-port", type=int, default=2379)
     up.add_argument("--liveness-timeout-s", type=float, default=5.0)
     up.add_argument("--metrics-listen", help="HOST:PORT for Prometheus /metrics")
+    up.add_argument("--viewer-token", default=os.environ.get(ENV_VIEWER_TOKEN) or None,
+                    help=f"a read-only token: job reads and the dashboard (or {ENV_VIEWER_TOKEN})")
+    up.add_argument("--insecure", action="store_true",
+                    help="allow a --listen other hosts can reach without --token")
     up.set_defaults(handler=_up_command)
 
     coord = commands.add_parser("coordinator", parents=[common], help="run a coordinator replica")
     coord.add_argument("--etcd", required=True, help="etcd endpoint(s), http://HOST:PORT[,…]")
     coord.add_argument("--listen", default="127.0.0.1:7070")
     coord.add_argument("--advertise", help="address other replicas reach this one at")
+    coord.add_argument("--viewer-token", default=os.environ.get(ENV_VIEWER_TOKEN) or None,
+                       help=f"a read-only token: job reads and the dashboard (or {ENV_VIEWER_TOKEN})")
+    coord.add_argument("--insecure", action="store_true",
+                       help="allow a --listen other hosts can reach without --token")
     coord.add_argument("--tls-cert")
     coord.add_argument("--tls-key")
     coord.add_argument("--tls-client-ca", help="require client certificates signed by this CA")

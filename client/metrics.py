@@ -101,11 +101,12 @@ class _Server(http.server.ThreadingHTTPServer):
     daemon_threads = True
 
     def __init__(self, address: tuple[str, int], registry: Registry,
-                 routes: dict[str, Page], token: str | None) -> None:
+                 routes: dict[str, Page], token: str | None,
+                 viewer_token: str | None = None) -> None:
         super().__init__(address, _Handler)
         self.registry = registry
         self.routes = routes
-        self.token = token
+        self.tokens = tuple(t for t in (token, viewer_token) if t)
 
 
 class _Handler(http.server.BaseHTTPRequestHandler):
@@ -121,8 +122,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         if handler is None:
             self._reply(404, "text/plain", b"not found: /metrics and the dashboard are served\n")
             return
-        token = self.server.token
-        if token and not self._authorized(token):
+        if self.server.tokens and not self._authorized(self.server.tokens):
             return
         try:
             status, content_type, body = handler(self.path)
@@ -131,17 +131,19 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             status, content_type, body = 500, "text/plain", f"internal error: {e}\n".encode()
         self._reply(status, content_type, body)
 
-    def _authorized(self, token: str) -> bool:
-        """True for a request carrying the token; otherwise replies (401 or
-        the redirect that sets the cookie) and returns False."""
+    def _authorized(self, tokens: tuple[str, ...]) -> bool:
+        """True for a request carrying one of the tokens; otherwise replies
+        (401 or the redirect that sets the cookie) and returns False."""
         def same(given: str) -> bool:
-            return hmac.compare_digest(given.encode(), token.encode())
+            # every token compared, in constant time each: no early exit
+            return sum(hmac.compare_digest(given.encode(), t.encode()) for t in tokens) > 0
 
         query = urllib.parse.parse_qs(urllib.parse.urlsplit(self.path).query)
-        if same(query.get("token", [""])[0]):
+        given = query.get("token", [""])[0]
+        if same(given):
             self._reply(303, "text/plain", b"", {
                 "Location": urllib.parse.urlsplit(self.path).path,
-                "Set-Cookie": f"{COOKIE}={token}; HttpOnly; SameSite=Strict; Path=/"})
+                "Set-Cookie": f"{COOKIE}={given}; HttpOnly; SameSite=Strict; Path=/"})
             return False
         cookies = http.cookies.SimpleCookie(self.headers.get("Cookie", ""))
         if same(self.headers.get("Authorization", "").removeprefix("Bearer ")) or (
@@ -167,7 +169,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
 
 def serve(registry: Registry, listen: str, *, pages: dict[str, Page] | None = None,
-          token: str | None = None) -> http.server.ThreadingHTTPServer:
+          token: str | None = None,
+          viewer_token: str | None = None) -> http.server.ThreadingHTTPServer:
     """Starts the endpoint; returns the server (``server_address`` has the port).
 
     ``/metrics`` is always open (Prometheus scrapers rarely carry tokens);
@@ -175,9 +178,11 @@ def serve(registry: Registry, listen: str, *, pages: dict[str, Page] | None = No
     ``Authorization: Bearer <token>``, or for a browser the cookie that
     opening any page with ``?token=<token>`` sets (HttpOnly, SameSite=Strict;
     the reply redirects to the page without the token in its address).
-    Anything else gets 401. Raises OSError if `listen` cannot be bound.
+    Anything else gets 401. `viewer_token`, when given, opens the pages
+    too (they only read). Raises OSError if `listen` cannot be bound.
     """
     host, _, port = listen.rpartition(":")
-    server = _Server((host or "127.0.0.1", int(port)), registry, dict(pages or {}), token)
+    server = _Server((host or "127.0.0.1", int(port)), registry, dict(pages or {}), token,
+                     viewer_token)
     threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
     return server

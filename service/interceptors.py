@@ -4,7 +4,8 @@
   (compared in constant time); others get UNAUTHENTICATED before any handler
   runs, so they change nothing. Health checks are exempt so that load
   balancers and Kubernetes probes, which cannot send a token, work. Two
-  roles: the operator's token opens every call; a member credential
+  roles: the operator's token opens every call; the viewer token (optional)
+  only `VIEWER_METHODS`, the reads of the job API; a member credential
   (`credentials`, issued by `JoinJob`) opens only `MEMBER_METHODS`, and only
   for the job and member it names (the request is read to check, also a
   raw one about to be forwarded to the leader, which checks it again):
@@ -97,12 +98,18 @@ def _abort(context: grpc.ServicerContext, code: grpc.StatusCode, details: str) -
     raise AssertionError("grpc's ServicerContext.abort returned")
 
 
+VIEWER_METHODS = frozenset(f"/springback.v1.JobService/{name}" for name in (
+    "GetJob", "ListJobs", "WatchJob", "ListCheckpoints", "ListJobEvents"))
+"""The calls the viewer token may make: reading jobs, never changing them."""
+
+
 class BearerAuth(grpc.aio.ServerInterceptor):
-    def __init__(self, token: str) -> None:
+    def __init__(self, token: str, viewer_token: str | None = None) -> None:
         if not token:
             raise ValueError("token: must not be empty")
         self._token = token
         self._expected = f"Bearer {token}".encode()
+        self._viewer = f"Bearer {viewer_token}".encode() if viewer_token else None
 
     async def intercept_service(self, continuation: Callable,
                                 details: grpc.HandlerCallDetails) -> Any:
@@ -113,6 +120,12 @@ class BearerAuth(grpc.aio.ServerInterceptor):
             sent = ""
         if hmac.compare_digest(sent.encode(), self._expected):
             return await continuation(details)
+        if self._viewer is not None and hmac.compare_digest(sent.encode(), self._viewer):
+            if details.method in VIEWER_METHODS:
+                return await continuation(details)
+            return _deny(grpc.StatusCode.PERMISSION_DENIED,
+                         f"{details.method} needs the operator role (the coordinator's token); "
+                         "this is the viewer token, which only reads jobs")
         member = credentials.member_of(self._token, sent.removeprefix("Bearer "))
         if member is None:
             return _deny(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid bearer token")

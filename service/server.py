@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import inspect
+import ipaddress
 import logging
 import threading
 import time
@@ -69,7 +70,10 @@ class CoordinatorConfig:
     advertise: str | None = None
     """Address other replicas reach this one at (default: the bound listen address)."""
     token: str | None = None
-    """Bearer token required on every call (health checks excepted)."""
+    """Bearer token required on every call (health checks excepted): the operator's."""
+    viewer_token: str | None = None
+    """A second token that may only read jobs (GetJob, ListJobs, WatchJob,
+    ListCheckpoints, ListJobEvents) and the dashboard; needs `token`."""
     tls_cert: str | None = None
     """PEM server certificate; with tls_key enables TLS."""
     tls_key: str | None = None
@@ -91,6 +95,9 @@ class CoordinatorConfig:
     """On stop: seconds of NOT_SERVING (as a follower) before the server stops,
     so health checks and load balancers see the replica leave. The CLI's
     ``--drain-s`` defaults to 5."""
+    insecure: bool = False
+    """Accept a `listen` address other hosts can reach without a `token`
+    (refused otherwise: anyone reaching the port could control every job)."""
 
     def __post_init__(self) -> None:
         if not self.etcd:
@@ -98,6 +105,13 @@ class CoordinatorConfig:
         host, _, port = self.listen.rpartition(":")
         if not host or not port.isdigit():
             raise ValueError(f"listen: {self.listen!r} is not HOST:PORT")
+        if self.viewer_token and (not self.token or self.viewer_token == self.token):
+            raise ValueError("viewer_token: needs a token (the operator's) that differs from it")
+        if not self.token and not self.insecure and not _loopback(host):
+            raise ValueError(
+                f"listen: {self.listen!r} is reachable from other hosts and the coordinator has "
+                "no token, so anyone who reaches it could control every job: give --token (or "
+                "SPRINGBACK_TOKEN), listen on 127.0.0.1, or pass --insecure to accept that")
         if self.liveness_timeout_s < 2:
             raise ValueError(f"liveness_timeout_s: {self.liveness_timeout_s} is below 2 s "
                              "(etcd lease granularity)")
@@ -109,6 +123,17 @@ class CoordinatorConfig:
             raise ValueError("tls_cert and tls_key: give both or neither")
         if self.tls_client_ca and not self.tls_cert:
             raise ValueError("tls_client_ca: mTLS needs tls_cert and tls_key too")
+
+
+def _loopback(host: str) -> bool:
+    """Whether `host` (of a listen address) is reachable from this machine only."""
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a name: it may resolve anywhere
 
 
 class _Handlers:
@@ -241,7 +266,7 @@ class CoordinatorServer:
         # Authentication first: a call refused UNAUTHENTICATED is not counted.
         interceptors: list[grpc.aio.ServerInterceptor] = []
         if config.token:
-            interceptors.append(BearerAuth(config.token))
+            interceptors.append(BearerAuth(config.token, config.viewer_token))
         interceptors += [self.counter, self._forwarding]
         self._loop = _Loop()
         self._server = self._loop.run(self._make_server(interceptors))
@@ -359,7 +384,8 @@ class CoordinatorServer:
         self._update_health()
         if self.config.metrics_listen:
             self._metrics_server = metrics.serve(self.registry, self.config.metrics_listen,
-                                                 pages=self.dashboard.pages(), token=self.config.token)
+                                                 pages=self.dashboard.pages(), token=self.config.token,
+                                                 viewer_token=self.config.viewer_token)
             self.dashboard.start()
         log.info("coordinator replica serving on %s", self.address)
 

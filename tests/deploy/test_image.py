@@ -31,6 +31,7 @@ pytestmark = [pytest.mark.soak, pytest.mark.timeout(3600)]
 ROOT = Path(__file__).resolve().parents[2]
 BASE = "localhost/springback-base:bookworm"
 IMAGE = "localhost/springback:test"
+TOKEN = "image-test-token"
 
 
 def _run(*argv: str, timeout: float = 1800) -> subprocess.CompletedProcess:
@@ -78,7 +79,8 @@ def test_the_coordinator_starts_from_the_image_and_takes_a_job(tmp_path):
     port = _free_port()
     name = f"springback-image-test-{port}"
     started = _run("podman", "run", "-d", "--rm", "--name", name, "-p", f"127.0.0.1:{port}:7070",
-                   IMAGE, "up", "--listen", "0.0.0.0:7070", "--state-dir", "/var/lib/springback",
+                   IMAGE, "up", "--listen", "0.0.0.0:7070", "--token", TOKEN,
+                   "--state-dir", "/var/lib/springback",
                    timeout=120)
     _checked(started, "podman run")
     try:
@@ -89,11 +91,11 @@ def test_the_coordinator_starts_from_the_image_and_takes_a_job(tmp_path):
         cli = [sys.executable, "-m", "springback.cli", "job"]
 
         def submitted() -> bool:
-            return _run(*cli, "submit", "--coordinator", address, str(spec),
+            return _run(*cli, "submit", "--coordinator", address, "--token", TOKEN, str(spec),
                         timeout=30).returncode == 0
 
         wait_for(submitted, 120, "the image's coordinator to take a job")
-        listed = _run(*cli, "list", "--coordinator", address, timeout=30)
+        listed = _run(*cli, "list", "--coordinator", address, "--token", TOKEN, timeout=30)
         _checked(listed, "job list")
         assert "from-image" in listed.stdout
     finally:

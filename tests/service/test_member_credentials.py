@@ -8,7 +8,7 @@ import grpc
 import pytest
 
 from sbtest import wait_for
-from springback.client.api import Client
+from springback.client.api import ApiError, Client
 from springback.client.channel import connect
 from springback.service import credentials, keys
 from springback.v1 import job_service_pb2 as js
@@ -166,3 +166,57 @@ def test_without_a_token_no_credential_is_issued(coordinator, make_spec):
                 job_id=job.id, host="127.0.0.1", rendezvous_port=5204, num_local_ranks=1),
                 timeout=10)
         assert response.member_credential == ""
+
+
+VIEWER = "viewer-token-read-only"
+
+
+def test_the_viewer_token_reads_jobs_and_the_dashboard_and_changes_nothing(
+        start_coordinator, make_spec):
+    import urllib.error
+    import urllib.request
+
+    server = start_coordinator(token=TOKEN, viewer_token=VIEWER, metrics_listen="127.0.0.1:0")
+    wait_for(server.election.is_leader, 10, "leadership")
+    with Client(server.address, token=TOKEN) as operator, \
+            Client(server.address, token=VIEWER) as viewer:
+        job = operator.create_job(make_spec(max_workers=1))
+        assert viewer.get_job(job.id).id == job.id
+        assert [j.id for j in viewer.list_jobs()] == [job.id]
+        assert viewer.list_checkpoints(job.id) == []
+        assert viewer.list_job_events(job.id)[0].id == job.id
+        before = _snapshot(server.store, job.id)
+        for change in (lambda: viewer.create_job(make_spec()), lambda: viewer.cancel_job(job.id),
+                       lambda: viewer.pause_job(job.id), lambda: viewer.delete_job(job.id),
+                       lambda: viewer.scale_job(job.id, 1, 2)):
+            with pytest.raises(ApiError) as e:
+                change()
+            assert e.value.code == grpc.StatusCode.PERMISSION_DENIED, e.value
+            assert "operator" in str(e.value) and "viewer" in str(e.value)
+        with connect([server.address], token=VIEWER) as channel:
+            with pytest.raises(grpc.RpcError) as e:
+                ws_grpc.WorkerServiceStub(channel).JoinJob(ws.JoinJobRequest(
+                    job_id=job.id, host="127.0.0.1", rendezvous_port=5205, num_local_ranks=1),
+                    timeout=5)
+            assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert _snapshot(server.store, job.id) == before
+        assert operator.get_job(job.id).status.state == pb.JOB_STATE_PENDING
+    base = f"http://{server.metrics_address}"
+    for token, code in ((VIEWER, 200), (TOKEN, 200), ("wrong", 401)):
+        request = urllib.request.Request(f"{base}/jobs/{job.id}",
+                                         headers={"Authorization": f"Bearer {token}"})
+        try:
+            with urllib.request.urlopen(request, timeout=10) as reply:
+                got = reply.status
+        except urllib.error.HTTPError as refused:
+            got = refused.code
+        assert got == code, token
+
+
+def test_a_viewer_token_needs_an_operator_token_that_differs():
+    from springback.service.server import CoordinatorConfig
+
+    for config in ({"viewer_token": VIEWER}, {"viewer_token": TOKEN, "token": TOKEN}):
+        with pytest.raises(ValueError) as e:
+            CoordinatorConfig(etcd="http://127.0.0.1:2379", **config)
+        assert str(e.value).startswith("viewer_token:")

@@ -178,3 +178,35 @@ class TestCallCounting:
                 with pytest.raises(ApiError):
                     bad.list_jobs()
         assert api_calls() == before
+
+
+class TestSafeDefaults:
+    @pytest.mark.parametrize("listen", ["0.0.0.0:0", "10.1.2.3:7070", "[::]:0", "coord.example:7070"])
+    def test_a_reachable_listen_without_a_token_is_refused_naming_the_way_out(self, listen):
+        from springback.service.server import CoordinatorConfig
+
+        with pytest.raises(ValueError) as e:
+            CoordinatorConfig(etcd="http://127.0.0.1:2379", listen=listen)
+        assert str(e.value).startswith(f"listen: {listen!r}") and "--insecure" in str(e.value)
+        # a token, or saying so, is accepted
+        CoordinatorConfig(etcd="http://127.0.0.1:2379", listen=listen, token="t")
+        CoordinatorConfig(etcd="http://127.0.0.1:2379", listen=listen, insecure=True)
+
+    @pytest.mark.parametrize("listen", ["127.0.0.1:0", "127.0.0.2:7070", "localhost:0", "[::1]:0"])
+    def test_loopback_needs_no_token(self, listen):
+        from springback.service.server import CoordinatorConfig
+
+        CoordinatorConfig(etcd="http://127.0.0.1:2379", listen=listen)
+
+    def test_up_refuses_before_starting_etcd(self, tmp_path):
+        import os
+        import sys
+
+        env = {k: v for k, v in os.environ.items() if k != "SPRINGBACK_TOKEN"}
+        done = subprocess.run(
+            [sys.executable, "-m", "springback.cli", "up", "--listen", "0.0.0.0:0",
+             "--state-dir", str(tmp_path / "state"), "--etcd-port", "0"],
+            capture_output=True, text=True, timeout=60, env=env)
+        assert done.returncode == 2, (done.stdout, done.stderr)
+        assert "listen: '0.0.0.0:0'" in done.stderr and "--insecure" in done.stderr
+        assert not (tmp_path / "state").exists()  # no etcd was started
