@@ -188,14 +188,14 @@ _IN_TIME_ORDER = ("waiting", "startup", "reforming", "state_transfer", "redone",
 """The causes in the order they happen within a generation (the timeline's)."""
 
 
-def _badput_html(job: pb.Job, events: list, now: float) -> str:
+def _badput_html(job: pb.Job, events: list, now: float, total: dict) -> str:
     """"Where the time went": the job's wall time as one stacked bar by cause
     (`badput.job_badput`), a table of the causes, and a timeline of the
     generations, each split by its own causes (`badput.per_generation`), all
     as of `now` (the page's ``data-now``, so a reader can recompute them).
-    Every shape carries its cause and seconds as ``data-`` attributes."""
+    Every shape carries its cause and seconds as ``data-`` attributes;
+    `total` is `badput.job_badput` of the same records at `now`."""
     rows = badput.per_generation(job, events, now)
-    total = badput.job_badput(job, events, now)
     wall = total["wall_s"]
     if not rows or wall <= 0:
         return "<h2>Where the time went</h2><p id='badput-none'>nothing yet</p>"
@@ -443,7 +443,7 @@ class Dashboard:
         s = job_summary(job)
         now = time.time()
         ratio = goodput(job, events, now)
-        cost = badput.job_badput(job, events, now)["cost"]
+        total = badput.job_badput(job, events, now)
         meta = _table([], [
             ["state", f"<span class='state-{s['state']}'>{s['state']}</span> "
                       f"{html.escape(s['message'])}"],
@@ -454,7 +454,7 @@ class Dashboard:
                             f"times ({s['steps_lost']} steps)</strong>"
                             if s["state_losses"] else "")],
             ["goodput", f"<span id='goodput'>{ratio:.1%}</span>" if ratio is not None else "-"],
-            ["node-hours", _cost_html(cost)],
+            ["node-hours", _cost_html(total["cost"])],
             ["created / started / finished",
              f"{_ts(job.created_at)} / {_ts(job.started_at)} / {_ts(job.finished_at)}"],
         ], "summary").replace("<table", "<table class='meta'", 1)
@@ -481,7 +481,7 @@ class Dashboard:
                 f"<h2>World size and step rate</h2><div class='plots'>"
                 f"<img id='world-plot' alt='world size over time' src='/jobs/{job_id}/world.svg'>"
                 f"<img id='steps-plot' alt='step rate over time' src='/jobs/{job_id}/steps.svg'>"
-                f"</div>{_LIVE_HTML}{_badput_html(job, events, now)}<h2>Generations</h2>{timeline}"
+                f"</div>{_LIVE_HTML}{_badput_html(job, events, now, total)}<h2>Generations</h2>{timeline}"
                 f"{_recovery_html(events)}<h2>Checkpoints</h2>{checkpoints}")
         script = _LIVE_JS.replace("__JOB__", json.dumps(job_id))
         return _page(f"Springback job {job_id}", body + f"<script>{script}</script>")
