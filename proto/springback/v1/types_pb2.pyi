@@ -313,7 +313,7 @@ class RestoreSource(_message.Message):
     def __init__(self, kind: _Optional[_Union[RestoreKind, str]] = ..., source_rank: _Optional[int] = ..., checkpoint: _Optional[_Union[CheckpointRef, _Mapping]] = ...) -> None: ...
 
 class Plan(_message.Message):
-    __slots__ = ("job_id", "generation", "action", "world_size", "members", "spares", "layout", "master_addr", "master_port", "cursor", "step", "restore", "spec", "reason", "created_at")
+    __slots__ = ("job_id", "generation", "action", "world_size", "members", "spares", "layout", "master_addr", "master_port", "cursor", "step", "restore", "spec", "reason", "created_at", "nodes", "num_spares", "digest")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     ACTION_FIELD_NUMBER: _ClassVar[int]
@@ -329,6 +329,9 @@ class Plan(_message.Message):
     SPEC_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    NUM_SPARES_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     generation: int
     action: PlanAction
@@ -344,4 +347,15 @@ class Plan(_message.Message):
     spec: JobSpec
     reason: str
     created_at: _timestamp_pb2.Timestamp
-    def __init__(self, job_id: _Optional[str] = ..., generation: _Optional[int] = ..., action: _Optional[_Union[PlanAction, str]] = ..., world_size: _Optional[int] = ..., members: _Optional[_Iterable[_Union[PlanMember, _Mapping]]] = ..., spares: _Optional[_Iterable[str]] = ..., layout: _Optional[_Union[ParallelLayout, _Mapping]] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., cursor: _Optional[_Union[DataCursor, _Mapping]] = ..., step: _Optional[int] = ..., restore: _Optional[_Union[RestoreSource, _Mapping]] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., reason: _Optional[str] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+    nodes: _containers.RepeatedCompositeFieldContainer[NodeRun]
+    num_spares: int
+    digest: bytes
+    def __init__(self, job_id: _Optional[str] = ..., generation: _Optional[int] = ..., action: _Optional[_Union[PlanAction, str]] = ..., world_size: _Optional[int] = ..., members: _Optional[_Iterable[_Union[PlanMember, _Mapping]]] = ..., spares: _Optional[_Iterable[str]] = ..., layout: _Optional[_Union[ParallelLayout, _Mapping]] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., cursor: _Optional[_Union[DataCursor, _Mapping]] = ..., step: _Optional[int] = ..., restore: _Optional[_Union[RestoreSource, _Mapping]] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., reason: _Optional[str] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., nodes: _Optional[_Iterable[_Union[NodeRun, _Mapping]]] = ..., num_spares: _Optional[int] = ..., digest: _Optional[bytes] = ...) -> None: ...
+
+class NodeRun(_message.Message):
+    __slots__ = ("num_nodes", "num_local_ranks")
+    NUM_NODES_FIELD_NUMBER: _ClassVar[int]
+    NUM_LOCAL_RANKS_FIELD_NUMBER: _ClassVar[int]
+    num_nodes: int
+    num_local_ranks: int
+    def __init__(self, num_nodes: _Optional[int] = ..., num_local_ranks: _Optional[int] = ...) -> None: ...

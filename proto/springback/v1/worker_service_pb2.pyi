@@ -45,10 +45,12 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., member_id: _Optional[str] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("generation",)
+    __slots__ = ("generation", "heartbeat_interval")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_INTERVAL_FIELD_NUMBER: _ClassVar[int]
     generation: int
-    def __init__(self, generation: _Optional[int] = ...) -> None: ...
+    heartbeat_interval: _duration_pb2.Duration
+    def __init__(self, generation: _Optional[int] = ..., heartbeat_interval: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
 
 class LeaveJobRequest(_message.Message):
     __slots__ = ("job_id", "member_id", "reason")
