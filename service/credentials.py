@@ -13,7 +13,18 @@ lets such a credential make only `MEMBER_METHODS`, and only with the
 ``job_id`` and ``member_id`` it names; anything else is PERMISSION_DENIED,
 naming the role that would be needed. Changing the operator token revokes
 every member credential at once (members then fail UNAUTHENTICATED and their
-agents must join again). Pure functions, no I/O.
+agents must join again).
+
+Replicas call each other too (`streamnotes` relays plan-stream notes to the
+leader with ``ReportPlanStreams``). They do so with the replica credential::
+
+    sbr1.<HMAC-SHA256 of "replica", keyed as above>
+
+which every replica derives from the operator token, so every replica
+computes (and checks) the same one. It opens only `REPLICA_METHODS`; those
+are open to nothing else, the operator token included (least privilege: an
+operator has no reason to forge what replicas tell each other). Pure
+functions, no I/O.
 """
 
 from __future__ import annotations
@@ -22,11 +33,16 @@ import hashlib
 import hmac
 
 PREFIX = "sbm1"
+REPLICA_PREFIX = "sbr1"
 
 MEMBER_METHODS = frozenset(f"/springback.v1.WorkerService/{name}" for name in (
     "Heartbeat", "LeaveJob", "DrainMember", "WatchPlans", "ReportStep", "ReportFailure",
     "CommitCheckpoint", "ReportCheckpointError"))
 """The calls a member credential may make: each request names its job and member."""
+
+REPLICA_METHODS = frozenset({"/springback.v1.WorkerService/ReportPlanStreams"})
+"""The calls only replicas make (to the leader), with the replica credential
+or a client certificate mapped to the replica role."""
 
 
 def _key(operator_token: str) -> bytes:
@@ -58,3 +74,46 @@ def member_of(operator_token: str, credential: str) -> tuple[str, str] | None:
     if not hmac.compare_digest(mac.encode(), _mac(operator_token, job_id, member_id).encode()):
         return None
     return job_id, member_id
+
+
+def replica_credential(operator_token: str) -> str:
+    """The credential replicas sharing `operator_token` call each other with."""
+    mac = hmac.new(_key(operator_token), b"replica", hashlib.sha256).hexdigest()
+    return f"{REPLICA_PREFIX}.{mac}"
+
+
+def is_replica(operator_token: str, credential: str) -> bool:
+    """Whether `credential` is the replica credential (compared in constant time)."""
+    return hmac.compare_digest(credential.encode(), replica_credential(operator_token).encode())
+
+
+TLS_ROLES = ("operator", "viewer", "replica")
+"""The roles a client certificate may be mapped to (``--tls-roles``)."""
+
+
+def parse_tls_roles(text: str, source: str = "--tls-roles") -> dict[tuple[str, str], str]:
+    """The certificate-subject -> role map of a ``--tls-roles`` file: one
+    ``CN=<common name>:<role>`` or ``SAN=<subject alternative name>:<role>``
+    a line (the role is after the *last* colon, so a SAN may be a URI),
+    blank lines and ``#`` comments ignored. Keys are ``("CN", name)`` /
+    ``("SAN", name)``. Raises ValueError naming the line at fault (an
+    unknown kind or role, a name mapped twice to different roles)."""
+    roles: dict[tuple[str, str], str] = {}
+    for number, line in enumerate(text.splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        subject, _, role = line.rpartition(":")
+        kind, _, name = subject.partition("=")
+        kind, name, role = kind.strip().upper(), name.strip(), role.strip()
+        if kind not in ("CN", "SAN") or not name:
+            raise ValueError(f"{source} line {number}: {line!r} is not CN=<name>:<role> "
+                             "or SAN=<name>:<role>")
+        if role not in TLS_ROLES:
+            raise ValueError(f"{source} line {number}: role {role!r} is not one of "
+                             f"{', '.join(TLS_ROLES)}")
+        if roles.get((kind, name), role) != role:
+            raise ValueError(f"{source} line {number}: {kind}={name} is already mapped to "
+                             f"{roles[kind, name]}")
+        roles[kind, name] = role
+    return roles

@@ -3,14 +3,20 @@
 * `BearerAuth`: every call must carry ``authorization: Bearer <token>``
   (compared in constant time); others get UNAUTHENTICATED before any handler
   runs, so they change nothing. Health checks are exempt so that load
-  balancers and Kubernetes probes, which cannot send a token, work. Two
-  roles: the operator's token opens every call; the viewer token (optional)
-  only `VIEWER_METHODS`, the reads of the job API; a member credential
-  (`credentials`, issued by `JoinJob`) opens only `MEMBER_METHODS`, and only
-  for the job and member it names (the request is read to check, also a
-  raw one about to be forwarded to the leader, which checks it again):
-  anything else is PERMISSION_DENIED naming what would be needed, before the
-  handler runs.
+  balancers and Kubernetes probes, which cannot send a token, work. Roles:
+  the operator's token opens every call but the replicas' own; the viewer
+  token (optional) only `VIEWER_METHODS`, the reads of the job API; the
+  replica credential (`credentials`, derived from the operator token) only
+  `credentials.REPLICA_METHODS`; a member credential (issued by `JoinJob`)
+  opens only `MEMBER_METHODS`, and only for the job and member it names (the
+  request is read to check, also a raw one about to be forwarded to the
+  leader, which checks it again). With ``tls_roles`` (``--tls-roles``), a
+  call without a bearer token takes the role its client certificate's CN or
+  SAN maps to; an unmapped certificate has none. Anything else is
+  PERMISSION_DENIED naming the role that would be needed, before the handler
+  runs. A follower forwarding a certificate caller's call tells the leader
+  the role it found (`ROLE_HEADER`): the leader sees only the follower's
+  certificate, and believes the header only when that maps to replica.
 * `LeaderForwarding`: on a replica that is not the leader, Springback calls
   are relayed, as raw bytes, to the leader with the caller's metadata and
   remaining deadline; the leader's status comes back unchanged. A call that
@@ -38,6 +44,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import hmac
 import inspect
 import logging
@@ -103,39 +110,121 @@ VIEWER_METHODS = frozenset(f"/springback.v1.JobService/{name}" for name in (
 """The calls the viewer token may make: reading jobs, never changing them."""
 
 
+ROLE_HEADER = "x-springback-role"
+"""On a forwarded call: the role the forwarding replica found for a caller
+that authenticated by certificate (no bearer token travels then). The leader
+believes it only from a peer whose own certificate maps to the replica role."""
+
+_CALLER_ROLE: contextvars.ContextVar[str] = contextvars.ContextVar("caller_role", default="")
+"""The certificate role `BearerAuth` found for the call being handled, read by
+`LeaderForwarding` to pass it on (`ROLE_HEADER`)."""
+
+
+def _needed(method: str) -> str:
+    if method in credentials.REPLICA_METHODS:
+        return ("the replica role (the replicas' own credential, or a client certificate "
+                "mapped to replica)")
+    return "the operator role (the coordinator's token, or a client certificate mapped to operator)"
+
+
+def _allowed(role: str, method: str) -> bool:
+    if role == "operator":
+        return method not in credentials.REPLICA_METHODS
+    if role == "viewer":
+        return method in VIEWER_METHODS
+    return role == "replica" and method in credentials.REPLICA_METHODS
+
+
+_WHAT = {"operator": "the operator token",
+         "viewer": "the viewer token, which only reads jobs",
+         "replica": "the replica credential, which only relays what replicas tell the leader"}
+
+
 class BearerAuth(grpc.aio.ServerInterceptor):
-    def __init__(self, token: str, viewer_token: str | None = None) -> None:
-        if not token:
-            raise ValueError("token: must not be empty")
-        self._token = token
-        self._expected = f"Bearer {token}".encode()
+    """Roles from the bearer token or, with `tls_roles`, the client
+    certificate (see the module docstring). Failure semantics: a refused call
+    never reaches its handler, so it changes nothing; UNAUTHENTICATED for no
+    or a wrong token (and no certificate roles), PERMISSION_DENIED naming the
+    role needed (and the certificate subject, for an unmapped one)."""
+
+    def __init__(self, token: str | None, viewer_token: str | None = None,
+                 tls_roles: dict[tuple[str, str], str] | None = None) -> None:
+        if not token and not tls_roles:
+            raise ValueError("token: must not be empty (unless tls_roles maps certificates)")
+        self._token = token or ""
+        self._expected = f"Bearer {token}".encode() if token else None
         self._viewer = f"Bearer {viewer_token}".encode() if viewer_token else None
+        self._replica = (f"Bearer {credentials.replica_credential(token)}".encode()
+                         if token else None)
+        self._tls_roles = tls_roles or {}
+
+    def _bearer_role(self, sent: bytes) -> str:
+        # every token compared, in constant time each: no early exit on a match
+        matches = [role for role, expected in (("operator", self._expected),
+                                               ("viewer", self._viewer),
+                                               ("replica", self._replica))
+                   if expected is not None and hmac.compare_digest(sent, expected)]
+        return matches[0] if matches else ""
 
     async def intercept_service(self, continuation: Callable,
                                 details: grpc.HandlerCallDetails) -> Any:
-        if details.method.startswith("/grpc.health.v1."):
+        method = details.method
+        if method.startswith("/grpc.health.v1."):
             return await continuation(details)
-        sent = dict(details.invocation_metadata or ()).get("authorization", "")
+        metadata = dict(details.invocation_metadata or ())
+        sent = metadata.get("authorization", "")
         if not isinstance(sent, str):
             sent = ""
-        if hmac.compare_digest(sent.encode(), self._expected):
-            return await continuation(details)
-        if self._viewer is not None and hmac.compare_digest(sent.encode(), self._viewer):
-            if details.method in VIEWER_METHODS:
+        role = self._bearer_role(sent.encode())
+        if role:
+            if _allowed(role, method):
                 return await continuation(details)
             return _deny(grpc.StatusCode.PERMISSION_DENIED,
-                         f"{details.method} needs the operator role (the coordinator's token); "
-                         "this is the viewer token, which only reads jobs")
-        member = credentials.member_of(self._token, sent.removeprefix("Bearer "))
-        if member is None:
+                         f"{method} needs {_needed(method)}; this is {_WHAT[role]}")
+        member = (credentials.member_of(self._token, sent.removeprefix("Bearer "))
+                  if self._token else None)
+        if member is not None:
+            if method not in credentials.MEMBER_METHODS:
+                return _deny(grpc.StatusCode.PERMISSION_DENIED,
+                             f"{method} needs {_needed(method)}; this is the member credential "
+                             f"of member {member[1]!r} of job {member[0]!r}, which makes only "
+                             "that member's own calls")
+            handler = await continuation(details)
+            return None if handler is None else _bound(handler, method, *member)
+        if sent or not self._tls_roles:
             return _deny(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid bearer token")
-        if details.method not in credentials.MEMBER_METHODS:
-            return _deny(grpc.StatusCode.PERMISSION_DENIED,
-                         f"{details.method} needs the operator role (the coordinator's token); "
-                         f"this is the member credential of member {member[1]!r} of job "
-                         f"{member[0]!r}, which makes only that member's own calls")
+        # No token: the role is the client certificate's, known only to the
+        # handler's context (the interceptor sees the method and metadata only).
         handler = await continuation(details)
-        return None if handler is None else _bound(handler, details.method, *member)
+        forwarded_role = metadata.get(ROLE_HEADER, "") if FORWARDED in metadata else ""
+
+        def refusal(request: Any, context: grpc.ServicerContext) -> str | None:
+            role, subject = self.certificate_role(context)
+            if role == "replica" and forwarded_role in credentials.TLS_ROLES:
+                role = str(forwarded_role)  # a replica relaying a certificate caller's call
+            if not role:
+                return (f"{method} needs {_needed(method)}; the client certificate "
+                        f"({subject or 'none'}) maps to no role in --tls-roles")
+            if not _allowed(role, method):
+                return (f"{method} needs {_needed(method)}; the client certificate "
+                        f"({subject}) maps to the {role} role")
+            _CALLER_ROLE.set(role)
+            return None
+
+        return None if handler is None else _checked(handler, refusal)
+
+    def certificate_role(self, context: grpc.ServicerContext) -> tuple[str, str]:
+        """(role, subject) of the call's client certificate: the role of its
+        subject CN if mapped, else of its first mapped SAN; ``""`` for none."""
+        peer = context.auth_context() or {}
+        names = [("CN", n.decode(errors="replace")) for n in peer.get("x509_common_name", ())]
+        names += [("SAN", n.decode(errors="replace"))
+                  for n in peer.get("x509_subject_alternative_name", ())]
+        subject = ", ".join(f"{kind}={name}" for kind, name in names)
+        for name in names:
+            if name in self._tls_roles:
+                return self._tls_roles[name], subject
+        return "", subject
 
 
 def _bound(handler: grpc.RpcMethodHandler, method: str, job_id: str,
@@ -145,7 +234,7 @@ def _bound(handler: grpc.RpcMethodHandler, method: str, job_id: str,
     forwarded, is parsed to check)."""
     request_type = getattr(ws, method.rsplit("/", 1)[1] + "Request")
 
-    def refusal(request: Any) -> str | None:
+    def refusal(request: Any, context: grpc.ServicerContext) -> str | None:
         if isinstance(request, bytes):
             request = request_type.FromString(request)
         if request.job_id == job_id and request.member_id == member_id:
@@ -154,18 +243,25 @@ def _bound(handler: grpc.RpcMethodHandler, method: str, job_id: str,
                 f"for member {request.member_id!r} of job {request.job_id!r}: that needs "
                 "that member's own credential or the operator role")
 
+    return _checked(handler, refusal)
+
+
+def _checked(handler: grpc.RpcMethodHandler,
+             refusal: Callable[[Any, Any], str | None]) -> grpc.RpcMethodHandler:
+    """`handler`, first asking ``refusal(request, context)``: a reason
+    aborts the call PERMISSION_DENIED before the handler runs."""
     if handler.unary_unary is not None:
         inner = handler.unary_unary
         if inspect.iscoroutinefunction(inner):
             async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
-                if (why := refusal(request)) is not None:
+                if (why := refusal(request, context)) is not None:
                     await context.abort(grpc.StatusCode.PERMISSION_DENIED, why)
                 return await inner(request, context)
 
             return handler._replace(unary_unary=unary)
 
         def unary_sync(request: Any, context: grpc.ServicerContext) -> Any:
-            if (why := refusal(request)) is not None:
+            if (why := refusal(request, context)) is not None:
                 _abort(context, grpc.StatusCode.PERMISSION_DENIED, why)
             return inner(request, context)
 
@@ -173,7 +269,7 @@ def _bound(handler: grpc.RpcMethodHandler, method: str, job_id: str,
     inner_stream = handler.unary_stream
     if inspect.isasyncgenfunction(inner_stream):
         async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-            if (why := refusal(request)) is not None:
+            if (why := refusal(request, context)) is not None:
                 await context.abort(grpc.StatusCode.PERMISSION_DENIED, why)
             async for item in inner_stream(request, context):
                 yield item
@@ -181,11 +277,17 @@ def _bound(handler: grpc.RpcMethodHandler, method: str, job_id: str,
         return handler._replace(unary_stream=stream)
 
     def stream_sync(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
-        if (why := refusal(request)) is not None:
+        if (why := refusal(request, context)) is not None:
             _abort(context, grpc.StatusCode.PERMISSION_DENIED, why)
         yield from inner_stream(request, context)
 
     return handler._replace(unary_stream=stream_sync)
+
+
+def _with_role(metadata: list) -> list:
+    """`metadata`, with the certificate role `BearerAuth` found for this call."""
+    role = _CALLER_ROLE.get()
+    return [*metadata, (ROLE_HEADER, role)] if role else metadata
 
 
 class LeaderForwarding(grpc.aio.ServerInterceptor):
@@ -263,7 +365,7 @@ class LeaderForwarding(grpc.aio.ServerInterceptor):
             call = self._leader_channel(context).unary_unary(method)
             self.num_forwarded += 1
             try:
-                return call(request, metadata=metadata,
+                return call(request, metadata=_with_role(metadata),
                             timeout=context.time_remaining() or DEFAULT_TIMEOUT_S)
             except grpc.RpcError as e:
                 _abort(context, e.code(), e.details() or "")
@@ -280,7 +382,7 @@ class LeaderForwarding(grpc.aio.ServerInterceptor):
                 await context.abort(grpc.StatusCode.UNAVAILABLE, why)
                 return  # abort raised already
             call = channel.unary_stream(method)(
-                request, metadata=metadata, timeout=context.time_remaining())
+                request, metadata=_with_role(metadata), timeout=context.time_remaining())
             self.num_forwarded += 1
             try:
                 async for response in in_thread(self._stream_pool, call):

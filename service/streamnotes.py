@@ -10,7 +10,9 @@ every replica reports each stream it opens and each that ends:
   order, at most one batch per `flush_s`, and
 
   * on the leader, hands the batch to the leader's own `PeerLossEvidence`;
-  * on a follower, relays it to the leader (``ReportPlanStreams``).
+  * on a follower, relays it to the leader (``ReportPlanStreams``), with the
+    replica credential derived from the operator `token` (the only role
+    that call accepts, see `credentials`).
 
 Failure semantics: a batch that cannot be delivered (no leader yet, the
 leader unreachable, the call failed) is kept and sent again at the next
@@ -36,6 +38,7 @@ import grpc
 
 from springback.client.channel import DEFAULT_TIMEOUT_S, connect
 from springback.client.errors import SpringbackError
+from springback.service import credentials
 from springback.service.election import Election
 from springback.service.evidence import PeerLossEvidence
 from springback.v1 import worker_service_pb2 as ws
@@ -54,7 +57,9 @@ class StreamNotes:
                  window_s: Callable[[], float], flush_s: float = 0.05) -> None:
         self.election = election
         self.evidence = evidence
-        self._token = token or ""
+        # the leader accepts these notes only from the replica role (`credentials`);
+        # without a token, the client certificate (SPRINGBACK_TLS_*) must map to it
+        self._credential = credentials.replica_credential(token) if token else ""
         self._window_s = window_s
         self._flush_s = flush_s
         self._serial = itertools.count(1)
@@ -137,7 +142,7 @@ class StreamNotes:
         if self._channel is None or self._channel[0] != leader:
             if self._channel is not None:
                 self._channel[1].close()
-            self._channel = (leader, connect([leader], token=self._token))
+            self._channel = (leader, connect([leader], token=self._credential))
         stub = ws_grpc.WorkerServiceStub(self._channel[1])
         try:
             stub.ReportPlanStreams(ws.ReportPlanStreamsRequest(

@@ -107,12 +107,15 @@ def test_a_member_of_one_job_can_do_nothing_to_another_job_on_either_replica(
                 for call in (lambda: jobs.GetJob(js.GetJobRequest(job_id=job_b.id), timeout=5),
                              lambda: jobs.CancelJob(js.CancelJobRequest(job_id=job_b.id), timeout=5),
                              lambda: jobs.CreateJob(js.CreateJobRequest(), timeout=5),
-                             lambda: stub.JoinJob(ws.JoinJobRequest(job_id=job_b.id), timeout=5),
-                             lambda: stub.ReportPlanStreams(ws.ReportPlanStreamsRequest(), timeout=5)):
+                             lambda: stub.JoinJob(ws.JoinJobRequest(job_id=job_b.id), timeout=5)):
                     with pytest.raises(grpc.RpcError) as e:
                         call()
                     assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
                     assert "operator" in e.value.details()
+                with pytest.raises(grpc.RpcError) as e:
+                    stub.ReportPlanStreams(ws.ReportPlanStreamsRequest(), timeout=5)
+                assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+                assert "replica" in e.value.details()
         assert _snapshot(leader.store, job_b.id) == before  # nothing of B changed
         status = client.get_job(job_b.id).status
         assert status.state == pb.JOB_STATE_RUNNING and status.step == 0
@@ -137,6 +140,52 @@ def test_a_member_of_one_job_can_do_nothing_to_another_job_on_either_replica(
                 job_id=job_a.id, member_id=a.member.id, generation=plan_a.generation, step=3),
                 timeout=5)
         wait_for(lambda: client.get_job(job_a.id).status.step == 3, 10, "A's own step")
+
+
+def test_only_the_replica_credential_tells_the_leader_of_plan_streams(
+        start_coordinator, make_spec):
+    """ReportPlanStreams feeds the peers'-evidence fence: a note from a
+    member credential, the viewer or even the operator token is refused
+    (PERMISSION_DENIED naming the replica role) and fences nobody; the same
+    note with the replicas' credential does."""
+    leader = start_coordinator(token=TOKEN, viewer_token="viewer-of-notes",
+                               liveness_timeout_s=20.0)  # the leases outlive the test
+    wait_for(leader.election.is_leader, 10, "leadership")
+    follower = start_coordinator(token=TOKEN, viewer_token="viewer-of-notes",
+                                 liveness_timeout_s=20.0)
+    with Client(leader.address, token=TOKEN) as client:
+        job = client.create_job(make_spec(min_workers=2, max_workers=2))
+        a, b = _join(leader.address, job.id, 5211), _join(follower.address, job.id, 5212)
+        plan = wait_for(lambda: (p := leader.coordinator.current_plan(job.id)) is not None
+                        and p.world_size == 2 and p, 20, "a plan with both")
+        # b's agent "vanished": its plan stream ended from the agent's side
+        vanished = ws.ReportPlanStreamsRequest(replica=follower.address, notes=[ws.PlanStreamNote(
+            job_id=job.id, member_id=b.member.id, stream_id="forged/1", by_client=True)])
+        for token in (a.member_credential, "viewer-of-notes", TOKEN):
+            for replica in (leader, follower):
+                with connect([replica.address], token=token) as channel:
+                    with pytest.raises(grpc.RpcError) as e:
+                        ws_grpc.WorkerServiceStub(channel).ReportPlanStreams(vanished, timeout=5)
+                assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED, token
+                assert "needs the replica role" in e.value.details(), e.value.details()
+        # a's rank saw a reset from b's rank: with a refused note, no fence
+        with connect([leader.address], token=a.member_credential) as channel:
+            reply = ws_grpc.WorkerServiceStub(channel).ReportFailure(ws.ReportFailureRequest(
+                job_id=job.id, member_id=a.member.id, generation=plan.generation,
+                lost_peer=True, lost_rank=next(m.first_rank for m in plan.members
+                                               if m.member_id == b.member.id)), timeout=5)
+        assert reply.generation == plan.generation
+        assert set(client.get_job(job.id).status.members) == {a.member.id, b.member.id}
+        with connect([leader.address], token=credentials.replica_credential(TOKEN)) as channel:
+            ws_grpc.WorkerServiceStub(channel).ReportPlanStreams(vanished, timeout=5)
+        status = wait_for(lambda: (s := client.get_job(job.id).status).generation
+                          > plan.generation and s, 10, "a generation without b")
+        assert b.member.id not in status.members, status
+        # and the follower's own relay (a stream of a's opened there) carries that credential
+        with connect([follower.address], token=a.member_credential) as channel:
+            next(ws_grpc.WorkerServiceStub(channel).WatchPlans(ws.WatchPlansRequest(
+                job_id=job.id, member_id=a.member.id), timeout=5))
+            wait_for(lambda: follower.stream_notes.num_relayed >= 1, 10, "the note relayed")
 
 
 def test_a_forged_or_stale_credential_is_unauthenticated(replicas, make_spec):
