@@ -69,6 +69,7 @@ def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, width: int) -
 
 
 def plan(world: int, replicate: int, ref=None, nodes: int = 1, kind=None):  # noqa: ANN001, ANN201
+    from springback.client import plans
     from springback.v1 import types_pb2 as pb
 
     p = pb.Plan(generation=2, world_size=world, layout=pb.ParallelLayout(
@@ -79,7 +80,7 @@ def plan(world: int, replicate: int, ref=None, nodes: int = 1, kind=None):  # no
     for node in range(nodes):
         p.members.add(member_id=f"node{node}", node_rank=node,
                       first_rank=node * world // nodes, num_local_ranks=world // nodes)
-    return p
+    return plans.set_nodes(p)
 
 
 def agreement(args, ctx_step: int):  # noqa: ANN001, ANN201

@@ -7,8 +7,8 @@ much sooner, from two independent sides:
 1. **Its peers' sockets.** A rank that shares a collective with the dead
    node's ranks gets gloo's "connection closed/reset by peer [ip]:port" at
    once: the kernel of the dead process's host closed its sockets. The rank
-   maps the address to the peer's rank and member (worker/rank/rendezvous.py) and
-   says so in a ReportFailure with ``lost_member_id``.
+   maps the address to the peer's rank (worker/rank/rendezvous.py) and
+   says so in a ReportFailure with ``lost_peer`` and its ``lost_rank``.
 2. **Its agent's plan stream.** Every agent holds a WatchPlans stream to one
    replica. When the agent's process dies, its host's kernel closes the
    connection and the stream ends *by the client's side* (not by the
@@ -135,24 +135,27 @@ class PeerLossEvidence:
     # -- half 1: a peer's connection reset ---------------------------------------
 
     def reset_reported(self, job_id: str, reporter: str, generation: int,
-                       lost_member_id: str, lost_rank: int) -> int:
-        """A rank of `reporter` saw a connection reset from `lost_rank`, a rank
-        of `lost_member_id`, in `generation`. Fenced like any report
-        (`fencing.report_fence`: NOT_FOUND for an expired reporter,
-        FAILED_PRECONDITION for a stale generation); a suspect that is not in
-        the current plan, or is the reporter itself, is FAILED_PRECONDITION
-        (nothing recorded). Fences the suspect at once (synchronously) when
-        its agent has vanished too; else keeps the report as evidence.
-        Idempotent. Returns the job's generation."""
+                       lost_rank: int) -> int:
+        """A rank of `reporter` saw a connection reset from `lost_rank` in
+        `generation`; the suspect is the member that runs that rank in the
+        plan. Fenced like any report (`fencing.report_fence`: NOT_FOUND for
+        an expired reporter, FAILED_PRECONDITION for a stale generation); a
+        rank that no other member runs in the current plan (the reporter's
+        own, or none) is FAILED_PRECONDITION (nothing recorded). Fences the
+        suspect at once (synchronously) when its agent has vanished too; else
+        keeps the report as evidence. Idempotent. Returns the job's generation."""
         coordinator = self.coordinator
         coordinator.require_leader()
         fencing.report_fence(coordinator, job_id, reporter, generation)
         plan = coordinator.current_plan(job_id)
-        planned = {m.member_id for m in plan.members} if plan is not None else set()
-        if lost_member_id == reporter or lost_member_id not in planned:
+        lost_member_id = next(
+            (m.member_id for m in plan.members
+             if m.first_rank <= lost_rank < m.first_rank + m.num_local_ranks),
+            None) if plan is not None else None
+        if lost_member_id is None or lost_member_id == reporter:
             raise FailedPrecondition(
-                f"job {job_id}: lost_member_id {lost_member_id!r} is not a peer of "
-                f"{reporter} in generation {generation}")
+                f"job {job_id}: lost_rank {lost_rank} is not a peer of "
+                f"{reporter}'s ranks in generation {generation}")
         key = (job_id, lost_member_id)
         with self._lock:
             suspect = self._suspects.setdefault(key, _Suspect())

@@ -3,9 +3,9 @@
 Plan streams (WatchPlans, one per agent) are served by *every* replica, not
 forwarded to the leader: only the leader writes plans, and each replica reads
 them from etcd with one prefix watch on ``/springback/v1/plans/``. A
-`PlanBoard` keeps the newest plan per job, serialized once as the stream's
-response (a plan is encoded once per generation, whatever the number of
-streams), and wakes the waiting streams on the replica's asyncio loop.
+`PlanBoard` keeps the newest plan per job and each member's slice of it,
+serialized once per member (`Posted`), and wakes the waiting streams on the
+replica's asyncio loop.
 
 Ordering: a plan's generation only grows, and a plan rewritten within its
 generation (new hot spares) has a higher mod revision, so the board keeps the
@@ -24,11 +24,12 @@ keeps what it last saw.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import threading
-from dataclasses import dataclass
 from typing import Any
 
+from springback.client import plans
 from springback.service import keys
 from springback.client.errors import SpringbackError
 from springback.service.store import Entry, Store
@@ -41,26 +42,66 @@ RESYNC_S = 1.0
 """How often the prefix's fingerprint is compared (and the watch re-created if broken)."""
 
 
-@dataclass(frozen=True)
-class Posted:
-    """A job's current plan as streams send it."""
+REASON_SENT = 240
+"""Characters of a plan's reason sent to members (the whole reason is in the
+job's history and status)."""
 
-    plan: pb.Plan
-    response: bytes
-    """`WatchPlansResponse(plan=plan)`, serialized once."""
-    mod_revision: int
-    planned: frozenset[str]
-    """Member ids with ranks or a spare's place in the plan."""
+
+def skeleton_of(plan: pb.Plan, digest: bytes) -> pb.Plan:
+    """The part of the whole `plan` that every member is sent: all but the
+    members' entries and the spares' names, which `nodes` and `num_spares`
+    stand for (client/plans.py), its reason cut to `REASON_SENT` characters,
+    and the whole plan's `digest`."""
+    part = pb.Plan()
+    part.CopyFrom(plan)
+    del part.members[:], part.spares[:]
+    part.nodes.extend(plans.runs_of(m.num_local_ranks for m in plan.members))
+    part.num_spares = len(plan.spares)
+    part.digest = digest
+    if len(part.reason) > REASON_SENT:  # a join storm's reason names every joiner
+        part.reason = part.reason[:REASON_SENT - 1] + "…"
+    return part
+
+
+class Posted:
+    """A job's current plan as streams send it: to each member its own slice,
+    the skeleton plus its own entry (none for a member the plan does not
+    place, only its own name for a spare), so a generation costs each stream
+    O(1) bytes. Built on etcd's watch thread; `response` runs on the loop."""
+
+    def __init__(self, value: bytes, mod_revision: int) -> None:
+        self.plan = pb.Plan.FromString(value)
+        self.mod_revision = mod_revision
+        self.digest = hashlib.sha256(value).digest()
+        self._skeleton = skeleton_of(self.plan, self.digest)
+        self._entries = {m.member_id: m for m in self.plan.members}
+        self._spares = frozenset(self.plan.spares)
+        self.planned = frozenset(self._entries) | self._spares
+        """Member ids with ranks or a spare's place in the plan."""
+        self._responses: dict[str, bytes] = {}
 
     @property
     def order(self) -> tuple[int, int]:
         return self.plan.generation, self.mod_revision
 
+    def slice(self, member_id: str) -> pb.Plan:
+        part = pb.Plan()
+        part.CopyFrom(self._skeleton)
+        entry = self._entries.get(member_id)
+        if entry is not None:
+            part.members.append(entry)
+        if member_id in self._spares:
+            part.spares.append(member_id)
+        return part
 
-def _posted(value: bytes, mod_revision: int) -> Posted:
-    plan = pb.Plan.FromString(value)
-    planned = frozenset([m.member_id for m in plan.members] + list(plan.spares))
-    return Posted(plan, ws.WatchPlansResponse(plan=plan).SerializeToString(), mod_revision, planned)
+    def response(self, member_id: str) -> bytes:
+        """The serialized `WatchPlansResponse` with `member_id`'s slice,
+        encoded once per member and plan."""
+        encoded = self._responses.get(member_id)
+        if encoded is None:
+            encoded = ws.WatchPlansResponse(plan=self.slice(member_id)).SerializeToString()
+            self._responses[member_id] = encoded
+        return encoded
 
 
 class PlanBoard:
@@ -150,7 +191,7 @@ class PlanBoard:
             if type(event).__name__ == "DeleteEvent":
                 self._post(job_id, None)
             else:
-                self._post(job_id, _posted(event.value, event.mod_revision))
+                self._post(job_id, Posted(event.value, event.mod_revision))
 
     def _resync(self) -> None:
         """Re-creates a broken watch, then reads every plan when the prefix changed."""
@@ -174,7 +215,7 @@ class PlanBoard:
         for entry in entries:
             job_id = entry.key[len(keys.PLANS):]
             seen.add(job_id)
-            self._post(job_id, _posted(entry.value, entry.mod_revision))
+            self._post(job_id, Posted(entry.value, entry.mod_revision))
         if not self._loop.is_closed():  # plans deleted meanwhile: keep only those read
             self._loop.call_soon_threadsafe(self._retain, frozenset(seen))
         self._fingerprint = fingerprint

@@ -2,7 +2,8 @@
 
 A stream sends the job's current plan, then each newer generation, from this
 replica's `PlanBoard`, and ends after a STOP plan. Each plan is sent once per
-generation, as the bytes the board encoded once for every stream.
+generation, as the member's own slice (`planboard.Posted`: its entry and the
+shape of the rest, O(1) bytes whatever the number of members).
 
 Fencing: a member that is not registered (expired, left) gets NOT_FOUND
 before its first plan and whenever the job's plan changes without it (the
@@ -83,7 +84,7 @@ class PlanStreams:
             await self._check_planned(job_id, member_id, posted)
             if posted.plan.generation != sent:
                 sent = posted.plan.generation
-                yield posted.response
+                yield posted.response(member_id)
                 if posted.plan.action == pb.PLAN_ACTION_STOP:
                     return
 

@@ -272,10 +272,9 @@ class WorkerServicer(ws_grpc.WorkerServiceServicer):
     @_handle
     def ReportFailure(self, request: ws.ReportFailureRequest,
                       context: grpc.ServicerContext) -> ws.ReportFailureResponse:
-        if request.lost_member_id:  # a peer's process is gone, not ours
+        if request.lost_peer:  # a peer's process is gone, not ours
             generation = self.evidence.reset_reported(
-                request.job_id, request.member_id, request.generation,
-                request.lost_member_id, request.lost_rank)
+                request.job_id, request.member_id, request.generation, request.lost_rank)
             return ws.ReportFailureResponse(generation=generation)
         generation = self.membership.report_failure(
             request.job_id, request.member_id, request.generation, _bounded(request.reason),

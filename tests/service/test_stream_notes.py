@@ -38,7 +38,8 @@ def test_an_older_streams_end_relayed_late_does_not_make_a_reconnected_agent_van
     _notes(workers, ws.PlanStreamNote(job_id=job.id, member_id=b, stream_id="f1/3",
                                       by_client=True))
     reply = workers.ReportFailure(ws.ReportFailureRequest(
-        job_id=job.id, member_id=a, generation=plan.generation, lost_member_id=b, lost_rank=1),
+        job_id=job.id, member_id=a, generation=plan.generation, lost_peer=True,
+        lost_rank=next(m.first_rank for m in plan.members if m.member_id == b)),
         timeout=5)
     assert reply.generation == plan.generation  # b's stream is open: no fence
     assert set(client.get_job(job.id).status.members) == {a, b}

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from springback.service.planboard import Posted
 from springback.v1 import types_pb2 as pb
 from springback.client import env as E
 from springback.worker.control import PlanPublisher
@@ -69,8 +70,9 @@ class FakeJob:
         plan.restore.source_rank = source_rank
         if layout is not None:
             plan.layout.CopyFrom(layout)
-        for pub in self.publishers.values():
-            pub.publish(plan)
+        posted = Posted(plan.SerializeToString(), 0)
+        for member, pub in self.publishers.items():
+            pub.publish(posted.slice(member))  # what the coordinator sends each
         return plan
 
     def steps(self) -> list[dict]:

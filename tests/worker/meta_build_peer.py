@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from springback.storage import Checkpointer, committed_checkpoints, model_state_dict
+from springback.client import plans
 from springback.v1 import types_pb2 as pb
 from springback.worker.train.agreement import StateAgreement
 from springback.worker.train.checkpointing import restore_from_checkpoint
@@ -72,7 +73,7 @@ def plan(generation: int, ref: pb.CheckpointRef | None = None) -> pb.Plan:
     if ref is not None:
         p.restore.checkpoint.CopyFrom(ref)
     p.members.add(member_id="node0", node_rank=0, first_rank=0, num_local_ranks=2)
-    return p
+    return plans.set_nodes(p)
 
 
 def digest(ctx: RankContext) -> str:

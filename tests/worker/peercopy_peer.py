@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+from springback.client import plans
 from springback.v1 import types_pb2 as pb
 from springback.worker.train.agreement import StateAgreement
 from springback.worker.rank.context import RankContext
@@ -50,7 +51,7 @@ def plan(world: int, nodes: int) -> pb.Plan:
     for node in range(nodes):
         p.members.add(member_id=f"node{node}", node_rank=node, first_rank=node * world // nodes,
                       num_local_ranks=world // nodes)
-    return p
+    return plans.set_nodes(p)
 
 
 def digest(ctx: RankContext) -> str:

@@ -62,6 +62,7 @@ from torch.distributed.checkpoint.state_dict import (
 import springback.worker.train.agreement as agreement_module
 import springback.worker.state.peercopy as peercopy_module
 from springback.storage import Checkpointer, committed_checkpoints, model_state_dict
+from springback.client import plans
 from springback.v1 import types_pb2 as pb
 from springback.worker.train.agreement import StateAgreement, StateUnrecoverable
 from springback.worker.train.checkpointing import restore_from_checkpoint
@@ -115,7 +116,7 @@ def plan(generation: int, world: int, *, shard: int, tp: int = 1, nodes: int | N
     for node in range(nodes):
         p.members.add(member_id=f"node{node}", node_rank=node, first_rank=node * world // nodes,
                       num_local_ranks=world // nodes)
-    return p
+    return plans.set_nodes(p)
 
 
 def new_agreement(build: Any, **kwargs: Any) -> StateAgreement:

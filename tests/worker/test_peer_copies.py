@@ -11,6 +11,7 @@ import pytest
 import torch
 from cluster import steps
 from sbtest import wait_for
+from springback.client import plans
 from springback.v1 import types_pb2 as pb
 from springback.worker.state.peercopy import (
     PeerCopyStore,
@@ -83,7 +84,7 @@ def plan_of(*ranks_per_member: int, shard: int) -> pb.Plan:
         first += n
     plan.layout.dp, plan.layout.shard = plan.world_size, shard
     plan.layout.replicate = plan.world_size // shard
-    return plan
+    return plans.set_nodes(plan)
 
 
 class TestPartners:

@@ -52,6 +52,7 @@ from typing import Any
 
 import grpc
 
+from springback.client import plans
 from springback.client.channel import Backoff, connect, parse_addresses
 from springback.client.polling import wait_until
 from springback.client.metrics import serve as serve_metrics
@@ -194,8 +195,8 @@ class Agent:
             self._plan = plan
             self._publisher.publish(plan)
             self._watchdog.published(plan.generation)
-            if plan.action == pb.PLAN_ACTION_RUN and self.member is not None and any(
-                    m.member_id == self.member.id for m in plan.members):
+            if plan.action == pb.PLAN_ACTION_RUN and self.member is not None and \
+                    plans.own_entry(plan, self.member.id) is not None:
                 self._ran = True
         log.info("generation %d: %s, world %d (%s)", plan.generation,
                  pb.PlanAction.Name(plan.action), plan.world_size, plan.reason)
@@ -232,7 +233,7 @@ class Agent:
         plan = self._plan
         me = None
         if plan is not None and self.member is not None:
-            me = next((m for m in plan.members if m.member_id == self.member.id), None)
+            me = plans.own_entry(plan, self.member.id)
         if plan is not None and me is not None:
             environ.update({E.RANK: str(me.first_rank + local_rank),
                             E.WORLD_SIZE: str(plan.world_size),

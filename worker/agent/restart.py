@@ -55,6 +55,7 @@ import grpc
 
 from springback.v1 import types_pb2 as pb
 from springback.v1 import worker_service_pb2 as wpb
+from springback.client import plans
 from springback.client.polling import wait_until
 from springback.client import env as E
 
@@ -83,7 +84,7 @@ def torchrun_env(*, plan: pb.Plan, me: pb.PlanMember, local_rank: int, master_po
     out = {
         E.RANK: str(rank), E.LOCAL_RANK: str(local_rank), E.WORLD_SIZE: str(plan.world_size),
         E.LOCAL_WORLD_SIZE: str(me.num_local_ranks),
-        E.GROUP_RANK: str(me.node_rank), E.GROUP_WORLD_SIZE: str(len(plan.members)),
+        E.GROUP_RANK: str(me.node_rank), E.GROUP_WORLD_SIZE: str(plans.num_nodes(plan)),
         E.ROLE_NAME: "default", E.ROLE_RANK: str(rank), E.ROLE_WORLD_SIZE: str(plan.world_size),
         E.MASTER_ADDR: plan.master_addr, E.MASTER_PORT: str(master_port),
         E.TORCHELASTIC_RUN_ID: plan.job_id,
@@ -208,7 +209,7 @@ class RestartRanks:
         self._finish_deadline = None
         self._relayed_step = self._relayed_checkpoint = 0
         self._start_sent = False
-        me = next((m for m in plan.members if m.member_id == self._member_id()), None)
+        me = plans.own_entry(plan, self._member_id())
         self._me = me
         if plan.action != pb.PLAN_ACTION_RUN or me is None:
             log.info("generation %d: this node runs no ranks (%s)", plan.generation,

@@ -65,6 +65,7 @@ from typing import TYPE_CHECKING, Any, Callable, cast
 import torch
 import torch.distributed as dist
 
+from springback.client import plans
 from springback.client.spec import peer_copy_every_steps
 from springback.v1 import types_pb2 as pb
 from springback.worker.rank import rngstate
@@ -154,16 +155,16 @@ def take_snapshot(held: Held, step: int, whole: dict[str, Any] | None,
 
 def partners(plan: pb.Plan) -> dict[int, int]:
     """Rank -> the rank that keeps its copy: the same local rank (modulo
-    that member's ranks) on the next member in plan order; empty with fewer
-    than two members."""
-    members = sorted(plan.members, key=lambda m: m.first_rank)
-    if len(members) < 2:
+    that node's ranks) on the next node in plan order; empty with fewer
+    than two nodes."""
+    nodes = plans.node_starts(plan)
+    if len(nodes) < 2:
         return {}
     out: dict[int, int] = {}
-    for i, m in enumerate(members):
-        nxt = members[(i + 1) % len(members)]
-        for local in range(m.num_local_ranks):
-            out[m.first_rank + local] = nxt.first_rank + local % nxt.num_local_ranks
+    for i, (first, size) in enumerate(nodes):
+        next_first, next_size = nodes[(i + 1) % len(nodes)]
+        for local in range(size):
+            out[first + local] = next_first + local % next_size
     return out
 
 
@@ -171,7 +172,8 @@ def replicated_elsewhere(plan: pb.Plan) -> bool:
     """Every rank's rows have a replica (same pp, shard and tp coordinate,
     another replicate index) on another member: HSDP across nodes."""
     layout = MeshLayout.from_plan(plan)
-    node = {m.first_rank + i: m.member_id for m in plan.members for i in range(m.num_local_ranks)}
+    node = {first + i: n for n, (first, size) in enumerate(plans.node_starts(plan))
+            for i in range(size)}
     coords = {r: layout.coordinates(r) for r in range(layout.world_size)}
 
     def key(r: int) -> tuple[int, int, int]:

@@ -347,8 +347,7 @@ class Generation:
         self._abandon_in_flight()
         lost = lost_peer(exc, self.plan, s.env.member_id)
         if lost is not None and s.reporter is not None:
-            s.reporter.report_lost_peer(self.plan, rank=self.rank, peer=lost[0],
-                                        lost_member_id=lost[1])
+            s.reporter.report_lost_peer(self.plan, rank=self.rank, peer=lost)
         leave_group(broken=True, cause=exc)
         if not s.newer_plan_within(self.generation, s.wait_s,
                                    broken=f"rank {self.rank} at step {s.step + 1}: {why}"[:200]):

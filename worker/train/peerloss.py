@@ -1,36 +1,30 @@
 """Which peer's process died, from a failed collective's error.
 
 When a collective fails with gloo's "connection closed/reset by peer
-[ip]:port", `worker.rendezvous.lost_peer_rank` names the peer's rank; the
-plan names its member. The rank sends that to the coordinator
-(`StepReporter.report_lost_peer`: a ReportFailure with ``lost_member_id``),
-which fences the lost member at once if its agent is gone too
+[ip]:port", `worker.rendezvous.lost_peer_rank` names the peer's rank. The
+rank sends that to the coordinator (`StepReporter.report_lost_peer`: a
+ReportFailure with ``lost_peer`` and ``lost_rank``), which finds the member
+that runs it in the plan and fences it at once if its agent is gone too
 (service/evidence.py), instead of waiting for its lease to expire. A peer
 of the reporter's own node is not reported (its agent reports its own
-ranks' crashes).
+ranks' crashes); the rank knows its own node's ranks from its slice of the
+plan, not the other members' names.
 """
 
 from __future__ import annotations
 
+from springback.client import plans
 from springback.v1 import types_pb2 as pb
 from springback.worker.rank.rendezvous import lost_peer_rank
 
 
-def member_of_rank(plan: pb.Plan, rank: int) -> str | None:
-    """The member whose node runs global `rank` in `plan`, or None."""
-    for m in plan.members:
-        if m.first_rank <= rank < m.first_rank + m.num_local_ranks:
-            return m.member_id
-    return None
-
-
-def lost_peer(exc: BaseException, plan: pb.Plan, member_id: str) -> tuple[int, str] | None:
-    """(rank, member) of the peer on another node whose connection reset
-    caused `exc`, or None (not a reset, an unknown address, our own node)."""
+def lost_peer(exc: BaseException, plan: pb.Plan, member_id: str) -> int | None:
+    """The rank of the peer on another node whose connection reset caused
+    `exc`, or None (not a reset, an unknown address, a rank of our own node)."""
     peer = lost_peer_rank(exc)
-    if peer is None:
+    if peer is None or plans.node_of_rank(plan, peer) is None:
         return None
-    lost = member_of_rank(plan, peer)
-    if lost is None or lost == member_id:
+    me = plans.own_entry(plan, member_id)
+    if me is not None and me.first_rank <= peer < me.first_rank + me.num_local_ranks:
         return None
-    return peer, lost
+    return peer

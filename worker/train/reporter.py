@@ -142,10 +142,9 @@ class StepReporter:
         self.coordinator_generation = max(self.coordinator_generation, resp.generation)
         return True
 
-    def report_lost_peer(self, plan: pb.Plan, *, rank: int, peer: int,
-                         lost_member_id: str) -> bool:
-        """Tells the coordinator that `rank` saw `peer`, a rank of
-        `lost_member_id`, reset its connection in `plan`'s generation
+    def report_lost_peer(self, plan: pb.Plan, *, rank: int, peer: int) -> bool:
+        """Tells the coordinator that `rank` saw `peer`, a rank of another
+        node, reset its connection in `plan`'s generation
         (worker/train/peerloss.py, service/evidence.py). Best effort, never raises:
         one call with a `LOST_PEER_TIMEOUT_S` deadline; a refusal (a stale
         generation: another report already replanned; the peer already
@@ -155,12 +154,12 @@ class StepReporter:
             self._stub.ReportFailure(wpb.ReportFailureRequest(
                 job_id=plan.job_id, member_id=self._member_id, generation=plan.generation,
                 reason=f"rank {rank} saw rank {peer}'s connection reset",
-                lost_member_id=lost_member_id, lost_rank=peer), timeout=LOST_PEER_TIMEOUT_S)
+                lost_peer=True, lost_rank=peer), timeout=LOST_PEER_TIMEOUT_S)
         except grpc.RpcError as e:
-            log.warning("rank %d: report of lost peer %s not taken: %s %s", rank,
-                        lost_member_id, e.code().name, e.details())
+            log.warning("rank %d: report of lost peer rank %d not taken: %s %s", rank,
+                        peer, e.code().name, e.details())
             return False
-        log.warning("rank %d: reported lost peer rank %d (%s)", rank, peer, lost_member_id)
+        log.warning("rank %d: reported lost peer rank %d", rank, peer)
         return True
 
     def report_fatal(self, plan: pb.Plan, reason: str) -> bool:

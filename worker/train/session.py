@@ -64,6 +64,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from springback.client import plans
 from springback.v1 import types_pb2 as pb
 from springback.worker.rank import rngstate
 from springback.worker.control import PlanChannel, await_activation
@@ -186,17 +187,13 @@ class Session:
                        world_size=1, master_addr="127.0.0.1",
                        master_port=self._standalone_store.port)
         plan.members.add(member_id="", node_rank=0, first_rank=0, num_local_ranks=1)
+        plans.set_nodes(plan)
         plan.spec.data.num_samples = n
         plan.spec.data.global_batch_size = b
         plan.spec.data.seed = seed or 0
         plan.spec.max_steps = max_steps or 0
         return plan
 
-    def _me(self, plan: pb.Plan) -> pb.PlanMember | None:
-        for m in plan.members:
-            if m.member_id == self.env.member_id:
-                return m
-        return None
 
     def _next_plan(self) -> pb.Plan | None:
         """Waits for a plan newer than the current generation that this rank acts
@@ -212,7 +209,7 @@ class Session:
             if plan is not None and plan.generation > self._generation:
                 if plan.action == pb.PLAN_ACTION_STOP:
                     return None
-                me = self._me(plan)
+                me = plans.own_entry(plan, self.env.member_id)
                 if plan.action == pb.PLAN_ACTION_RUN and me is not None:
                     if self.env.local_rank >= me.num_local_ranks:
                         return None
@@ -271,7 +268,7 @@ class Session:
             self.close()
 
     def _start(self, plan: pb.Plan) -> Generation | None:
-        me = self._me(plan)
+        me = plans.own_entry(plan, self.env.member_id)
         assert me is not None
         self._generation = plan.generation
         self._was_member = True

@@ -143,13 +143,13 @@ class ReportStepResponse(_message.Message):
     def __init__(self, generation: _Optional[int] = ...) -> None: ...
 
 class ReportFailureRequest(_message.Message):
-    __slots__ = ("job_id", "member_id", "generation", "reason", "state_kept", "lost_member_id", "lost_rank", "job_fatal")
+    __slots__ = ("job_id", "member_id", "generation", "reason", "state_kept", "lost_peer", "lost_rank", "job_fatal")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     STATE_KEPT_FIELD_NUMBER: _ClassVar[int]
-    LOST_MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
+    LOST_PEER_FIELD_NUMBER: _ClassVar[int]
     LOST_RANK_FIELD_NUMBER: _ClassVar[int]
     JOB_FATAL_FIELD_NUMBER: _ClassVar[int]
     job_id: str
@@ -157,10 +157,10 @@ class ReportFailureRequest(_message.Message):
     generation: int
     reason: str
     state_kept: bool
-    lost_member_id: str
+    lost_peer: bool
     lost_rank: int
     job_fatal: bool
-    def __init__(self, job_id: _Optional[str] = ..., member_id: _Optional[str] = ..., generation: _Optional[int] = ..., reason: _Optional[str] = ..., state_kept: _Optional[bool] = ..., lost_member_id: _Optional[str] = ..., lost_rank: _Optional[int] = ..., job_fatal: _Optional[bool] = ...) -> None: ...
+    def __init__(self, job_id: _Optional[str] = ..., member_id: _Optional[str] = ..., generation: _Optional[int] = ..., reason: _Optional[str] = ..., state_kept: _Optional[bool] = ..., lost_peer: _Optional[bool] = ..., lost_rank: _Optional[int] = ..., job_fatal: _Optional[bool] = ...) -> None: ...
 
 class ReportFailureResponse(_message.Message):
     __slots__ = ("generation",)
