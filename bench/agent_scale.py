@@ -1,14 +1,26 @@
 """Agents at scale: N simulated agents in several client processes against etcd + 2 replicas.
 
 Each client process drives N/P members (`tests/agentsim.SimFleet`: JoinJob,
-a WatchPlans stream, heartbeats every liveness/4) on one asyncio loop. Prints,
-for each N: time from the first join to one plan holding all N, join p50/p99,
-heartbeat p50/p99, false expiries, generations made during the storm,
-coordinator CPU seconds and memory per 1k agents, etcd writes per second in
-steady state (raft index delta), and the load average. The client processes
-share the machine with the coordinators: their CPU is reported apart.
+a WatchPlans stream, heartbeats at the interval the coordinator names) on
+one asyncio loop. Once every member holds one plan placing all N, a steady
+window of at least three liveness timeouts is measured (with `--leader-kill`,
+the leader replica is SIGKILLed halfway through it). Prints, for each N:
 
-Usage: python bench/agent_scale.py [--agents 1000,3000,10000] [--clients 4] [--steady-s 10]
+* time from the LAST join to one plan holding all N, and join p50/p99;
+* heartbeat p50/p99 and false expiries in the window, generations made in
+  the window (0 expected) and during the join storm;
+* plan bytes per agent per generation (what WatchPlans sent each member);
+* coordinator CPU s (both replicas, whole run and window) and MB per 1k agents;
+* etcd writes/s (raft index delta) and lease renewals/s (etcd's own
+  `etcd_debugging_lease_renewed_total`) in the window;
+* the simulator's CPU s in the window, per heartbeat, and its share of the
+  CPU used in the window (simulator / simulator + coordinators + etcd) and of
+  one core per client process, to show the client side was not the limit;
+* the load average (other work on the machine shows there).
+
+Usage: python bench/agent_scale.py [--agents 1000,3000] [--clients 4]
+    [--liveness-timeout-s 10] [--steady-s 0 (= 3 liveness timeouts)]
+    [--leader-kill] [--repeat 1] [--coordinator-arg=--some-flag=value ...]
 """
 
 from __future__ import annotations
@@ -20,29 +32,36 @@ import statistics
 import sys
 import tempfile
 import time
+import urllib.request
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
-from agentsim import SimFleet  # noqa: E402
+from agentsim import SimFleet, kill_leader, start_replicas  # noqa: E402
 from sbtest import CoordinatorProcess  # noqa: E402
 from springback.client.api import Client  # noqa: E402
 from springback.cli.local import EtcdServer  # noqa: E402
 from springback.service.store import Store  # noqa: E402
 
 
+
 def _client(addresses: list[str], job_id: str, n: int, total: int, settle_s: float,
-            steady_s: float, out: mp.Queue) -> None:
+            window: mp.Event, over: mp.Event, out: mp.Queue) -> None:
     fleet = SimFleet(addresses, job_id, n).start()
     deadline = time.monotonic() + settle_s
     while time.monotonic() < deadline and fleet.num_holding(total) < n:
-        time.sleep(0.1)
-    held_at = time.monotonic() - fleet.first_join_at if fleet.num_holding(total) == n else None
-    beats = len(fleet.heartbeat_s)
-    out.put("settled")
-    time.sleep(steady_s)  # the steady-state window being measured
-    out.put({"held_s": held_at, "join_s": list(fleet.join_s), "heartbeat_s": fleet.heartbeat_s[beats:],
-             "expired": len(fleet.expired), "failures": dict(fleet.failures),
-             "cpu_s": time.process_time()})
+        time.sleep(0.05)
+    held_at = time.monotonic() if fleet.num_holding(total) == n else None
+    out.put({"held_at": held_at, "last_join_at": fleet.last_join_at, "join_s": list(fleet.join_s),
+             "storm_cpu_s": fleet.cpu_s(), "num_joined": fleet.num_joined,
+             "num_holding": fleet.num_holding(total), "storm_failures": dict(fleet.failures)})
+    window.wait()
+    beats, cpu0, expired0 = len(fleet.heartbeat_s), fleet.cpu_s(), len(fleet.expired)
+    failures0 = dict(fleet.failures)
+    over.wait()
+    failures = {k: v - failures0.get(k, 0) for k, v in fleet.failures.items() if v > failures0.get(k, 0)}
+    out.put({"heartbeat_s": fleet.heartbeat_s[beats:], "window_cpu_s": fleet.cpu_s() - cpu0,
+             "expired": len(fleet.expired) - expired0, "failures": failures,
+             "bytes_per_generation": fleet.bytes_per_generation(), "cpu_s": fleet.cpu_s()})
     fleet.close()
 
 
@@ -58,44 +77,81 @@ def _rss_mb(pid: int) -> float:
     return int(line.split()[1]) / 1024
 
 
-def _pct(values: list[float], q: float) -> float:
+def _pct(values: list[float], q: int) -> float:
     return statistics.quantiles(values, n=100)[q - 1] if len(values) > 1 else float("nan")
 
 
-def run(n: int, clients: int, steady_s: float) -> None:
+def _etcd_metric(etcd: EtcdServer, name: str) -> float:
+    url = etcd.endpoint.replace("https://", "http://") + "/metrics"
+    for line in urllib.request.urlopen(url, timeout=10).read().decode().splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise KeyError(name)
+
+
+def run(n: int, args: argparse.Namespace) -> None:
+    liveness = args.liveness_timeout_s
+    steady_s = max(args.steady_s, 3 * liveness)
     with tempfile.TemporaryDirectory() as state:
         etcd = EtcdServer(state)
         etcd.start()
-        replicas = [CoordinatorProcess(etcd.endpoint, "--liveness-timeout-s", "10", "--drain-s", "0")
-                    for _ in range(2)]
         store = Store(etcd.endpoint)
+        replicas: list[CoordinatorProcess] = []
         try:
+            replicas = start_replicas(
+                lambda *extra: CoordinatorProcess(etcd.endpoint, *extra), store,
+                "--liveness-timeout-s", f"{liveness:g}", "--drain-s", "0", *args.coordinator_arg)
             addresses = [r.address for r in replicas]
-            time.sleep(3)  # leader election (2-3 s), not a synchronisation of results
             with Client(addresses) as client:
                 job = client.create_job({"name": "scale", "min_workers": 1, "max_workers": n,
                                          "data": {"num_samples": 10**9, "global_batch_size": n},
                                          "max_steps": 10**9})
                 g0 = client.get_job(job.id).status.generation
-                cpu0 = {r.process.pid: _cpu_s(r.process.pid) for r in replicas}
-                rss0 = sum(_rss_mb(pid) for pid in cpu0)  # idle replicas: the baseline
+                pids = [r.process.pid for r in replicas]
+                cpu0 = {pid: _cpu_s(pid) for pid in pids}
+                rss0 = sum(_rss_mb(pid) for pid in pids)  # idle replicas: the baseline
                 out: mp.Queue = mp.Queue()
-                per = [n // clients + (i < n % clients) for i in range(clients)]
-                procs = [mp.Process(target=_client, args=(addresses, job.id, k, n, 120, steady_s, out))
-                         for k in per]
+                window, over = mp.Event(), mp.Event()
+                per = [n // args.clients + (i < n % args.clients) for i in range(args.clients)]
+                procs = [mp.Process(target=_client, args=(addresses, job.id, k, n, args.settle_s,
+                                                          window, over, out)) for k in per]
                 for p in procs:
                     p.start()
-                for _ in procs:
-                    assert out.get(timeout=600) == "settled"
-                r0, t0 = store._client.status().raft_index, time.monotonic()
-                results = [out.get(timeout=600) for _ in procs]
-                writes_per_s = (store._client.status().raft_index - r0) / (time.monotonic() - t0)
-                generations = client.get_job(job.id).status.generation - g0
-                cpu = sum(_cpu_s(pid) - c for pid, c in cpu0.items())
-                rss = sum(_rss_mb(pid) for pid in cpu0) - rss0
+                settled = [out.get(timeout=args.settle_s + 60) for _ in procs]
+                g1 = client.get_job(job.id).status.generation
+                rss = sum(_rss_mb(pid) for pid in pids) - rss0
+                cpu_at_kill: dict[int, float] = {}  # a killed replica's CPU, read before the kill
+
+                def cpu_now(pid: int) -> float:
+                    return cpu_at_kill.get(pid) or _cpu_s(pid)
+
+                live = {pid: _cpu_s(pid) for pid in pids}
+                etcd0, r0 = _cpu_s(etcd.process.pid), store._client.status().raft_index
+                renewed0, t0 = _etcd_metric(etcd, "etcd_debugging_lease_renewed_total"), time.monotonic()
+                window.set()
+                killed = None
+                if args.leader_kill:
+                    time.sleep(steady_s / 2)  # the measured window's first half
+                    for r in replicas:  # read before the kill; the killed one's stays
+                        cpu_at_kill[r.process.pid] = _cpu_s(r.process.pid)
+                    killed = kill_leader(replicas, store)
+                    survivor = next(r for r in replicas if r.address != killed)
+                    del cpu_at_kill[survivor.process.pid]
+                time.sleep(max(0.0, t0 + steady_s - time.monotonic()))  # the rest of the window
+                elapsed = time.monotonic() - t0
+                writes_per_s = (store._client.status().raft_index - r0) / elapsed
+                renewals_per_s = (_etcd_metric(etcd, "etcd_debugging_lease_renewed_total")
+                                  - renewed0) / elapsed
+                etcd_cpu = _cpu_s(etcd.process.pid) - etcd0
+                window_cpu = sum(cpu_now(pid) - c for pid, c in live.items())
+                g2 = client.get_job(job.id).status.generation
+                over.set()
+                results = [out.get(timeout=120) for _ in procs]
+                cpu = sum(cpu_now(pid) - c for pid, c in cpu0.items())
                 for p in procs:
                     p.join(30)
-            _report(n, results, generations, cpu, rss, writes_per_s)
+            _report(n, args, settled, results, g1 - g0, g2 - g1, killed, cpu, window_cpu, rss,
+                    writes_per_s, renewals_per_s, etcd_cpu, elapsed)
         finally:
             store.close()
             for r in replicas:
@@ -103,30 +159,64 @@ def run(n: int, clients: int, steady_s: float) -> None:
             etcd.stop()
 
 
-def _report(n: int, results: list[dict], generations: int, cpu: float, rss: float,
-            writes_per_s: float) -> None:
-    held = [r["held_s"] for r in results]
-    joins = [x for r in results for x in r["join_s"]]
+def _report(n: int, args: argparse.Namespace, settled: list[dict], results: list[dict],
+            storm_generations: int, window_generations: int, killed: str | None, cpu: float,
+            window_cpu: float, rss: float, writes_per_s: float, renewals_per_s: float,
+            etcd_cpu: float, elapsed: float) -> None:
+    held = [s["held_at"] for s in settled]
+    held_s = (f"{max(held) - max(s['last_join_at'] for s in settled):.1f} s"
+              if None not in held else
+              f"never within {args.settle_s:g} s ({sum(s['num_joined'] for s in settled)} joined, "
+              f"{sum(s['num_holding'] for s in settled)} holding a plan of all, storm failures "
+              f"{[s['storm_failures'] for s in settled if s['storm_failures']]})")
+    joins = [x for s in settled for x in s["join_s"]]
     beats = [x for r in results for x in r["heartbeat_s"]]
-    print(f"N={n}: one plan holding all: {max(held) if None not in held else 'never'} s; "
+    sim_cpu = sum(r["window_cpu_s"] for r in results)
+    expired = sum(r["expired"] for r in results)
+    share = sim_cpu / (sim_cpu + window_cpu + etcd_cpu) if sim_cpu + window_cpu + etcd_cpu else 0.0
+    bytes_per = statistics.mean(r["bytes_per_generation"] for r in results)
+    kill = (f"; leader killed mid-window: {'no expiry' if not expired else f'{expired} EXPIRED'}, "
+            f"generation {'unchanged' if not window_generations else f'+{window_generations} CHANGED'}"
+            if killed else "")
+    print(f"N={n} liveness {args.liveness_timeout_s:g} s {' '.join(args.coordinator_arg)}: "
+          f"one plan holding all {held_s} after the last join; "
           f"join p50 {_pct(joins, 50):.2f} s p99 {_pct(joins, 99):.2f} s; "
-          f"heartbeat p50 {_pct(beats, 50) * 1000:.0f} ms p99 {_pct(beats, 99) * 1000:.0f} ms; "
-          f"false expiries {sum(r['expired'] for r in results)}; generations {generations}; "
-          f"coordinators (both) {cpu / n * 1000:.1f} CPU s and {rss / n * 1000:.0f} MB above idle "
-          f"per 1k agents; "
-          f"etcd {writes_per_s:.1f} writes/s steady; clients {sum(r['cpu_s'] for r in results):.0f} CPU s; "
-          f"failures {[r['failures'] for r in results if r['failures']]}; "
-          f"load {os.getloadavg()[0]:.1f}", flush=True)
+          f"window {elapsed:.0f} s: {len(beats)} heartbeats ({len(beats) / elapsed:.0f}/s) "
+          f"p50 {_pct(beats, 50) * 1000:.0f} ms p99 {_pct(beats, 99) * 1000:.0f} ms, "
+          f"false expiries {expired}, generations {window_generations} "
+          f"(storm {storm_generations}); plan {bytes_per:.0f} B per agent per generation; "
+          f"coordinators (both) {cpu / n * 1000:.1f} CPU s per 1k agents whole run, "
+          f"{window_cpu:.1f} CPU s in window ({window_cpu / max(len(beats), 1) * 1e6:.0f} us per "
+          f"heartbeat), {rss / n * 1000:.0f} MB per 1k agents above idle; "
+          f"etcd {writes_per_s:.1f} writes/s {renewals_per_s:.0f} lease renewals/s "
+          f"{etcd_cpu:.1f} CPU s in window; simulator {sim_cpu:.1f} CPU s in window "
+          f"({sim_cpu / max(len(beats), 1) * 1e6:.0f} us per heartbeat, {share:.0%} of the window's "
+          f"CPU, {sim_cpu / elapsed / len(results):.0%} of a core per client process), "
+          f"storm {sum(s['storm_cpu_s'] for s in settled):.0f} CPU s; "
+          f"failures {[r['failures'] for r in results if r['failures']]}{kill}; "
+          f"load {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs", flush=True)
+    if killed and (expired or window_generations):
+        raise SystemExit(f"N={n}: the leader kill cost members or a generation")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--agents", default="1000,3000,10000")
+    parser.add_argument("--agents", default="1000,3000")
     parser.add_argument("--clients", type=int, default=4)
-    parser.add_argument("--steady-s", type=float, default=10.0)
+    parser.add_argument("--settle-s", type=float, default=300.0,
+                        help="longest wait for one plan holding all N")
+    parser.add_argument("--liveness-timeout-s", type=float, default=10.0)
+    parser.add_argument("--steady-s", type=float, default=0.0,
+                        help="steady window; at least 3 liveness timeouts")
+    parser.add_argument("--leader-kill", action="store_true",
+                        help="SIGKILL the leader replica halfway through the steady window")
+    parser.add_argument("--repeat", type=int, default=1, help="runs per N")
+    parser.add_argument("--coordinator-arg", action="append", default=[],
+                        help="extra flag for both coordinators, e.g. --coordinator-arg=--flag=value")
     args = parser.parse_args()
     for n in [int(x) for x in args.agents.split(",")]:
-        run(n, args.clients, args.steady_s)
+        for _ in range(args.repeat):
+            run(n, args)
 
 
 if __name__ == "__main__":

@@ -4,24 +4,56 @@
 channel (the agent's: round-robin, health-checked, retrying idempotent calls)
 and heartbeats on its own thread with the agent's cadence and deadline
 (every liveness/4, deadline at least 1 s), counting every outcome, so fault
-tests can assert how liveness fared. Real gRPC, real coordinator, real etcd.
+tests can assert how liveness fared. `SimFleet` drives thousands of members
+of one or many jobs from one process at little CPU each, for scale tests and
+`bench/agent_scale.py`. Real gRPC, real coordinator, real etcd.
 """
 
 from __future__ import annotations
 
 import asyncio
+import heapq
 import random
 import threading
 import time
 import uuid
 from collections import Counter
+from collections.abc import Callable
 
 import grpc
 
+from sbtest import CoordinatorProcess, wait_for
 from springback.client.channel import Backoff, _service_config, connect
+from springback.service import keys
+from springback.service.store import Store
 from springback.v1 import types_pb2 as pb
 from springback.v1 import worker_service_pb2 as ws
 from springback.v1 import worker_service_pb2_grpc as ws_grpc
+
+
+def leader_of(store: Store) -> str | None:
+    """The address of the replica set's leader, from etcd; None while none is elected."""
+    entry = store.get(keys.LEADER)
+    return entry.value.decode() if entry else None
+
+
+def start_replicas(spawn: Callable[..., CoordinatorProcess], store: Store, *extra: str,
+                   num_replicas: int = 2) -> list[CoordinatorProcess]:
+    """`num_replicas` coordinators from `spawn(*extra)`, once one of them
+    leads (AssertionError after 30 s without a leader)."""
+    replicas = [spawn(*extra) for _ in range(num_replicas)]
+    wait_for(lambda: leader_of(store), 30, "a leader")
+    return replicas
+
+
+def kill_leader(replicas: list[CoordinatorProcess], store: Store, timeout_s: float = 60.0) -> str:
+    """SIGKILLs the replica that leads now and waits for another to lead:
+    the killed one's address. AssertionError when no new leader is elected
+    within `timeout_s`."""
+    leader = wait_for(lambda: leader_of(store), timeout_s, "a leader")
+    next(r for r in replicas if r.address == leader).kill()
+    wait_for(lambda: leader_of(store) not in (None, leader), timeout_s, "a new leader")
+    return leader
 
 
 def join(workers: ws_grpc.WorkerServiceStub, job_id: str, port: int) -> str:
@@ -83,25 +115,101 @@ class SimMember:
         self._channel.close()
 
 
+def members_placed(plan: pb.Plan) -> int:
+    """How many members `plan` places: its active nodes plus its spares.
+
+    WatchPlans sends each member its own slice of a plan: `members` or
+    `spares` hold only the member itself; `nodes` (runs of equal-size nodes)
+    and `num_spares` count the whole plan."""
+    return sum(r.num_nodes for r in plan.nodes) + plan.num_spares
+
+
+def _interval_in(response: bytes) -> float | None:
+    """The `heartbeat_interval` of a serialized HeartbeatResponse, if set.
+
+    Most responses hold only the generation (field 1, a varint): those are
+    recognised without parsing; anything more is parsed."""
+    i, end = 0, len(response)
+    if end and response[0] == 0x08:
+        i = 1
+        while i < end and response[i] & 0x80:
+            i += 1
+        i += 1
+    if i >= end:
+        return None
+    response_pb = ws.HeartbeatResponse.FromString(response)
+    if not response_pb.HasField("heartbeat_interval"):
+        return None
+    d = response_pb.heartbeat_interval
+    return d.seconds + d.nanos / 1e9 or None
+
+
+_METHOD = "/springback.v1.WorkerService/"
+JOIN_DEADLINE_S = 300.0  # a member gives up joining after this
+_RETRIED_JOIN_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                       grpc.StatusCode.RESOURCE_EXHAUSTED)
+TICK_S = 0.02  # the scheduler's longest sleep: heartbeats go out at most this late
+
+
 class SimFleet:
-    """`n` members driven on one asyncio loop (a thread of its own) over a few
-    `grpc.aio` channels, the way agents drive them: JoinJob with a token, a
-    WatchPlans stream (reconnected with jittered backoff on UNAVAILABLE) and
-    heartbeats every liveness/4 (jittered, deadline at least 1 s). Counts what
-    happened, so scale tests and `bench/agent_scale.py` can assert on it."""
+    """Members of one or more jobs driven on one asyncio loop (a thread of
+    its own) over a few `grpc.aio` channels, the way agents drive them:
+    JoinJob with a token (retried with the same token on UNAVAILABLE,
+    DEADLINE_EXCEEDED and RESOURCE_EXHAUSTED for `JOIN_DEADLINE_S`), a WatchPlans stream (reconnected with jittered
+    backoff on any error) and heartbeats at the interval the coordinator
+    names (JoinJobResponse's, then the newest HeartbeatResponse's that sets
+    one), jittered to 0.8-1.0 of it, deadline at least 1 s.
+
+    Built to cost the client as little CPU per agent as possible, so that
+    thousands of agents share one process and a bench measures the
+    coordinator, not the simulator: requests are serialized once per member
+    and sent as bytes over raw (bytes in, bytes out) calls; a heartbeat's
+    response is parsed only when it holds more than the generation; one
+    scheduler (a heap of due times, woken at least every `TICK_S`) starts the
+    heartbeats, instead of a sleeping task per member. Plan messages are
+    counted in bytes per member and per generation.
+
+    A member told NOT_FOUND (expired, fenced) stops and is counted in
+    `expired`. Counters are written on the loop thread and read from others
+    (snapshots by `list(...)`, good enough for tests that poll)."""
 
     def __init__(self, addresses: list[str], job_id: str, n: int, *, num_channels: int = 4) -> None:
-        self.addresses, self.job_id, self.n = addresses, job_id, n
+        self._init(addresses, {job_id: n}, num_channels)
+
+    @classmethod
+    def many(cls, addresses: list[str], jobs: dict[str, int], *, num_channels: int = 4) -> SimFleet:
+        """One fleet driving `jobs[job_id]` members of each job."""
+        fleet = cls.__new__(cls)
+        fleet._init(addresses, jobs, num_channels)
+        return fleet
+
+    def _init(self, addresses: list[str], jobs: dict[str, int], num_channels: int) -> None:
+        self.addresses, self.jobs = addresses, dict(jobs)
+        self.job_id = next(iter(jobs))
+        self.n = sum(jobs.values())
         self._num_channels = num_channels
         self.join_s: list[float] = []
         self.heartbeat_s: list[float] = []
         self.failures: Counter[str] = Counter()  # "call:CODE" -> count
         self.expired: set[str] = set()  # members told NOT_FOUND (fenced)
-        self.planned: dict[str, tuple[int, int]] = {}  # member -> (generation, members planned)
-        self.first_join_at = 0.0
+        self.planned: dict[str, tuple[int, int]] = {}  # member -> (generation, members placed)
+        self.job_of: dict[str, str] = {}  # member -> job
+        self.first_join_at = self.last_join_at = 0.0  # time.monotonic()
+        self.num_joined = 0
+        # per member, by index (the order of `jobs`, then of joins)
+        self._job = [job for job, k in jobs.items() for _ in range(k)]
+        self.member_ids: list[str] = [""] * self.n
+        self.num_ok = [0] * self.n  # heartbeats answered OK
+        self.plan_bytes = [0] * self.n
+        self.plan_messages = [0] * self.n
+        self.generation_bytes: Counter[tuple[str, int]] = Counter()  # (job, generation) -> bytes
+        self.generation_receivers: Counter[tuple[str, int]] = Counter()
+        self._interval = [1.0] * self.n
+        self._heartbeat_request = [b""] * self.n
+        self._due: list[tuple[float, int]] = []  # heap of (loop time, member index)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True, name="fleet")
-        self._tasks: list[asyncio.Future] = []
+        self._cpu_at_start = 0.0
 
     def start(self) -> SimFleet:
         self._thread.start()
@@ -114,46 +222,86 @@ class SimFleet:
                    ("grpc.max_receive_message_length", 64 * 1024 * 1024)]
         self._channels = [grpc.aio.insecure_channel(target, options=options + [("sim.channel", i)])
                           for i in range(self._num_channels)]
+        raw = {"request_serializer": None, "response_deserializer": None}
+        self._join_calls = [c.unary_unary(_METHOD + "JoinJob", **raw) for c in self._channels]
+        self._heartbeat_calls = [c.unary_unary(_METHOD + "Heartbeat", **raw) for c in self._channels]
+        self._watch_calls = [c.unary_stream(_METHOD + "WatchPlans", **raw) for c in self._channels]
+        self._cpu_at_start = time.process_time()
         self.first_join_at = time.monotonic()
-        for i in range(self.n):
-            stub = ws_grpc.WorkerServiceStub(self._channels[i % len(self._channels)])
-            self._tasks.append(asyncio.ensure_future(self._member(stub, i)))
+        self._tasks = [asyncio.ensure_future(self._schedule())]
+        self._tasks += [asyncio.ensure_future(self._member(i)) for i in range(self.n)]
 
-    async def _member(self, stub: ws_grpc.WorkerServiceStub, i: int) -> None:
+    async def _member(self, i: int) -> None:
+        job_id = self._job[i]
+        request = ws.JoinJobRequest(job_id=job_id, host="127.0.0.1", rendezvous_port=10000 + i % 50000,
+                                    num_local_ranks=1, join_token=uuid.uuid4().hex)
+        started = time.monotonic()
+        backoff = Backoff(base_s=0.5, cap_s=5.0)
+        while True:  # as the agent does: the same token again, so a join lands once
+            try:
+                raw = await self._join_calls[i % self._num_channels](request.SerializeToString(),
+                                                                     timeout=60)
+                break
+            except grpc.RpcError as e:
+                self.failures[f"JoinJob:{e.code().name}"] += 1
+                if (e.code() not in _RETRIED_JOIN_CODES
+                        or time.monotonic() - started > JOIN_DEADLINE_S):
+                    return
+            await asyncio.sleep(backoff.next_s())
+        self.last_join_at = time.monotonic()
+        self.num_joined += 1
+        self.join_s.append(self.last_join_at - started)
+        response = ws.JoinJobResponse.FromString(raw)
+        member_id = response.member.id
+        self.member_ids[i] = member_id
+        self.job_of[member_id] = job_id
+        d = response.heartbeat_interval
+        self._interval[i] = d.seconds + d.nanos / 1e9 or 1.0
+        self._heartbeat_request[i] = ws.HeartbeatRequest(job_id=job_id,
+                                                         member_id=member_id).SerializeToString()
+        heapq.heappush(self._due, (self._loop.time() + self._interval[i] * random.uniform(0.8, 1.0), i))
+        await self._watch(i, ws.WatchPlansRequest(job_id=job_id, member_id=member_id).SerializeToString())
+
+    async def _schedule(self) -> None:
+        due, loop = self._due, self._loop
+        while True:
+            now = loop.time()
+            while due and due[0][0] <= now:
+                _, i = heapq.heappop(due)
+                loop.create_task(self._heartbeat(i))
+            await asyncio.sleep(min(TICK_S, due[0][0] - now) if due else TICK_S)
+
+    async def _heartbeat(self, i: int) -> None:
+        interval = self._interval[i]
         started = time.monotonic()
         try:
-            response = await stub.JoinJob(ws.JoinJobRequest(
-                job_id=self.job_id, host="127.0.0.1", rendezvous_port=10000 + i % 50000,
-                num_local_ranks=1, join_token=uuid.uuid4().hex), timeout=60)
+            response = await self._heartbeat_calls[i % self._num_channels](
+                self._heartbeat_request[i], timeout=max(interval, 1.0))
         except grpc.RpcError as e:
-            self.failures[f"JoinJob:{e.code().name}"] += 1
-            return
-        self.join_s.append(time.monotonic() - started)
-        member_id = response.member.id
-        interval = response.heartbeat_interval.ToTimedelta().total_seconds()
-        await asyncio.gather(self._beat(stub, member_id, interval), self._watch(stub, member_id))
+            self.failures[f"Heartbeat:{e.code().name}"] += 1
+            if e.code() == grpc.StatusCode.NOT_FOUND:
+                self.expired.add(self.member_ids[i])
+                return
+        else:
+            self.heartbeat_s.append(time.monotonic() - started)
+            self.num_ok[i] += 1
+            told = _interval_in(response)
+            if told is not None:
+                self._interval[i] = interval = told
+        heapq.heappush(self._due, (self._loop.time() + interval * random.uniform(0.8, 1.0), i))
 
-    async def _beat(self, stub: ws_grpc.WorkerServiceStub, member_id: str, interval: float) -> None:
-        request = ws.HeartbeatRequest(job_id=self.job_id, member_id=member_id)
-        while member_id not in self.expired:
-            await asyncio.sleep(interval * random.uniform(0.8, 1.0))
-            started = time.monotonic()
-            try:
-                await stub.Heartbeat(request, timeout=max(interval, 1.0))
-                self.heartbeat_s.append(time.monotonic() - started)
-            except grpc.RpcError as e:
-                self.failures[f"Heartbeat:{e.code().name}"] += 1
-                if e.code() == grpc.StatusCode.NOT_FOUND:
-                    self.expired.add(member_id)
-
-    async def _watch(self, stub: ws_grpc.WorkerServiceStub, member_id: str) -> None:
-        request = ws.WatchPlansRequest(job_id=self.job_id, member_id=member_id)
+    async def _watch(self, i: int, request: bytes) -> None:
+        member_id, job_id = self.member_ids[i], self._job[i]
         backoff = Backoff(base_s=0.1, cap_s=2.0)
         while member_id not in self.expired:
             try:
-                async for response in stub.WatchPlans(request):
-                    plan = response.plan
-                    self.planned[member_id] = (plan.generation, len(plan.members) + len(plan.spares))
+                async for message in self._watch_calls[i % self._num_channels](request):
+                    plan = ws.WatchPlansResponse.FromString(message).plan
+                    self.planned[member_id] = (plan.generation, members_placed(plan))
+                    self.plan_bytes[i] += len(message)
+                    self.plan_messages[i] += 1
+                    self.generation_bytes[job_id, plan.generation] += len(message)
+                    self.generation_receivers[job_id, plan.generation] += 1
                     backoff.reset()
             except grpc.RpcError as e:
                 self.failures[f"WatchPlans:{e.code().name}"] += 1
@@ -162,19 +310,40 @@ class SimFleet:
                     return
             await asyncio.sleep(backoff.next_s())  # jittered, as the agent does
 
-    def num_holding(self, num_members: int) -> int:
-        """Members whose newest plan is one generation that places `num_members`."""
-        views = list(self.planned.values())
+    def num_holding(self, num_members: int, job_id: str | None = None) -> int:
+        """Members (of `job_id`, else of the fleet's first job) whose newest
+        plan is one generation, the job's newest seen, that places `num_members`."""
+        job_id = job_id or self.job_id
+        views = [v for m, v in list(self.planned.items()) if self.job_of.get(m) == job_id]
         if not views:
             return 0
         newest = max(g for g, _ in views)
         return sum(1 for g, k in views if g == newest and k == num_members)
 
+    def settled_jobs(self) -> set[str]:
+        """Jobs whose members all hold one plan (their newest) placing all of them."""
+        views: dict[str, list[tuple[int, int]]] = {}
+        for member_id, view in list(self.planned.items()):
+            views.setdefault(self.job_of[member_id], []).append(view)
+        return {job for job, vs in views.items()
+                if len(vs) == self.jobs[job] and len(set(vs)) == 1 and vs[0][1] == self.jobs[job]}
+
+    def cpu_s(self) -> float:
+        """CPU seconds this process used since `start()` (all its threads:
+        the loop and gRPC's own; the fleet's, where the process runs nothing else)."""
+        return time.process_time() - self._cpu_at_start
+
+    def bytes_per_generation(self) -> float:
+        """Plan bytes one member received for one generation, on average."""
+        receivers = sum(self.generation_receivers.values())
+        return sum(self.generation_bytes.values()) / receivers if receivers else 0.0
+
     def close(self) -> None:
         async def stop() -> None:
-            for task in self._tasks:
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in tasks:
                 task.cancel()
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+            await asyncio.gather(*tasks, return_exceptions=True)
             for channel in self._channels:
                 await channel.close()
 

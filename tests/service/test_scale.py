@@ -3,33 +3,29 @@
 from __future__ import annotations
 
 import time
+from datetime import timedelta
 
 import pytest
 
-from agentsim import SimFleet, SimMember
+from agentsim import SimFleet, SimMember, _interval_in, kill_leader, members_placed, start_replicas
 from sbtest import wait_for
-from springback.service import keys
 from springback.client.api import Client
+from springback.service import keys
 from springback.service.store import Store
+from springback.v1 import types_pb2 as pb
 from springback.v1 import worker_service_pb2 as ws
 
 N = 500
 
 
-def _leader(store: Store) -> str | None:
-    entry = store.get(keys.LEADER)
-    return entry.value.decode() if entry else None
-
-
 @pytest.mark.timeout(300)
 def test_500_agents_settle_into_one_plan_and_survive_a_leader_kill(etcd, spawn_coordinator,
                                                                    make_spec):
-    replicas = [spawn_coordinator("--liveness-timeout-s", "10") for _ in range(2)]
-    addresses = [r.address for r in replicas]
     store = Store(etcd.endpoint)
     fleet = None
     try:
-        wait_for(lambda: _leader(store), 20, "a leader")
+        replicas = start_replicas(spawn_coordinator, store, "--liveness-timeout-s", "10")
+        addresses = [r.address for r in replicas]
         with Client(addresses) as client:
             job = client.create_job(make_spec(
                 max_workers=N, data={"num_samples": 10**6, "global_batch_size": 1000}))
@@ -41,10 +37,8 @@ def test_500_agents_settle_into_one_plan_and_survive_a_leader_kill(etcd, spawn_c
             # A join storm is a few generations, not one per join.
             assert settled - first_generation <= 10, (first_generation, settled)
 
-            leader = _leader(store)
-            next(r for r in replicas if r.address == leader).kill()
             killed_at = time.monotonic()
-            wait_for(lambda: _leader(store) not in (None, leader), 30, "a new leader")
+            kill_leader(replicas, store, 30)
             beats = len(fleet.heartbeat_s)
             # every member heartbeats at least twice more, through the survivor
             wait_for(lambda: len(fleet.heartbeat_s) >= beats + 2 * N, 60, "heartbeats after the kill")
@@ -79,3 +73,24 @@ def test_heartbeats_joins_and_plan_streams_take_no_server_thread(start_coordinat
             member.close()
             for watch in watches:
                 watch.close()
+
+
+class TestWhatTheSimulatorReadsFromItsMessages:
+    @pytest.mark.timeout(10)
+    def test_a_plan_slice_counts_its_node_runs_and_spares_not_its_own_entry(self):
+        active = pb.Plan(members=[pb.PlanMember(member_id="m1")],
+                         nodes=[pb.NodeRun(num_nodes=2, num_local_ranks=8),
+                                pb.NodeRun(num_nodes=1, num_local_ranks=4)], num_spares=1)
+        spare = pb.Plan(spares=["s"], nodes=[pb.NodeRun(num_nodes=3, num_local_ranks=8)],
+                        num_spares=2)
+        assert [members_placed(p) for p in (active, spare, pb.Plan())] == [4, 5, 0]
+
+    @pytest.mark.timeout(10)
+    def test_a_heartbeat_response_names_an_interval_only_when_it_sets_one(self):
+        def raw(**fields) -> bytes:
+            return ws.HeartbeatResponse(**fields).SerializeToString()
+
+        assert _interval_in(raw()) is None
+        assert _interval_in(raw(generation=300)) is None  # a multi-byte varint, nothing after it
+        assert _interval_in(raw(generation=7, heartbeat_interval=timedelta(seconds=12.5))) == 12.5
+        assert _interval_in(raw(heartbeat_interval=timedelta(milliseconds=250))) == 0.25
