@@ -5,9 +5,11 @@ the process-global one, so two servers in one process do not collide). Values
 are read when Prometheus scrapes, by callbacks (`add`) or by collectors that
 yield whole metric families, histograms included (`add_collector`); nothing is
 updated on hot paths. `serve` runs a daemon HTTP server on ``HOST:PORT``
-(port 0 picks a free one) answering ``GET /metrics`` with
-`prometheus_client.generate_latest`, plus any extra read-only pages (the
-coordinator's dashboard) behind an optional bearer token.
+(port 0 picks a free one, optionally over TLS) answering ``GET /metrics``
+with `prometheus_client.generate_latest`, plus any extra read-only pages (the
+coordinator's dashboard) behind an optional bearer token; a browser trades
+the token for a session (`Sessions`) once, and its cookie holds only the
+session id. Every response carries `SECURITY_HEADERS`.
 
 Failure semantics: a callback or collector that raises is logged and its
 family left out of that scrape (counted in ``springback_metrics_collect_errors_total``);
@@ -20,7 +22,10 @@ import hmac
 import http.cookies
 import http.server
 import logging
+import secrets
+import ssl
 import threading
+import time
 import urllib.parse
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -32,7 +37,23 @@ from prometheus_client.registry import Collector
 log = logging.getLogger(__name__)
 
 Sample = tuple[dict[str, str], float]
-COOKIE = "springback_token"
+COOKIE = "springback_session"
+SESSION_TTL_S = 12 * 3600.0
+"""How long a dashboard session lasts after the login that made it."""
+MAX_SESSIONS = 10_000
+"""Sessions kept at most (the oldest goes first): logins cannot grow memory."""
+SECURITY_HEADERS = {
+    # the pages' script is served from /live.js and their images from the
+    # same origin; styles stay inline (the pages' <style> and the plots' SVG)
+    "Content-Security-Policy": "default-src 'self'; script-src 'self'; "
+                               "style-src 'self' 'unsafe-inline'; img-src 'self'; "
+                               "object-src 'none'; base-uri 'none'; form-action 'self'; "
+                               "frame-ancestors 'none'",
+    "X-Content-Type-Options": "nosniff",
+    "X-Frame-Options": "DENY",
+    "Referrer-Policy": "no-referrer",
+}
+"""Sent with every response of `serve`."""
 Page = Callable[[str], tuple[int, str, bytes]]
 """A page handler: request path (with query) -> (status, content type, body)."""
 
@@ -95,6 +116,42 @@ class Registry:
         return generate_latest(self.prometheus)
 
 
+class Sessions:
+    """Dashboard sessions, in this process's memory: id -> (role, expiry).
+    An id is `secrets.token_urlsafe` (256 bits); a restart, or
+    `SESSION_TTL_S` after the login, ends it (the browser logs in again).
+    Thread-safe."""
+
+    def __init__(self, ttl_s: float = SESSION_TTL_S, max_sessions: int = MAX_SESSIONS,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.ttl_s, self._max, self._clock = ttl_s, max_sessions, clock
+        self._sessions: dict[str, tuple[str, float]] = {}
+        self._lock = threading.Lock()
+
+    def open(self, role: str) -> str:
+        """A new session of `role`; returns its id."""
+        session_id = secrets.token_urlsafe(32)
+        now = self._clock()
+        with self._lock:
+            for sid in [sid for sid, (_, end) in self._sessions.items() if end <= now]:
+                del self._sessions[sid]
+            while len(self._sessions) >= self._max:
+                del self._sessions[next(iter(self._sessions))]  # the oldest (insertion order)
+            self._sessions[session_id] = (role, now + self.ttl_s)
+        return session_id
+
+    def role(self, session_id: str) -> str | None:
+        """The role of a live session, None for an unknown or expired id."""
+        with self._lock:
+            found = self._sessions.get(session_id)
+            if found is None:
+                return None
+            if found[1] <= self._clock():
+                del self._sessions[session_id]
+                return None
+            return found[0]
+
+
 class _Server(http.server.ThreadingHTTPServer):
     """The HTTP server of `serve`; its handler reads what to serve from here."""
 
@@ -106,11 +163,20 @@ class _Server(http.server.ThreadingHTTPServer):
         super().__init__(address, _Handler)
         self.registry = registry
         self.routes = routes
-        self.tokens = tuple(t for t in (token, viewer_token) if t)
+        self.tokens = tuple((t, role) for t, role in ((token, "operator"),
+                                                      (viewer_token, "viewer")) if t)
+        self.sessions = Sessions()
+        self.secure = False
 
 
 class _Handler(http.server.BaseHTTPRequestHandler):
     server: _Server
+    timeout = 30.0  # a client that stalls (mid-handshake too) frees its thread after this
+
+    def setup(self) -> None:
+        super().setup()  # applies `timeout` to the socket
+        if isinstance(self.request, ssl.SSLSocket):
+            self.request.do_handshake()  # here, on this request's thread, not in accept()
 
     def do_GET(self) -> None:  # noqa: N802 (http.server naming)
         path = self.path.split("?")[0]
@@ -131,26 +197,33 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             status, content_type, body = 500, "text/plain", f"internal error: {e}\n".encode()
         self._reply(status, content_type, body)
 
-    def _authorized(self, tokens: tuple[str, ...]) -> bool:
-        """True for a request carrying one of the tokens; otherwise replies
-        (401 or the redirect that sets the cookie) and returns False."""
-        def same(given: str) -> bool:
+    def _authorized(self, tokens: tuple[tuple[str, str], ...]) -> bool:
+        """True for a request carrying one of the tokens, or the cookie of a
+        live session; otherwise replies (401, or for ``?token=`` the redirect
+        that opens a session and sets its cookie) and returns False."""
+        def role_of(given: str) -> str | None:
             # every token compared, in constant time each: no early exit
-            return sum(hmac.compare_digest(given.encode(), t.encode()) for t in tokens) > 0
+            matches = [role for token, role in tokens
+                       if hmac.compare_digest(given.encode(), token.encode())]
+            return matches[0] if matches else None
 
-        query = urllib.parse.parse_qs(urllib.parse.urlsplit(self.path).query)
-        given = query.get("token", [""])[0]
-        if same(given):
+        split = urllib.parse.urlsplit(self.path)
+        given = urllib.parse.parse_qs(split.query).get("token", [""])[0]
+        if given and (role := role_of(given)) is not None:
+            cookie = (f"{COOKIE}={self.server.sessions.open(role)}; HttpOnly; SameSite=Strict; "
+                      f"Path=/; Max-Age={int(self.server.sessions.ttl_s)}")
             self._reply(303, "text/plain", b"", {
-                "Location": urllib.parse.urlsplit(self.path).path,
-                "Set-Cookie": f"{COOKIE}={given}; HttpOnly; SameSite=Strict; Path=/"})
+                "Location": split.path,
+                "Set-Cookie": cookie + ("; Secure" if self.server.secure else "")})
             return False
         cookies = http.cookies.SimpleCookie(self.headers.get("Cookie", ""))
-        if same(self.headers.get("Authorization", "").removeprefix("Bearer ")) or (
-                COOKIE in cookies and same(cookies[COOKIE].value)):
+        bearer = self.headers.get("Authorization", "").removeprefix("Bearer ")
+        if (bearer and role_of(bearer) is not None) or (
+                COOKIE in cookies and self.server.sessions.role(cookies[COOKIE].value)):
             return True
         self._reply(401, "text/plain",
-                    b"missing or wrong bearer token (browsers: open the page with ?token=...)\n",
+                    b"missing or wrong bearer token, or the session ended "
+                    b"(browsers: open the page with ?token=...)\n",
                     {"WWW-Authenticate": "Bearer"})
         return False
 
@@ -159,6 +232,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self.send_response(status)
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(body)))
+        for k, v in SECURITY_HEADERS.items():
+            self.send_header(k, v)
         for k, v in (headers or {}).items():
             self.send_header(k, str(v))
         self.end_headers()
@@ -169,20 +244,40 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
 
 def serve(registry: Registry, listen: str, *, pages: dict[str, Page] | None = None,
-          token: str | None = None,
-          viewer_token: str | None = None) -> http.server.ThreadingHTTPServer:
+          token: str | None = None, viewer_token: str | None = None,
+          tls_cert: str | None = None,
+          tls_key: str | None = None) -> http.server.ThreadingHTTPServer:
     """Starts the endpoint; returns the server (``server_address`` has the port).
 
     ``/metrics`` is always open (Prometheus scrapers rarely carry tokens);
     `pages` (path prefix -> handler) require the token when `token` is set:
-    ``Authorization: Bearer <token>``, or for a browser the cookie that
-    opening any page with ``?token=<token>`` sets (HttpOnly, SameSite=Strict;
-    the reply redirects to the page without the token in its address).
-    Anything else gets 401. `viewer_token`, when given, opens the pages
-    too (they only read). Raises OSError if `listen` cannot be bound.
+    ``Authorization: Bearer <token>``, or for a browser the session cookie
+    that opening any page with ``?token=<token>`` sets: the token opens a
+    server-side session (`Sessions`) and the cookie holds only its random id
+    (HttpOnly, SameSite=Strict, Path=/, Secure over TLS; the reply redirects
+    to the page without the token in its address). Anything else, an
+    expired session too, gets 401. `viewer_token`, when given, opens the
+    pages too (they only read). `tls_cert` and `tls_key` (PEM files, both
+    or neither) serve HTTPS; the TLS handshake runs on the request's own
+    thread, so a slow client holds up no other. Raises OSError if `listen`
+    cannot be bound, ValueError for one of `tls_cert` / `tls_key` alone,
+    ssl.SSLError for files that do not hold a matching certificate and key.
     """
+    if bool(tls_cert) != bool(tls_key):
+        raise ValueError("tls_cert and tls_key: give both or neither")
     host, _, port = listen.rpartition(":")
     server = _Server((host or "127.0.0.1", int(port)), registry, dict(pages or {}), token,
                      viewer_token)
+    if tls_cert and tls_key:
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.minimum_version = ssl.TLSVersion.TLSv1_2
+        try:
+            context.load_cert_chain(tls_cert, tls_key)
+        except (OSError, ssl.SSLError):
+            server.server_close()
+            raise
+        server.socket = context.wrap_socket(server.socket, server_side=True,
+                                            do_handshake_on_connect=False)
+        server.secure = True
     threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
     return server

@@ -1,7 +1,8 @@
 """A read-only web dashboard of the coordinator, on its metrics HTTP listener.
 
-Pages (HTML rendered on the server; the job page adds one small inline
-script, no external assets):
+Pages (HTML rendered on the server; the job page adds one small script,
+served from ``/live.js`` rather than inline so that the listener's
+Content-Security-Policy can forbid inline scripts; no external assets):
 
 * ``/`` — every job: state, generation, world size, progress, loss, newest
   checkpoint, timestamps.
@@ -80,7 +81,7 @@ _LIVE_HTML = """<h2>Live loss</h2>
 <th>role</th><th>draining</th><th>last heartbeat</th></tr></thead><tbody></tbody></table>"""
 
 _LIVE_JS = r"""(function () {
-const job = __JOB__, NS = "http://www.w3.org/2000/svg";
+const job = document.currentScript.dataset.job, NS = "http://www.w3.org/2000/svg";
 const W = 720, H = 260, L = 60, R = 12, T = 12, B = 34;
 function el(name, attrs, parent) {
   const e = document.createElementNS(NS, name);
@@ -332,6 +333,8 @@ class Dashboard:
 
     def _route(self, path: str) -> tuple[int, str, bytes]:
         path = path.split("?")[0]
+        if path == "/live.js":
+            return 200, "text/javascript; charset=utf-8", _LIVE_JS.encode()
         if path in ("/", "/jobs", "/jobs/"):
             return 200, "text/html; charset=utf-8", self.jobs_page()
         match = _JOB_PAGE.match(path)
@@ -483,8 +486,9 @@ class Dashboard:
                 f"<img id='steps-plot' alt='step rate over time' src='/jobs/{job_id}/steps.svg'>"
                 f"</div>{_LIVE_HTML}{_badput_html(job, events, now, total)}<h2>Generations</h2>{timeline}"
                 f"{_recovery_html(events)}<h2>Checkpoints</h2>{checkpoints}")
-        script = _LIVE_JS.replace("__JOB__", json.dumps(job_id))
-        return _page(f"Springback job {job_id}", body + f"<script>{script}</script>")
+        # no inline script (the Content-Security-Policy forbids it): /live.js reads the job here
+        return _page(f"Springback job {job_id}", body + "<script src='/live.js' "
+                     f"data-job='{html.escape(job_id)}'></script>")
 
     # -- plots -----------------------------------------------------------------------
 

@@ -14,6 +14,7 @@ import urllib.request
 import pytest
 from cluster import AgentProcess, steps
 from sbtest import wait_for
+from springback.client.metrics import COOKIE, SECURITY_HEADERS
 from springback.v1 import types_pb2 as pb
 
 pytestmark = pytest.mark.timeout(180)
@@ -78,8 +79,10 @@ def test_the_dashboard_shows_a_running_job_its_generations_and_plots(browser, ru
         urllib.request.urlopen(f"{base}/", timeout=5)
     assert refused.value.code == 401
 
-    browser.get(f"{base}/?token={TOKEN}")  # sets the cookie, redirects to /
+    assert set(SECURITY_HEADERS.items()) <= set(refused.value.headers.items())
+    browser.get(f"{base}/?token={TOKEN}")  # opens a session, sets its cookie, redirects to /
     assert browser.current_url == f"{base}/"
+    check_the_session_cookie(browser, base)
     assert browser.find_element(By.TAG_NAME, "h1").text == "Springback jobs"
     (row,) = browser.find_elements(By.CSS_SELECTOR, "#jobs tbody tr")
     cells = [c.text for c in row.find_elements(By.TAG_NAME, "td")]
@@ -119,6 +122,64 @@ def test_the_dashboard_shows_a_running_job_its_generations_and_plots(browser, ru
             "return document.body.scrollHeight") + 120)
         browser.save_screenshot(os.environ[SCREENSHOT])
     assert client.get_job(job_id).status.state == pb.JOB_STATE_RUNNING
+
+
+def check_the_session_cookie(browser, base):
+    """The browser holds a session id, never the token; the token itself is
+    no cookie; every page and script carries the security headers (the job
+    page's script runs under that CSP: see check_the_live_view)."""
+    (cookie,) = browser.get_cookies()
+    assert cookie["name"] == COOKIE and TOKEN not in cookie["value"], cookie
+    assert len(cookie["value"]) >= 32 and cookie["httpOnly"] and cookie["sameSite"] == "Strict"
+    assert cookie["path"] == "/" and not cookie["secure"]  # plain HTTP here
+    for value, code in ((cookie["value"], 200), (TOKEN, 401)):
+        request = urllib.request.Request(f"{base}/live.js",
+                                         headers={"Cookie": f"{COOKIE}={value}"})
+        try:
+            with urllib.request.urlopen(request, timeout=10) as reply:
+                got, headers = reply.status, reply.headers
+        except urllib.error.HTTPError as refused:
+            got, headers = refused.code, refused.headers
+        assert got == code, value
+        assert set(SECURITY_HEADERS.items()) <= set(headers.items())
+
+
+def test_over_tls_the_session_cookie_is_secure(tmp_path):
+    import ssl
+    import subprocess
+
+    from springback.client import metrics
+
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt",
+                    "ec_paramgen_curve:prime256v1", "-nodes", "-days", "1", "-subj", "/CN=dash",
+                    "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(tmp_path / "k.pem"),
+                    "-out", str(tmp_path / "c.pem")], check=True, capture_output=True, timeout=30)
+    server = metrics.serve(metrics.Registry(), "127.0.0.1:0", token=TOKEN,
+                           pages={"/": lambda path: (200, "text/plain", b"page")},
+                           tls_cert=str(tmp_path / "c.pem"), tls_key=str(tmp_path / "k.pem"))
+    try:
+        trust = ssl.create_default_context(cafile=str(tmp_path / "c.pem"))
+        base = f"https://127.0.0.1:{server.server_address[1]}"
+
+        class NoRedirect(urllib.request.HTTPRedirectHandler):
+            def redirect_request(self, *args, **kwargs):  # noqa: ANN002, ANN003
+                return None
+
+        opener = urllib.request.build_opener(urllib.request.HTTPSHandler(context=trust),
+                                             NoRedirect)
+        with pytest.raises(urllib.error.HTTPError) as login:
+            opener.open(f"{base}/?token={TOKEN}", timeout=10)
+        assert login.value.code == 303
+        cookie = login.value.headers["Set-Cookie"]
+        assert "; Secure" in cookie and "HttpOnly" in cookie and TOKEN not in cookie, cookie
+        session = cookie.split(";")[0]
+        with opener.open(urllib.request.Request(f"{base}/", headers={"Cookie": session}),
+                         timeout=10) as reply:
+            assert reply.read() == b"page"
+            assert set(SECURITY_HEADERS.items()) <= set(reply.headers.items())
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 def _get_json(url: str, token: str | None = TOKEN) -> dict:
