@@ -163,7 +163,8 @@ def _coordinator_command(args: argparse.Namespace) -> int:
         tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
         liveness_timeout_s=args.liveness_timeout_s, leader_ttl_s=args.leader_ttl_s,
         metrics_listen=args.metrics_listen, drain_s=args.drain_s, insecure=args.insecure,
-        viewer_token=args.viewer_token,
+        viewer_token=args.viewer_token, tls_roles=args.tls_roles,
+        metrics_tls_cert=args.metrics_tls_cert, metrics_tls_key=args.metrics_tls_key,
     )
     server = CoordinatorServer(config)
     server.start()
@@ -255,9 +256,15 @@ def build_parser() -> argparse.ArgumentParser:
     coord.add_argument("--tls-cert")
     coord.add_argument("--tls-key")
     coord.add_argument("--tls-client-ca", help="require client certificates signed by this CA")
+    coord.add_argument("--tls-roles", metavar="FILE",
+                       help="map client certificates to roles: CN=<name>:<role> or "
+                            "SAN=<name>:<role> lines (operator, viewer, replica)")
     coord.add_argument("--liveness-timeout-s", type=float, default=5.0)
     coord.add_argument("--leader-ttl-s", type=int, default=3)
     coord.add_argument("--metrics-listen", help="HOST:PORT for Prometheus /metrics")
+    coord.add_argument("--metrics-tls-cert", metavar="FILE",
+                       help="serve /metrics and the dashboard over HTTPS (with --metrics-tls-key)")
+    coord.add_argument("--metrics-tls-key", metavar="FILE")
     coord.add_argument("--drain-s", type=float, default=5.0,
                        help="on SIGTERM: seconds of health NOT_SERVING, leadership handed over, "
                             "calls forwarded, before the server stops (default 5)")

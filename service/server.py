@@ -79,6 +79,11 @@ class CoordinatorConfig:
     tls_key: str | None = None
     tls_client_ca: str | None = None
     """PEM CA for client certificates: enables mTLS (clients must present one)."""
+    tls_roles: str | None = None
+    """File mapping client-certificate subjects to roles (``CN=<name>:<role>``
+    or ``SAN=<name>:<role>`` lines, roles operator / viewer / replica): a call
+    without a bearer token has its certificate's role, none if unmapped
+    (PERMISSION_DENIED). Needs `tls_client_ca`."""
     liveness_timeout_s: float = 5.0
     """A member that has not heartbeaten for this long is failed (>= 2, etcd lease granularity)."""
     leader_ttl_s: int = 3
@@ -88,6 +93,10 @@ class CoordinatorConfig:
     metrics_listen: str | None = None
     """HOST:PORT for the Prometheus endpoint (/metrics, open) and the dashboard
     (/, behind `token`); None: off."""
+    metrics_tls_cert: str | None = None
+    """PEM certificate: with metrics_tls_key, the metrics listener serves
+    HTTPS (and the dashboard's session cookie is Secure)."""
+    metrics_tls_key: str | None = None
     max_workers: int = 256
     """gRPC server threads for unary calls and WatchJob streams (plan and
     health streams run on the server's asyncio loop and hold none)."""
@@ -107,7 +116,9 @@ class CoordinatorConfig:
             raise ValueError(f"listen: {self.listen!r} is not HOST:PORT")
         if self.viewer_token and (not self.token or self.viewer_token == self.token):
             raise ValueError("viewer_token: needs a token (the operator's) that differs from it")
-        if not self.token and not self.insecure and not _loopback(host):
+        if self.tls_roles and not self.tls_client_ca:
+            raise ValueError("tls_roles: maps client certificates, so it needs tls_client_ca")
+        if not self.token and not self.tls_roles and not self.insecure and not _loopback(host):
             raise ValueError(
                 f"listen: {self.listen!r} is reachable from other hosts and the coordinator has "
                 "no token, so anyone who reaches it could control every job: give --token (or "
@@ -121,6 +132,8 @@ class CoordinatorConfig:
             raise ValueError(f"leader_ttl_s: {self.leader_ttl_s} is below 2 s")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("tls_cert and tls_key: give both or neither")
+        if bool(self.metrics_tls_cert) != bool(self.metrics_tls_key):
+            raise ValueError("metrics_tls_cert and metrics_tls_key: give both or neither")
         if self.tls_client_ca and not self.tls_cert:
             raise ValueError("tls_client_ca: mTLS needs tls_cert and tls_key too")
 
@@ -265,8 +278,11 @@ class CoordinatorServer:
         self._forwarding = LeaderForwarding(self.election, self._stream_pool)
         # Authentication first: a call refused UNAUTHENTICATED is not counted.
         interceptors: list[grpc.aio.ServerInterceptor] = []
-        if config.token:
-            interceptors.append(BearerAuth(config.token, config.viewer_token))
+        if config.token or config.tls_roles:
+            tls_roles = (credentials.parse_tls_roles((read_file(config.tls_roles) or b"").decode(),
+                                                     config.tls_roles)
+                         if config.tls_roles else None)
+            interceptors.append(BearerAuth(config.token, config.viewer_token, tls_roles))
         interceptors += [self.counter, self._forwarding]
         self._loop = _Loop()
         self._server = self._loop.run(self._make_server(interceptors))
@@ -385,7 +401,9 @@ class CoordinatorServer:
         if self.config.metrics_listen:
             self._metrics_server = metrics.serve(self.registry, self.config.metrics_listen,
                                                  pages=self.dashboard.pages(), token=self.config.token,
-                                                 viewer_token=self.config.viewer_token)
+                                                 viewer_token=self.config.viewer_token,
+                                                 tls_cert=self.config.metrics_tls_cert,
+                                                 tls_key=self.config.metrics_tls_key)
             self.dashboard.start()
         log.info("coordinator replica serving on %s", self.address)
 
