@@ -4,18 +4,32 @@
 with its data in a directory of ours, waits until it answers, and stops it.
 The client and peer ports must be given: etcd cannot bind port 0 and report
 it back, so callers pick free ones with `free_port` just before starting.
+
+With `EtcdServerTls` the member serves clients on https:// only, with
+``--client-cert-auth`` (a client needs a certificate signed by the CA), and,
+given a password, enables etcd's auth after its first start: user ``root``
+(random password, etcd needs it before ``auth enable``) and user
+``springback`` whose role ``springback`` may read and write only keys under
+``/springback/``. Peer URLs stay http:// (loopback members only).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import secrets
 import shutil
 import socket
 import subprocess
 
+import grpc
+from etcd3 import etcdrpc
+from etcd3.etcdrpc import auth_pb2
+
 from springback.client.polling import wait_until
 from springback.client.errors import StoreUnavailable
-from springback.service.store import Store
+from springback.service import keys
+from springback.service.store import EtcdSecurity, Store
 
 ENV_ETCD = "SPRINGBACK_ETCD"
 """Path of the etcd binary (default: `etcd` on PATH)."""
@@ -44,6 +58,28 @@ def free_port(host: str = "127.0.0.1") -> int:
 PORT_ATTEMPTS = 3
 """Starts of an `EtcdServer` whose picked ports were taken meanwhile."""
 
+USER = "springback"
+"""The etcd user (and role) the coordinator uses, with access to `KEY_PREFIX` only."""
+
+KEY_PREFIX = keys.PREFIX.split("v1/")[0]
+"""``/springback/``: every Springback key, of every schema version."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EtcdServerTls:
+    """PEM files of an etcd member behind TLS, and of the client it is checked with."""
+
+    ca_file: str
+    """The CA of the server certificate and of every client certificate."""
+    cert_file: str
+    """The member's certificate (its SANs must name the host clients dial)."""
+    key_file: str
+    client_cert_file: str
+    """A client certificate signed by `ca_file` (for coordinators and checks)."""
+    client_key_file: str
+    password: str | None = dataclasses.field(default=None, repr=False)
+    """With a password: etcd's auth enabled, user `USER` with this password."""
+
 
 class EtcdServer:
     """One etcd member on loopback, for laptops and tests: alone by default, or
@@ -52,8 +88,11 @@ class EtcdServer:
 
     def __init__(self, data_dir: str, *, client_port: int | None = None,
                  peer_port: int | None = None, host: str = "127.0.0.1", name: str = "springback",
-                 initial_cluster: str | None = None) -> None:
+                 initial_cluster: str | None = None, tls: EtcdServerTls | None = None) -> None:
         self.data_dir = data_dir
+        self.tls = tls
+        self.auth_enabled = False
+        self.root_password = secrets.token_urlsafe(16)
         self.host = host
         self.client_port = client_port or free_port(host)
         self.peer_port = peer_port or free_port(host)
@@ -68,7 +107,43 @@ class EtcdServer:
 
     @property
     def endpoint(self) -> str:
-        return f"http://{self.host}:{self.client_port}"
+        return f"{'https' if self.tls else 'http'}://{self.host}:{self.client_port}"
+
+    @property
+    def client_security(self) -> EtcdSecurity | None:
+        """What a client of this member needs: the CA, the client certificate
+        and, once auth is on, user `USER` and its password."""
+        if self.tls is None:
+            return None
+        user = USER if self.tls.password is not None else None
+        return EtcdSecurity(ca_file=self.tls.ca_file, cert_file=self.tls.client_cert_file,
+                            key_file=self.tls.client_key_file, user=user, password=self.tls.password)
+
+    def coordinator_flags(self) -> list[str]:
+        """``springback coordinator`` flags for `client_security` (the password
+        goes in a file next to the data: flags never carry it)."""
+        security = self.client_security
+        if security is None:
+            return []
+        flags = ["--etcd-ca", security.ca_file or "", "--etcd-cert", security.cert_file or "",
+                 "--etcd-key", security.key_file or ""]
+        if security.password is not None:
+            path = os.path.join(self.data_dir, "springback.password")
+            os.makedirs(self.data_dir, exist_ok=True)
+            with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+                f.write(security.password + "\n")
+            flags += ["--etcd-user", USER, "--etcd-password-file", path]
+        return flags
+
+    def store(self, timeout_s: float = 5.0) -> Store:
+        """A `Store` on this member with `client_security` (close it)."""
+        return Store(self.endpoint, timeout_s=timeout_s, security=self._security_now())
+
+    def _security_now(self) -> EtcdSecurity | None:
+        security = self.client_security
+        if security is not None and not self.auth_enabled:  # no users yet
+            security = dataclasses.replace(security, user=None, password=None)
+        return security
 
     @property
     def peer_url(self) -> str:
@@ -88,6 +163,8 @@ class EtcdServer:
                 return
             try:
                 self.wait_serving(timeout_s)
+                if self.initial_cluster is None and self.tls and self.tls.password is not None:
+                    self.enable_auth()
                 return
             except RuntimeError:
                 taken = "address already in use" in self._tail(since=mark)
@@ -97,8 +174,14 @@ class EtcdServer:
 
     def _spawn(self) -> None:
         os.makedirs(self.data_dir, exist_ok=True)
-        client = f"http://{self.host}:{self.client_port}"
+        client = self.endpoint
         peer = f"http://{self.host}:{self.peer_port}"
+        tls = [] if self.tls is None else [
+            "--cert-file", self.tls.cert_file, "--key-file", self.tls.key_file,
+            "--trusted-ca-file", self.tls.ca_file, "--client-cert-auth",
+            # a throw-away local etcd: cheap password checks (each
+            # authentication costs etcd one bcrypt hash, 2^cost rounds)
+            "--bcrypt-cost", "4"]
         log = open(self.log_path, "ab")  # noqa: SIM115 (owned by the child)
         self.process = subprocess.Popen(
             [
@@ -106,7 +189,7 @@ class EtcdServer:
                 "--data-dir", os.path.join(self.data_dir, "data"),
                 "--listen-client-urls", client, "--advertise-client-urls", client,
                 "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-                "--initial-cluster", self.initial_cluster or f"{self.name}={peer}",
+                "--initial-cluster", self.initial_cluster or f"{self.name}={peer}", *tls,
             ],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )
@@ -116,7 +199,7 @@ class EtcdServer:
         """Blocks until this member answers a (quorum) read; raises on timeout."""
         assert self.process is not None, "start() first"
         process = self.process
-        store = Store(self.endpoint, timeout_s=1.0)
+        store = self.store(timeout_s=1.0)
 
         def serving() -> bool:
             if process.poll() is not None:
@@ -133,6 +216,33 @@ class EtcdServer:
                 raise RuntimeError(f"etcd did not start within {timeout_s}s: {self._tail()}")
         finally:
             store.close()
+
+    def enable_auth(self) -> None:
+        """Creates users ``root`` and `USER` (role `USER`: readwrite on
+        `KEY_PREFIX` only) and enables etcd's auth, once (a restart keeps it;
+        for a cluster, on one member). Raises `grpc.RpcError` when etcd refuses."""
+        assert self.tls is not None and self.tls.password is not None, "needs tls with a password"
+        if self.auth_enabled:
+            return
+        security = self._security_now()
+        assert security is not None
+        channel = grpc.secure_channel(f"{self.host}:{self.client_port}", security.channel_credentials())
+        try:
+            auth = etcdrpc.AuthStub(channel)
+            auth.UserAdd(etcdrpc.AuthUserAddRequest(name="root", password=self.root_password), timeout=5)
+            auth.UserGrantRole(etcdrpc.AuthUserGrantRoleRequest(user="root", role="root"), timeout=5)
+            auth.RoleAdd(etcdrpc.AuthRoleAddRequest(name=USER), timeout=5)
+            prefix = KEY_PREFIX.encode()
+            auth.RoleGrantPermission(etcdrpc.AuthRoleGrantPermissionRequest(
+                name=USER, perm=auth_pb2.Permission(permType=auth_pb2.Permission.READWRITE, key=prefix,
+                                                    range_end=prefix[:-1] + bytes([prefix[-1] + 1]))),
+                timeout=5)
+            auth.UserAdd(etcdrpc.AuthUserAddRequest(name=USER, password=self.tls.password), timeout=5)
+            auth.UserGrantRole(etcdrpc.AuthUserGrantRoleRequest(user=USER, role=USER), timeout=5)
+            auth.AuthEnable(etcdrpc.AuthEnableRequest(), timeout=5)
+        finally:
+            channel.close()
+        self.auth_enabled = True
 
     def _tail(self, since: int = 0) -> str:
         try:

@@ -16,7 +16,7 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 
 from rich.console import Console
@@ -31,6 +31,9 @@ from springback.client.summary import job_summary
 from springback.client.api import ApiError, Client
 from springback.client.errors import InvalidArgument
 from springback.v1 import types_pb2 as pb
+
+if TYPE_CHECKING:
+    from springback.service.store import EtcdSecurity
 
 ENV_VIEWER_TOKEN = "SPRINGBACK_VIEWER_TOKEN"
 """The coordinator's read-only token (`--viewer-token`)."""
@@ -155,11 +158,30 @@ def _ckpt_command(args: argparse.Namespace) -> int:
     return checkpoints.command(args, _client, _Printer(args.json))
 
 
+def _etcd_security(args: argparse.Namespace) -> EtcdSecurity | None:
+    """The --etcd-* flags; the password is read from its file (never a flag)."""
+    from springback.service.store import EtcdSecurity  # noqa: F811 (at run time)
+
+    password = None
+    if args.etcd_password_file:
+        try:
+            with open(args.etcd_password_file, encoding="utf-8") as f:
+                password = f.readline().rstrip("\r\n")
+        except OSError as e:
+            raise InvalidArgument("etcd-password-file", f"{args.etcd_password_file!r} cannot be "
+                                  f"read: {e.strerror or e}") from None
+    files = (args.etcd_ca, args.etcd_cert, args.etcd_key, args.etcd_user, password)
+    if all(v is None for v in files):
+        return None
+    return EtcdSecurity(ca_file=args.etcd_ca, cert_file=args.etcd_cert, key_file=args.etcd_key,
+                        user=args.etcd_user, password=password)
+
+
 def _coordinator_command(args: argparse.Namespace) -> int:
     from springback.service.server import CoordinatorConfig, CoordinatorServer
 
     config = CoordinatorConfig(
-        etcd=args.etcd, listen=args.listen, advertise=args.advertise, token=args.token,
+        etcd=args.etcd, etcd_security=_etcd_security(args), listen=args.listen, advertise=args.advertise, token=args.token,
         tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
         liveness_timeout_s=args.liveness_timeout_s, leader_ttl_s=args.leader_ttl_s,
         metrics_listen=args.metrics_listen, drain_s=args.drain_s, insecure=args.insecure,
@@ -246,7 +268,14 @@ def build_parser() -> argparse.ArgumentParser:
     up.set_defaults(handler=_up_command)
 
     coord = commands.add_parser("coordinator", parents=[common], help="run a coordinator replica")
-    coord.add_argument("--etcd", required=True, help="etcd endpoint(s), http://HOST:PORT[,…]")
+    coord.add_argument("--etcd", required=True,
+                       help="etcd endpoint(s), http://HOST:PORT[,…] or https://… (needs --etcd-ca)")
+    coord.add_argument("--etcd-ca", metavar="FILE", help="CA that signed etcd's certificate")
+    coord.add_argument("--etcd-cert", metavar="FILE", help="client certificate for etcd")
+    coord.add_argument("--etcd-key", metavar="FILE", help="key of --etcd-cert")
+    coord.add_argument("--etcd-user", metavar="NAME", help="etcd user (needs --etcd-password-file)")
+    coord.add_argument("--etcd-password-file", metavar="FILE",
+                       help="file holding --etcd-user's password (first line)")
     coord.add_argument("--listen", default="127.0.0.1:7070")
     coord.add_argument("--advertise", help="address other replicas reach this one at")
     coord.add_argument("--viewer-token", default=os.environ.get(ENV_VIEWER_TOKEN) or None,

@@ -33,13 +33,12 @@ from springback.service.coordinator import Coordinator
 from springback.client.errors import NotFound, StoreUnavailable
 from springback.service.liveness import PROBE_TIMEOUT_S, EtcdReachability
 from springback.service.planboard import PlanBoard
-from springback.service.store import _parse_endpoint
+from springback.service.store import EtcdSecurity, parse_endpoints
 
 log = logging.getLogger(__name__)
 
 
-def _etcd_target(endpoints: str) -> str:
-    hosts = [_parse_endpoint(u.strip()) for u in endpoints.split(",") if u.strip()]
+def _etcd_target(hosts: list[tuple[str, int]]) -> str:
     try:
         for host, _ in hosts:
             ipaddress.IPv4Address(host)
@@ -51,8 +50,15 @@ def _etcd_target(endpoints: str) -> str:
 class LeaseRenewer:
     """One LeaseKeepAlive stream to etcd, opened on first use; loop-only."""
 
-    def __init__(self, endpoints: str, *, timeout_s: float = PROBE_TIMEOUT_S) -> None:
-        self._target = _etcd_target(endpoints)
+    def __init__(self, endpoints: str, *, timeout_s: float = PROBE_TIMEOUT_S,
+                 security: EtcdSecurity | None = None) -> None:
+        hosts, secure = parse_endpoints(endpoints, security)
+        self._target = _etcd_target(hosts)
+        # https: etcd's certificate is checked against the first host's name
+        # (an "ipv4:" list target names no single host). etcd does not check
+        # permissions on lease renewals: the stream needs TLS, not a token.
+        self._credentials = security.channel_credentials() if secure and security else None
+        self._options = [("grpc.ssl_target_name_override", hosts[0][0])] if secure else []
         self._timeout_s = timeout_s
         self._channel: grpc.aio.Channel | None = None
         self._requests: asyncio.Queue[int] | None = None
@@ -67,7 +73,9 @@ class LeaseRenewer:
 
     def _open(self) -> None:
         if self._channel is None:
-            self._channel = grpc.aio.insecure_channel(self._target)
+            self._channel = (grpc.aio.insecure_channel(self._target) if self._credentials is None
+                             else grpc.aio.secure_channel(self._target, self._credentials,
+                                                          options=self._options))
         queue: asyncio.Queue[int] = asyncio.Queue()
         call = etcdrpc.LeaseStub(self._channel).LeaseKeepAlive(self._lines(queue))
         self._requests = queue

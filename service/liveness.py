@@ -29,7 +29,7 @@ from typing import Any
 
 from springback.service import keys
 from springback.client.errors import StoreUnavailable
-from springback.service.store import Store
+from springback.service.store import EtcdSecurity, Store
 
 log = logging.getLogger(__name__)
 
@@ -46,9 +46,9 @@ class EtcdReachability:
     """Whether this replica can reach etcd, and the short-deadline store that
     liveness calls use. Thread-safe; `start` once, `close` once."""
 
-    def __init__(self, endpoints: str, *,
-                 on_change: Callable[[bool], None] | None = None) -> None:
-        self.store = Store(endpoints, timeout_s=PROBE_TIMEOUT_S)
+    def __init__(self, endpoints: str, *, on_change: Callable[[bool], None] | None = None,
+                 security: EtcdSecurity | None = None) -> None:
+        self.store = Store(endpoints, timeout_s=PROBE_TIMEOUT_S, security=security)
         self._on_change = on_change
         self._last_ok = time.monotonic()
         self._reachable = True

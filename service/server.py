@@ -53,7 +53,7 @@ from springback.service.liveness import EtcdReachability
 from springback.service.planboard import PlanBoard
 from springback.service.planstreams import PlanStreams
 from springback.service.servicers import JobServicer, WorkerServicer
-from springback.service.store import Store
+from springback.service.store import EtcdSecurity, Store, parse_endpoints
 from springback.service.streamnotes import StreamNotes
 from springback.v1 import job_service_pb2, job_service_pb2_grpc, worker_service_pb2
 from springback.v1 import worker_service_pb2_grpc
@@ -64,7 +64,9 @@ log = logging.getLogger(__name__)
 @dataclass(kw_only=True)
 class CoordinatorConfig:
     etcd: str
-    """etcd endpoints, comma-separated (http://HOST:PORT,…)."""
+    """etcd endpoints, comma-separated (http://HOST:PORT,… or https://…)."""
+    etcd_security: EtcdSecurity | None = None
+    """TLS files and user/password for etcd (https:// endpoints need its CA)."""
     listen: str = "127.0.0.1:7070"
     """gRPC listen address; port 0 picks a free port."""
     advertise: str | None = None
@@ -111,6 +113,7 @@ class CoordinatorConfig:
     def __post_init__(self) -> None:
         if not self.etcd:
             raise ValueError("etcd: at least one endpoint is required")
+        parse_endpoints(self.etcd, self.etcd_security)  # InvalidArgument("etcd", …)
         host, _, port = self.listen.rpartition(":")
         if not host or not port.isdigit():
             raise ValueError(f"listen: {self.listen!r} is not HOST:PORT")
@@ -262,7 +265,7 @@ class CoordinatorServer:
 
     def __init__(self, config: CoordinatorConfig) -> None:
         self.config = config
-        self.store = Store(config.etcd)
+        self.store = Store(config.etcd, timeout_s=5.0, security=config.etcd_security)
         # The advertised address is known once the port is bound (below).
         self.election = Election(self.store, "", ttl_s=config.leader_ttl_s,
                                  on_elected=self._on_leadership, on_lost=self._on_leadership)
@@ -295,9 +298,10 @@ class CoordinatorServer:
             progress_flush_s=config.progress_flush_s,
         )
         self.board = PlanBoard(self.store, self._loop.loop)
-        self.liveness = EtcdReachability(config.etcd, on_change=lambda _: self._update_health())
+        self.liveness = EtcdReachability(config.etcd, on_change=lambda _: self._update_health(),
+                                          security=config.etcd_security)
         self.plan_streams = PlanStreams(self.store, self.board, self.liveness)
-        self.renewer = LeaseRenewer(config.etcd)
+        self.renewer = LeaseRenewer(config.etcd, security=config.etcd_security)
         heartbeats = Heartbeats(self.coordinator, self.board, self.renewer, self.liveness)
         self.stream_notes = StreamNotes(
             self.election, PeerLossEvidence(self.coordinator), token=config.token,

@@ -4,12 +4,25 @@ Every call has the client's deadline (``timeout_s``). Connection failures and
 timeouts raise `StoreUnavailable` (the caller may retry: reads are idempotent,
 and every write here is a compare-and-swap that either fully applied or did
 not apply at all). The client reconnects by itself when etcd comes back.
+
+etcd behind TLS and its own auth (`EtcdSecurity`): ``https://`` endpoints
+are verified against a CA and may present a client certificate; with a user,
+the client authenticates for a token, lazily (a Store made while etcd is down
+works once it is back) and again whenever etcd rejects the token (a simple
+token dies with an etcd restart, or after ``--auth-token-ttl`` unused): such a
+call was refused before it applied anything, so it is retried once with the
+new token. A refused password or a denied key raises `StoreDenied` (a
+`StoreUnavailable`: nothing was applied; retrying will not help until the
+operator fixes the user or its role). Bad settings raise `InvalidArgument`
+("etcd") before any connection is made.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
+import threading
 import types
 from collections.abc import Callable
 from typing import Any, NamedTuple, TypeVar
@@ -20,6 +33,8 @@ import etcd3.exceptions
 import etcd3.watch
 import grpc
 from google.protobuf.message import Message
+
+from etcd3 import etcdrpc
 
 from springback.client.errors import InvalidArgument, StoreUnavailable
 
@@ -37,24 +52,129 @@ if not hasattr(etcd3.watch, "six"):
 
 def _parse_endpoint(url: str) -> tuple[str, int]:
     parsed = urlparse(url if "://" in url else f"http://{url}")
+    if parsed.scheme not in ("http", "https"):
+        raise InvalidArgument("etcd", f"endpoint {url!r}: scheme {parsed.scheme!r} is not "
+                              "http or https")
     if not parsed.hostname or not parsed.port:
-        raise InvalidArgument("etcd", f"endpoint {url!r} is not http://HOST:PORT")
+        raise InvalidArgument("etcd", f"endpoint {url!r} is not http(s)://HOST:PORT")
     return parsed.hostname, parsed.port
+
+
+class StoreDenied(StoreUnavailable):
+    """etcd refused this client: its password, or its role's access to a key.
+    Nothing was applied; a retry fails the same way until the operator fixes
+    the etcd user or role."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EtcdSecurity:
+    """How to reach an etcd behind TLS and its own auth (all optional)."""
+
+    ca_file: str | None = None
+    """PEM CA bundle that signed etcd's server certificate (required with https://)."""
+    cert_file: str | None = None
+    """PEM client certificate, for an etcd started with ``--client-cert-auth``."""
+    key_file: str | None = None
+    """PEM private key of `cert_file` (both or neither)."""
+    user: str | None = None
+    """etcd user to authenticate as (its role decides which keys it may use)."""
+    password: str | None = dataclasses.field(default=None, repr=False)
+    """That user's password (required with `user`; never logged)."""
+
+    def __post_init__(self) -> None:
+        if (self.cert_file is None) != (self.key_file is None):
+            raise InvalidArgument("etcd", "cert_file and key_file (--etcd-cert, --etcd-key) "
+                                  "go together: give both or neither")
+        if (self.user is None) != (self.password is None):
+            raise InvalidArgument("etcd", "user and password (--etcd-user, --etcd-password-file) "
+                                  "go together: give both or neither")
+        if self.user == "":
+            raise InvalidArgument("etcd", "user (--etcd-user) is empty")
+
+    @property
+    def uses_tls(self) -> bool:
+        return self.ca_file is not None or self.cert_file is not None
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        """TLS credentials from the files; `InvalidArgument` naming a file that
+        cannot be read."""
+        def read(name: str, path: str | None) -> bytes | None:
+            if path is None:
+                return None
+            try:
+                with open(path, "rb") as f:
+                    return f.read()
+            except OSError as e:
+                raise InvalidArgument("etcd", f"{name} {path!r} cannot be read: "
+                                      f"{e.strerror or e}") from None
+
+        return grpc.ssl_channel_credentials(read("ca_file", self.ca_file),
+                                            read("key_file", self.key_file),
+                                            read("cert_file", self.cert_file))
+
+
+def parse_endpoints(endpoints: str, security: EtcdSecurity | None) -> tuple[list[tuple[str, int]], bool]:
+    """(host, port) of each comma-separated endpoint, and whether they use TLS.
+    `InvalidArgument` ("etcd") for no endpoint, a scheme other than http/https,
+    a mix of both, https without a CA, TLS files or a password over http."""
+    urls = [u.strip() for u in endpoints.split(",") if u.strip()]
+    if not urls:
+        raise InvalidArgument("etcd", "no endpoint given")
+    hosts = [_parse_endpoint(u) for u in urls]
+    schemes = {urlparse(u).scheme if "://" in u else "http" for u in urls}
+    if len(schemes) > 1:
+        raise InvalidArgument("etcd", f"endpoints {endpoints!r} mix http:// and https://")
+    secure = schemes == {"https"}
+    security = security or EtcdSecurity()
+    if secure and security.ca_file is None:
+        raise InvalidArgument("etcd", "https:// endpoints need ca_file (--etcd-ca), the CA "
+                              "that signed etcd's certificate")
+    if not secure and security.uses_tls:
+        raise InvalidArgument("etcd", "ca_file/cert_file/key_file (--etcd-ca, --etcd-cert, "
+                              "--etcd-key) are given but the endpoints are http://: use https://")
+    if not secure and security.user is not None:
+        raise InvalidArgument("etcd", "user (--etcd-user) over http:// would send the password "
+                              "in clear text: use https:// endpoints")
+    return hosts, secure
+
+
+def _token_rejected(error: grpc.RpcError) -> bool:
+    """etcd no longer knows this client's token (it restarted, the token
+    expired, or the auth store changed): the call was refused unapplied."""
+    code = error.code() if callable(getattr(error, "code", None)) else None
+    details = (error.details() if callable(getattr(error, "details", None)) else "") or ""
+    return code == grpc.StatusCode.UNAUTHENTICATED or "auth store is old" in details
+
+
+def _store_error(error: grpc.RpcError) -> StoreUnavailable:
+    code = error.code() if callable(getattr(error, "code", None)) else None
+    if code in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED):
+        return StoreDenied(f"etcd refused this client ({code.name}): {error.details()}")
+    return StoreUnavailable(f"etcd unavailable: {type(error).__name__}: {error}")
 
 
 def _translate(fn: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return fn(*args, **kwargs)
-        except (
-            etcd3.exceptions.ConnectionFailedError,
-            etcd3.exceptions.ConnectionTimeoutError,
-            etcd3.exceptions.InternalServerError,
-            etcd3.exceptions.NoServerAvailableError,
-            grpc.RpcError,
-        ) as e:
-            raise StoreUnavailable(f"etcd unavailable: {type(e).__name__}: {e}") from e
+    def wrapper(self: Store, *args: Any, **kwargs: Any) -> Any:
+        for attempt in (1, 2):
+            token = self._token
+            try:
+                if self._security.user is not None and token is None:
+                    token = self._authenticate(None)
+                return fn(self, *args, **kwargs)
+            except grpc.RpcError as e:
+                if attempt == 1 and self._security.user is not None and _token_rejected(e):
+                    self._authenticate(token)  # and retry: nothing was applied
+                    continue
+                raise _store_error(e) from e
+            except (
+                etcd3.exceptions.ConnectionFailedError,
+                etcd3.exceptions.ConnectionTimeoutError,
+                etcd3.exceptions.InternalServerError,
+                etcd3.exceptions.NoServerAvailableError,
+            ) as e:
+                raise StoreUnavailable(f"etcd unavailable: {type(e).__name__}: {e}") from e
+        raise AssertionError("unreachable")
 
     return wrapper
 
@@ -70,23 +190,60 @@ class Entry(NamedTuple):
 
 
 class Store:
-    """One etcd client; thread-safe (the underlying gRPC channel is)."""
+    """One etcd client; thread-safe (the underlying gRPC channel is).
 
-    def __init__(self, endpoints: str, *, timeout_s: float = 5.0) -> None:
-        urls = [u.strip() for u in endpoints.split(",") if u.strip()]
-        if not urls:
-            raise InvalidArgument("etcd", "no endpoint given")
-        hosts = [_parse_endpoint(u) for u in urls]
+    `InvalidArgument` ("etcd") for bad endpoints or `security` (see
+    `parse_endpoints`, `EtcdSecurity`); nothing connects before the first call.
+    """
+
+    def __init__(self, endpoints: str, *, timeout_s: float = 5.0,
+                 security: EtcdSecurity | None = None) -> None:
+        hosts, secure = parse_endpoints(endpoints, security)
+        self._security = security or EtcdSecurity()
+        creds = self._security.channel_credentials() if secure else None
         # A failed endpoint is retried after `time_retry` seconds; the etcd3
         # default (300 s) would turn a short etcd restart into a 5-minute outage.
         retry_s = 0.0 if len(hosts) == 1 else 1.0
+        # user/password are not handed to the etcd3 client: it would
+        # authenticate once, in its constructor (failing while etcd is down),
+        # and never again once etcd forgot the token.
         self._client = etcd3.MultiEndpointEtcd3Client(
-            endpoints=[etcd3.Endpoint(h, p, secure=False, time_retry=retry_s) for h, p in hosts],
+            endpoints=[etcd3.Endpoint(h, p, secure=secure, creds=creds, time_retry=retry_s)
+                       for h, p in hosts],
             timeout=timeout_s,
             failover=True,
         )
+        self._timeout_s = timeout_s
+        self._token: str | None = None
+        self._auth_lock = threading.Lock()
         self.endpoints = endpoints
+        self.security = security
         self.txn = self._client.transactions
+
+    def _authenticate(self, stale: str | None) -> str:
+        """A fresh token (unless another thread already replaced `stale`),
+        used by every later call and watch stream. `StoreDenied` when etcd
+        refuses the user or password, `StoreUnavailable` when unreachable."""
+        with self._auth_lock:
+            if self._token is not None and self._token != stale:
+                return self._token
+            request = etcdrpc.AuthenticateRequest(name=self._security.user,
+                                                  password=self._security.password)
+            try:
+                token = self._client.authstub.Authenticate(request, self._timeout_s).token
+            except grpc.RpcError as e:
+                if e.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION):
+                    raise StoreDenied(f"etcd refused user {self._security.user!r}: "
+                                      f"{e.details()}") from e
+                if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    self._client.endpoint_in_use.fail()  # as the client does: try the next one
+                raise StoreUnavailable(f"etcd unavailable: authenticating: {e.details()}") from e
+            self._client.metadata = (("token", token),)
+            watcher = self._client._stubs.get("watcher")
+            if watcher is not None:  # its next stream (a broken one is reopened) uses it
+                watcher._metadata = self._client.metadata
+            self._token = token
+            return token
 
     def close(self) -> None:
         self._client.close()

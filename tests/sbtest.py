@@ -12,7 +12,7 @@ import signal
 import subprocess
 import sys
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 from springback.client.polling import wait_until
@@ -48,12 +48,15 @@ def wait_for(predicate: Callable[[], T], timeout_s: float, what: str, interval_s
 class CoordinatorProcess:
     """A `springback coordinator` subprocess on a free loopback port."""
 
-    def __init__(self, etcd_endpoint: str, *extra: str, log_path: str | None = None) -> None:
+    def __init__(self, etcd_endpoint: str, *extra: str, log_path: str | None = None,
+                 etcd_flags: Sequence[str] = ()) -> None:
+        """`etcd_flags`: how it reaches a secured etcd (``--etcd-ca`` …, e.g. an
+        `EtcdServer`'s ``coordinator_flags()``)."""
         self.log_path = log_path
         self._log = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115
         self.process = subprocess.Popen(
             [sys.executable, "-m", "springback.cli", "--json", "coordinator",
-             "--etcd", etcd_endpoint, "--listen", "127.0.0.1:0", *extra],
+             "--etcd", etcd_endpoint, *etcd_flags, "--listen", "127.0.0.1:0", *extra],
             stdout=subprocess.PIPE, stderr=self._log, start_new_session=True,
             env={**os.environ, "SPRINGBACK_LOG_LEVEL": "INFO"},
         )

@@ -1,4 +1,9 @@
-"""Replicas, leader failover and etcd restarts: nothing lost, nothing issued twice."""
+"""Replicas, leader failover and etcd restarts: nothing lost, nothing issued twice.
+
+Against an etcd as production runs it: https:// with client certificates and
+etcd's auth (user ``springback`` limited to /springback/); the `etcd`,
+`start_coordinator` and `spawn_coordinator` fixtures are overridden here.
+"""
 
 from __future__ import annotations
 
@@ -13,7 +18,7 @@ from springback.service import keys
 from springback.service.election import Election
 from springback.service.interceptors import LeaderForwarding
 from springback.client.api import ApiError, Client
-from springback.service.store import Store
+from springback.cli.local import EtcdServer
 from springback.v1 import types_pb2 as pb
 from springback.v1 import worker_service_pb2 as ws
 from springback.v1 import worker_service_pb2_grpc as ws_grpc
@@ -21,8 +26,23 @@ from springback.v1 import worker_service_pb2_grpc as ws_grpc
 pytestmark = pytest.mark.timeout(90)
 
 
-def leader_of(etcd_endpoint: str) -> str | None:
-    store = Store(etcd_endpoint)
+@pytest.fixture
+def etcd(secure_etcd: EtcdServer) -> EtcdServer:
+    return secure_etcd
+
+
+@pytest.fixture
+def start_coordinator(start_coordinator, etcd: EtcdServer):
+    return lambda **config: start_coordinator(**{"etcd_security": etcd.client_security, **config})
+
+
+@pytest.fixture
+def spawn_coordinator(spawn_coordinator, etcd: EtcdServer):
+    return lambda *extra: spawn_coordinator(*etcd.coordinator_flags(), *extra)
+
+
+def leader_of(etcd: EtcdServer) -> str | None:
+    store = etcd.store()
     try:
         entry = store.get(keys.LEADER)
         return entry.value.decode() if entry else None
@@ -33,8 +53,8 @@ def leader_of(etcd_endpoint: str) -> str | None:
 class TestLeaderFailover:
     def test_killing_the_leader_mid_traffic_loses_nothing(self, etcd, spawn_coordinator, make_spec):
         replicas = [spawn_coordinator(), spawn_coordinator()]
-        wait_for(lambda: leader_of(etcd.endpoint), 15, "a leader to be elected")
-        leader = next(r for r in replicas if r.address == leader_of(etcd.endpoint))
+        wait_for(lambda: leader_of(etcd), 15, "a leader to be elected")
+        leader = next(r for r in replicas if r.address == leader_of(etcd))
         follower = next(r for r in replicas if r is not leader)
         client = Client([r.address for r in replicas], timeout_s=5)
         workers = ws_grpc.WorkerServiceStub(grpc.insecure_channel(follower.address))
@@ -77,7 +97,7 @@ class TestLeaderFailover:
         try:
             wait_for(lambda: len(created) > 5, 10, "traffic through the leader")
             leader.kill()
-            wait_for(lambda: leader_of(etcd.endpoint) == follower.address, 15,
+            wait_for(lambda: leader_of(etcd) == follower.address, 15,
                      "the follower to take over")
             served = len(created)
             wait_for(lambda: len(created) > served + 5, 15, "calls served by the new leader")
@@ -102,8 +122,8 @@ class TestLeaderFailover:
 
     def test_a_follower_forwards_every_call_to_the_leader(self, etcd, spawn_coordinator, make_spec):
         replicas = [spawn_coordinator(), spawn_coordinator()]
-        wait_for(lambda: leader_of(etcd.endpoint), 15, "a leader to be elected")
-        follower = next(r for r in replicas if r.address != leader_of(etcd.endpoint))
+        wait_for(lambda: leader_of(etcd), 15, "a leader to be elected")
+        follower = next(r for r in replicas if r.address != leader_of(etcd))
         with Client(follower.address) as client:
             job = client.create_job(make_spec())
             assert client.get_job(job.id).id == job.id
@@ -132,7 +152,7 @@ class TestEtcdRestart:
 
 class TestCallsDuringAnElection:
     def test_a_call_that_finds_no_leader_waits_for_the_election_instead_of_failing(self, etcd):
-        store = Store(etcd.endpoint)
+        store = etcd.store()
         follower = Election(store, "127.0.0.1:1")  # never started: it never campaigns
         pool = futures.ThreadPoolExecutor(max_workers=1)
         forwarding = LeaderForwarding(follower, pool)
@@ -160,7 +180,7 @@ class TestCallsDuringAnElection:
             store.close()
 
     def test_with_no_leader_elected_a_call_fails_unavailable_once_its_wait_is_over(self, etcd):
-        store = Store(etcd.endpoint)
+        store = etcd.store()
         pool = futures.ThreadPoolExecutor(max_workers=1)
         forwarding = LeaderForwarding(Election(store, "127.0.0.1:1"), pool)
         try:
