@@ -117,7 +117,7 @@ class TestDrain:
                                         "aws-spot-notice"])
     def test_a_drained_worker_leaves_and_no_step_is_lost_or_redone(self, cluster, notice):
         # With SIGTERM, b exits with the status a Kubernetes Job's pod failure
-        # policy ignores (deploy/kubernetes/workers.yaml); by default 0.
+        # policy ignores (deploy/kubernetes/base/workers.yaml); by default 0.
         drained_status = 143 if notice == "sigterm" else 0
         metadata = {n: MetadataServer("aws") for n in ("a", "b", "c")}  # each node's own
         try:
