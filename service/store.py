@@ -55,7 +55,7 @@ def _parse_endpoint(url: str) -> tuple[str, int]:
     if parsed.scheme not in ("http", "https"):
         raise InvalidArgument("etcd", f"endpoint {url!r}: scheme {parsed.scheme!r} is not "
                               "http or https")
-    if not parsed.hostname or not parsed.port:
+    if not parsed.hostname or parsed.port is None:
         raise InvalidArgument("etcd", f"endpoint {url!r} is not http(s)://HOST:PORT")
     return parsed.hostname, parsed.port
 
