@@ -19,7 +19,7 @@ the leader replica is SIGKILLed halfway through it). Prints, for each N:
 * the load average (other work on the machine shows there).
 
 Usage: python bench/agent_scale.py [--agents 1000,3000] [--clients 4]
-    [--liveness-timeout-s 10] [--steady-s 0 (= 3 liveness timeouts)]
+    [--liveness-timeout-s 10] [--join-rate-per-s 0 (= all at once)] [--steady-s 0 (= 3 liveness timeouts)]
     [--leader-kill] [--repeat 1] [--coordinator-arg=--some-flag=value ...]
 """
 
@@ -45,8 +45,8 @@ from springback.service.store import Store  # noqa: E402
 
 
 def _client(addresses: list[str], job_id: str, n: int, total: int, settle_s: float,
-            window: mp.Event, over: mp.Event, out: mp.Queue) -> None:
-    fleet = SimFleet(addresses, job_id, n).start()
+            join_rate_per_s: float | None, window: mp.Event, over: mp.Event, out: mp.Queue) -> None:
+    fleet = SimFleet(addresses, job_id, n, join_rate_per_s=join_rate_per_s).start()
     deadline = time.monotonic() + settle_s
     while time.monotonic() < deadline and fleet.num_holding(total) < n:
         time.sleep(0.05)
@@ -112,9 +112,10 @@ def run(n: int, args: argparse.Namespace) -> None:
                 rss0 = sum(_rss_mb(pid) for pid in pids)  # idle replicas: the baseline
                 out: mp.Queue = mp.Queue()
                 window, over = mp.Event(), mp.Event()
+                rate = args.join_rate_per_s / args.clients if args.join_rate_per_s else None
                 per = [n // args.clients + (i < n % args.clients) for i in range(args.clients)]
                 procs = [mp.Process(target=_client, args=(addresses, job.id, k, n, args.settle_s,
-                                                          window, over, out)) for k in per]
+                                                          rate, window, over, out)) for k in per]
                 for p in procs:
                     p.start()
                 settled = [out.get(timeout=args.settle_s + 60) for _ in procs]
@@ -178,7 +179,8 @@ def _report(n: int, args: argparse.Namespace, settled: list[dict], results: list
     kill = (f"; leader killed mid-window: {'no expiry' if not expired else f'{expired} EXPIRED'}, "
             f"generation {'unchanged' if not window_generations else f'+{window_generations} CHANGED'}"
             if killed else "")
-    print(f"N={n} liveness {args.liveness_timeout_s:g} s {' '.join(args.coordinator_arg)}: "
+    joining = f"{args.join_rate_per_s:g} joins/s" if args.join_rate_per_s else "joins at once"
+    print(f"N={n} liveness {args.liveness_timeout_s:g} s, {joining} {' '.join(args.coordinator_arg)}: "
           f"one plan holding all {held_s} after the last join; "
           f"join p50 {_pct(joins, 50):.2f} s p99 {_pct(joins, 99):.2f} s; "
           f"window {elapsed:.0f} s: {len(beats)} heartbeats ({len(beats) / elapsed:.0f}/s) "
@@ -205,6 +207,8 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=4)
     parser.add_argument("--settle-s", type=float, default=300.0,
                         help="longest wait for one plan holding all N")
+    parser.add_argument("--join-rate-per-s", type=float, default=0.0,
+                        help="agents joining per second, all clients together (0: all at once)")
     parser.add_argument("--liveness-timeout-s", type=float, default=10.0)
     parser.add_argument("--steady-s", type=float, default=0.0,
                         help="steady window; at least 3 liveness timeouts")

@@ -2,9 +2,9 @@
 
 `SimMember` joins with a join token over a `springback.client.channel`
 channel (the agent's: round-robin, health-checked, retrying idempotent calls)
-and heartbeats on its own thread with the agent's cadence and deadline
-(every liveness/4, deadline at least 1 s), counting every outcome, so fault
-tests can assert how liveness fared. `SimFleet` drives thousands of members
+and heartbeats on its own thread with the agent's cadence and deadline (at
+the interval the coordinator names last, deadline at least 1 s), counting
+every outcome, so fault tests can assert how liveness fared. `SimFleet` drives thousands of members
 of one or many jobs from one process at little CPU each, for scale tests and
 `bench/agent_scale.py`. Real gRPC, real coordinator, real etcd.
 """
@@ -82,8 +82,10 @@ class SimMember:
         request = ws.HeartbeatRequest(job_id=self.job_id, member_id=self.id)
         while not self._stop.wait(self.interval_s):
             try:
-                self.stub.Heartbeat(request, timeout=max(self.interval_s, 1.0))
+                response = self.stub.Heartbeat(request, timeout=max(self.interval_s, 1.0))
                 self.num_ok += 1
+                if response.HasField("heartbeat_interval"):  # the newest interval told wins
+                    self.interval_s = response.heartbeat_interval.ToTimedelta().total_seconds()
             except grpc.RpcError as e:
                 self.failures[e.code().name] += 1
 
@@ -154,7 +156,7 @@ TICK_S = 0.02  # the scheduler's longest sleep: heartbeats go out at most this l
 class SimFleet:
     """Members of one or more jobs driven on one asyncio loop (a thread of
     its own) over a few `grpc.aio` channels, the way agents drive them:
-    JoinJob with a token (retried with the same token on UNAVAILABLE,
+    JoinJob with a token (all at once, or `join_rate_per_s` a second; retried with the same token on UNAVAILABLE,
     DEADLINE_EXCEEDED and RESOURCE_EXHAUSTED for `JOIN_DEADLINE_S`), a WatchPlans stream (reconnected with jittered
     backoff on any error) and heartbeats at the interval the coordinator
     names (JoinJobResponse's, then the newest HeartbeatResponse's that sets
@@ -173,8 +175,10 @@ class SimFleet:
     `expired`. Counters are written on the loop thread and read from others
     (snapshots by `list(...)`, good enough for tests that poll)."""
 
-    def __init__(self, addresses: list[str], job_id: str, n: int, *, num_channels: int = 4) -> None:
+    def __init__(self, addresses: list[str], job_id: str, n: int, *, num_channels: int = 4,
+                 join_rate_per_s: float | None = None) -> None:
         self._init(addresses, {job_id: n}, num_channels)
+        self._join_rate_per_s = join_rate_per_s
 
     @classmethod
     def many(cls, addresses: list[str], jobs: dict[str, int], *, num_channels: int = 4) -> SimFleet:
@@ -188,6 +192,7 @@ class SimFleet:
         self.job_id = next(iter(jobs))
         self.n = sum(jobs.values())
         self._num_channels = num_channels
+        self._join_rate_per_s: float | None = None  # None: all join at once (a storm)
         self.join_s: list[float] = []
         self.heartbeat_s: list[float] = []
         self.failures: Counter[str] = Counter()  # "call:CODE" -> count
@@ -232,6 +237,8 @@ class SimFleet:
         self._tasks += [asyncio.ensure_future(self._member(i)) for i in range(self.n)]
 
     async def _member(self, i: int) -> None:
+        if self._join_rate_per_s:
+            await asyncio.sleep(i / self._join_rate_per_s)
         job_id = self._job[i]
         request = ws.JoinJobRequest(job_id=job_id, host="127.0.0.1", rendezvous_port=10000 + i % 50000,
                                     num_local_ranks=1, join_token=uuid.uuid4().hex)
