@@ -60,6 +60,13 @@ def node_of_rank(plan: pb.Plan, rank: int) -> int | None:
     return i
 
 
+def member_of_rank(plan: pb.Plan, rank: int) -> str | None:
+    """The member whose node runs global `rank` in a whole plan (the
+    coordinator's: a slice names no other member), or None."""
+    return next((m.member_id for m in plan.members
+                 if m.first_rank <= rank < m.first_rank + m.num_local_ranks), None)
+
+
 def own_entry(plan: pb.Plan, member_id: str) -> pb.PlanMember | None:
     """`member_id`'s entry (its node's place) in a plan or its slice."""
     return next((m for m in plan.members if m.member_id == member_id), None)

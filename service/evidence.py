@@ -63,6 +63,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from springback.client import plans
 from springback.service import fencing, keys
 from springback.service.coordinator import Coordinator
 from springback.client.errors import FailedPrecondition, SpringbackError
@@ -148,10 +149,7 @@ class PeerLossEvidence:
         coordinator.require_leader()
         fencing.report_fence(coordinator, job_id, reporter, generation)
         plan = coordinator.current_plan(job_id)
-        lost_member_id = next(
-            (m.member_id for m in plan.members
-             if m.first_rank <= lost_rank < m.first_rank + m.num_local_ranks),
-            None) if plan is not None else None
+        lost_member_id = plans.member_of_rank(plan, lost_rank) if plan is not None else None
         if lost_member_id is None or lost_member_id == reporter:
             raise FailedPrecondition(
                 f"job {job_id}: lost_rank {lost_rank} is not a peer of "

@@ -54,8 +54,8 @@ def skeleton_of(plan: pb.Plan, digest: bytes) -> pb.Plan:
     and the whole plan's `digest`."""
     part = pb.Plan()
     part.CopyFrom(plan)
+    plans.set_nodes(part)
     del part.members[:], part.spares[:]
-    part.nodes.extend(plans.runs_of(m.num_local_ranks for m in plan.members))
     part.num_spares = len(plan.spares)
     part.digest = digest
     if len(part.reason) > REASON_SENT:  # a join storm's reason names every joiner
