@@ -25,6 +25,7 @@ from rich.text import Text
 
 from springback import __version__
 from springback.service import logs
+from springback.service.pacing import DEFAULT_BUDGET_PER_S
 from springback.client.channel import ENV_COORDINATOR, ENV_TOKEN
 from springback.cli.history import add_job_commands, history_if_finished
 from springback.client.summary import job_summary
@@ -184,6 +185,7 @@ def _coordinator_command(args: argparse.Namespace) -> int:
         etcd=args.etcd, etcd_security=_etcd_security(args), listen=args.listen, advertise=args.advertise, token=args.token,
         tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
         liveness_timeout_s=args.liveness_timeout_s, leader_ttl_s=args.leader_ttl_s,
+        heartbeat_budget_per_s=args.heartbeat_budget_per_s,
         metrics_listen=args.metrics_listen, drain_s=args.drain_s, insecure=args.insecure,
         viewer_token=args.viewer_token, tls_roles=args.tls_roles,
         metrics_tls_cert=args.metrics_tls_cert, metrics_tls_key=args.metrics_tls_key,
@@ -289,6 +291,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="map client certificates to roles: CN=<name>:<role> or "
                             "SAN=<name>:<role> lines (operator, viewer, replica)")
     coord.add_argument("--liveness-timeout-s", type=float, default=5.0)
+    coord.add_argument("--heartbeat-budget-per-s", type=float, default=DEFAULT_BUDGET_PER_S,
+                       help="heartbeats per second this replica aims to serve: members are told "
+                            "a longer interval as they grow, up to half the liveness timeout "
+                            f"(default {DEFAULT_BUDGET_PER_S:g})")
     coord.add_argument("--leader-ttl-s", type=int, default=3)
     coord.add_argument("--metrics-listen", help="HOST:PORT for Prometheus /metrics")
     coord.add_argument("--metrics-tls-cert", metavar="FILE",

@@ -7,7 +7,8 @@ etcd call: `LeaseRenewer` keeps one LeaseKeepAlive stream to etcd per
 replica and sends each renewal on it (renewals of one lease already in flight
 are shared), and the generation in the answer comes from the replica's plan
 board (memory). A lease renewal is not a key write: it adds no etcd revision,
-so etcd's writes stay O(membership changes).
+so etcd's writes stay O(membership changes). Each answer names the interval
+the member should keep (`pacing`: longer as this replica's members grow).
 
 Failure semantics: a renewal not answered within ``PROBE_TIMEOUT_S`` fails
 the heartbeat with UNAVAILABLE, in time for the agent's channel to retry on
@@ -32,6 +33,7 @@ from etcd3 import etcdrpc
 from springback.service.coordinator import Coordinator
 from springback.client.errors import NotFound, StoreUnavailable
 from springback.service.liveness import PROBE_TIMEOUT_S, EtcdReachability
+from springback.service.pacing import HeartbeatPacer
 from springback.service.planboard import PlanBoard
 from springback.service.store import EtcdSecurity, parse_endpoints
 
@@ -140,8 +142,10 @@ class Heartbeats:
     """The Heartbeat call on one replica (module docstring); loop-only."""
 
     def __init__(self, coordinator: Coordinator, board: PlanBoard, renewer: LeaseRenewer,
-                 liveness: EtcdReachability | None = None) -> None:
+                 liveness: EtcdReachability | None = None,
+                 pacer: HeartbeatPacer | None = None) -> None:
         self._coordinator = coordinator
+        self.pacer = pacer or HeartbeatPacer(coordinator.liveness_timeout_s)
         self._board = board
         self._renewer = renewer
         self._liveness = liveness
@@ -171,6 +175,7 @@ class Heartbeats:
             coordinator.forget_member(member_id)
             raise NotFound(
                 f"member {member_id!r} of job {job_id!r} expired: stop local ranks and join again")
+        self.pacer.seen(member_id, asyncio.get_running_loop().time())
         posted = self._board.get(job_id)
         if posted is not None:
             return posted.plan.generation

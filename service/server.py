@@ -46,6 +46,7 @@ from springback.service.election import Election
 from springback.service.evidence import PeerLossEvidence
 from springback.service.health import Health
 from springback.service.heartbeats import Heartbeats, LeaseRenewer
+from springback.service.pacing import DEFAULT_BUDGET_PER_S, HeartbeatPacer
 from springback.service.jobmetrics import JobMetrics
 from springback.service import credentials
 from springback.service.interceptors import BearerAuth, CallCounter, LeaderForwarding
@@ -88,6 +89,10 @@ class CoordinatorConfig:
     (PERMISSION_DENIED). Needs `tls_client_ca`."""
     liveness_timeout_s: float = 5.0
     """A member that has not heartbeaten for this long is failed (>= 2, etcd lease granularity)."""
+    heartbeat_budget_per_s: float = DEFAULT_BUDGET_PER_S
+    """Heartbeats per second this replica aims to serve: members are told a
+    longer interval as their number grows, up to half the liveness timeout
+    (`pacing`)."""
     leader_ttl_s: int = 3
     """Leader lease TTL: a dead leader is replaced within about this long."""
     progress_flush_s: float = 5.0
@@ -129,6 +134,9 @@ class CoordinatorConfig:
         if self.liveness_timeout_s < 2:
             raise ValueError(f"liveness_timeout_s: {self.liveness_timeout_s} is below 2 s "
                              "(etcd lease granularity)")
+        if self.heartbeat_budget_per_s <= 0:
+            raise ValueError(f"heartbeat_budget_per_s: {self.heartbeat_budget_per_s} must be "
+                             "positive")
         if self.drain_s < 0:
             raise ValueError(f"drain_s: {self.drain_s} is negative")
         if self.leader_ttl_s < 2:
@@ -302,7 +310,9 @@ class CoordinatorServer:
                                           security=config.etcd_security)
         self.plan_streams = PlanStreams(self.store, self.board, self.liveness)
         self.renewer = LeaseRenewer(config.etcd, security=config.etcd_security)
-        heartbeats = Heartbeats(self.coordinator, self.board, self.renewer, self.liveness)
+        heartbeats = Heartbeats(self.coordinator, self.board, self.renewer, self.liveness,
+                                HeartbeatPacer(config.liveness_timeout_s,
+                                               config.heartbeat_budget_per_s))
         self.stream_notes = StreamNotes(
             self.election, PeerLossEvidence(self.coordinator), token=config.token,
             window_s=lambda: self.coordinator.liveness_timeout_s)

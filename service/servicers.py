@@ -196,16 +196,18 @@ class WorkerServicer(ws_grpc.WorkerServiceServicer):
             wait = JOIN_PLAN_WAIT_S if remaining is None else min(JOIN_PLAN_WAIT_S, remaining - 0.5)
             await self.plan_streams.until_planned(request.job_id, member.id, wait)
         timeout = self.membership.liveness_timeout_s
+        interval = self.heartbeats.pacer.interval_s() if self.heartbeats else timeout / 4
         return ws.JoinJobResponse(
             member=member, liveness_timeout=_duration(timeout),
-            heartbeat_interval=_duration(timeout / 4),
+            heartbeat_interval=_duration(interval),
             member_credential=(self.issue_credential(request.job_id, member.id)
                                if self.issue_credential is not None else ""),
         )
 
     async def Heartbeat(self, request: ws.HeartbeatRequest,
                         context: grpc.aio.ServicerContext) -> ws.HeartbeatResponse:
-        """On this replica's loop, no thread (`heartbeats`)."""
+        """On this replica's loop, no thread (`heartbeats`); the answer names
+        the interval to keep (`pacing`)."""
         if self.heartbeats is None:
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, "heartbeats need the aio server")
             raise AssertionError("abort returned")
@@ -213,7 +215,8 @@ class WorkerServicer(ws_grpc.WorkerServiceServicer):
             generation = await self.heartbeats.beat(request.job_id, request.member_id)
         except SpringbackError as e:
             await context.abort(grpc_code(e), str(e))
-        return ws.HeartbeatResponse(generation=generation)
+        return ws.HeartbeatResponse(generation=generation,
+                                    heartbeat_interval=_duration(self.heartbeats.pacer.interval_s()))
 
     @_handle
     def LeaveJob(self, request: ws.LeaveJobRequest, context: grpc.ServicerContext) -> ws.LeaveJobResponse:

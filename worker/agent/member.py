@@ -32,14 +32,18 @@ class MemberLink:
         return self._alive() and not self._fenced.is_set()
 
     def keep_alive(self, interval_s: float) -> None:
-        """Heartbeats every `interval_s` until the member ends or is fenced."""
+        """Heartbeats every `interval_s`, then at the interval each answer names
+        (the coordinator paces its members), until the member ends or is fenced."""
         req = wpb.HeartbeatRequest(job_id=self._job_id, member_id=self._member_id)
         backoff = Backoff(base_s=0.1, cap_s=max(interval_s, 0.1))
         while self._current():
             wait_s = interval_s
             try:
-                self._stub.Heartbeat(req, timeout=max(interval_s, 1.0))
+                resp = self._stub.Heartbeat(req, timeout=max(interval_s, 1.0))
                 backoff.reset()
+                told = resp.heartbeat_interval.ToTimedelta().total_seconds()
+                if told > 0:
+                    interval_s = wait_s = told
             except grpc.RpcError as e:
                 if e.code() == grpc.StatusCode.NOT_FOUND:
                     log.warning("member %s expired: fenced", self._member_id)
