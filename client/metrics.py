@@ -9,7 +9,8 @@ updated on hot paths. `serve` runs a daemon HTTP server on ``HOST:PORT``
 with `prometheus_client.generate_latest`, plus any extra read-only pages (the
 coordinator's dashboard) behind an optional bearer token; a browser trades
 the token for a session (`Sessions`) once, and its cookie holds only the
-session id. Every response carries `SECURITY_HEADERS`.
+session id; ``POST /logout`` ends it (`LOGOUT_FORM`, added to the pages a
+session opened). Every response carries `SECURITY_HEADERS`.
 
 Failure semantics: a callback or collector that raises is logged and its
 family left out of that scrape (counted in ``springback_metrics_collect_errors_total``);
@@ -22,6 +23,7 @@ import hmac
 import http.cookies
 import http.server
 import logging
+import re
 import secrets
 import ssl
 import threading
@@ -42,6 +44,13 @@ SESSION_TTL_S = 12 * 3600.0
 """How long a dashboard session lasts after the login that made it."""
 MAX_SESSIONS = 10_000
 """Sessions kept at most (the oldest goes first): logins cannot grow memory."""
+LOGOUT = "/logout"
+"""``POST`` here ends the cookie's session (a GET changes nothing: 405)."""
+LOGOUT_FORM = (b"<form id='logout' method='post' action='/logout' style='float:right'>"
+               b"<button type='submit'>Log out</button></form>")
+"""The logout control, put first in the body of every HTML page served to a
+session (a form, not a link: only a POST logs out, and SameSite=Strict keeps
+the cookie off another site's POST)."""
 SECURITY_HEADERS = {
     # the pages' script is served from /live.js and their images from the
     # same origin; styles stay inline (the pages' <style> and the plots' SVG)
@@ -151,6 +160,11 @@ class Sessions:
                 return None
             return found[0]
 
+    def close(self, session_id: str) -> bool:
+        """Ends a session now (logout); False if it was not open."""
+        with self._lock:
+            return self._sessions.pop(session_id, None) is not None
+
 
 class _Server(http.server.ThreadingHTTPServer):
     """The HTTP server of `serve`; its handler reads what to serve from here."""
@@ -171,6 +185,7 @@ class _Server(http.server.ThreadingHTTPServer):
 
 class _Handler(http.server.BaseHTTPRequestHandler):
     server: _Server
+    _session = False  # this request was let in by a session cookie
     timeout = 30.0  # a client that stalls (mid-handshake too) frees its thread after this
 
     def setup(self) -> None:
@@ -182,6 +197,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         path = self.path.split("?")[0]
         if path == "/metrics":
             self._reply(200, CONTENT_TYPE_LATEST, self.server.registry.render())
+            return
+        if path == LOGOUT:  # a link or an <img> must not end a session
+            self._reply(405, "text/plain", b"log out with POST /logout\n", {"Allow": "POST"})
             return
         handler = next((h for p, h in self.server.routes.items()
                         if path == p or path.startswith(p.rstrip("/") + "/")), None)
@@ -195,7 +213,29 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         except Exception as e:  # noqa: BLE001 (one bad page must not stop the server)
             log.exception("page %s failed", self.path)
             status, content_type, body = 500, "text/plain", f"internal error: {e}\n".encode()
+        if self._session and content_type.startswith("text/html"):
+            body = re.sub(rb"(<body[^>]*>)", lambda m: m.group(1) + LOGOUT_FORM, body, count=1)
         self._reply(status, content_type, body)
+
+    def do_POST(self) -> None:  # noqa: N802 (http.server naming)
+        """``POST /logout``: ends the cookie's session here, clears the cookie
+        and redirects to ``/`` (which asks for a login again); without a live
+        session it only clears the cookie. Any other POST is 405."""
+        given = self.headers.get("Content-Length", "0")
+        length = int(given) if given.isdigit() else -1
+        if 0 < length <= 65536:
+            self.rfile.read(length)  # the form's (empty) body, off the connection
+        if self.path.split("?")[0] != LOGOUT or not 0 <= length <= 65536:
+            self._reply(405, "text/plain", b"the dashboard is read-only\n", {"Allow": "GET"})
+            return
+        cookies = http.cookies.SimpleCookie(self.headers.get("Cookie", ""))
+        if COOKIE in cookies:
+            self.server.sessions.close(cookies[COOKIE].value)
+        self._reply(303, "text/plain", b"", {"Location": "/", "Set-Cookie": self._cookie("", 0)})
+
+    def _cookie(self, value: str, max_age: int) -> str:
+        return (f"{COOKIE}={value}; HttpOnly; SameSite=Strict; Path=/; Max-Age={max_age}"
+                + ("; Secure" if self.server.secure else ""))
 
     def _authorized(self, tokens: tuple[tuple[str, str], ...]) -> bool:
         """True for a request carrying one of the tokens, or the cookie of a
@@ -210,16 +250,15 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         split = urllib.parse.urlsplit(self.path)
         given = urllib.parse.parse_qs(split.query).get("token", [""])[0]
         if given and (role := role_of(given)) is not None:
-            cookie = (f"{COOKIE}={self.server.sessions.open(role)}; HttpOnly; SameSite=Strict; "
-                      f"Path=/; Max-Age={int(self.server.sessions.ttl_s)}")
-            self._reply(303, "text/plain", b"", {
-                "Location": split.path,
-                "Set-Cookie": cookie + ("; Secure" if self.server.secure else "")})
+            cookie = self._cookie(self.server.sessions.open(role), int(self.server.sessions.ttl_s))
+            self._reply(303, "text/plain", b"", {"Location": split.path, "Set-Cookie": cookie})
             return False
         cookies = http.cookies.SimpleCookie(self.headers.get("Cookie", ""))
         bearer = self.headers.get("Authorization", "").removeprefix("Bearer ")
-        if (bearer and role_of(bearer) is not None) or (
-                COOKIE in cookies and self.server.sessions.role(cookies[COOKIE].value)):
+        if bearer and role_of(bearer) is not None:
+            return True
+        if COOKIE in cookies and self.server.sessions.role(cookies[COOKIE].value):
+            self._session = True
             return True
         self._reply(401, "text/plain",
                     b"missing or wrong bearer token, or the session ended "
@@ -256,7 +295,10 @@ def serve(registry: Registry, listen: str, *, pages: dict[str, Page] | None = No
     server-side session (`Sessions`) and the cookie holds only its random id
     (HttpOnly, SameSite=Strict, Path=/, Secure over TLS; the reply redirects
     to the page without the token in its address). Anything else, an
-    expired session too, gets 401. `viewer_token`, when given, opens the
+    expired session too, gets 401. ``POST /logout`` ends the cookie's
+    session and clears the cookie (a GET of it is 405: logging out needs
+    the POST of `LOGOUT_FORM`, which HTML pages served to a session get at
+    the top of their body). `viewer_token`, when given, opens the
     pages too (they only read). `tls_cert` and `tls_key` (PEM files, both
     or neither) serve HTTPS; the TLS handshake runs on the request's own
     thread, so a slow client holds up no other. Raises OSError if `listen`

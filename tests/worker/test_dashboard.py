@@ -161,10 +161,6 @@ def test_over_tls_the_session_cookie_is_secure(tmp_path):
         trust = ssl.create_default_context(cafile=str(tmp_path / "c.pem"))
         base = f"https://127.0.0.1:{server.server_address[1]}"
 
-        class NoRedirect(urllib.request.HTTPRedirectHandler):
-            def redirect_request(self, *args, **kwargs):  # noqa: ANN002, ANN003
-                return None
-
         opener = urllib.request.build_opener(urllib.request.HTTPSHandler(context=trust),
                                              NoRedirect)
         with pytest.raises(urllib.error.HTTPError) as login:
@@ -180,6 +176,84 @@ def test_over_tls_the_session_cookie_is_secure(tmp_path):
     finally:
         server.shutdown()
         server.server_close()
+
+
+PAGE = b"<!doctype html><html><head><title>t</title></head><body><h1>page</h1></body></html>"
+
+
+class NoRedirect(urllib.request.HTTPRedirectHandler):
+    def redirect_request(self, *args, **kwargs):  # noqa: ANN002, ANN003
+        return None
+
+
+@pytest.fixture
+def dashboard():
+    """A bare dashboard listener (no coordinator) with one HTML page at /."""
+    from springback.client import metrics
+
+    server = metrics.serve(metrics.Registry(), "127.0.0.1:0", token=TOKEN,
+                           pages={"/": lambda path: (200, "text/html", PAGE)})
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def _call(url: str, *, method: str = "GET", cookie: str | None = None,
+          bearer: str | None = None) -> tuple[int, dict, bytes]:
+    headers = {"Cookie": f"{COOKIE}={cookie}"} if cookie else {}
+    if bearer:
+        headers["Authorization"] = f"Bearer {bearer}"
+    data = b"" if method == "POST" else None
+    request = urllib.request.Request(url, data=data, method=method, headers=headers)
+    try:
+        with urllib.request.build_opener(NoRedirect).open(request, timeout=10) as reply:
+            return reply.status, reply.headers, reply.read()
+    except urllib.error.HTTPError as refused:
+        return refused.code, refused.headers, refused.read()
+
+
+def _login(base: str) -> str:
+    code, headers, _ = _call(f"{base}/?token={TOKEN}")
+    assert code == 303
+    return headers["Set-Cookie"].split(";")[0].removeprefix(f"{COOKIE}=")
+
+
+def test_logout_ends_the_session_on_the_server_and_clears_the_cookie(dashboard):
+    from springback.client.metrics import LOGOUT_FORM
+
+    session, other = _login(dashboard), _login(dashboard)
+    code, _, page = _call(f"{dashboard}/", cookie=session)
+    assert code == 200 and LOGOUT_FORM in page  # the control, on a page a session opened
+    assert LOGOUT_FORM not in _call(f"{dashboard}/", bearer=TOKEN)[2]  # scripts log in per request
+    # a GET (a link, an <img>) logs nobody out
+    code, headers, _ = _call(f"{dashboard}/logout", cookie=session)
+    assert code == 405 and headers["Allow"] == "POST"
+    assert _call(f"{dashboard}/", cookie=session)[0] == 200
+    code, headers, _ = _call(f"{dashboard}/logout", method="POST", cookie=session)
+    assert code == 303 and headers["Location"] == "/"
+    cleared = headers["Set-Cookie"]
+    assert cleared.startswith(f"{COOKIE}=;") and "Max-Age=0" in cleared, cleared
+    assert "SameSite=Strict" in cleared and "HttpOnly" in cleared and "Path=/" in cleared
+    assert set(SECURITY_HEADERS.items()) <= set(headers.items())
+    # the old id is refused from now on, even by a client that kept it
+    assert _call(f"{dashboard}/", cookie=session)[0] == 401
+    assert _call(f"{dashboard}/live.js", cookie=session)[0] == 401
+    assert _call(f"{dashboard}/logout", method="POST", cookie=session)[0] == 303  # harmless again
+    assert _call(f"{dashboard}/", cookie=other)[0] == 200  # only that session ended
+    assert _call(f"{dashboard}/", method="POST", cookie=other)[0] == 405  # nothing else is a POST
+
+
+def test_the_logout_control_works_in_a_browser_under_the_csp(browser, dashboard):
+    from selenium.webdriver.common.by import By
+
+    browser.get(f"{dashboard}/?token={TOKEN}")
+    assert browser.find_element(By.TAG_NAME, "h1").text == "page"
+    (cookie,) = browser.get_cookies()
+    browser.find_element(By.CSS_SELECTOR, "#logout button").click()
+    wait_for(lambda: "session ended" in browser.find_element(By.TAG_NAME, "body").text, 10,
+             "the login prompt after the logout")
+    assert browser.current_url == f"{dashboard}/" and browser.get_cookies() == []
+    assert _call(f"{dashboard}/", cookie=cookie["value"])[0] == 401
 
 
 def _get_json(url: str, token: str | None = TOKEN) -> dict:
