@@ -51,7 +51,7 @@ from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemT
 from torch.distributed.checkpoint.storage import WriteResult
 
 from springback.client.polling import wait_until
-from springback.storage import compat
+from springback.storage import compat, safeload
 from springback.storage.errors import CheckpointExists, CommitTimeout, StorageError
 from springback.storage.manifest import (
     MANIFEST_NAME,
@@ -248,10 +248,7 @@ def wait_for_records(
     for r in range(world_size):
         uri = join(ckpt_uri, record_name(r))
         data = store.get_bytes(uri)
-        try:
-            record = pickle.loads(data)
-        except (pickle.UnpicklingError, EOFError, AttributeError) as exc:
-            raise StorageError(f"unreadable done-record {uri}: {exc!r}", uri=uri) from exc
+        record = _load_record_bytes(data, uri)
         if (record.rank, record.world_size) != (r, world_size):
             raise StorageError(
                 f"done-record {uri} is from rank {record.rank} of {record.world_size}, expected {r} of {world_size}",
@@ -323,7 +320,20 @@ def commit(
 
 
 def load_record(store: ObjectStore, ckpt_uri: str, rank: int) -> DoneRecord:
-    """Read one rank's done-record (used to restore RNG state)."""
-    return pickle.loads(store.get_bytes(join(ckpt_uri, record_name(rank))))
+    """Read one rank's done-record (used to restore RNG state); raises
+    :class:`StorageError` naming it when it is not a done-record."""
+    uri = join(ckpt_uri, record_name(rank))
+    return _load_record_bytes(store.get_bytes(uri), uri)
+
+
+def _load_record_bytes(data: bytes, uri: str) -> DoneRecord:
+    """A done-record read with `safeload.loads` (no code runs from storage)."""
+    try:
+        record = safeload.loads(data)
+    except (pickle.UnpicklingError, EOFError, AttributeError, ValueError) as exc:
+        raise StorageError(f"unreadable done-record {uri}: {exc}", uri=uri) from exc
+    if not isinstance(record, DoneRecord):
+        raise StorageError(f"unreadable done-record {uri}: it holds a {type(record).__name__}", uri=uri)
+    return record
 
 

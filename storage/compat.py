@@ -21,6 +21,7 @@ from typing import Any
 import fsspec
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import _validate_global_plan
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata
@@ -32,6 +33,7 @@ __all__ = [
     "StorageInfo",
     "create_write_items",
     "flatten_state_dict",
+    "set_element",
     "strip_protocol",
     "validate_global_plan",
 ]
@@ -44,6 +46,8 @@ that can unpickle them (tests/storage/test_compat.py round-trips both)."""
 
 # flatten_state_dict(state_dict) -> (flat {fqn: value}, mappings): DCP's own
 # flattening, so our fqns are the ones its planners and readers use.
+# set_element(state_dict, mappings[fqn], value): puts a flattened entry back
+# at its nested place, as DCP's default load planner does.
 
 
 def create_write_items(fqn: str, obj: Any) -> list[WriteItem]:

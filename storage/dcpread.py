@@ -10,8 +10,9 @@ Two pieces, used by `springback.storage.restore`:
   ``CheckpointException`` by pickling it, and a pickled exception loses its
   ``__cause__`` chain -- s3fs's ``OSError(EIO)`` for a 503 would arrive on the
   other ranks as a bare OSError, a permanent error. The readers also serve the
-  checkpoint's ``Metadata`` once it was read (`prime`), so DCP does not read it
-  again (its own metadata read turns any error into a bare ``AssertionError``).
+  checkpoint's ``Metadata`` once `read_metadata` read it (`prime`), so DCP
+  does not read it again: DCP's own read unpickles ``.metadata`` freely and
+  turns any error into a bare ``AssertionError``.
 * `collective_retry`: run one whole unit (reading the metadata, a whole
   ``dcp.load``) on every rank, and agree after each try, with one
   ``all_gather_object``, whether every rank succeeded, whether to try again
@@ -23,6 +24,7 @@ Two pieces, used by `springback.storage.restore`:
 from __future__ import annotations
 
 import logging
+import pickle
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -30,11 +32,13 @@ from typing import Any, TypeVar
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
-from springback.storage import compat
-from springback.storage.errors import StorageError, TransientReadError, TransientStorageError
+from springback.storage import compat, safeload
+from springback.storage.commit import DCP_METADATA_NAME
+from springback.storage.errors import CorruptCheckpoint, StorageError, TransientReadError, TransientStorageError
 from springback.storage.retry import is_transient
-from springback.storage.store import ObjectStore
+from springback.storage.store import ObjectStore, join
 
 log = logging.getLogger(__name__)
 
@@ -61,9 +65,12 @@ class _Classifying:
         self._sb_metadata = metadata
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-        if self._sb_metadata is not None and not args and not kwargs:
-            return self._sb_metadata
-        return _classified(self._sb_uri, "reading the metadata of", lambda: super(_Classifying, self).read_metadata(*args, **kwargs))  # type: ignore[misc]
+        """The primed metadata: DCP's own read would unpickle ``.metadata``
+        freely (`read_metadata` below reads it with `safeload`)."""
+        if self._sb_metadata is None or args or kwargs:
+            raise StorageError(f"the metadata of {self._sb_uri} is read by dcpread.read_metadata, "
+                               "then primed; not by DCP", uri=self._sb_uri)
+        return self._sb_metadata
 
     def read_data(self, plan: Any, planner: Any) -> Any:
         def read() -> Any:
@@ -95,6 +102,26 @@ def reader_for(ckpt_uri: str, store: ObjectStore) -> FileReader | S3Reader:
     if store.is_local:
         return FileReader(compat.strip_protocol(store.fs, ckpt_uri), uri=ckpt_uri)
     return S3Reader(ckpt_uri, **store.storage_options)
+
+
+def read_metadata(reader: FileReader | S3Reader, ckpt_uri: str, store: ObjectStore) -> Metadata:
+    """The checkpoint's DCP ``Metadata``, read from ``.metadata`` with
+    `safeload.loads` (no code runs from storage). A transient read error
+    raises `TransientReadError`; a file that is not DCP metadata raises
+    `CorruptCheckpoint` naming it."""
+    uri = join(ckpt_uri, DCP_METADATA_NAME)
+    data = _classified(ckpt_uri, "reading the metadata of", lambda: store.get_bytes(uri))
+    try:
+        metadata = safeload.loads(data)
+    except (pickle.UnpicklingError, EOFError, AttributeError, ValueError) as exc:
+        raise CorruptCheckpoint(f"unreadable DCP metadata {uri}: {exc}", uri=uri) from exc
+    if not isinstance(metadata, Metadata):
+        raise CorruptCheckpoint(f"unreadable DCP metadata {uri}: it holds a {type(metadata).__name__}",
+                                uri=uri)
+    if metadata.storage_meta is None:
+        metadata.storage_meta = StorageMeta()
+    metadata.storage_meta.load_id = reader.load_id  # what DCP's own read sets
+    return metadata
 
 
 def _group(process_group: Any) -> tuple[int, int]:

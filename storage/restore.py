@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
 
-from springback.storage import catalog, compat, dcpread
+from springback.storage import catalog, compat, dcpread, safeload
 from springback.storage.commit import load_record
 from springback.storage.errors import CheckpointMismatch, CheckpointNotFound, CorruptCheckpoint
 from springback.storage.manifest import Manifest
@@ -52,13 +52,6 @@ def _dist_group(process_group: Any) -> tuple[int, int, bool]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(process_group), dist.get_world_size(process_group), True
     return 0, 1, False
-
-
-def storage_reader(ckpt_uri: str, *, store: ObjectStore | None = None, storage_options: dict[str, Any] | None = None) -> Any:
-    """A DCP ``StorageReader`` for ``ckpt_uri`` (``FileSystemReader`` for local paths, else
-    ``FsspecReader``) that raises its transient read errors as `TransientReadError`
-    (see `springback.storage.dcpread`)."""
-    return dcpread.reader_for(ckpt_uri, store or ObjectStore(ckpt_uri, storage_options=storage_options))
 
 
 def load(
@@ -94,7 +87,8 @@ def load(
     s = store or ObjectStore(ckpt_uri, storage_options=storage_options)
     manifest = catalog.read_manifest(ckpt_uri, store=s)
     reader = dcpread.reader_for(ckpt_uri, s)
-    metadata = dcpread.collective_retry(reader.read_metadata, what="reading the metadata of", uri=ckpt_uri,
+    metadata = dcpread.collective_retry(lambda: dcpread.read_metadata(reader, ckpt_uri, s),
+                                        what="reading the metadata of", uri=ckpt_uri,
                                         store=s, process_group=process_group)
     reader.prime(metadata)  # dcp.load reads it from here, not from the store again
     saved = set(metadata.state_dict_metadata)
@@ -108,7 +102,8 @@ def load(
             "the state to restore does not match the state that was saved; nothing was loaded",
             uri=ckpt_uri)
     dcpread.collective_retry(
-        lambda: dcp.load(state_dict, storage_reader=reader, process_group=process_group),
+        lambda: dcp.load(state_dict, storage_reader=reader, planner=safeload.SafeLoadPlanner(),
+                         process_group=process_group),
         what="reading", uri=ckpt_uri, store=s, process_group=process_group)
     return manifest
 

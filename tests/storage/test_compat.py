@@ -24,6 +24,13 @@ def test_flatten_state_dict_names_nested_entries_by_dotted_path():
     assert set(flat) == {"model.w", "step"} and set(mappings) == {"model.w", "step"}
 
 
+def test_set_element_puts_a_flattened_entry_back_at_its_nested_place():
+    nested = {"model": {"w": torch.ones(2)}, "extra": {"sampler": {"epoch": 1}}}
+    _, mappings = compat.flatten_state_dict(nested)
+    compat.set_element(nested, mappings["extra.sampler.epoch"], 7)
+    assert nested["extra"]["sampler"] == {"epoch": 7}
+
+
 def test_create_write_items_gives_one_tensor_item_or_one_bytes_item():
     (tensor_item,) = compat.create_write_items("w", torch.zeros(4, 2))
     assert tensor_item.type == WriteItemType.TENSOR and tensor_item.index.fqn == "w"

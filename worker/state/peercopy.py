@@ -71,14 +71,13 @@ from springback.v1 import types_pb2 as pb
 from springback.worker.rank import rngstate
 from springback.worker.state.mesh import MeshLayout
 from springback.worker.rank.rendezvous import handed_to_gloo
+from springback.worker.state.peerobjects import all_gather_objects, broadcast_object
 from springback.worker.state.reshard import (
     NotReshardable,
     Piece,
     Box,
     Transfer,
     agree_written,
-    all_gather_objects,
-    broadcast_object,
     exchange,
     plan_transfers,
 )

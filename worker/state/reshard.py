@@ -37,7 +37,6 @@ every needed element was written (`agree_written`) before the model is used.
 
 from __future__ import annotations
 
-import io
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -289,46 +288,3 @@ def covered(transfers: list[Transfer], rank: int, targets: dict[str, Piece]) -> 
         if not (inside and disjoint and sum(map(volume, parts)) == volume(box.span)):
             short.append(key)
     return short
-
-
-def all_gather_objects(obj: object, world_size: int) -> list[object]:
-    """`obj` of every rank (pickled through torch.save; tensors registered
-    with `handed_to_gloo`, so the group can be torn down safely after)."""
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    data = torch.frombuffer(bytearray(buf.getbuffer()), dtype=torch.uint8)
-    size = torch.tensor([data.numel()], dtype=torch.int64)
-    sizes = [torch.zeros_like(size) for _ in range(world_size)]
-    dist.all_gather(sizes, size)
-    longest = int(max(s.item() for s in sizes))
-    padded = torch.zeros(longest, dtype=torch.uint8)
-    padded[:data.numel()] = data
-    gathered = [torch.empty_like(padded) for _ in range(world_size)]
-    dist.all_gather(gathered, padded)
-    handed_to_gloo(size, padded, *sizes, *gathered)
-    return [torch.load(io.BytesIO(g[:int(s.item())].numpy().tobytes()), weights_only=False)
-            for g, s in zip(gathered, sizes)]
-
-
-def broadcast_object(obj: Any, source: int, rank: int) -> Any:
-    """`obj` of rank `source`, on every rank (torch-serialised, two broadcasts);
-    unlike dist.broadcast_object_list its tensors are registered with
-    `handed_to_gloo`, so the group can be torn down safely afterwards."""
-    if rank == source:
-        buf = io.BytesIO()
-        torch.save(obj, buf)
-        data = torch.frombuffer(bytearray(buf.getbuffer()), dtype=torch.uint8)
-        size = torch.tensor([data.numel()], dtype=torch.int64)
-    else:
-        size = torch.zeros(1, dtype=torch.int64)
-    dist.broadcast(size, src=source)
-    if rank != source:
-        data = torch.empty(int(size.item()), dtype=torch.uint8)
-    dist.broadcast(data, src=source)
-    handed_to_gloo(size, data)
-    if rank == source:
-        return obj
-    # to host memory: the source's CUDA device index may not exist here;
-    # load_state_dict copies onto this rank's own device
-    return torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=False,
-                      map_location="cpu")

@@ -63,11 +63,10 @@ from springback.worker.rank.context import RankContext
 from springback.worker.state.mesh import MeshLayout, build_mesh
 from springback.worker.state.peercopy import GenerationCopies, PeerCopyStore
 from springback.worker.rank.rendezvous import handed_to_gloo, note_subgroup_endpoints
+from springback.worker.state.peerobjects import all_gather_objects, broadcast_object
 from springback.worker.state.reshard import (
     Box,
     agree_written,
-    all_gather_objects,
-    broadcast_object,
     exchange,
     plan_transfers,
 )
