@@ -50,7 +50,23 @@ CHANGE_ATTEMPTS = 5
 SETTLE_S = 0.3
 """Membership unchanged this long: the reconcile loop replans (see `Coordinator._settled`)."""
 MAX_SETTLE_S = 2.0
-"""Longest a membership change waits for the burst around it to end."""
+"""Longest a membership change waits for the burst around it to end, at
+small scale; see `STORM_SETTLE_S_PER_MEMBER`."""
+STORM_SETTLE_S_PER_MEMBER = 0.001
+"""Under a burst that does not end (a join storm), the longest wait grows by
+this much per member: a generation costs every replica O(members) (the plan
+read, planned, written, and a slice sent to each member's stream), so
+generations at most every ``members x 1 ms`` keep a storm of N joins to a few
+generations (10 s apart at 10,000 members) instead of one every
+`MAX_SETTLE_S`, each of which re-sent N slices while the joins queued. A
+burst that pauses for `SETTLE_S` is planned at once, whatever its size."""
+RECONCILE_MIN_GAP_S = 0.05
+"""Kicks (one per join) closer than this are one reconcile pass: a storm of
+joins does not re-read every job per join."""
+NAMED_IN_REASON = 20
+"""Members a reconcile's reason names per kind (admitted, lost); more are
+counted ("and 9,980 more"): a reason is stored in the plan, the job's
+status and the history event, all in one etcd transaction."""
 MEMBER_CHECK_S = 1.0
 """A step reporter's registration is read from etcd at most this often (a
 report every step would otherwise be an etcd read every step)."""
@@ -95,6 +111,13 @@ class _Measures:
 FAILURE_CHANGES = (js.CHANGE_KIND_NODE_LOST, js.CHANGE_KIND_RANK_FAILURE)
 """`ChangeKind`s that count as failures for
 the auto checkpoint interval's MTBF (a drain is planned, not a failure)."""
+
+
+def _named(member_ids: list[str]) -> str:
+    """The first `NAMED_IN_REASON` of `member_ids`, and how many more."""
+    named = ", ".join(member_ids[:NAMED_IN_REASON])
+    more = len(member_ids) - NAMED_IN_REASON
+    return f"{named} and {more:,} more" if more > 0 else named
 
 
 class Coordinator:
@@ -581,6 +604,7 @@ class Coordinator:
         while not self._stop.is_set():
             self._kick.wait(min(self.reconcile_interval_s, self.settle_s) if self._unsettled
                             else self.reconcile_interval_s)
+            self._stop.wait(RECONCILE_MIN_GAP_S)  # the kicks of a burst: one pass
             self._kick.clear()
             if self._stop.is_set() or not self.election.is_leader():
                 continue
@@ -601,14 +625,17 @@ class Coordinator:
         """Whether a job's changed membership has settled: unchanged for
         ``settle_s``, or ``max_settle_s`` since the first change not yet planned
         (a join storm or a failure burst becomes one generation, not one per
-        event). `reconcile` skips the wait for a job that is full."""
+        event), a wait that grows with the members under a burst that does
+        not pause (`STORM_SETTLE_S_PER_MEMBER`; `fingerprint[0]` counts them).
+        `reconcile` skips the wait for a job that is full."""
         now = time.monotonic()
         unsettled = self._unsettled.get(job_id)
         if unsettled is None or unsettled.fingerprint != fingerprint:
             first = unsettled.first_seen if unsettled else now
             unsettled = self._unsettled[job_id] = _Unsettled(first, fingerprint, now)
+        longest = max(self.max_settle_s, fingerprint[0] * STORM_SETTLE_S_PER_MEMBER)
         if (now - unsettled.last_change < self.settle_s
-                and now - unsettled.first_seen < self.max_settle_s):
+                and now - unsettled.first_seen < longest):
             return False
         del self._unsettled[job_id]
         return True
@@ -627,11 +654,16 @@ class Coordinator:
             fingerprint = self.store.fingerprint(keys.members(job.id))
             if self._fingerprints.get(job.id) == fingerprint:
                 continue  # no member joined, left, expired or drained
-            alive = {m.id for m in self.members(job.id) if not m.draining}
             # More may come: one generation for the whole burst. Unless the job
             # is full: more joins could only be spares, so waiting gains nothing.
+            # The members are read only then: fewer keys than max_workers
+            # (fingerprint[0]) cannot be full, and a storm re-read them per pass.
+            settled = self._settled(job.id, fingerprint)
+            if not settled and fingerprint[0] < job.spec.max_workers:
+                continue
+            alive = {m.id for m in self.members(job.id) if not m.draining}
             full = len(alive) >= job.spec.max_workers
-            if not self._settled(job.id, fingerprint) and not full:
+            if not settled and not full:
                 continue
             self._unsettled.pop(job.id, None)
             plan = self.current_plan(job.id)
@@ -643,8 +675,8 @@ class Coordinator:
             joined = sorted(alive - planned)
             reason = "; ".join(
                 part for part in (
-                    f"lost {', '.join(lost)} (liveness timeout)" if lost else "",
-                    f"admitted {', '.join(joined)}" if joined else "",
+                    f"lost {_named(lost)} (liveness timeout)" if lost else "",
+                    f"admitted {_named(joined)}" if joined else "",
                 ) if part
             ) or "initial plan"
             try:

@@ -95,21 +95,22 @@ class Membership:
         )
         key = keys.member(job_id, member.id)
         store = coordinator.store
-        registered = self._registered(key, member) if join_token else None
-        if registered is None:
-            member.joined_at.CopyFrom(timestamp_now())
-            lease = store.grant_lease(max(2, math.ceil(self.liveness_timeout_s)))
-            if coordinator.writer.create(key, member.SerializeToString(), lease=lease, fence=fence):
-                coordinator.remember_lease(member.id, lease.id)
-                registered = member
-            else:
-                store.revoke_lease(lease.id)
-                # A concurrent retry of the same join won the create: that one.
-                registered = self._registered(key, member) if join_token else None
-                if registered is None:
-                    raise FailedPrecondition(f"member id {member.id} collided; join again")
+        # Create first, read only when that fails: a first attempt (nearly
+        # every join) costs a lease grant and one transaction, no read.
+        member.joined_at.CopyFrom(timestamp_now())
+        lease = store.grant_lease(max(2, math.ceil(self.liveness_timeout_s)))
+        if coordinator.writer.create(key, member.SerializeToString(), lease=lease, fence=fence):
+            coordinator.remember_lease(member.id, lease.id)
+        else:
+            store.revoke_lease(lease.id)
+            coordinator.election.fence()  # NotLeader if that is why the create failed
+            # An earlier attempt of this join (a retry), or a concurrent one, registered it.
+            found = self._registered(key, member) if join_token else None
+            if found is None:
+                raise FailedPrecondition(f"member id {member.id} collided; join again")
+            member = found
         coordinator.kick()  # the reconcile loop plans it, with the joins around it
-        return registered
+        return member
 
     def _registered(self, key: str, wanted: pb.Member) -> pb.Member | None:
         """The member already registered under `key` by the same join, if any."""

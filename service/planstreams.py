@@ -12,6 +12,13 @@ read per such change). Failure semantics: while this replica cannot reach
 etcd the stream ends with UNAVAILABLE (its plans could be stale: the agent
 reconnects, through its channel, to another replica); a deleted job ends it
 with NOT_FOUND. The blocking checks (etcd reads) run on a worker thread.
+
+The registration checks of all the streams of one job are shared
+(`Registrations`): one keys-only read of the job's members, begun after
+every check waiting on it was asked, answers them all. A join storm, in
+which thousands of streams of members not yet planned are checked at every
+new plan and thousands open, thus costs a few etcd reads per plan, not one
+per stream (which queued on the worker threads ahead of the joins).
 """
 
 from __future__ import annotations
@@ -28,11 +35,78 @@ from springback.v1 import types_pb2 as pb
 
 WAIT_S = 30.0
 """Longest wait between checks of one stream (changes and `wake_all` end it sooner)."""
+REGISTRATION_READ_GAP_S = 0.05
+"""Shortest pause between two registration reads of one job (`Registrations`)."""
 
 
 def _not_registered(job_id: str, member_id: str) -> NotFound:
     return NotFound(f"member {member_id!r} of job {job_id!r} is not registered "
                     "(expired or left): stop local ranks and join again")
+
+
+class Registrations:
+    """Who is registered in a job, read for many callers at once; loop-only.
+
+    `members` answers with the job's member ids as read from etcd by a read
+    that *began after the call*: a call made while no read of that job is in
+    flight starts one; calls made while one is in flight share the next one,
+    started `gap_s` after it ends. So an answer is never older than its
+    question, and however many streams ask at once, one job costs at most one
+    read in flight and one queued, at most one per `gap_s` (each a keys-only
+    prefix read and a count of the job key, on a worker thread). A failed
+    read (`StoreUnavailable`) fails every call that shared it."""
+
+    def __init__(self, store: Store, gap_s: float = REGISTRATION_READ_GAP_S) -> None:
+        self._store = store
+        self._gap_s = gap_s
+        self._queued: dict[str, asyncio.Future[frozenset[str] | None]] = {}
+        self._in_flight: set[str] = set()  # a read under way, or the gap after it
+        self.num_reads = 0
+
+    async def members(self, job_id: str) -> frozenset[str] | None:
+        """Member ids registered in `job_id` (None: the job does not exist)."""
+        future = self._queued.get(job_id)
+        if future is None:
+            future = self._queued[job_id] = asyncio.get_running_loop().create_future()
+            future.add_done_callback(_retrieved)
+            if job_id not in self._in_flight:
+                self._start(job_id)
+        return await asyncio.shield(future)
+
+    def _start(self, job_id: str) -> None:
+        future = self._queued.pop(job_id)
+        self._in_flight.add(job_id)
+        self.num_reads += 1
+        read = asyncio.ensure_future(asyncio.to_thread(self._read, job_id))
+
+        def done(task: asyncio.Future) -> None:
+            error = None if task.cancelled() else task.exception()
+            if task.cancelled():
+                future.cancel()
+            elif error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(task.result())
+            asyncio.get_running_loop().call_later(self._gap_s, self._next, job_id)
+
+        read.add_done_callback(done)
+
+    def _next(self, job_id: str) -> None:
+        self._in_flight.discard(job_id)
+        if job_id in self._queued:
+            self._start(job_id)
+
+    def _read(self, job_id: str) -> frozenset[str] | None:
+        if not self._store.exists(keys.job(job_id)):
+            return None
+        prefix = keys.members(job_id)
+        return frozenset(key[len(prefix):] for key in self._store.leases(prefix))
+
+
+def _retrieved(future: asyncio.Future) -> None:
+    """Marks a shared read's failure as seen (its callers may all be gone)."""
+    if not future.cancelled():
+        future.exception()
 
 
 class PlanStreams:
@@ -41,17 +115,20 @@ class PlanStreams:
         self._store = store
         self._board = board
         self._liveness = liveness
+        self.registrations = Registrations(store)
         self.num_open = 0
 
-    def _require_registered(self, job_id: str, member_id: str) -> None:
-        if self._store.get(keys.member(job_id, member_id)) is None:
+    async def _require_registered(self, job_id: str, member_id: str) -> None:
+        members = await self.registrations.members(job_id)
+        if members is None or member_id not in members:
             raise _not_registered(job_id, member_id)
 
-    def _open_checks(self, job_id: str, member_id: str) -> None:
-        if self._store.get(keys.job(job_id)) is None:
+    async def _open_checks(self, job_id: str, member_id: str) -> None:
+        members = await self.registrations.members(job_id)
+        if members is None:
             raise NotFound(f"job {job_id!r} not found")
-        if member_id:
-            self._require_registered(job_id, member_id)
+        if member_id and member_id not in members:
+            raise _not_registered(job_id, member_id)
 
     def _require_reachable(self) -> None:
         if self._liveness is not None and not self._liveness.reachable:
@@ -61,7 +138,7 @@ class PlanStreams:
     async def stream(self, job_id: str, member_id: str) -> AsyncIterator[bytes]:
         """The serialized `WatchPlansResponse`s of one stream (module docstring)."""
         self._require_reachable()
-        await asyncio.to_thread(self._open_checks, job_id, member_id)
+        await self._open_checks(job_id, member_id)
         self.num_open += 1
         try:
             async for response in self._plans(job_id, member_id):
@@ -90,7 +167,7 @@ class PlanStreams:
 
     async def _check_planned(self, job_id: str, member_id: str, posted: Posted) -> None:
         if member_id and member_id not in posted.planned:
-            await asyncio.to_thread(self._require_registered, job_id, member_id)
+            await self._require_registered(job_id, member_id)
 
     async def until_planned(self, job_id: str, member_id: str, timeout_s: float) -> bool:
         """Waits until a plan made after now places `member_id` (True), a plan

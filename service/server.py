@@ -247,11 +247,20 @@ def _worker_service_handler(servicer: WorkerServicer) -> grpc.GenericRpcHandler:
                             servicer, {"WatchPlans": watch_plans})
 
 
+BLOCKING_THREADS = 64
+"""Threads of the loop's default executor, where handlers on the loop run
+their blocking etcd calls (`asyncio.to_thread`: joins, plan streams' and
+heartbeats' registration reads, WatchJob's first read). They wait on etcd
+rather than compute: the default (CPUs + 4) made a join storm queue there."""
+
+
 class _Loop:
     """The asyncio loop the gRPC server runs on, on a thread of its own."""
 
     def __init__(self) -> None:
         self.loop = asyncio.new_event_loop()
+        self.loop.set_default_executor(futures.ThreadPoolExecutor(
+            max_workers=BLOCKING_THREADS, thread_name_prefix="blocking"))
         self._thread = threading.Thread(target=self.loop.run_forever, name="grpc-aio", daemon=True)
         self._thread.start()
 

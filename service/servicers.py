@@ -56,6 +56,12 @@ def _bounded(text: str) -> str:
 
 JOIN_PLAN_WAIT_S = 5.0
 """Longest JoinJob waits for the plan that places the new member."""
+JOIN_PLAN_WAITERS = 64
+"""At most this many JoinJob calls wait for their plan at once on a replica.
+More than that is a join storm: later joins are answered as soon as they are
+registered, and their plan streams bring the plan (a waiting join holds a
+worker thread on the replica that forwarded it, and waits up to
+`JOIN_PLAN_WAIT_S` for a generation the storm's settle window may delay)."""
 
 
 def _abort(context: grpc.ServicerContext, error: BaseException) -> None:
@@ -177,6 +183,7 @@ class WorkerServicer(ws_grpc.WorkerServiceServicer):
         self.commits = Commits(coordinator)
         self.plan_streams = plan_streams
         self.heartbeats = heartbeats
+        self.num_join_waiters = 0  # JoinJob calls waiting for their plan (on the loop)
 
     async def JoinJob(self, request: ws.JoinJobRequest,
                       context: grpc.aio.ServicerContext) -> ws.JoinJobResponse:
@@ -184,17 +191,22 @@ class WorkerServicer(ws_grpc.WorkerServiceServicer):
         thread) for the settled plan that places it, up to `JOIN_PLAN_WAIT_S`
         (or the call's deadline): the answer comes once the member is planned
         or the planner left it out; past the wait it is registered anyway and
-        its plan stream brings the plan."""
+        its plan stream brings the plan. In a join storm (more than
+        `JOIN_PLAN_WAITERS` joins waiting here) it answers once registered."""
         try:
             member = await asyncio.to_thread(
                 self.membership.join, request.job_id, request.host, request.rendezvous_port,
                 request.num_local_ranks, request.join_token)
         except SpringbackError as e:
             await context.abort(grpc_code(e), str(e))
-        if self.plan_streams is not None:
+        if self.plan_streams is not None and self.num_join_waiters < JOIN_PLAN_WAITERS:
             remaining = context.time_remaining()
             wait = JOIN_PLAN_WAIT_S if remaining is None else min(JOIN_PLAN_WAIT_S, remaining - 0.5)
-            await self.plan_streams.until_planned(request.job_id, member.id, wait)
+            self.num_join_waiters += 1
+            try:
+                await self.plan_streams.until_planned(request.job_id, member.id, wait)
+            finally:
+                self.num_join_waiters -= 1
         timeout = self.membership.liveness_timeout_s
         interval = self.heartbeats.pacer.interval_s() if self.heartbeats else timeout / 4
         return ws.JoinJobResponse(

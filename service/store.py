@@ -282,6 +282,18 @@ class Store:
             prefix, sort_order="descend", sort_target="mod", keys_only=True, limit=1).kvs
         return count, newest[0].mod_revision if newest else 0
 
+    @_translate
+    def leases(self, prefix: str) -> dict[str, int]:
+        """Key -> lease id of every key under `prefix`, in one read of keys
+        only (no values: at 10,000 members a fraction of `get_prefix`)."""
+        response = self._client.get_prefix_response(prefix, keys_only=True)
+        return {kv.key.decode(): kv.lease for kv in response.kvs}
+
+    @_translate
+    def exists(self, key: str) -> bool:
+        """Whether `key` exists, read without its value."""
+        return bool(self._client.get_response(key, count_only=True).count)
+
     # -- writes ------------------------------------------------------------
 
     @_translate
