@@ -34,7 +34,11 @@ timeout, a failing commit callback) never raises into the training loop. It is
 logged, counted (``stats.failed``, ``stats.last_error``), passed to ``on_error``
 (the training library reports it to the coordinator as the job's checkpoint
 error), and leaves the previous committed checkpoint valid. ``wait()`` re-raises
-it for callers that want it (e.g. a drain checkpoint).
+it for callers that want it (e.g. a drain checkpoint). A checkpoint that ends
+this way after :meth:`Checkpointer.abandon` (the generation that asked for it
+broke, so a peer's shard may never come) is counted as ``stats.abandoned``,
+logged as a warning and not passed to ``on_error``: it was never going to
+commit, and the previous committed checkpoint stays the one to restore.
 """
 
 from __future__ import annotations
@@ -92,6 +96,9 @@ class CheckpointerStats:
     committed: int = 0
     """Checkpoints this rank committed (rank 0 only)."""
     failed: int = 0
+    abandoned: int = 0
+    """Checkpoints that did not commit after :meth:`Checkpointer.abandon` (their
+    generation ended first): expected partials, not failures."""
     skipped: int = 0
     last_stall_s: float = 0.0
     """Time the last save() blocked the caller (waiting for the previous + snapshot)."""
@@ -191,6 +198,7 @@ class Checkpointer:
         self._copying: ShardSnapshot | None = None  # the snapshot whose deferred copy the hooks wait for
         self._hooks: weakref.WeakKeyDictionary[torch.optim.Optimizer, Any] = weakref.WeakKeyDictionary()  # step pre-hooks
         self._last: tuple[int, int] | None = None  # (generation, step) of the last save started
+        self._abandoned = threading.Event()  # see abandon()
         self._lock = threading.Lock()
 
     @property
@@ -329,8 +337,13 @@ class Checkpointer:
             self.stats.committed += 1
             return info
         except BaseException as exc:
-            self.stats.failed += 1
             self.stats.last_error = f"{type(exc).__name__}: {exc}"
+            if self._abandoned.is_set():
+                self.stats.abandoned += 1
+                log.warning("checkpoint %s abandoned on rank %d: its generation ended before it "
+                            "committed (%s)", ckpt_uri, self.rank, self.stats.last_error)
+                raise
+            self.stats.failed += 1
             log.error("checkpoint %s failed on rank %d: %s", ckpt_uri, self.rank, self.stats.last_error)
             if self.on_error is not None:
                 try:
@@ -338,6 +351,16 @@ class Checkpointer:
                 except Exception:  # noqa: BLE001 - a broken error hook must not hide the error
                     log.exception("on_error hook failed")
             raise
+
+    def abandon(self) -> None:
+        """The generation that asked for the in-flight checkpoint has ended
+        without a clean boundary: its upload and commit go on in the background,
+        but if they fail (a dead peer's shard never comes, cleanup deletes the
+        partial directory) that is the expected end of a partial checkpoint,
+        counted in ``stats.abandoned`` instead of ``stats.failed`` and not passed
+        to ``on_error``. One that still commits is committed as usual. Lasts
+        for the rest of this checkpointer's life."""
+        self._abandoned.set()
 
     def wait(self, timeout_s: float | None = None) -> CommitInfo | DoneRecord | None:
         """Wait for the in-flight checkpoint (if any) and return its result.

@@ -147,6 +147,25 @@ class TestCommitProtocol:
         assert restore(base_uri, out).step == 1
         c0.close()
 
+    def test_an_abandoned_checkpoint_that_cannot_commit_is_counted_abandoned_not_failed(self, base_uri):
+        """Its generation broke: the dead peer's shard never comes and the
+        partial directory is cleaned up under the committer. That is no
+        checkpoint error for the job."""
+        sd = make_state(5)
+        save_all_ranks(base_uri, 1, [sd, sd])
+        errors = []
+        c0 = Checkpointer(base_uri, rank=0, world_size=2, commit_timeout_s=0.5, poll_interval_s=0.02,
+                          on_error=errors.append)
+        fut = c0.save(2, sd, generation=1)
+        c0.abandon()
+        with pytest.raises(CommitTimeout):
+            fut.result(timeout=30)
+        assert (c0.stats.abandoned, c0.stats.failed, errors) == (1, 0, [])
+        assert "ranks [1]" in c0.stats.last_error
+        out = zeros_like_state(sd)
+        assert restore(base_uri, out).step == 1
+        c0.close()
+
 
     def test_a_committer_whose_directory_is_deleted_fails_at_once_instead_of_waiting(self, base_uri):
         errors = []

@@ -67,6 +67,9 @@ except UnsafePeerObject as e:
     print("REFUSED", e)
 else:
     print("ACCEPTED")
+sys.stdout.flush()
+dist.barrier()  # rank 0 hosts the store: nobody leaves while the other still uses it
+dist.destroy_process_group()
 """
 
 

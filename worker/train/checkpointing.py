@@ -144,11 +144,14 @@ class GenerationCheckpoints:
         would only time out: wait just until the snapshot is in host memory
         (the state is about to change) and let the upload end in the
         background; a late commit is rejected by the coordinator's fencing
-        and the files are cleaned up as partial.
+        and the files are cleaned up as partial. Such a checkpoint that does
+        not commit is abandoned, not failed: a warning, no checkpoint error
+        reported for the job.
         """
         if wait_for_commit:
             self._ckpt.close(CLOSE_TIMEOUT_S)
         else:
+            self._ckpt.abandon()
             self._ckpt.wait_snapshot()
             self._ckpt.close(0)
 
