@@ -1,4 +1,13 @@
-"""Fixtures on real parts: an etcd server per test, coordinators on loopback."""
+"""Fixtures on real parts: an etcd server per test, coordinators on loopback.
+
+A test marked `secure_etcd` (``pytestmark = pytest.mark.secure_etcd``) gets
+its `etcd` as production runs it: https:// with client certificates (a
+throw-away CA, one per session) and etcd's auth (user ``root``; role
+``springback`` readwrite on /springback/ only; user ``springback`` with that
+role), and `start_coordinator` / `spawn_coordinator` reach it as that
+limited user. Use ``etcd.store()`` for a Store of its own (it carries
+the certificates and the password).
+"""
 
 from __future__ import annotations
 
@@ -6,16 +15,47 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
+from etcdtls import make_certs, random_password
 from sbtest import CoordinatorProcess
 from springback.client.api import Client
-from springback.cli.local import EtcdServer
+from springback.cli.local import EtcdServer, EtcdServerTls
 from springback.service.server import CoordinatorConfig, CoordinatorServer
+
+SECURE_ETCD = "secure_etcd"
+"""The marker that puts a test's `etcd` behind TLS and etcd's auth."""
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", f"{SECURE_ETCD}: the test's etcd serves https:// with "
+                            "client certificates and etcd's auth; coordinators reach it as a "
+                            "user limited to /springback/ (tests/conftest.py)")
+
+
+@pytest.fixture(scope="session")
+def etcd_tls(tmp_path_factory) -> EtcdServerTls:
+    """Throw-away certificates (one CA for the session) and a password for
+    etcd's user ``springback``."""
+    return make_certs(str(tmp_path_factory.mktemp("etcd-certs")), password=random_password())
 
 
 @pytest.fixture
-def etcd(tmp_path) -> Iterator[EtcdServer]:
-    """A fresh etcd server (own data dir, free ports) for one test."""
-    server = EtcdServer(str(tmp_path / "etcd"))
+def etcd(request: pytest.FixtureRequest, tmp_path) -> Iterator[EtcdServer]:
+    """A fresh etcd server (own data dir, free ports) for one test; behind
+    TLS and etcd's auth when the test is marked `secure_etcd`."""
+    secure = request.node.get_closest_marker(SECURE_ETCD) is not None
+    yield from _etcd_server(tmp_path, request.getfixturevalue("etcd_tls") if secure else None)
+
+
+@pytest.fixture
+def secure_etcd(tmp_path, etcd_tls: EtcdServerTls) -> Iterator[EtcdServer]:
+    """An etcd on https:// with client certificates and etcd's auth, whatever
+    the test's marks (for tests that need both kinds); ``client_security``
+    reaches it as the limited user."""
+    yield from _etcd_server(tmp_path, etcd_tls)
+
+
+def _etcd_server(tmp_path, tls: EtcdServerTls | None) -> Iterator[EtcdServer]:
+    server = EtcdServer(str(tmp_path / "etcd"), tls=tls)
     server.start()
     yield server
     server.stop(kill=True)
@@ -32,8 +72,9 @@ def start_coordinator(etcd: EtcdServer) -> Iterator[Callable[..., CoordinatorSer
     servers: list[CoordinatorServer] = []
 
     def start(**overrides) -> CoordinatorServer:
-        config = dict(etcd=etcd.endpoint, listen="127.0.0.1:0", liveness_timeout_s=2.0,
-                      leader_ttl_s=2, progress_flush_s=1.0)
+        config = dict(etcd=etcd.endpoint, etcd_security=etcd.client_security,
+                      listen="127.0.0.1:0", liveness_timeout_s=2.0, leader_ttl_s=2,
+                      progress_flush_s=1.0)
         config.update(overrides)
         server = CoordinatorServer(CoordinatorConfig(**config))
         server.start()
@@ -74,7 +115,7 @@ def spawn_coordinator(etcd: EtcdServer, tmp_path) -> Iterator[Callable[..., Coor
     def spawn(*extra: str) -> CoordinatorProcess:
         # No drain on SIGTERM unless a test asks for one (later flags win).
         args = ("--liveness-timeout-s", "2", "--leader-ttl-s", "2", "--drain-s", "0", *extra)
-        process = CoordinatorProcess(etcd.endpoint, *args,
+        process = CoordinatorProcess(etcd.endpoint, *args, etcd_flags=etcd.coordinator_flags(),
                                      log_path=str(tmp_path / f"coordinator-{len(processes)}.log"))
         processes.append(process)
         return process

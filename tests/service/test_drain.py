@@ -12,10 +12,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from sbtest import leader_of, wait_for
 from springback.service import keys
 from springback.client.api import ApiError, Client
-from springback.service.store import Store
 from springback.v1 import types_pb2 as pb
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.secure_etcd]  # etcd behind TLS + auth
 
 DRAIN_S = 2.0
 LEADER_TTL_S = 2.0  # the spawn_coordinator fixture's --leader-ttl-s
@@ -57,7 +56,7 @@ class TestSigtermDrain:
         self, etcd, spawn_coordinator, make_spec
     ):
         replicas = [spawn_coordinator("--drain-s", str(DRAIN_S)) for _ in range(2)]
-        store = Store(etcd.endpoint)
+        store = etcd.store()
         wait_for(lambda: leader_of(store), 15, "a leader to be elected")
         leader = next(r for r in replicas if r.address == leader_of(store))
         follower = next(r for r in replicas if r is not leader)

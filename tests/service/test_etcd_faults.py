@@ -5,7 +5,8 @@ in-process, given every member's endpoint. What must hold: losing one member
 (the raft leader included) loses no job, member or commit and writes go on;
 losing quorum makes the coordinators fail closed (no write acknowledged, never
 two leaders at once) and, once quorum is back, the job resumes with nothing
-lost.
+lost. The members serve https:// with client certificates and etcd's auth
+(the coordinators as the user limited to /springback/), as in production.
 """
 
 from __future__ import annotations
@@ -20,14 +21,16 @@ from agentsim import SimMember
 from etcdcluster import EtcdCluster
 from sbtest import wait_for
 from springback.client.api import ApiError, Client
-from springback.service.store import Store
 
 LIVENESS_S = 3.0
 
 
+pytestmark = pytest.mark.secure_etcd  # etcd behind TLS + auth (the cluster too)
+
+
 @pytest.fixture
-def cluster(tmp_path):
-    cluster = EtcdCluster(str(tmp_path / "etcd"), size=3)
+def cluster(tmp_path, etcd_tls):
+    cluster = EtcdCluster(str(tmp_path / "etcd"), size=3, tls=etcd_tls)
     cluster.start()
     yield cluster
     cluster.stop()
@@ -36,7 +39,8 @@ def cluster(tmp_path):
 @pytest.fixture
 def replicas(cluster, start_coordinator):
     """Starts coordinator replicas on the cluster (every member's endpoint)."""
-    return lambda: start_coordinator(etcd=cluster.endpoints, liveness_timeout_s=LIVENESS_S)
+    return lambda: start_coordinator(etcd=cluster.endpoints, etcd_security=cluster.client_security,
+                                     liveness_timeout_s=LIVENESS_S)
 
 
 def state(client: Client, job_id: str) -> tuple:
@@ -148,7 +152,7 @@ class TestLosingQuorum:
 class TestWatches:
     @pytest.mark.timeout(60)
     def test_a_watch_hears_that_it_broke_when_etcd_goes_away(self, etcd):
-        store = Store(etcd.endpoint)
+        store = etcd.store()
         heard: list = []
         try:
             store.watch_prefix("/springback/v1/test/", heard.append)

@@ -25,14 +25,14 @@ from sbtest import leader_of, scrape, wait_for
 from springback.service import keys
 from springback.client.api import ApiError, Client
 from springback.cli.local import free_port
-from springback.service.store import Store
 from springback.v1 import job_service_pb2 as js
 from springback.v1 import job_service_pb2_grpc as js_grpc
 from springback.v1 import types_pb2 as pb
 from springback.v1 import worker_service_pb2 as ws
 from springback.v1 import worker_service_pb2_grpc as ws_grpc
 
-pytestmark = pytest.mark.timeout(60)
+# etcd behind TLS + auth; the NetProxy relays its TLS bytes as they are
+pytestmark = [pytest.mark.timeout(60), pytest.mark.secure_etcd]
 
 
 _CREATE = "/springback.v1.JobService/CreateJob"
@@ -51,7 +51,7 @@ class TestTwoReplicasActingAsLeader:
             raw_channel = grpc.insecure_channel(old.address)
             raw_old = js_grpc.JobServiceStub(raw_channel)
             job = via_old.create_job(make_spec(name="before"))
-            store = Store(etcd.endpoint)
+            store = etcd.store()
             before = store.get(keys.job(job.id), pb.Job)
 
             # The old leader's link to etcd goes silent; its clients still reach it.
@@ -107,7 +107,7 @@ class TestPausedLeader:
     ):
         ports = [free_port(), free_port()]
         old = spawn_coordinator("--metrics-listen", f"127.0.0.1:{ports[0]}")
-        store = Store(etcd.endpoint)
+        store = etcd.store()
         wait_for(lambda: leader_of(store) == old.address, 15, "the first replica to lead")
         new = spawn_coordinator("--metrics-listen", f"127.0.0.1:{ports[1]}")
         old_metrics, new_metrics = f"127.0.0.1:{ports[0]}", f"127.0.0.1:{ports[1]}"

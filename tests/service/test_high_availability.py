@@ -1,8 +1,8 @@
 """Replicas, leader failover and etcd restarts: nothing lost, nothing issued twice.
 
 Against an etcd as production runs it: https:// with client certificates and
-etcd's auth (user ``springback`` limited to /springback/); the `etcd`,
-`start_coordinator` and `spawn_coordinator` fixtures are overridden here.
+etcd's auth (user ``springback`` limited to /springback/): marked
+`secure_etcd` (tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -23,22 +23,7 @@ from springback.v1 import types_pb2 as pb
 from springback.v1 import worker_service_pb2 as ws
 from springback.v1 import worker_service_pb2_grpc as ws_grpc
 
-pytestmark = pytest.mark.timeout(90)
-
-
-@pytest.fixture
-def etcd(secure_etcd: EtcdServer) -> EtcdServer:
-    return secure_etcd
-
-
-@pytest.fixture
-def start_coordinator(start_coordinator, etcd: EtcdServer):
-    return lambda **config: start_coordinator(**{"etcd_security": etcd.client_security, **config})
-
-
-@pytest.fixture
-def spawn_coordinator(spawn_coordinator, etcd: EtcdServer):
-    return lambda *extra: spawn_coordinator(*etcd.coordinator_flags(), *extra)
+pytestmark = [pytest.mark.timeout(90), pytest.mark.secure_etcd]
 
 
 def leader_of(etcd: EtcdServer) -> str | None:

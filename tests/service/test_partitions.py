@@ -18,7 +18,8 @@ from springback.client.api import Client
 from springback.v1 import worker_service_pb2 as ws
 from springback.v1 import worker_service_pb2_grpc as ws_grpc
 
-pytestmark = pytest.mark.timeout(60)
+# etcd behind TLS + auth; the NetProxy relays its TLS bytes as they are
+pytestmark = [pytest.mark.timeout(60), pytest.mark.secure_etcd]
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING

@@ -10,16 +10,15 @@ import pytest
 from agentsim import SimMember
 from sbtest import leader_of, wait_for
 from springback.client.api import Client
-from springback.service.store import Store
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.secure_etcd]  # etcd behind TLS + auth
 
 
 class TestRestartFromNothing:
     def test_new_replicas_serve_every_job_commit_and_generation_and_continue_them(
         self, etcd, start_coordinator, make_spec
     ):
-        store = Store(etcd.endpoint)
+        store = etcd.store()
         old = [start_coordinator(), start_coordinator()]
         wait_for(lambda: leader_of(store), 15, "a leader to be elected")
         with Client([r.address for r in old], timeout_s=5) as client:
