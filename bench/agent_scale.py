@@ -20,7 +20,7 @@ the leader replica is SIGKILLed halfway through it). Prints, for each N:
 
 Usage: python bench/agent_scale.py [--agents 1000,3000] [--clients 4]
     [--liveness-timeout-s 10] [--join-rate-per-s 0 (= all at once)] [--steady-s 0 (= 3 liveness timeouts)]
-    [--leader-kill] [--repeat 1] [--coordinator-arg=--some-flag=value ...]
+    [--leader-kill] [--repeat 1] [--coordinator-arg=--some-flag=value ...] [--coordinator-logs DIR]
 """
 
 from __future__ import annotations
@@ -98,8 +98,12 @@ def run(n: int, args: argparse.Namespace) -> None:
         store = Store(etcd.endpoint)
         replicas: list[CoordinatorProcess] = []
         try:
+            logs = iter(range(1000))
             replicas = start_replicas(
-                lambda *extra: CoordinatorProcess(etcd.endpoint, *extra), store,
+                lambda *extra: CoordinatorProcess(
+                    etcd.endpoint, *extra, log_path=(
+                        os.path.join(args.coordinator_logs, f"N{n}-{os.getpid()}-{next(logs)}.log")
+                        if args.coordinator_logs else None)), store,
                 "--liveness-timeout-s", f"{liveness:g}", "--drain-s", "0", *args.coordinator_arg)
             addresses = [r.address for r in replicas]
             with Client(addresses) as client:
@@ -215,6 +219,8 @@ def main() -> None:
     parser.add_argument("--leader-kill", action="store_true",
                         help="SIGKILL the leader replica halfway through the steady window")
     parser.add_argument("--repeat", type=int, default=1, help="runs per N")
+    parser.add_argument("--coordinator-logs", default="",
+                        help="directory for the replicas' logs (default: none kept)")
     parser.add_argument("--coordinator-arg", action="append", default=[],
                         help="extra flag for both coordinators, e.g. --coordinator-arg=--flag=value")
     args = parser.parse_args()
