@@ -9,6 +9,12 @@ from must be unchanged (every commit also writes the job record, whose mod
 revision is compared). A commit that loses to a concurrent writer is retried
 from fresh reads; one that keeps losing is ABORTED and recorded nothing.
 
+The ref's URI must lie in the job's own directory under its spec's
+``checkpoint.uri`` (INVALID_ARGUMENT otherwise); a job without one records
+no checkpoint at all (FAILED_PRECONDITION): ranks restore what the record
+names and `job delete --checkpoints` deletes it, so a URI a member chose
+must never get in.
+
 Per step, the record holds one checkpoint:
 
 * the same step and URI again (a retried call whose reply was lost): nothing
@@ -78,8 +84,11 @@ class Commits:
             raise NotFound(f"job {job_id!r} not found")
         compare = fencing.report_fence(coordinator, job_id, member_id, generation)
         base = job_entry.value.spec.checkpoint.uri
-        why = outside_job_directory(ref.uri, base, job_id) if base else None
-        if why is not None:  # ranks would restore (unpickle) and a delete remove what it names
+        if not base:  # nothing of such a job writes one: a URI here can only be forged
+            raise FailedPrecondition(f"job {job_id} has no checkpoint.uri: it records no "
+                                     "checkpoints")
+        why = outside_job_directory(ref.uri, base, job_id)
+        if why is not None:  # ranks would restore and a delete remove what it names
             raise InvalidArgument("checkpoint.uri", why)
         # Read after the job record: every commit writes both, so while the
         # job's mod revision holds (compared below) this is the whole record.

@@ -10,6 +10,7 @@ import grpc
 import pytest
 import torch
 
+from springback.service import keys
 from springback.storage import Checkpointer, job_checkpoint_uri
 from springback.v1 import types_pb2 as pb
 from springback.v1 import worker_service_pb2 as ws
@@ -76,8 +77,10 @@ def test_ckpt_commands_show_commits_partials_and_restore(coordinator, client, ma
 
 def test_job_delete_refuses_to_remove_a_recorded_uri_outside_the_jobs_directory(
         coordinator, client, make_spec, tmp_path):
-    """A job without checkpoint.uri has no directory of its own: whatever a
-    member recorded is not deleted recursively with the operator's rights."""
+    """A job without checkpoint.uri has no directory of its own: a member's
+    commit there is refused, and a record written straight into etcd
+    (bypassing the coordinator) is not deleted recursively with the
+    operator's rights."""
     victim = tmp_path / "not-the-jobs"
     victim.mkdir()
     (victim / "precious").write_text("kept")
@@ -85,9 +88,14 @@ def test_job_delete_refuses_to_remove_a_recorded_uri_outside_the_jobs_directory(
     workers = ws_grpc.WorkerServiceStub(grpc.insecure_channel(coordinator.address))
     member = workers.JoinJob(ws.JoinJobRequest(job_id=job.id, host="127.0.0.1", rendezvous_port=1,
                                                num_local_ranks=1), timeout=10).member
-    workers.CommitCheckpoint(ws.CommitCheckpointRequest(
-        job_id=job.id, member_id=member.id, generation=client.get_job(job.id).status.generation,
-        checkpoint=pb.CheckpointRef(step=10, uri=f"file://{victim}", world_size=1)), timeout=10)
+    forged = pb.CheckpointRef(step=10, uri=f"file://{victim}", world_size=1)
+    with pytest.raises(grpc.RpcError) as refused:
+        workers.CommitCheckpoint(ws.CommitCheckpointRequest(
+            job_id=job.id, member_id=member.id,
+            generation=client.get_job(job.id).status.generation, checkpoint=forged), timeout=10)
+    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert client.list_checkpoints(job.id) == []
+    coordinator.coordinator.store.put(keys.checkpoint(job.id, 10), forged)
     client.cancel_job(job.id)
     out = _cli(coordinator.address, "job", "delete", job.id, "--checkpoints")
     assert out.returncode == 1 and "not a checkpoint directory directly under" in out.stderr, out

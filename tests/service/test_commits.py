@@ -162,6 +162,19 @@ class TestConfinedToTheJobsDirectory:
         commit(workers, job.id, a, generation, 10, f"file:///tmp/c6/{job.id}/step-00000010-g1")
         assert [c.step for c in client.list_checkpoints(job.id)] == [10]
 
+    def test_a_job_without_a_checkpoint_uri_records_no_commit(self, coordinator, client, workers,
+                                                              make_spec):
+        """Nothing of such a job writes a checkpoint: any URI is a forgery."""
+        job = client.create_job(make_spec(max_workers=1))
+        a = join(workers, job.id, 9602)
+        generation = generation_of(coordinator, job.id)
+        with pytest.raises(grpc.RpcError) as e:
+            commit(workers, job.id, a, generation, 10, f"file:///tmp/{job.id}/step-00000010-g1")
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "has no checkpoint.uri" in e.value.details() and job.id in e.value.details()
+        assert client.list_checkpoints(job.id) == []
+        assert not client.get_job(job.id).status.last_checkpoint.uri
+
     def test_a_spec_whose_checkpoint_uri_climbs_out_is_refused_naming_the_field(self, client,
                                                                                make_spec):
         with pytest.raises(Exception) as e:

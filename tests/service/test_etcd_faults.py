@@ -55,7 +55,7 @@ class TestLosingOneEtcdMember:
         server = replicas()
         wait_for(server.election.is_leader, 15, "the coordinator to lead")
         client = Client(server.address, timeout_s=5)
-        job = client.create_job(make_spec(max_workers=1))
+        job = client.create_job(make_spec(max_workers=1, checkpoint={"uri": "file:///tmp"}))
         member = SimMember([server.address], job.id)
         try:
             generation = client.get_job(job.id).status.generation
@@ -91,7 +91,7 @@ class TestLosingQuorum:
         second = replicas()
         addresses = [first.address, second.address]
         client = Client(addresses, timeout_s=3)
-        job = client.create_job(make_spec(max_workers=1))
+        job = client.create_job(make_spec(max_workers=1, checkpoint={"uri": "file:///tmp"}))
         member = SimMember(addresses, job.id)
         leaders_at_once: list[int] = []
         sampling = threading.Event()

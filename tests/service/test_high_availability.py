@@ -45,13 +45,15 @@ class TestLeaderFailover:
         workers = ws_grpc.WorkerServiceStub(grpc.insecure_channel(follower.address))
 
         # State before the failure: jobs, members, generations, a commit.
-        jobs = [client.create_job(make_spec(name=f"j{i}", max_workers=2)).id for i in range(3)]
+        jobs = [client.create_job(make_spec(name=f"j{i}", max_workers=2,
+                                            checkpoint={"uri": "file:///tmp/ck"})).id
+                for i in range(3)]
         member = workers.JoinJob(ws.JoinJobRequest(job_id=jobs[0], host="127.0.0.1",
                                                    rendezvous_port=4000, num_local_ranks=1), timeout=10)
         generation = client.get_job(jobs[0]).status.generation
         workers.CommitCheckpoint(ws.CommitCheckpointRequest(
             job_id=jobs[0], member_id=member.member.id, generation=generation,
-            checkpoint=pb.CheckpointRef(step=5, uri="file:///tmp/ck/5")), timeout=10)
+            checkpoint=pb.CheckpointRef(step=5, uri=f"file:///tmp/ck/{jobs[0]}/step-5")), timeout=10)
 
         # Traffic during the failover: keep creating jobs and reading them back.
         created: list[str] = []
