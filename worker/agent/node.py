@@ -53,7 +53,7 @@ from typing import Any
 import grpc
 
 from springback.client import plans
-from springback.client.channel import Backoff, connect, parse_addresses
+from springback.client.channel import connect, parse_addresses
 from springback.client.polling import wait_until
 from springback.client.metrics import serve as serve_metrics
 from springback.v1 import types_pb2 as pb
@@ -76,6 +76,7 @@ from springback.worker.agent.startup import (
     StoreSocket,
     StartupRefused,
     check_job,
+    join_job,
 )
 
 log = logging.getLogger("springback.agent")
@@ -131,27 +132,14 @@ class Agent:
                   drain_reason=lambda: self._drain_reason)
 
     def _join(self) -> None:
-        """JoinJob, retried on UNAVAILABLE until the drain timeout; raises RpcError
-        for a permanent error (unknown job, bad token)."""
-        # One token per join, reused by its retries: a retry after a lost reply
-        # gets the member the first attempt registered, not a second one.
+        """JoinJob (`join_job`: retried until the connect timeout); raises
+        RpcError for a permanent error (unknown job, bad token)."""
         req = wpb.JoinJobRequest(job_id=self.config.job_id, host=self.config.host,
                                  rendezvous_port=self._rendezvous_port(),
                                  num_local_ranks=self.config.nproc_per_node,
                                  join_token=uuid.uuid4().hex)
-        deadline = time.monotonic() + self.config.connect_timeout_s
-        backoff = Backoff(base_s=0.25, cap_s=4.0)
-        while True:
-            try:
-                resp = self._stub.JoinJob(req, timeout=RPC_TIMEOUT_S)
-                break
-            except grpc.RpcError as e:
-                if e.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
-                    raise
-                if self._drain_reason is not None:
-                    raise DrainedBeforeJoin(self._drain_reason) from None
-                log.warning("JoinJob: %s %s; retrying", e.code().name, e.details())
-                time.sleep(backoff.next_s())  # jittered: replicas coming back are no herd
+        resp = join_job(self._stub, req, deadline=time.monotonic() + self.config.connect_timeout_s,
+                        attempt_timeout_s=RPC_TIMEOUT_S, drain_reason=lambda: self._drain_reason)
         self.member = resp.member
         self._member_credential = resp.member_credential
         self.liveness_timeout_s = resp.liveness_timeout.ToTimedelta().total_seconds() or 5.0
