@@ -21,10 +21,11 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__all__ = ["Batch", "Generation", "SampleStream", "Session"]
+__all__ = ["Batch", "Generation", "SampleStream", "Session", "expert_mesh"]
 
 _HOME = {"Batch": "train.sampler", "SampleStream": "train.sampler",
-         "Generation": "train.generation", "Session": "train.session"}
+         "Generation": "train.generation", "Session": "train.session",
+         "expert_mesh": "state.mesh"}
 
 
 def __getattr__(name: str) -> Any:

@@ -85,3 +85,57 @@ def test_a_checkpoint_manifest_records_the_generations_layout(tmp_path):
     (ckpt,) = committed_checkpoints(job_checkpoint_uri(plan.spec.checkpoint.uri, "job-l"))
     assert ckpt.manifest.layout == {"dp": 1, "replicate": 1, "shard": 1, "tp": 1, "pp": 1,
                                     "ep": 1}
+
+
+def test_expert_groups_are_consecutive_dp_ranks_and_their_replicas_the_other_groups():
+    lay = MeshLayout.from_plan(layout_plan(8, dp=4, tp=2, pp=1, ep=2, replicate=2, shard=2))
+    coords = [lay.expert_coordinates(r) for r in range(8)]
+    assert [c["ep"] for c in coords] == [0, 0, 1, 1, 0, 0, 1, 1]  # TP peers: the same slice
+    assert [c["edp"] for c in coords] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert lay.coordinates(5) == {"pp": 0, "replicate": 1, "shard": 0, "tp": 1}  # unchanged
+    assert MeshLayout.from_plan(layout_plan(4, dp=4, replicate=4, shard=1)).expert_coordinates(
+        3) == {"edp": 3, "ep": 0}  # no ep: one expert group per dp rank
+
+
+def test_an_ep_that_does_not_divide_the_data_parallel_size_is_refused():
+    with pytest.raises(ValueError, match="ep=4 does not divide the data-parallel size 2"):
+        MeshLayout.from_plan(layout_plan(2, dp=2, ep=4, replicate=1, shard=2))
+
+
+@pytest.mark.timeout(90)
+def test_the_expert_mesh_is_a_dp_by_ep_view_over_real_groups_and_leaves_the_mesh_as_it_was(
+        tmp_path):
+    """Four gloo ranks (expert_mesh_peer.py) build three layouts: with ep = 2
+    the view (edp, ep) is made with the mesh, its ep group is the expert
+    group of the docstring's rank order (all-gather, all-to-all) and an
+    expert stack Shard(0) over it gathers whole; the generation mesh is the
+    same as without ep; with ep = 1 the view is made on request."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).with_name("expert_mesh_peer.py")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, str(script), str(r), "4", str(tmp_path / "store")],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(4)]
+    outs = [p.communicate(timeout=80)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    results = [json.loads(next(line for line in out.splitlines()
+                               if line.startswith("RESULT "))[7:]) for out in outs]
+    for rank, res in enumerate(results):
+        hsdp, tp, plain = res["hsdp-ep2"], res["tp2-ep2"], res["hsdp-ep1"]
+        assert hsdp["dims"] == plain["dims"] == ["pp", "replicate", "shard", "tp"]
+        assert hsdp["mesh"] == plain["mesh"] and tp["mesh"] == [[[[0, 1], [2, 3]]]]
+        assert hsdp["view_dims"] == ["edp", "ep"]
+        assert hsdp["view"] == [[0, 1], [2, 3]] and hsdp["made_with_mesh"] and hsdp["cached"]
+        assert hsdp["ep_peers"] == hsdp["all_to_all"] == [rank - rank % 2, rank - rank % 2 + 1]
+        assert hsdp["coordinates"] == {"edp": rank // 2, "ep": rank % 2}
+        assert tp["view"] == [[rank % 2, rank % 2 + 2]]  # the dp ranks of this tp index
+        assert tp["ep_peers"] == [rank % 2, rank % 2 + 2]
+        assert plain["view"] == [[0], [1], [2], [3]] and not plain["made_with_mesh"]
+        assert plain["ep_peers"] == [rank]
+        assert hsdp["full_experts"] == tp["full_experts"] == plain["full_experts"] == [0, 1, 2, 3]
+

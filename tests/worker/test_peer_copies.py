@@ -76,7 +76,7 @@ def test_without_peer_copies_the_same_loss_restores_the_newest_commit(cluster):
     cluster.audit()
 
 
-def plan_of(*ranks_per_member: int, shard: int) -> pb.Plan:
+def plan_of(*ranks_per_member: int, shard: int, ep: int = 1) -> pb.Plan:
     plan = pb.Plan(world_size=sum(ranks_per_member))
     first = 0
     for i, n in enumerate(ranks_per_member):
@@ -84,6 +84,7 @@ def plan_of(*ranks_per_member: int, shard: int) -> pb.Plan:
         first += n
     plan.layout.dp, plan.layout.shard = plan.world_size, shard
     plan.layout.replicate = plan.world_size // shard
+    plan.layout.ep = ep
     return plans.set_nodes(plan)
 
 
@@ -99,6 +100,14 @@ class TestPartners:
         assert replicated_elsewhere(plan_of(2, 2, shard=2))  # replicate 2 across the nodes
         assert not replicated_elsewhere(plan_of(2, 2, shard=4))  # pure FSDP across them
         assert not replicated_elsewhere(plan_of(1, 1, shard=2))
+
+    def test_a_replica_that_holds_other_experts_is_no_replica_of_the_expert_slice(self):
+        # one rank per node, replicate 2: the dense rows have a replica on the
+        # other node, but its expert group coordinate differs (ep = 2 over both)
+        assert replicated_elsewhere(plan_of(1, 1, shard=1))
+        assert not replicated_elsewhere(plan_of(1, 1, shard=1, ep=2))
+        # two ranks per node, ep = 2 inside each: the other node holds the same experts
+        assert replicated_elsewhere(plan_of(2, 2, shard=2, ep=2))
 
 
 def test_a_snapshot_holds_the_shards_at_its_step_and_the_store_offers_them_by_step():

@@ -12,20 +12,51 @@ The data-parallel coordinate ``dp_rank = replicate_i * shard + shard_i``
 decides which samples a rank trains on: TP and PP peers (same dp_rank) get
 identical batches.
 
+Expert parallel sub-divides the data-parallel ranks (``ep`` divides dp; the
+planner waits otherwise): an *expert group* is ``ep`` consecutive dp ranks,
+and the groups are replicas of each other (``edp = dp // ep`` of them),
+
+    dp_rank = edp_i * ep + ep_i
+
+so an expert stacked as ``[E, ...]`` and placed ``(Replicate(), Shard(0))``
+on `expert_mesh`'s ``("edp", "ep")`` is held in ``ep`` slices by every expert
+group. When ep divides the dp ranks of a node (with pp = 1) an expert group
+lies inside one node and, with two nodes or more, its replicas on the
+others: a lost node leaves every expert a live holder, and the survivors'
+reshard (`worker/state/reshard.py`) fills the new layout from them. The
+expert mesh is a view of the same ranks: `MESH_DIMS` and the ranks along
+them are the same with and without ep.
+
 `build_mesh` is a collective over the generation's default group (every rank
-calls it in the same order); torch creates one sub-group per mesh dimension.
+calls it in the same order); torch creates one sub-group per mesh dimension
+(and, with ep > 1, one for the flattened dp ranks and one per expert dimension).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from springback.v1 import types_pb2 as pb
 
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
 MESH_DIMS = ("pp", "replicate", "shard", "tp")
 """Dimension names of `build_mesh`'s mesh, outermost first."""
+
+EXPERT_DIMS = ("edp", "ep")
+"""Dimension names of `expert_mesh`'s view of the dp ranks, outermost first:
+the expert groups' replicas, then the ranks of one expert group."""
+
+_FLAT_DP = "_springback_dp"
+"""The name of the flattened dp dimension the expert view is cut from."""
+
+_VIEW_ATTR = "_springback_expert_view"
+"""The attribute of a generation's mesh that keeps its expert view (so the
+view lives and goes with the mesh)."""
 
 
 @dataclass(frozen=True)
@@ -52,6 +83,9 @@ class MeshLayout:
             raise ValueError(
                 f"plan layout pp={pp} x replicate={replicate} x shard={shard} x tp={tp} "
                 f"does not cover world_size {plan.world_size}")
+        if out.dp % out.ep:
+            raise ValueError(f"plan layout ep={out.ep} does not divide the data-parallel "
+                             f"size {out.dp}")
         return out
 
     @property
@@ -83,16 +117,54 @@ class MeshLayout:
         c = self.coordinates(rank)
         return c["replicate"] * self.shard + c["shard"]
 
+    def expert_coordinates(self, rank: int) -> dict[str, int]:
+        """`rank`'s coordinate along each of `EXPERT_DIMS` (module docstring)."""
+        edp, ep = divmod(self.dp_rank(rank), self.ep)
+        return {"edp": edp, "ep": ep}
+
     def as_dict(self) -> dict[str, int]:
         """The layout as a checkpoint manifest records it."""
         return {"dp": self.dp, "replicate": self.replicate, "shard": self.shard,
                 "tp": self.tp, "pp": self.pp, "ep": self.ep}
 
 
-def build_mesh(layout: MeshLayout, device_type: str) -> torch.distributed.device_mesh.DeviceMesh:
-    """The named DeviceMesh of `layout` over the default process group
-    (collective; raises what a failed collective raises, which ends the
-    generation like a failed step)."""
+def build_mesh(layout: MeshLayout, device_type: str) -> DeviceMesh:
+    """The named DeviceMesh of `layout` over the default process group, and
+    with ep > 1 its expert view (`expert_mesh`), made now so that its groups
+    exist before the ranks exchange their sockets' addresses (a peer's death
+    seen on them is then named). Collective; raises what a failed collective
+    raises, which ends the generation like a failed step."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh(device_type, layout.shape, mesh_dim_names=MESH_DIMS)
+    mesh = init_device_mesh(device_type, layout.shape, mesh_dim_names=MESH_DIMS)
+    if layout.ep > 1:
+        _expert_view(mesh, layout.ep)
+    return mesh
+
+
+def expert_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The ``("edp", "ep")`` view (`EXPERT_DIMS`) of this rank's dp ranks in
+    the generation's `mesh`, for expert-parallel parameters (module
+    docstring): ``(dp // ep, ep)`` ranks, the plan's ep degree.
+
+    The view `build_mesh` made with the mesh; for a layout without ep (ep = 1,
+    e.g. a standalone run) it is made on the first call, a collective then:
+    every rank must call it in the same order (the build function, which
+    every rank runs, is such a place), it raises what a failed collective
+    raises, and a peer's death seen first on its groups is not named (the
+    liveness timeout finds it). Idempotent: later calls return the same
+    view. Raises ValueError for a mesh that is not on `MESH_DIMS`."""
+    view = getattr(mesh, _VIEW_ATTR, None)
+    if view is not None:
+        return view
+    if tuple(mesh.mesh_dim_names or ()) != MESH_DIMS:
+        raise ValueError(f"expert_mesh needs the generation's mesh (dims {MESH_DIMS}), "
+                         f"got dims {mesh.mesh_dim_names}")
+    return _expert_view(mesh, 1)
+
+
+def _expert_view(mesh: DeviceMesh, ep: int) -> DeviceMesh:
+    dp = mesh["replicate", "shard"]._flatten(_FLAT_DP)
+    view = dp._unflatten(0, (dp.size() // ep, ep), EXPERT_DIMS)
+    setattr(mesh, _VIEW_ATTR, view)
+    return view

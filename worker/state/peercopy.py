@@ -48,7 +48,8 @@ Failure semantics:
 * A failed send or receive raises what a failed collective raises, at the
   boundary it is waited for: ``with gen:`` takes it for a membership change.
 * Copies are not made with one member (nothing to lose them to), when every
-  rank's blocks already have a replica on another member (HSDP across nodes),
+  rank's blocks already have a replica on another member (HSDP across nodes;
+  with expert parallel, a replica in the same place of another expert group),
   or for state the in-memory reshard does not handle (`Partial`, plain
   parameters not declared replicated). Tensor-parallel slices are copied
   like FSDP's shards.
@@ -168,15 +169,19 @@ def partners(plan: pb.Plan) -> dict[int, int]:
 
 
 def replicated_elsewhere(plan: pb.Plan) -> bool:
-    """Every rank's rows have a replica (same pp, shard and tp coordinate,
-    another replicate index) on another member: HSDP across nodes."""
+    """Every rank's rows have a replica (same pp, shard, tp and expert-group
+    coordinate, another replicate index) on another member: HSDP across
+    nodes. With ep > 1 a rank's expert slice is the same as another's only
+    at the same ``ep`` coordinate (`worker/state/mesh.py`), so a replica of
+    its shard that holds other experts is none."""
     layout = MeshLayout.from_plan(plan)
     node = {first + i: n for n, (first, size) in enumerate(plans.node_starts(plan))
             for i in range(size)}
-    coords = {r: layout.coordinates(r) for r in range(layout.world_size)}
+    coords = {r: {**layout.coordinates(r), **layout.expert_coordinates(r)}
+              for r in range(layout.world_size)}
 
-    def key(r: int) -> tuple[int, int, int]:
-        return coords[r]["pp"], coords[r]["shard"], coords[r]["tp"]
+    def key(r: int) -> tuple[int, int, int, int]:
+        return coords[r]["pp"], coords[r]["shard"], coords[r]["tp"], coords[r]["ep"]
 
     return all(any(key(o) == key(r) and node[o] != node[r] for o in coords if o != r)
                for r in coords)

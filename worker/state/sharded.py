@@ -15,6 +15,12 @@ parallelize its model and optimizer on a mesh, the library calls it.
             model, opt = gen.model, gen.optimizer
             for batch in gen.batches(): ...
 
+With an ``ep`` degree in the layout, ``springback.worker.expert_mesh(mesh)``
+is the ``("edp", "ep")`` view of the dp ranks for expert-parallel parameters
+(experts stacked ``[E, ...]``, placed ``(Replicate(), Shard(0))``; see
+`worker/state/mesh.py` and tests/worker/moe_train.py); they reshard like any
+DTensor.
+
 `build` is called at the start of every generation on that generation's mesh
 (each generation has a new process group, and FSDP2 modules are bound to
 their mesh); the state is then carried over from the previous generation's
