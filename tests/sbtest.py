@@ -108,3 +108,17 @@ def leader_of(store) -> str | None:  # noqa: ANN001 (a springback.service.store.
 
     entry = store.get(keys.LEADER)
     return entry.value.decode() if entry else None
+
+
+def run_gloo_peers(script: str, world: int, store_path: str, timeout_s: float = 80) -> list[dict]:
+    """Runs `world` processes of `script` (argv: rank, world, a file-store
+    path for ``init_process_group``), one thread each; fails the test unless
+    every one exits 0, and returns each rank's ``RESULT <json>`` line, parsed."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, script, str(r), str(world), store_path],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(world)]
+    outs = [p.communicate(timeout=timeout_s)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    return [json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[7:])
+            for out in outs]

@@ -143,6 +143,19 @@ def record(gen, when: str, step: int) -> None:  # noqa: ANN001
                                 "digest": value}) + "\n")
 
 
+def record_applied(gen, step: int) -> None:  # noqa: ANN001
+    """At the job's last step: the counter of samples that reached the
+    optimizer, gathered whole (a collective: every rank calls it), written
+    by rank 0 for the exactly-once audit."""
+    full = get_model_state_dict(gen.model, options=FULL)
+    audit_dir = os.environ.get(AUDIT_DIR)
+    if audit_dir and gen.rank == 0:
+        path = os.path.join(audit_dir, f"applied-p{os.getpid()}.json")
+        with open(path + ".tmp", "w", encoding="utf-8") as f:
+            json.dump({"step": step, "counter": full["counter.weight"].tolist()}, f)
+        os.replace(path + ".tmp", path)
+
+
 def main() -> int:
     torch.set_num_threads(1)
     applied = AppliedSteps()
@@ -178,14 +191,7 @@ def main() -> int:
                     time.sleep(sleep_s)
             record(gen, "end", session.step)  # a clean end: every rank is here
             if session.step >= gen.max_steps:
-                full = get_model_state_dict(gen.model, options=FULL)  # every rank: collective
-                audit_dir = os.environ.get(AUDIT_DIR)
-                if audit_dir and gen.rank == 0:
-                    path = os.path.join(audit_dir, f"applied-p{os.getpid()}.json")
-                    with open(path + ".tmp", "w", encoding="utf-8") as f:
-                        json.dump({"step": session.step,
-                                   "counter": full["counter.weight"].tolist()}, f)
-                    os.replace(path + ".tmp", path)
+                record_applied(gen, session.step)
     return 0
 
 

@@ -41,11 +41,10 @@ import time
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
-from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from draws import record_draw
-from fsdp_train import FULL, NUM_COUNTED, AppliedSteps, features, record
+from fsdp_train import NUM_COUNTED, AppliedSteps, features, record, record_applied
 from springback.client.env import AUDIT_DIR
 from springback.worker import Session, expert_mesh
 
@@ -218,14 +217,7 @@ def main() -> int:
                     time.sleep(sleep_s)
             record(gen, "end", session.step)  # a clean end: every rank is here
             if session.step >= gen.max_steps:
-                full = get_model_state_dict(gen.model, options=FULL)  # every rank: collective
-                audit_dir = os.environ.get(AUDIT_DIR)
-                if audit_dir and gen.rank == 0:
-                    path = os.path.join(audit_dir, f"applied-p{os.getpid()}.json")
-                    with open(path + ".tmp", "w", encoding="utf-8") as f:
-                        json.dump({"step": session.step,
-                                   "counter": full["counter.weight"].tolist()}, f)
-                    os.replace(path + ".tmp", path)
+                record_applied(gen, session.step)
     return 0
 
 

@@ -8,15 +8,13 @@ them from there: in memory, no checkpoint read, bit-identical."""
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from cluster import steps
+from sbtest import run_gloo_peers
 from test_elastic import cluster  # noqa: F401 - the fixture
 from test_sharded import SPEC, assert_resharded_bit_identical
 
@@ -32,15 +30,8 @@ def test_experts_split_over_ep_train_as_the_same_experts_held_whole(tmp_path):
     (tokens dispatched by all-to-all) ends where the same model with every
     expert on every rank (ep = 1) ends, so a token reaches its expert and
     the expert's gradient reaches the rank that holds it."""
-    script = Path(__file__).with_name("moe_equivalence_peer.py")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, str(script), str(r), "2", str(tmp_path / "store")],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for r in range(2)]
-    outs = [p.communicate(timeout=80)[0] for p in procs]
-    assert all(p.returncode == 0 for p in procs), outs
-    split, whole = json.loads(next(line for line in outs[0].splitlines()
-                                   if line.startswith("RESULT "))[7:]).values()
+    script = str(Path(__file__).with_name("moe_equivalence_peer.py"))
+    split, whole = run_gloo_peers(script, 2, str(tmp_path / "store"))[0].values()
     assert sorted(split) == sorted(whole) and "moe.w1" in split
     for name in whole:
         assert torch.allclose(torch.tensor(split[name]), torch.tensor(whole[name]),

@@ -110,21 +110,12 @@ def test_the_expert_mesh_is_a_dp_by_ep_view_over_real_groups_and_leaves_the_mesh
     group of the docstring's rank order (all-gather, all-to-all) and an
     expert stack Shard(0) over it gathers whole; the generation mesh is the
     same as without ep; with ep = 1 the view is made on request."""
-    import json
-    import os
-    import subprocess
-    import sys
     from pathlib import Path
 
-    script = Path(__file__).with_name("expert_mesh_peer.py")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, str(script), str(r), "4", str(tmp_path / "store")],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for r in range(4)]
-    outs = [p.communicate(timeout=80)[0] for p in procs]
-    assert all(p.returncode == 0 for p in procs), outs
-    results = [json.loads(next(line for line in out.splitlines()
-                               if line.startswith("RESULT "))[7:]) for out in outs]
+    from sbtest import run_gloo_peers
+
+    script = str(Path(__file__).with_name("expert_mesh_peer.py"))
+    results = run_gloo_peers(script, 4, str(tmp_path / "store"))
     for rank, res in enumerate(results):
         hsdp, tp, plain = res["hsdp-ep2"], res["tp2-ep2"], res["hsdp-ep1"]
         assert hsdp["dims"] == plain["dims"] == ["pp", "replicate", "shard", "tp"]
