@@ -29,6 +29,7 @@ from springback.service.store import Store
 from springback.v1 import types_pb2 as pb
 from springback.v1 import worker_service_pb2 as ws
 from springback.v1 import worker_service_pb2_grpc as ws_grpc
+from springback.worker.agent.startup import RETRIED_JOIN_CODES
 
 
 def leader_of(store: Store) -> str | None:
@@ -148,19 +149,14 @@ def _interval_in(response: bytes) -> float | None:
 
 _METHOD = "/springback.v1.WorkerService/"
 JOIN_DEADLINE_S = 300.0  # a member gives up joining after this
-_RETRIED_JOIN_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
-                       grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.CANCELLED)
-"""As the agent retries a join (worker/agent/node.py `RETRIED_JOIN_CODES`):
-CANCELLED included, which every call in flight on a connection gets when
-the connection drops (a keepalive ping unanswered in time under load)."""
 TICK_S = 0.02  # the scheduler's longest sleep: heartbeats go out at most this late
 
 
 class SimFleet:
     """Members of one or more jobs driven on one asyncio loop (a thread of
     its own) over a few `grpc.aio` channels, the way agents drive them:
-    JoinJob with a token (all at once, or `join_rate_per_s` a second; retried with the same token on UNAVAILABLE,
-    DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED and CANCELLED for `JOIN_DEADLINE_S`), a WatchPlans stream (reconnected with jittered
+    JoinJob with a token (all at once, or `join_rate_per_s` a second; retried with the same token on the agent's
+    `RETRIED_JOIN_CODES` for `JOIN_DEADLINE_S`), a WatchPlans stream (reconnected with jittered
     backoff on any error) and heartbeats at the interval the coordinator
     names (JoinJobResponse's, then the newest HeartbeatResponse's that sets
     one), jittered to 0.8-1.0 of it, deadline at least 1 s.
@@ -254,7 +250,7 @@ class SimFleet:
                 break
             except grpc.RpcError as e:
                 self.failures[f"JoinJob:{e.code().name}"] += 1
-                if (e.code() not in _RETRIED_JOIN_CODES
+                if (e.code() not in RETRIED_JOIN_CODES
                         or time.monotonic() - started > JOIN_DEADLINE_S):
                     return
             await asyncio.sleep(backoff.next_s())
