@@ -149,6 +149,14 @@ expire unheartbeated. Attempts stay cheap (one TCP connect and TLS handshake
 a second per endpoint)."""
 
 
+AUTH_TIMEOUT_S = 5.0
+"""The least deadline of an Authenticate call, whatever the store's own (the
+liveness probe's is 0.5 s): etcd checks the password with bcrypt and agrees
+the token through raft, which on a loaded machine takes longer than 0.5 s;
+with the short deadline a store could stay unauthenticated for as long as
+the load lasted."""
+
+
 def _token_rejected(error: grpc.RpcError) -> bool:
     """etcd no longer knows this client's token (it restarted, the token
     expired, or the auth store changed): the call was refused unapplied."""
@@ -242,7 +250,13 @@ class Store:
             request = etcdrpc.AuthenticateRequest(name=self._security.user,
                                                   password=self._security.password)
             try:
-                token = self._client.authstub.Authenticate(request, self._timeout_s).token
+                # a stub of its own on the endpoint in use, or the next one not
+                # failed: the client's cached authstub stays bound to the
+                # endpoint it was made on, even after that endpoint failed
+                stub = etcdrpc.AuthStub(self._client.channel)
+                token = stub.Authenticate(request, max(self._timeout_s, AUTH_TIMEOUT_S)).token
+            except etcd3.exceptions.NoServerAvailableError as e:
+                raise StoreUnavailable(f"etcd unavailable: authenticating: {e}") from e
             except grpc.RpcError as e:
                 if e.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION):
                     raise StoreDenied(f"etcd refused user {self._security.user!r}: "

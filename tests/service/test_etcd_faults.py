@@ -49,9 +49,7 @@ def state(client: Client, job_id: str) -> tuple:
             [c.step for c in client.list_checkpoints(job_id)])
 
 
-# Plain etcd: on the TLS + auth cluster a replica stayed cut off for 30 s
-# after the raft leader died, in 2 of 4 CI runs (never alone here); the cause
-# is not found yet (issue 26's note).
+@pytest.mark.secure_etcd
 class TestLosingOneEtcdMember:
     @pytest.mark.timeout(90)
     def test_losing_the_raft_leader_loses_nothing_and_writes_go_on(self, cluster, replicas, make_spec):

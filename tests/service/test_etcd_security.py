@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import socket
 
 import grpc
 from etcd3 import etcdrpc
@@ -128,3 +129,29 @@ class TestEtcdRestart:
         assert store._token != first and store.get("/springback/v1/jobs/y").value == b"2"
         root.close()
         store.close()
+
+
+class TestFailingOver:
+    def test_a_store_whose_first_endpoint_is_down_authenticates_on_the_next(self, secure_etcd):
+        # The first Authenticate goes to the endpoint the client picked at
+        # random; it is refused there. The next call must authenticate on the
+        # live endpoint (the client's own cached auth stub stayed bound to the
+        # dead one, so a replica's liveness probe never authenticated again).
+        with socket.socket() as s:  # a port nothing listens on
+            s.bind(("127.0.0.1", 0))
+            dead = f"https://127.0.0.1:{s.getsockname()[1]}"
+        endpoints = f"{dead},{secure_etcd.endpoint}"
+        stores = []
+        try:
+            while True:  # until the client picks the dead endpoint first (1 in 2 each)
+                store = Store(endpoints, timeout_s=0.5, security=secure_etcd.client_security)
+                stores.append(store)
+                if store._client.endpoint_in_use.netloc == dead.removeprefix("https://"):
+                    break
+            with pytest.raises(StoreUnavailable, match="authenticating"):
+                store.get("/springback/v1/jobs/x")
+            store.put("/springback/v1/jobs/x", b"1")
+            assert store.get("/springback/v1/jobs/x").value == b"1"
+        finally:
+            for store in stores:
+                store.close()
