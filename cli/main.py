@@ -117,6 +117,10 @@ def _job_command(args: argparse.Namespace) -> int:
             out.job(client.restore_job(args.job, args.step))
         elif action == "watch":
             _watch(client, args)
+        elif action == "join-credential":
+            credential = client.issue_join_credential(args.job)
+            print(json.dumps({"id": args.job, "credential": credential}) if args.json
+                  else credential)
     return 0
 
 
@@ -318,6 +322,9 @@ def build_parser() -> argparse.ArgumentParser:
     restore = actions.add_parser("restore", parents=[common], help="restore a committed step")
     restore.add_argument("job")
     restore.add_argument("--step", type=int, default=0, help="committed step (default newest)")
+    actions.add_parser("join-credential", parents=[common],
+                       help="print the job's join credential, for its agents' --token "
+                            "(joins and reads that job only)").add_argument("job")
     job.set_defaults(handler=_job_command)
     add_job_commands(actions, common)
 

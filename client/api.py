@@ -123,6 +123,13 @@ class Client:
                          self.timeout_s)
         return response.job, list(response.generations)
 
+    def issue_join_credential(self, job_id: str) -> str:
+        """The job's join credential for its agents (``springback run --token``):
+        it joins and reads that job only. Operators only; NOT_FOUND for an
+        unknown job, FAILED_PRECONDITION when the coordinator has no token."""
+        request = js.IssueJoinCredentialRequest(job_id=job_id)
+        return _call(self._stub.IssueJoinCredential, request, self.timeout_s).credential
+
     def delete_job(self, job_id: str) -> pb.Job:
         """Forgets a finished job (not its checkpoint files); returns its last record.
         FAILED_PRECONDITION while it is live; NOT_FOUND once deleted."""

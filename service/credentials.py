@@ -15,6 +15,17 @@ naming the role that would be needed. Changing the operator token revokes
 every member credential at once (members then fail UNAUTHENTICATED and their
 agents must join again).
 
+An agent needs to join before it is a member. The operator hands each job's
+agents that job's join credential (``IssueJoinCredential``, `springback job
+join-credential`)::
+
+    sbj1.<job id>.<HMAC-SHA256 of "join/<job id>", keyed as above>
+
+It makes only `JOIN_METHODS`, and only for the job it names: a node running
+agents of job A, whatever its ranks read from the agent, can join A (as any
+agent could) and read A, nothing of job B and no job control. After joining
+the agent calls with its member credential.
+
 Replicas call each other too (`streamnotes` relays plan-stream notes to the
 leader with ``ReportPlanStreams``). They do so with the replica credential::
 
@@ -33,12 +44,17 @@ import hashlib
 import hmac
 
 PREFIX = "sbm1"
+JOIN_PREFIX = "sbj1"
 REPLICA_PREFIX = "sbr1"
 
 MEMBER_METHODS = frozenset(f"/springback.v1.WorkerService/{name}" for name in (
     "Heartbeat", "LeaveJob", "DrainMember", "WatchPlans", "ReportStep", "ReportFailure",
     "CommitCheckpoint", "ReportCheckpointError"))
 """The calls a member credential may make: each request names its job and member."""
+
+JOIN_METHODS = frozenset({"/springback.v1.WorkerService/JoinJob",
+                          "/springback.v1.JobService/GetJob"})
+"""The calls a join credential may make: each request names its job."""
 
 REPLICA_METHODS = frozenset({"/springback.v1.WorkerService/ReportPlanStreams"})
 """The calls only replicas make (to the leader), with the replica credential
@@ -74,6 +90,30 @@ def member_of(operator_token: str, credential: str) -> tuple[str, str] | None:
     if not hmac.compare_digest(mac.encode(), _mac(operator_token, job_id, member_id).encode()):
         return None
     return job_id, member_id
+
+
+def _join_mac(operator_token: str, job_id: str) -> str:
+    return hmac.new(_key(operator_token), f"join/{job_id}".encode(), hashlib.sha256).hexdigest()
+
+
+def issue_join(operator_token: str, job_id: str) -> str:
+    """The join credential of job `job_id`. Raises ValueError for an empty id
+    or one with a ``.``."""
+    if not job_id or "." in job_id:
+        raise ValueError(f"job_id {job_id!r} cannot be bound in a join credential")
+    return f"{JOIN_PREFIX}.{job_id}.{_join_mac(operator_token, job_id)}"
+
+
+def job_joined_by(operator_token: str, credential: str) -> str | None:
+    """The job id of a valid join credential, None for anything else (not
+    one, or forged: compared in constant time)."""
+    parts = credential.split(".")
+    if len(parts) != 3 or parts[0] != JOIN_PREFIX or not parts[1]:
+        return None
+    _, job_id, mac = parts
+    if not hmac.compare_digest(mac.encode(), _join_mac(operator_token, job_id).encode()):
+        return None
+    return job_id
 
 
 def replica_credential(operator_token: str) -> str:

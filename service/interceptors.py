@@ -10,7 +10,8 @@
   `credentials.REPLICA_METHODS`; a member credential (issued by `JoinJob`)
   opens only `MEMBER_METHODS`, and only for the job and member it names (the
   request is read to check, also a raw one about to be forwarded to the
-  leader, which checks it again). With ``tls_roles`` (``--tls-roles``), a
+  leader, which checks it again); a job's join credential only
+  `credentials.JOIN_METHODS` of that job. With ``tls_roles`` (``--tls-roles``), a
   call without a bearer token takes the role its client certificate's CN or
   SAN maps to; an unmapped certificate has none. Anything else is
   PERMISSION_DENIED naming the role that would be needed, before the handler
@@ -61,6 +62,7 @@ from springback.client.errors import SpringbackError
 from springback.client.polling import wait_until
 from springback.service import credentials
 from springback.service.election import Election
+from springback.v1 import job_service_pb2 as js
 from springback.v1 import worker_service_pb2 as ws
 
 log = logging.getLogger(__name__)
@@ -124,7 +126,10 @@ def _needed(method: str) -> str:
     if method in credentials.REPLICA_METHODS:
         return ("the replica role (the replicas' own credential, or a client certificate "
                 "mapped to replica)")
-    return "the operator role (the coordinator's token, or a client certificate mapped to operator)"
+    operator = "the operator role (the coordinator's token, or a client certificate mapped to operator)"
+    if method in credentials.JOIN_METHODS:
+        return f"{operator}, or the job's join credential"
+    return operator
 
 
 def _allowed(role: str, method: str) -> bool:
@@ -191,6 +196,15 @@ class BearerAuth(grpc.aio.ServerInterceptor):
                              "that member's own calls")
             handler = await continuation(details)
             return None if handler is None else _bound(handler, method, *member)
+        joining = (credentials.job_joined_by(self._token, sent.removeprefix("Bearer "))
+                   if self._token else None)
+        if joining is not None:
+            if method not in credentials.JOIN_METHODS:
+                return _deny(grpc.StatusCode.PERMISSION_DENIED,
+                             f"{method} needs {_needed(method)}; this is the join credential "
+                             f"of job {joining!r}, which only joins and reads that job")
+            handler = await continuation(details)
+            return None if handler is None else _joining(handler, method, joining)
         if sent or not self._tls_roles:
             return _deny(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid bearer token")
         # No token: the role is the client certificate's, known only to the
@@ -227,12 +241,37 @@ class BearerAuth(grpc.aio.ServerInterceptor):
         return "", subject
 
 
+def _request_type(method: str) -> Any:
+    """The request message of a Springback `method` (``/springback.v1.<Service>/<Name>``)."""
+    service, name = method.removeprefix(_API_PREFIX).split("/")
+    module = ws if service == "WorkerService" else js
+    return getattr(module, name + "Request")
+
+
+def _joining(handler: grpc.RpcMethodHandler, method: str,
+             job_id: str) -> grpc.RpcMethodHandler:
+    """`handler`, refusing (PERMISSION_DENIED) a request for another job than
+    the join credential's (a raw request, about to be forwarded, is parsed)."""
+    request_type = _request_type(method)
+
+    def refusal(request: Any, context: grpc.ServicerContext) -> str | None:
+        if isinstance(request, bytes):
+            request = request_type.FromString(request)
+        if request.job_id == job_id:
+            return None
+        return (f"the join credential of job {job_id!r} cannot act on job "
+                f"{request.job_id!r}: that needs that job's own join credential or "
+                "the operator role")
+
+    return _checked(handler, refusal)
+
+
 def _bound(handler: grpc.RpcMethodHandler, method: str, job_id: str,
            member_id: str) -> grpc.RpcMethodHandler:
     """`handler`, refusing (PERMISSION_DENIED) a request that names another
     job or member than the credential's (a raw request, about to be
     forwarded, is parsed to check)."""
-    request_type = getattr(ws, method.rsplit("/", 1)[1] + "Request")
+    request_type = _request_type(method)
 
     def refusal(request: Any, context: grpc.ServicerContext) -> str | None:
         if isinstance(request, bytes):

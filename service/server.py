@@ -327,7 +327,9 @@ class CoordinatorServer:
             window_s=lambda: self.coordinator.liveness_timeout_s)
         self._server.add_generic_rpc_handlers([
             _service_handler(job_service_pb2_grpc.add_JobServiceServicer_to_server,
-                             JobServicer(self.coordinator, self._stream_pool)),
+                             JobServicer(self.coordinator, self._stream_pool, issue_join=(
+                                 functools.partial(credentials.issue_join, config.token)
+                                 if config.token else None))),
             _worker_service_handler(
                 WorkerServicer(self.coordinator, self.liveness, self.plan_streams, heartbeats,
                                self.stream_notes, issue_credential=(

@@ -23,7 +23,7 @@ from google.protobuf.duration_pb2 import Duration
 
 from springback.service.commits import Commits
 from springback.service.coordinator import Coordinator
-from springback.client.errors import SpringbackError, grpc_code
+from springback.client.errors import FailedPrecondition, SpringbackError, grpc_code
 from springback.service import streamnotes
 from springback.service.evidence import PeerLossEvidence
 from springback.service.streamnotes import StreamNotes
@@ -83,9 +83,13 @@ def _handle(fn: F) -> F:
 
 
 class JobServicer(js_grpc.JobServiceServicer):
-    def __init__(self, coordinator: Coordinator, stream_pool: futures.ThreadPoolExecutor) -> None:
+    def __init__(self, coordinator: Coordinator, stream_pool: futures.ThreadPoolExecutor,
+                 issue_join: Callable[[str], str] | None = None) -> None:
+        """`issue_join(job_id)`: a job's join credential (`credentials.issue_join`
+        with the coordinator's token; None without a token)."""
         self.coordinator = coordinator
         self.stream_pool = stream_pool
+        self.issue_join = issue_join
         self.jobs = JobControl(coordinator)
 
     @_handle
@@ -95,6 +99,15 @@ class JobServicer(js_grpc.JobServiceServicer):
     @_handle
     def GetJob(self, request: js.GetJobRequest, context: grpc.ServicerContext) -> js.GetJobResponse:
         return js.GetJobResponse(job=self.coordinator.get_job(request.job_id))
+
+    @_handle
+    def IssueJoinCredential(self, request: js.IssueJoinCredentialRequest,
+                            context: grpc.ServicerContext) -> js.IssueJoinCredentialResponse:
+        if self.issue_join is None:
+            raise FailedPrecondition("this coordinator has no --token: join credentials are "
+                                     "keyed by it (agents use their client certificates)")
+        self.coordinator.get_job(request.job_id)  # NotFound for an unknown job
+        return js.IssueJoinCredentialResponse(credential=self.issue_join(request.job_id))
 
     @_handle
     def ListJobs(self, request: js.ListJobsRequest, context: grpc.ServicerContext) -> js.ListJobsResponse:

@@ -56,3 +56,29 @@ def test_ranks_train_and_commit_with_their_member_credential_never_the_operator_
         # rank 0, a standby given the credential with its identity, reported
         # every step and recorded every commit with it
         assert sorted(c.step for c in client.list_checkpoints(job.id)) == [5, 10, 15, 20]
+
+
+def test_an_agent_given_only_its_jobs_join_credential_trains_the_job(
+        tmp_path, start_coordinator, make_spec):
+    # The node holds nothing that reaches another job: the agent joins with
+    # the job's join credential, then calls as its member.
+    server = start_coordinator(token=TOKEN)
+    wait_for(server.election.is_leader, 10, "leadership")
+    with Client(server.address, token=TOKEN) as client:
+        job = client.create_job(make_spec(
+            max_workers=1, max_steps=10,
+            checkpoint={"uri": f"file://{tmp_path}/ckpt", "every_steps": 5, "keep_last": 0}))
+        agent = AgentProcess(tmp_path, "a", job.id, server.address, nproc=2, env={
+            E.TOKEN: client.issue_join_credential(job.id), "TINY_STEP_SLEEP_S": "0.1"})
+        try:
+            wait_for(lambda: client.get_job(job.id).status.step >= 2, 60, "training")
+            for pid in (agent.pid, *children(agent.pid)):
+                assert TOKEN.encode() not in _environ(pid)
+            wait_for(lambda: client.get_job(job.id).status.state in (
+                pb.JOB_STATE_SUCCEEDED, pb.JOB_STATE_FAILED), 120, "the job to end")
+        finally:
+            agent.stop()
+        job = client.get_job(job.id)
+        log = agent.log_path.read_text(errors="replace")
+        assert job.status.state == pb.JOB_STATE_SUCCEEDED, (job.status.message, log[-3000:])
+        assert sorted(c.step for c in client.list_checkpoints(job.id)) == [5, 10]

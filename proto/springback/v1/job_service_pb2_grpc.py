@@ -94,6 +94,11 @@ class JobServiceStub:
                 request_serializer=springback_dot_v1_dot_job__service__pb2.DeleteJobRequest.SerializeToString,
                 response_deserializer=springback_dot_v1_dot_job__service__pb2.DeleteJobResponse.FromString,
                 _registered_method=True)
+        self.IssueJoinCredential = channel.unary_unary(
+                '/springback.v1.JobService/IssueJoinCredential',
+                request_serializer=springback_dot_v1_dot_job__service__pb2.IssueJoinCredentialRequest.SerializeToString,
+                response_deserializer=springback_dot_v1_dot_job__service__pb2.IssueJoinCredentialResponse.FromString,
+                _registered_method=True)
 
 
 class JobServiceServicer:
@@ -183,6 +188,17 @@ class JobServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def IssueJoinCredential(self, request, context):
+        """The join credential of a job, for its node agents (`springback run
+        --token`): it makes only JoinJob and GetJob of that job; each member then
+        calls with the member credential JoinJob gives it. Operators only;
+        NOT_FOUND for an unknown job; FAILED_PRECONDITION without a coordinator
+        token (credentials are keyed by it).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_JobServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -245,6 +261,11 @@ def add_JobServiceServicer_to_server(servicer, server):
                     servicer.DeleteJob,
                     request_deserializer=springback_dot_v1_dot_job__service__pb2.DeleteJobRequest.FromString,
                     response_serializer=springback_dot_v1_dot_job__service__pb2.DeleteJobResponse.SerializeToString,
+            ),
+            'IssueJoinCredential': grpc.unary_unary_rpc_method_handler(
+                    servicer.IssueJoinCredential,
+                    request_deserializer=springback_dot_v1_dot_job__service__pb2.IssueJoinCredentialRequest.FromString,
+                    response_serializer=springback_dot_v1_dot_job__service__pb2.IssueJoinCredentialResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -571,6 +592,33 @@ class JobService:
             '/springback.v1.JobService/DeleteJob',
             springback_dot_v1_dot_job__service__pb2.DeleteJobRequest.SerializeToString,
             springback_dot_v1_dot_job__service__pb2.DeleteJobResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def IssueJoinCredential(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/springback.v1.JobService/IssueJoinCredential',
+            springback_dot_v1_dot_job__service__pb2.IssueJoinCredentialRequest.SerializeToString,
+            springback_dot_v1_dot_job__service__pb2.IssueJoinCredentialResponse.FromString,
             options,
             channel_credentials,
             insecure,
