@@ -91,8 +91,12 @@ class Agent:
 
     def __init__(self, config: AgentConfig) -> None:
         self.config = config
+        # The agent's own token (a job's join credential, or the operator's)
+        # only checks the job and joins it; the member's calls then carry the
+        # member credential JoinJob issued (`_join`).
         self._channel = connect(config.coordinator or parse_addresses(None), token=config.token)
-        self._stub = wgrpc.WorkerServiceStub(self._channel)
+        self._join_stub = wgrpc.WorkerServiceStub(self._channel)
+        self._stub = self._join_stub
         # Library mode: no torch in the agent; local rank 0 serves the store on
         # this socket. Restart mode: the agent's own store, whose torch import
         # runs beside the ranks' set-up.
@@ -138,10 +142,14 @@ class Agent:
                                  rendezvous_port=self._rendezvous_port(),
                                  num_local_ranks=self.config.nproc_per_node,
                                  join_token=uuid.uuid4().hex)
-        resp = join_job(self._stub, req, deadline=time.monotonic() + self.config.connect_timeout_s,
+        resp = join_job(self._join_stub, req,
+                        deadline=time.monotonic() + self.config.connect_timeout_s,
                         attempt_timeout_s=RPC_TIMEOUT_S, drain_reason=lambda: self._drain_reason)
         self.member = resp.member
         self._member_credential = resp.member_credential
+        if resp.member_credential:  # a previous member's channel closes when dropped
+            self._stub = wgrpc.WorkerServiceStub(connect(
+                self.config.coordinator or parse_addresses(None), token=resp.member_credential))
         self.liveness_timeout_s = resp.liveness_timeout.ToTimedelta().total_seconds() or 5.0
         self._heartbeat_s = (resp.heartbeat_interval.ToTimedelta().total_seconds()
                              or self.liveness_timeout_s / 3)
