@@ -21,11 +21,11 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__all__ = ["Batch", "Generation", "SampleStream", "Session", "expert_mesh"]
+__all__ = ["Batch", "Generation", "SampleStream", "Session", "expert_mesh", "stage_layers"]
 
 _HOME = {"Batch": "train.sampler", "SampleStream": "train.sampler",
          "Generation": "train.generation", "Session": "train.session",
-         "expert_mesh": "state.mesh"}
+         "expert_mesh": "state.mesh", "stage_layers": "state.mesh"}
 
 
 def __getattr__(name: str) -> Any:

@@ -27,6 +27,14 @@ reshard (`worker/state/reshard.py`) fills the new layout from them. The
 expert mesh is a view of the same ranks: `MESH_DIMS` and the ranks along
 them are the same with and without ep.
 
+Pipeline parallel keeps ``pp`` fixed across generations (the planner only
+takes worlds that are a multiple of it): the stage a rank holds is its
+``pp`` coordinate, and `stage_layers` says which of a model's layers that
+stage holds. A stage's state keeps the full model's names (the script
+deletes the other stages' layers, `worker/state/sharded.py`), so a lost
+node's stage is refilled from any live dp replica of it, and a rank that
+moves to another stage takes that stage's layers from their holders.
+
 `build_mesh` is a collective over the generation's default group (every rank
 calls it in the same order); torch creates one sub-group per mesh dimension
 (and, with ep > 1, one for the flattened dp ranks and one per expert dimension).
@@ -126,6 +134,24 @@ class MeshLayout:
         """The layout as a checkpoint manifest records it."""
         return {"dp": self.dp, "replicate": self.replicate, "shard": self.shard,
                 "tp": self.tp, "pp": self.pp, "ep": self.ep}
+
+
+def stage_layers(mesh: DeviceMesh, num_layers: int) -> range:
+    """The layers (indices of ``range(num_layers)``) that this rank's
+    pipeline stage holds in the generation's `mesh`: ``num_layers`` split
+    into ``pp`` contiguous runs, the first ``num_layers % pp`` stages one
+    layer longer; stage i is this rank's ``pp`` coordinate. No collective.
+    Raises ValueError when a stage would hold no layer (``num_layers < pp``)
+    or for a mesh that is not on `MESH_DIMS`."""
+    if tuple(mesh.mesh_dim_names or ()) != MESH_DIMS:
+        raise ValueError(f"stage_layers needs the generation's mesh (dims {MESH_DIMS}), "
+                         f"got dims {mesh.mesh_dim_names}")
+    pp, stage = mesh.size(0), mesh.get_local_rank("pp")
+    if num_layers < pp:
+        raise ValueError(f"num_layers={num_layers} is fewer than the pp={pp} stages")
+    base, extra = divmod(num_layers, pp)
+    first = stage * base + min(stage, extra)
+    return range(first, first + base + (stage < extra))
 
 
 def build_mesh(layout: MeshLayout, device_type: str) -> DeviceMesh:

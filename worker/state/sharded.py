@@ -21,6 +21,21 @@ is the ``("edp", "ep")`` view of the dp ranks for expert-parallel parameters
 `worker/state/mesh.py` and tests/worker/moe_train.py); they reshard like any
 DTensor.
 
+With a ``pp`` degree, `build` returns this rank's pipeline *stage*: the full
+model with the other stages' layers deleted (``springback.worker.stage_layers(
+mesh, num_layers)`` says which this stage keeps; `worker/state/mesh.py`), so
+the state keys stay the full model's names whichever stage holds a layer,
+and an optimizer over the stage's parameters (the same param groups on every
+stage: the source rank's settings are set on all). The script makes its
+``PipelineStage`` and schedule over ``mesh["pp"].get_group()`` from
+``gen.model`` in each generation (tests/worker/pp_train.py). Each rank is
+filled with its own stage's keys only, from the stage's live dp replicas
+(plain parameters declared `replicated`, or DTensors); `unfilled` judges a
+fill on every rank's model keys, so the stages decide alike. Each stage's
+optimizer step first waits for every rank to reach it (a one-element
+all-reduce, `every_stage_reached_the_step`), so no stage applies a step
+that another stage broke in.
+
 `build` is called at the start of every generation on that generation's mesh
 (each generation has a new process group, and FSDP2 modules are bound to
 their mesh); the state is then carried over from the previous generation's
@@ -198,20 +213,16 @@ class ShardedModel:
                 raise BuildFailed(f"build() made no parameter {fqn!r}; the state has one")
             self.optimizer.state[self._params[fqn]].update(entries)
 
-    def missing(self, keys: Collection[str]) -> list[str]:
-        """The new model's parameters and buffers that no key of the held
-        state fills, and held keys the new model has no place for (the build
-        made another model): a fill that leaves any of them is incomplete."""
+    def own_keys(self) -> set[str]:
+        """The ``param/`` and ``buffer/`` keys of the new model (a pipeline
+        stage: its own layers' only)."""
         assert self.model is not None
         own = {f"param/{fqn}" for fqn in self._params}
-        own |= {f"buffer/{fqn}" for fqn, _ in self.model.named_buffers()}
-        unfilled = sorted(own - set(keys))
-        for key in keys:
-            kind, _, rest = key.partition("/")
-            fqn = rest.rpartition("/")[0] if kind == "optim" else rest
-            if (f"param/{fqn}" if kind == "optim" else key) not in own:
-                unfilled.append(f"{key} (not in the new model)")
-        return unfilled
+        return own | {f"buffer/{fqn}" for fqn, _ in self.model.named_buffers()}
+
+    def missing(self, keys: Collection[str]) -> list[str]:
+        """`unfilled` for this rank's new model alone."""
+        return unfilled(keys, [self.own_keys()])
 
     def hyperparameters(self) -> list[dict[str, Any]]:
         """The optimizer's param-group settings (lr, betas, ...), in group order."""
@@ -262,6 +273,8 @@ class ShardedModel:
     def _adopt(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         self.model, self.optimizer = model, optimizer
         self._params = dict(model.named_parameters())
+        if self.mesh is not None and self.mesh["pp"].size() > 1:
+            optimizer.register_step_pre_hook(every_stage_reached_the_step)
 
     def _materialise(self, device: torch.device, from_checkpoint: bool) -> bool:
         """Gives the meta-built model uninitialised memory on `device`; False
@@ -287,13 +300,17 @@ class ShardedModel:
 
     def targets(self, keys: dict[str, Box]) -> Held:
         """The views of the new model and optimizer that the held `keys` (of
-        any rank) go into; creates optimizer state entries the new optimizer
+        any rank) go into, for the keys this model has (a pipeline stage's
+        own: the other stages' keys are skipped); creates optimizer state entries the new optimizer
         does not have yet, shaped and placed like their parameter."""
         assert self.model is not None and self.optimizer is not None
         buffers = dict(self.model.named_buffers())
+        own = self.own_keys()
         out: Held = {}
         for key, rows in keys.items():
             kind, _, rest = key.partition("/")
+            if _model_key(key) not in own:
+                continue  # another pipeline stage's
             if kind == "param":
                 out[key] = box_of(self._params[rest])
             elif kind == "buffer":
@@ -313,3 +330,42 @@ class ShardedModel:
             else:
                 state[name] = torch.zeros(rows.shape, dtype=dtype)
         return state[name]
+
+
+def every_stage_reached_the_step(*_: Any) -> None:
+    """The optimizer step pre-hook of a pipeline stage (pp > 1): a one-element
+    all-reduce over the generation's world, so a stage applies a step only
+    once every rank's backward of it is done. Without it a stage whose dp
+    ranks finished reducing their gradients steps while another stage broke
+    on a dead peer, and the survivors hold stages of different steps (their
+    agreed step is the one before). Raises what a failed collective raises
+    (the generation ends, this stage's step not applied)."""
+    import torch.distributed as dist
+
+    from springback.worker.rank.rendezvous import handed_to_gloo
+
+    reached = torch.ones(1)
+    dist.all_reduce(reached)
+    handed_to_gloo(reached)
+
+
+def _model_key(key: str) -> str:
+    """The ``param/`` or ``buffer/`` key a held key belongs to (an optimizer
+    entry ``optim/<fqn>/<name>`` to its parameter's)."""
+    kind, _, rest = key.partition("/")
+    return f"param/{rest.rpartition('/')[0]}" if kind == "optim" else key
+
+
+def unfilled(keys: Collection[str], owns: list[set[str]]) -> list[str]:
+    """What a fill from the held `keys` leaves undone when the new models'
+    keys (`ShardedModel.own_keys`) are `owns`, one set per rank: every
+    model's parameters and buffers that no held key fills, and held keys
+    that no new model has a place for (the build made another model). A
+    pure function of its arguments, so ranks that all-gathered their
+    `owns` decide alike (a pipeline's stages own different keys)."""
+    held = set(keys)
+    out = sorted({k for own in owns for k in own} - held)
+    placed = set().union(*owns)
+    out += [f"{key} (not in the new model)" for key in sorted(held)
+            if _model_key(key) not in placed]
+    return out

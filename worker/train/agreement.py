@@ -70,7 +70,7 @@ from springback.worker.state.reshard import (
     exchange,
     plan_transfers,
 )
-from springback.worker.state.sharded import Captured, ShardedModel
+from springback.worker.state.sharded import Captured, ShardedModel, unfilled
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -347,23 +347,28 @@ class StateAgreement:
         best = max(steps)
         source = steps.index(best)
         have = ({"rows": {k: rows for k, (_, rows) in captured.held.items()},
-                 "digests": captured.digests} if steps[rank] == best else {})
+                 "digests": captured.digests, "loose": captured.loose}
+                if steps[rank] == best else {})
         haves = cast(list[dict[str, Any]], all_gather_objects(have, plan.world_size))
         keys: dict[str, Box] = {k: r for h in haves for k, r in h.get("rows", {}).items()}
         ref = plan.restore.checkpoint if plan.restore.checkpoint.uri else None
         differing = _differing_replicas(haves)
         if differing:
             return self._refused(plan, rank, best, ", ".join(differing), ref, mesh)
-        unfilled = sm.missing(keys)
-        if unfilled:
-            log.warning("the held state of step %d does not fill the new model: %s",
-                        best, ", ".join(unfilled[:5]))
-            return self._next_source(plan, rank, best, ref, mesh,
-                                     f"the held state does not fill {', '.join(unfilled[:3])}")
+        # a pipeline stage's model has its own layers only: every rank learns
+        # every model's keys with the needs, so the fill is judged alike
         targets = sm.targets(keys)
-        needs = all_gather_objects({k: r for k, (_, r) in targets.items()}, plan.world_size)
+        gathered = cast(list[dict[str, Any]], all_gather_objects(
+            {"needs": {k: r for k, (_, r) in targets.items()}, "own": sorted(sm.own_keys())},
+            plan.world_size))
+        missing = unfilled(keys, [set(g["own"]) for g in gathered])
+        if missing:
+            log.warning("the held state of step %d does not fill the new model: %s",
+                        best, ", ".join(missing[:5]))
+            return self._next_source(plan, rank, best, ref, mesh,
+                                     f"the held state does not fill {', '.join(missing[:3])}")
         transfers = plan_transfers([h.get("rows", {}) for h in haves],
-                                   cast(list[dict[str, Box]], needs))
+                                   [g["needs"] for g in gathered])
         if transfers is None:
             return self._next_source(plan, rank, best, ref, mesh, "")
         written = exchange(transfers, rank, captured.held, targets)
@@ -372,11 +377,13 @@ class StateAgreement:
         extra = {k: v for k, v in self.ctx.state.items() if k not in ("model", "optimizer")}
         mine = ({"hyper": sm.hyperparameters(), "extra": {k: v.state_dict() for k, v in
                                                           extra.items()},
-                 "loose": captured.loose, "rng": self._own_rng()}
+                 "rng": self._own_rng()}
                 if rank == source else None)
         replicated = broadcast_object(mine, source, rank)
         sm.set_hyperparameters(replicated["hyper"])
-        sm.set_loose_state(replicated["loose"])
+        own = sm.own_keys()  # each stage's from its holders
+        sm.set_loose_state({fqn: entries for h in haves for fqn, entries in h.get("loose", {}).items()
+                            if f"param/{fqn}" in own})
         if rank != source:
             for k, v in extra.items():
                 v.load_state_dict(replicated["extra"][k])

@@ -1,0 +1,148 @@
+"""Pipeline parallel kept live (DP x PP): a pipeline script
+(tests/worker/pp_train.py: four layers split over pp = 2 stages by
+`springback.worker.stage_layers`, each stage the full model less the other
+stages' layers, so its state keeps the global names; GPipe over gloo;
+plain parameters replicated over a stage's dp ranks) on real agents,
+coordinator and etcd. A node's loss leaves each stage a live dp replica on
+the survivors, a join takes the stages from there: in memory, no checkpoint
+read, bit-identical."""
+
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+from cluster import steps
+from sbtest import run_gloo_peers
+from test_elastic import cluster  # noqa: F401 - the fixture
+from test_sharded import SPEC
+
+from springback.worker.state.reshard import Box, plan_transfers
+from springback.worker.state.sharded import unfilled
+
+PP_TRAIN = str(Path(__file__).with_name("pp_train.py"))
+PP = {**{k: v for k, v in SPEC.items() if k != "checkpoint"}, "name": "pipeline-parallel",
+      "min_workers": 1, "max_workers": 4, "layout": {"pp": 2}}
+"""No checkpoint: the library's checkpoint writer takes plain tensors as held
+by every rank, which a pipeline stage's are not (each stage has its own
+keys), so memory is the only source: a fill that failed would be a state
+loss, which the test refuses."""
+
+
+def _whole(n: int) -> Box:
+    return Box((n,), "float32", (0,), (n,))
+
+
+@pytest.mark.timeout(10)
+def test_each_stage_is_filled_from_its_own_replicas_and_judged_on_every_stage():
+    """Old ranks 0-1 held stage 0 (layers.0), 2-3 stage 1 (layers.1), whole;
+    the new world of 2 needs one stage each: each key comes from a holder of
+    it, and the fill is complete only over both stages' keys."""
+    stage = [{"param/layers.0.weight": _whole(4)}, {"param/layers.1.weight": _whole(6)}]
+    have = [stage[0], stage[0], stage[1], stage[1]]
+    transfers = plan_transfers(have, [stage[0], stage[1], {}, {}])
+    assert transfers is not None
+    assert {(t.key, t.dst) for t in transfers} == {("param/layers.0.weight", 0),
+                                                   ("param/layers.1.weight", 1)}
+    assert all(t.key in have[t.src] for t in transfers)
+    owns = [set(stage[0]), set(stage[1])]
+    assert unfilled({**stage[0], **stage[1]}, owns) == []
+    assert unfilled(stage[0], owns) == ["param/layers.1.weight"]  # stage 1 lost
+    assert unfilled({**stage[0], "optim/layers.9.weight/exp_avg": _whole(1)}, [set(stage[0])]) \
+        == ["optim/layers.9.weight/exp_avg (not in the new model)"]
+    # each rank alone (the peer copies' test): the other stage's keys have no place
+    assert unfilled({**stage[0], **stage[1]}, [owns[0]]) == [
+        "param/layers.1.weight (not in the new model)"]
+
+
+@pytest.mark.timeout(90)
+def test_a_two_stage_pipeline_trains_like_the_model_unpipelined(tmp_path):
+    """pp_equivalence_peer.py on two gloo ranks: pp_train.py's model trained
+    4 steps as a 2-stage GPipe pipeline (2 micro-batches) ends where the
+    same model trained whole on the same batches ends, so activations reach
+    the next stage and gradients come back to the one before."""
+    script = str(Path(__file__).with_name("pp_equivalence_peer.py"))
+    result = run_gloo_peers(script, 2, str(tmp_path / "store"))[0]
+    split, whole = result["split"], result["whole"]
+    assert sorted(split) == sorted(whole) and "layers.0.weight" in split
+    for name in whole:
+        assert torch.allclose(torch.tensor(split[name]), torch.tensor(whole[name]),
+                              atol=1e-5), name
+    applied = torch.zeros(256, dtype=torch.float64)
+    applied[:48] = 1  # 4 steps of 12 samples, each applied once
+    assert torch.equal(torch.tensor(split["counter.weight"], dtype=torch.float64), applied)
+
+
+def assert_stages_bit_identical(root: Path, world: int) -> None:
+    """The full state gathered at the start of each generation of `world`
+    ranks equals, tensor by tensor, what the ranks of earlier generations
+    held after that step (pp_train.py's records): every key, every digest."""
+    records = []
+    for path in sorted((root / "audit").glob("digest-g*-r*.jsonl")):
+        generation = int(path.stem.split("-")[1].removeprefix("g"))
+        records += [{**json.loads(line), "generation": generation}
+                    for line in path.read_text().splitlines()]
+    starts = [r for r in records if r["when"] == "start" and r["world_size"] == world
+              and r["step"] > 0]
+    assert starts, f"no generation of {world} ranks started from a trained state"
+    for start in starts:
+        earlier: dict[str, set[str]] = {}
+        for r in records:
+            if r["step"] == start["step"] and r["generation"] < start["generation"]:
+                for key, digest in r["keys"].items():
+                    earlier.setdefault(key, set()).add(digest)
+        assert earlier == {k: {d} for k, d in start["keys"].items()}, (start, earlier)
+
+
+def held_stages(root: Path) -> dict[int, dict[int, dict]]:
+    """generation -> rank -> the layers pp_train.py recorded holding at its start."""
+    out: dict[int, dict[int, dict]] = {}
+    for path in (root / "audit").glob("stage-g*-r*.json"):
+        generation, rank = (int(p[1:]) for p in path.stem.split("-")[1:])
+        out.setdefault(generation, {})[rank] = json.loads(path.read_text())
+    return out
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("cluster", [PP], indirect=True)
+def test_pipeline_node_loss_then_join_refill_the_stages_in_memory_bit_identical(cluster):
+    """Four single-rank nodes, pp = 2 x dp = 2: ranks 0-1 hold layers 0-1,
+    ranks 2-3 layers 2-3 (and the counter). SIGKILL of rank 1's node: its
+    stage's other replica (rank 0) and the last stage's two survive; the
+    planner keeps pp = 2 and takes a world of 2 (a 0 and c 1, each on the
+    stage it held; d waits as a spare). A fifth node joins: world 4 again,
+    c moves to stage 0 (from a) and d and e take stage 1 from c."""
+    pp = {"script": PP_TRAIN, "nproc": 1, "env": {"TINY_STEP_SLEEP_S": "0.2"}}
+    a = cluster.start("a", **pp)
+    b = cluster.start("b", **pp)
+    c = cluster.start("c", **pp)
+    d = cluster.start("d", **pp)
+    cluster.wait_world(4, min_step=12, timeout_s=150)
+    b.signal_node(signal.SIGKILL)
+    cluster.wait_world(2, min_step=max(r["step"] for r in steps(cluster.root)) + 2,
+                       timeout_s=90)
+    e = cluster.start("e", **pp)  # with the spare d: 2 -> 4 ranks
+    cluster.wait_world(4, min_step=max(r["step"] for r in steps(cluster.root)) + 3,
+                       timeout_s=120)
+    job = cluster.wait_succeeded(timeout_s=150)
+    for agent in (a, c, d, e):
+        assert agent.wait(30) == 0, agent.log()
+    logs = "".join(agent.log() for agent in (a, c, d, e))
+    # from memory (nothing else exists): no state lost, no step redone, each
+    # stage had a live replica
+    assert job.status.num_state_losses == 0 and job.status.steps_redone == 0, job.status
+    assert job.status.num_restores == 0 and not job.status.last_checkpoint.uri, job.status
+    assert "restoring checkpoint" not in logs and "state lost" not in logs, logs
+    assert_stages_bit_identical(cluster.root, world=2)  # after the loss
+    assert_stages_bit_identical(cluster.root, world=4)  # after the join
+    # every generation split the 4 layers over pp = 2 by the rank's pp coordinate
+    generations = held_stages(cluster.root)
+    assert {h["world_size"] for g in generations.values() for h in g.values()} == {2, 4}
+    for held in generations.values():
+        for rank, h in held.items():
+            stage = rank // (h["world_size"] // 2)
+            assert h["pp"] == 2 and h["layers"] == [2 * stage, 2 * stage + 1], held
+    cluster.audit()  # exactly once: sampler records and the applied counter
