@@ -1,8 +1,15 @@
 """Asynchronous sharded checkpointing, one :class:`Checkpointer` per rank.
 
 The rank's share of the state is copied into reusable host buffers
-(:mod:`springback.storage.snapshot`); serialization, upload and the commit run on
-one background thread per rank (:mod:`springback.storage.commit`). When to copy:
+(:mod:`springback.storage.snapshot`) on one background thread per rank;
+serialization, upload and the commit run on another
+(:mod:`springback.storage.commit`), at a lower CPU priority (`WRITER_NICE`):
+the copy is what the next optimizer step may wait for, the write is not, and
+on a machine whose cores the step loop keeps busy the write then takes the
+cycles training leaves, instead of slowing the steps while it runs
+(bench/checkpoint_stall.py's total cost). ``save(..., urgent=True)`` (a drain
+or final checkpoint, which the caller waits for) writes on the copy thread, at
+the normal priority. When to copy:
 
 - ``save(..., optimizer=opt)``: the parameters and optimizer state of ``opt``
   are copied on the background thread, overlapping the next forward/backward.
@@ -129,6 +136,24 @@ def _as_cursor(cursor: ManifestCursor | tuple[int, int] | dict[str, int] | None)
     return ManifestCursor(epoch=int(cursor[0]), offset=int(cursor[1]))
 
 
+WRITER_NICE = 10
+"""How much lower (Linux nice increments) the writer thread runs than the
+training loop. At 10 a busy step loop keeps about nine tenths of the cores it
+competes for; the write still progresses on a saturated machine (the next
+periodic save skips while it runs, a drain save writes at full priority)."""
+
+
+def _lower_priority() -> None:
+    """The writer thread's initializer: lowers its own priority by `WRITER_NICE`
+    (Linux: nice is per thread). Elsewhere, or when refused, it keeps the
+    caller's priority."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(),
+                       os.getpriority(os.PRIO_PROCESS, 0) + WRITER_NICE)
+    except (AttributeError, OSError) as e:
+        log.debug("checkpoint writer keeps the normal priority: %s", e)
+
+
 def capture_rng() -> dict[str, torch.Tensor]:
     """This process's torch RNG states (CPU, and CUDA when available)."""
     rng = {"cpu": torch.get_rng_state()}
@@ -193,7 +218,11 @@ class Checkpointer:
         self.on_error = on_error
         self.stats = CheckpointerStats()
         self._staging = StagingArea()
-        self._executor = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"springback-ckpt-r{self.rank}")
+        # the copy (and urgent writes) at the caller's priority; periodic writes below it
+        self._copier = cf.ThreadPoolExecutor(max_workers=1,
+                                             thread_name_prefix=f"springback-copy-r{self.rank}")
+        self._executor = cf.ThreadPoolExecutor(max_workers=1, initializer=_lower_priority,
+                                               thread_name_prefix=f"springback-ckpt-r{self.rank}")
         self._inflight: cf.Future[CommitInfo | DoneRecord] | None = None
         self._copying: ShardSnapshot | None = None  # the snapshot whose deferred copy the hooks wait for
         self._hooks: weakref.WeakKeyDictionary[torch.optim.Optimizer, Any] = weakref.WeakKeyDictionary()  # step pre-hooks
@@ -219,6 +248,7 @@ class Checkpointer:
         layout: dict[str, int] | None = None,
         extra: dict[str, Any] | None = None,
         optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
+        urgent: bool = False,
     ) -> cf.Future[CommitInfo | DoneRecord] | None:
         """Snapshot this rank's share of ``state_dict`` and write it in the background.
 
@@ -230,7 +260,8 @@ class Checkpointer:
         ``generation``, with the same keys/shapes for non-DTensor entries. Returns
         a future (rank 0: :class:`CommitInfo`; others: their done-record) or
         ``None`` when skipped. ``cursor``, ``layout`` and ``extra`` (JSON-able) go
-        into the manifest from rank 0. Saving the step of the previous save again
+        into the manifest from rank 0. ``urgent`` (the caller will wait for it)
+        writes at the normal CPU priority. Saving the step of the previous save again
         (e.g. a drain checkpoint right after a periodic one) returns the previous
         future instead of rewriting files a committer may be reading. Raises
         ``ValueError`` for a step lower than the previous one in the same
@@ -264,7 +295,11 @@ class Checkpointer:
             self.stats.total_stall_s += t2 - t0
             ckpt_uri = join(self.base_uri, checkpoint_dir_name(step, generation))
             args = (ckpt_uri, snap, rng, step, generation, _as_cursor(cursor), dict(layout or {}), extra)
-            self._inflight = self._executor.submit(self._write, *args)
+            if urgent:
+                self._inflight = self._copier.submit(self._write, None, *args)
+            else:
+                copy = self._copier.submit(snap.copy_pending) if snap.pending else None
+                self._inflight = self._executor.submit(self._write, copy, *args)
             return self._inflight
 
     def _hook_optimizers(
@@ -303,6 +338,7 @@ class Checkpointer:
 
     def _write(
         self,
+        copy: cf.Future[None] | None,
         ckpt_uri: str,
         snap: ShardSnapshot,
         rng: dict[str, torch.Tensor] | None,
@@ -313,7 +349,10 @@ class Checkpointer:
         extra: dict[str, Any] | None,
     ) -> CommitInfo | DoneRecord:
         try:
-            snap.copy_pending()
+            if copy is None:
+                snap.copy_pending()
+            else:
+                copy.result()  # the copy thread's; its failure is this checkpoint's
             t0 = time.perf_counter()
             record = write_shard(
                 self.store, ckpt_uri, snap, rank=self.rank, world_size=self.world_size,
@@ -383,6 +422,7 @@ class Checkpointer:
             handle.remove()
         self._hooks.clear()
         self._executor.shutdown(wait=False)
+        self._copier.shutdown(wait=False)
 
     def __enter__(self) -> Checkpointer:
         return self

@@ -5,6 +5,7 @@ a real S3 server."""
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import threading
 
@@ -25,6 +26,7 @@ from springback.storage import (
 )
 from sbtest import wait_for
 from springback.storage import StorageError
+from springback.storage.checkpointer import WRITER_NICE
 from springback.storage.commit import record_name
 from springback.storage.manifest import MANIFEST_NAME
 from springback.storage.store import ObjectStore, join, resolve_storage_options
@@ -419,3 +421,21 @@ def test_s3_round_trip_on_a_real_s3_server(s3_bucket):
     out2 = zeros_like_state(sd)
     dcp.load(out2, storage_reader=FsspecReader(info.uri, **opts))
     assert_state_equal(out2, sd)
+
+
+class TestWriterPriority:
+    def test_periodic_writes_run_below_the_training_loop_and_urgent_ones_at_its_priority(
+            self, tmp_path):
+        # nice is per thread on Linux: read in on_commit, on the thread that wrote
+        base = str(tmp_path / "ck")
+        mine = os.getpriority(os.PRIO_PROCESS, 0)
+        seen: list[tuple[int, int]] = []
+        c = Checkpointer(base, rank=0, world_size=1, on_commit=lambda info: seen.append(
+            (info.manifest.step, os.getpriority(os.PRIO_PROCESS, 0))))
+        c.save(1, make_state(30), generation=1).result(timeout=30)
+        c.save(2, make_state(31), generation=1, urgent=True).result(timeout=30)
+        c.save(3, make_state(32), generation=1).result(timeout=30)
+        c.close()
+        lowered = min(mine + WRITER_NICE, 19)
+        assert seen == [(1, lowered), (2, mine), (3, lowered)]
+        assert os.getpriority(os.PRIO_PROCESS, 0) == mine  # the caller's own is unchanged

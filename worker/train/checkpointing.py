@@ -115,7 +115,7 @@ class GenerationCheckpoints:
         # and backward; its next step() waits for the copy (storage's pre-hook).
         self._ckpt.save(step, self._state(), generation=self._plan.generation, cursor=cursor,
                         layout=MeshLayout.from_plan(self._plan).as_dict(),
-                        optimizer=self._ctx.state.get("optimizer"))
+                        optimizer=self._ctx.state.get("optimizer"), urgent=wait)
         if wait:
             try:
                 self._ckpt.wait(DRAIN_SAVE_TIMEOUT_S)
