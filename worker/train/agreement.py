@@ -7,9 +7,14 @@ is restored even when the plan expected peers to serve it, so a job never
 starts from scratch while a commit exists.
 
 * DDP form (`StateAgreement.agree`): the state of the highest step (the
-  plan's source rank when it holds it) is broadcast whole, unless every rank
-  ended the previous generation cleanly at the same step; with no state
-  anywhere and no checkpoint, rank 0's fresh initialisation is broadcast.
+  plan's source rank when it holds it) is handed to every rank that does not
+  hold it, unless every rank ended the previous generation cleanly at the
+  same step; with no state anywhere and no checkpoint, rank 0's fresh
+  initialisation is handed over. The source broadcasts the state's skeleton
+  (everything but its tensors' bytes) and every holder of the same state
+  (the source, and the ranks that ended cleanly at its step) serves a stripe
+  of the tensors' raw bytes, point to point, in chunks sized for the link
+  (`worker/state/handover.py`).
 * Both forms carry each rank's RNG state with the state (`worker/rank/rngstate.py`).
 * Sharded form (`StateAgreement.agree_sharded`, see `worker/state/sharded.py`):
   the model is built on the new mesh and its shards filled from the ranks
@@ -63,6 +68,7 @@ from springback.worker.rank.context import RankContext
 from springback.worker.state.mesh import MeshLayout, build_mesh
 from springback.worker.state.peercopy import GenerationCopies, PeerCopyStore
 from springback.worker.rank.rendezvous import handed_to_gloo, note_subgroup_endpoints
+from springback.worker.state import handover
 from springback.worker.state.peerobjects import all_gather_objects, broadcast_object
 from springback.worker.state.reshard import (
     Box,
@@ -149,11 +155,11 @@ class StateAgreement:
         has arrived: a source or peer lost mid hand-over leaves every rank
         with what it held."""
         world = plan.world_size
-        steps, clean, _ = self.gather_steps(world)
+        steps, cleans, _ = self.gather_steps(world)
         best = max(steps)
         if self.restore_if_newer(plan, best):
             return Outcome(None, pb.RESTORE_KIND_CHECKPOINT)
-        if best >= 0 and clean and all(s == best for s in steps):
+        if best >= 0 and all(cleans) and all(s == best for s in steps):
             rngstate.apply(self.ctx.rng)
             return Outcome(None, pb.RESTORE_KIND_PEERS)  # every rank already holds the same state
         lost = ""
@@ -166,15 +172,45 @@ class StateAgreement:
             source, kind = plan.restore.source_rank, pb.RESTORE_KIND_PEERS
         else:
             source, kind = steps.index(best), pb.RESTORE_KIND_PEERS
-        mine = ({"state": {k: v.state_dict() for k, v in self.ctx.state.items()},
-                 "rng": self._own_rng()} if rank == source else None)
-        received = broadcast_object(mine, source, rank)
-        if rank != source:
-            for k, v in self.ctx.state.items():
-                v.load_state_dict(received["state"][k])
-        self._carry_rng(steps[rank] == best, received["rng"])
+        holders = _holders(steps, cleans, source) if steps[source] >= 0 else [source]
+        source_rng = self._hand_over(source, holders, rank, world)
+        self._carry_rng(steps[rank] == best, source_rng)
         self.ctx.state_step = best
         return Outcome(source, kind, state_lost=lost)
+
+    def _hand_over(self, source: int, holders: list[int], rank: int,
+                   world: int) -> rngstate.RngState:
+        """Every rank ends with the source's state (`worker/state/handover.py`):
+        the source broadcasts the state's skeleton and its RNG state, every
+        holder whose tensors match the skeleton serves a stripe of the
+        tensors' bytes to the ranks that do not hold it, which load it only
+        once all of it has arrived. Returns the source's RNG state.
+        Collective; a failure raises before any rank's state changes."""
+        mine = ({k: v.state_dict() for k, v in self.ctx.state.items()}
+                if rank in holders else None)
+        skeleton, tensors = handover.split(mine) if mine is not None else (None, [])
+        received = broadcast_object({"state": skeleton, "rng": self._own_rng()}
+                                    if rank == source else None, source, rank)
+        skeleton = received["state"]
+        serves = torch.tensor([int(mine is not None and handover.same_layout(tensors, skeleton))])
+        flags = [torch.zeros_like(serves) for _ in range(world)]
+        dist.all_gather(flags, serves)
+        handed_to_gloo(serves, *flags)
+        servers = [r for r in holders if int(flags[r])]
+        metas = handover.placeholders(skeleton)
+        transfer = handover.plan_handover([m.numel() * m.element_size() for m in metas], servers,
+                                          [r for r in range(world) if r not in servers])
+        t0 = time.monotonic()
+        got = handover.stream(transfer, rank, tensors if rank in servers else None, skeleton)
+        if got is not None:  # complete: loaded only now
+            t1 = time.monotonic()
+            state = handover.join(skeleton, got)
+            for k, v in self.ctx.state.items():
+                v.load_state_dict(state[k])
+            log.info("received the state from ranks %s: %d bytes in %.2fs, loaded in %.2fs",
+                     servers, sum(c.nbytes for c in transfer.chunks), t1 - t0,
+                     time.monotonic() - t1)
+        return cast(rngstate.RngState, received["rng"])
 
     def _own_rng(self) -> rngstate.RngState:
         """This rank's RNG state at its state's step boundary."""
@@ -187,8 +223,8 @@ class StateAgreement:
         rngstate.apply(self.ctx.rng if held else source_rng)
 
     def gather_steps(self, world: int, *, refused: bool = False
-                     ) -> tuple[list[int], bool, bool]:
-        """Collective: the step every rank's state holds, whether all ended
+                     ) -> tuple[list[int], list[bool], bool]:
+        """Collective: the step every rank's state holds, whether each ended
         the previous generation cleanly, and whether any rank's state cannot
         be resharded in memory (`refused`: the sharded form)."""
         mine = torch.tensor([self.ctx.state_step, int(self.ctx.clean), int(refused)],
@@ -196,7 +232,7 @@ class StateAgreement:
         gathered = [torch.zeros_like(mine) for _ in range(world)]
         dist.all_gather(gathered, mine)
         handed_to_gloo(mine, *gathered)
-        return ([int(t[0]) for t in gathered], all(int(t[1]) for t in gathered),
+        return ([int(t[0]) for t in gathered], [bool(t[1]) for t in gathered],
                 any(int(t[2]) for t in gathered))
 
     @staticmethod
@@ -415,6 +451,16 @@ class StateAgreement:
         self._restore_sharded(plan, ref, f"shards of step {best} have no live holder"
                                    + (f" ({why})" if why else ""))
         return Outcome(None, pb.RESTORE_KIND_CHECKPOINT, mesh)
+
+
+def _holders(steps: list[int], cleans: list[bool], source: int) -> list[int]:
+    """The ranks whose state is the source's: the source, and when it ended
+    the previous generation cleanly every rank that did so at the same step
+    (in DDP they stopped at the same step boundary). A rank that broke
+    mid-step may have applied part of a step: it receives."""
+    if not cleans[source]:
+        return [source]
+    return [r for r, (s, c) in enumerate(zip(steps, cleans)) if s == steps[source] and c]
 
 
 def _differing_replicas(haves: list[dict[str, Any]]) -> list[str]:
