@@ -21,7 +21,7 @@ from test_elastic import cluster  # noqa: F401 - the fixture
 from test_sharded import SPEC
 
 from springback.worker.state.reshard import Box, plan_transfers
-from springback.worker.state.sharded import unfilled
+from springback.worker.state.sharded import ShardedModel, unfilled
 
 PP_TRAIN = str(Path(__file__).with_name("pp_train.py"))
 PP = {**{k: v for k, v in SPEC.items() if k != "checkpoint"}, "name": "pipeline-parallel",
@@ -56,6 +56,36 @@ def test_each_stage_is_filled_from_its_own_replicas_and_judged_on_every_stage():
     # each rank alone (the peer copies' test): the other stage's keys have no place
     assert unfilled({**stage[0], **stage[1]}, [owns[0]]) == [
         "param/layers.1.weight (not in the new model)"]
+
+
+class _Mesh:
+    """A stand-in for a generation's mesh of `pp` stages (only its size is read)."""
+
+    def __init__(self, pp: int) -> None:
+        self.pp = pp
+
+    def __getitem__(self, dim: str) -> "_Mesh":
+        assert dim == "pp"
+        return self
+
+    def size(self) -> int:
+        return self.pp
+
+
+@pytest.mark.timeout(10)
+def test_a_pipeline_stage_never_judges_a_fill_alone():
+    """`ShardedModel.missing` (the peer copies' roll back judges each rank's
+    fill with it, one rank at a time): on a pipeline stage it reports a gap
+    whatever the keys, so the stages, which own different keys, never
+    decide apart (some collecting the copy, others passing it over)."""
+    sm = ShardedModel(lambda mesh: None)
+    sm._adopt(torch.nn.Linear(2, 2), torch.optim.SGD([torch.zeros(1)], lr=1.0))
+    full = {"param/weight": _whole(4), "param/bias": _whole(2)}
+    assert sm.missing(full) == []  # no mesh: one model judges alone
+    sm.mesh = _Mesh(1)
+    assert sm.missing(full) == []
+    sm.mesh = _Mesh(2)
+    assert sm.missing(full) and sm.missing({}) == sm.missing(full)
 
 
 @pytest.mark.timeout(90)
