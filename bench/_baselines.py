@@ -11,6 +11,9 @@ rendezvous); run the bench with that venv's python.
   timeout as given, 5 s by default, as torchft's own default and Springback's
   liveness timeout), one replica group per node (bench/_torchft_train.py).
   Victims: any node (the Lighthouse is not a node).
+* torchft HSDP (goodput.py --sharded): replica groups of --shard nodes, each
+  a torchrun job (the torchrun side's etcd-v2 settings, one rendezvous id per
+  group), a Lighthouse with min_replicas 1 (bench/_torchft_hsdp_train.py).
 * torchrun: ``torchrun --nnodes=2:N`` per node with the etcd-v2 rendezvous
   (an etcd started with --enable-v2), ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``
   and keep-alive 1 s x 3, DCP save every --ckpt-every steps
@@ -37,12 +40,17 @@ ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "bench"
 
 
-def plain_step_s(num_ranks: int, steps: int = 60) -> float:
+def plain_step_s(num_ranks: int, steps: int = 60, sharded: bool = False) -> float:
     """Median step of the same model in one plain process (no torch.distributed)
-    on one rank's share of the global batch: the per-step overhead baseline."""
+    on one rank's share of the global batch: the per-step overhead baseline
+    (`sharded`: the sharded bench's `Blocks` model with AdamW, whole)."""
     import _goodput_common as C
 
-    model, opt = C.make_model()
+    if sharded:
+        model = C.make_blocks()
+        opt = C.make_adamw(model)
+    else:
+        model, opt = C.make_model()
     times = []
     for step in range(1, steps + 1):
         t = time.perf_counter()
@@ -70,16 +78,53 @@ def _wait_http(url: str, timeout_s: float, proc: subprocess.Popen) -> None:
             time.sleep(0.1)
 
 
+def _lighthouse(args: Any, work: Path, min_replicas: int,
+                heartbeat_ms: int) -> tuple[subprocess.Popen, int]:
+    """A torchft Lighthouse on a free port (its log in `work`): (process, port)."""
+    port = _free_port()
+    proc = subprocess.Popen(
+        [str(Path(args.python).parent / "torchft_lighthouse"),
+         "--bind", f"127.0.0.1:{port}", "--min_replicas", str(min_replicas),
+         "--quorum_tick_ms", "100", "--join_timeout_ms", "10000",
+         "--heartbeat_timeout_ms", str(heartbeat_ms)],
+        stdout=open(work / "lighthouse.log", "ab"), stderr=subprocess.STDOUT)  # noqa: SIM115
+    return proc, port
+
+
+def _torchft_record(system: str, t0: float, kills: int, events: list[dict], nodes: Any,
+                    args: Any) -> dict:
+    """A torchft side's record from its events (committed steps keyed by world size)."""
+    steps = [e for e in events if e["event"] == "step"]
+    if not steps:
+        raise RuntimeError(f"{system}: no step committed (node logs in {nodes.work})")
+    end = _end(events, steps)
+    useful = len({s["step"] for s in steps if s["step"] <= end["step"]})
+    return {"system": system, "t0": t0, "end": end["t"],
+            "useful": useful, "first": steps[0]["t"], "executed": len(steps),
+            "generations": len({(s["world_size"]) for s in steps}), "kills": kills,
+            "steps": steps, "key": "world_size", "kill_times": nodes.kill_times,
+            "note": unfinished_note(nodes, args, useful) or "kills any node"}
+
+
+def _trace_to_done(run_trace: Callable[..., tuple[float, int]], read: Callable[[Path], list[dict]],
+                   nodes: Any, start_node: Callable[[str], None], events_path: Path, args: Any,
+                   label: str) -> tuple[float, int]:
+    """run_trace until a ``done`` event is in `events_path` (any node a victim);
+    every node is stopped after it, also when it raises."""
+    def done() -> bool:
+        return any(e["event"] == "done" for e in read(events_path))
+
+    try:
+        return run_trace(nodes, start_node, done, lambda alive: list(alive), args, label)
+    finally:
+        nodes.stop_all()
+
+
 def torchft_side(args: Any, work: Path, nodes: Any, run_trace: Callable[..., tuple[float, int]],
                  read: Callable[[Path], list[dict]], heartbeat_ms: int) -> dict:
     """Runs the trace on torchft; returns the side's record (see goodput.py)."""
     events_path = work / "events.jsonl"
-    port = _free_port()
-    lighthouse = subprocess.Popen(
-        [str(Path(args.python).parent / "torchft_lighthouse"),
-         "--bind", f"127.0.0.1:{port}", "--min_replicas", "2", "--quorum_tick_ms", "100",
-         "--join_timeout_ms", "10000", "--heartbeat_timeout_ms", str(heartbeat_ms)],
-        stdout=open(work / "lighthouse.log", "ab"), stderr=subprocess.STDOUT)  # noqa: SIM115
+    lighthouse, port = _lighthouse(args, work, 2, heartbeat_ms)
     env = dict(os.environ, GOODPUT_EVENTS=str(events_path),
                GOODPUT_STEP_SLEEP_S=str(args.step_sleep_s), GOODPUT_MAX_STEPS=str(args.max_steps),
                GOODPUT_TIMEOUT_S=str(args.liveness_timeout_s),
@@ -90,25 +135,61 @@ def torchft_side(args: Any, work: Path, nodes: Any, run_trace: Callable[..., tup
         nodes.start(name, [args.python, str(BENCH / "_torchft_train.py")],
                     dict(env, GOODPUT_NODE=name))
 
-    def done() -> bool:
-        return any(e["event"] == "done" for e in read(events_path))
-
     try:
-        t0, kills = run_trace(nodes, start_node, done, lambda alive: list(alive), args,
-                              f"torchft-hb{heartbeat_ms}")
+        t0, kills = _trace_to_done(run_trace, read, nodes, start_node, events_path, args,
+                                   f"torchft-hb{heartbeat_ms}")
     finally:
-        nodes.stop_all()
         lighthouse.kill()
         lighthouse.wait()
-    events = read(events_path)
-    steps = [e for e in events if e["event"] == "step"]
-    end = _end(events, steps)
-    useful = len({s["step"] for s in steps if s["step"] <= end["step"]})
-    return {"system": f"torchft hb {heartbeat_ms / 1000:g}s", "t0": t0, "end": end["t"],
-            "useful": useful, "first": steps[0]["t"], "executed": len(steps),
-            "generations": len({(s["world_size"]) for s in steps}), "kills": kills,
-            "steps": steps, "key": "world_size", "kill_times": nodes.kill_times,
-            "note": unfinished_note(nodes, args, useful) or "kills any node"}
+    return _torchft_record(f"torchft hb {heartbeat_ms / 1000:g}s", t0, kills,
+                           read(events_path), nodes, args)
+
+
+def torchft_hsdp_side(args: Any, work: Path, nodes: Any,
+                      run_trace: Callable[..., tuple[float, int]],
+                      read: Callable[[Path], list[dict]], heartbeat_ms: int) -> dict:
+    """Runs the trace on torchft's fault tolerant HSDP (bench/_torchft_hsdp_train.py):
+    replica groups of --shard nodes, each one torchrun job (etcd-v2
+    rendezvous, one rendezvous id per group, ``--nnodes`` fixed at the group
+    size, the torchrun side's settings); a Lighthouse with min_replicas 1
+    (torchtitan's torchft docs). Nodes 0..shard-1 form group 0 and so on; a
+    replacement joins the group that lost a node. Returns the side's record."""
+    events_path = work / "events.jsonl"
+    shard = args.shard
+    lighthouse, port = _lighthouse(args, work, 1, heartbeat_ms)
+    etcd, etcd_port = _etcd_v2(work)
+    env = dict(os.environ, GOODPUT_EVENTS=str(events_path),
+               GOODPUT_STEP_SLEEP_S=str(args.step_sleep_s), GOODPUT_MAX_STEPS=str(args.max_steps),
+               GOODPUT_TIMEOUT_S=str(args.liveness_timeout_s),
+               GOODPUT_GLOO_TIMEOUT_S=str(args.gloo_timeout_s),
+               TORCHFT_LIGHTHOUSE=f"http://127.0.0.1:{port}", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
+               GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+               PYTHONPATH=str(BENCH), LOGLEVEL=os.environ.get("LOGLEVEL", "INFO"))
+    group_of: dict[str, int] = {}
+
+    def start_node(name: str) -> None:
+        members = [sum(1 for n in nodes.alive if group_of.get(n) == g)
+                   for g in range(args.nodes // shard)]
+        group = members.index(min(members))
+        group_of[name] = group
+        conf = f"join_timeout=60,last_call_timeout=1,close_timeout=5,{args.rdzv_conf}"
+        nodes.start(name, [args.python, "-m", "torch.distributed.run", f"--nnodes={shard}",
+                           "--nproc-per-node=1", "--rdzv-backend=etcd-v2",
+                           f"--rdzv-endpoint=127.0.0.1:{etcd_port}",
+                           f"--rdzv-id=goodput-hsdp-group{group}", f"--rdzv-conf={conf}",
+                           "--max-restarts=100", "--monitor-interval=0.5",
+                           "--local-addr=127.0.0.1", str(BENCH / "_torchft_hsdp_train.py")],
+                    dict(env, GOODPUT_GROUP=str(group)))
+
+    try:
+        t0, kills = _trace_to_done(run_trace, read, nodes, start_node, events_path, args,
+                                   f"torchft-hsdp-hb{heartbeat_ms}")
+    finally:
+        for proc in (lighthouse, etcd):
+            proc.kill()
+            proc.wait()
+    return _torchft_record(f"torchft hsdp hb {heartbeat_ms / 1000:g}s", t0, kills,
+                           read(events_path), nodes, args)
 
 
 def _etcd_v2(work: Path) -> tuple[subprocess.Popen, int]:

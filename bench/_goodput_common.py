@@ -1,6 +1,7 @@
 """Shared by the goodput benchmark's two training scripts (bench/goodput.py):
 the same model, data, step and simulated compute for Springback and for the
-torchrun + DCP baseline, so the two differ only in how they survive failures.
+torchrun + DCP baseline, so the two differ only in how they survive failures;
+`Blocks` is the sharded form's model (goodput.py --sharded), same data and step.
 
 The model is a small MLP regression whose samples are a fixed function of their
 index (any rank can build any batch). A step sleeps GOODPUT_STEP_SLEEP_S
@@ -63,3 +64,37 @@ def step_indices(step: int, world: int, rank: int) -> torch.Tensor:
                                           generator=torch.Generator().manual_seed(SEED + epoch))
         out.append(int(perms[epoch][i]))
     return torch.tensor_split(torch.tensor(out), world)[rank]
+
+
+HIDDEN = int(os.environ.get("GOODPUT_HIDDEN", "1024"))
+BLOCKS = int(os.environ.get("GOODPUT_BLOCKS", "6"))
+
+
+class Blocks(torch.nn.Module):
+    """The sharded goodput bench's model (bench/goodput.py --sharded): the
+    same 16 features in, BLOCKS x Linear(HIDDEN, HIDDEN) + ReLU, one output.
+    6 x 1024 by default: 6.3 M parameters, 72 MiB with AdamW's two moments,
+    so the state takes a visible time to move; each block is one FSDP unit."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(16, HIDDEN)
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(HIDDEN, HIDDEN) for _ in range(BLOCKS))
+        self.out = torch.nn.Linear(HIDDEN, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.inp(x))
+        for block in self.blocks:
+            h = torch.relu(block(h))
+        return self.out(h)
+
+
+def make_blocks() -> Blocks:
+    """The sharded model, seeded alike on every rank (as FSDP2 expects)."""
+    torch.manual_seed(SEED)
+    torch.set_num_threads(1)
+    return Blocks()
+
+
+def make_adamw(model: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=1e-4)

@@ -21,6 +21,29 @@ Install the baselines first (``bash bench/setup.sh``: its own venv,
         [--replace-after-s 5] [--only springback,torchft,torchrun]
         [--torchft-heartbeat-ms 5000,2000] [--plot timeline.png] [--json runs.jsonl]
 
+``--sharded`` runs the same trace on an HSDP job instead, Springback against
+torchft's fault tolerant HSDP (no torchrun side), on --nodes 4 one-rank nodes,
+replicate 2 x shard --shard 2, bench/_goodput_common.py's `Blocks` model
+(6 x Linear(1024), 72 MiB of parameters and AdamW state; the same data,
+global batch and --step-sleep-s as the DDP form):
+
+    .bench-venv/bin/python bench/goodput.py --sharded --max-steps 300 --kill-every-s 20
+        --torchft-heartbeat-ms 5000 [--plot timeline.png]
+
+* Springback: the Session's sharded form (bench/_springback_sharded_train.py:
+  ``Session(build=build)``, FSDP2 over ``mesh["replicate", "shard"]``), the job's
+  layout ``shard: 2``: 4 nodes train replicate 2 x shard 2; after a kill the
+  planner runs replicate 1 x shard 2 on two of the three survivors (the third
+  a spare) with the state resharded in memory, and 2 x 2 again when the
+  replacement joins.
+* torchft: bench/_torchft_hsdp_train.py (torchtitan's integration: FSDP2
+  inside a replica group, the reduce-scattered gradients averaged across
+  groups by an all-reduce hook over the Manager's ManagedProcessGroup); one
+  replica group = one torchrun job over two nodes (etcd-v2 rendezvous per
+  group), a Lighthouse with min_replicas 1. A kill takes its whole replica
+  group down; torchrun restarts it when the replacement joins, and it heals
+  from the live group over torchft's HTTP transport.
+
 Reported per system: goodput = useful steps x median undisturbed step / wall
 time (wall time from the moment the nodes are started to the job's last step,
 so start-up counts); time to the first step; lost seconds per kill = (wall -
@@ -179,6 +202,7 @@ def springback_side(args, work: Path, checkpoint: str = "") -> dict:  # noqa: AN
             client = Client(server.address)
             job = client.create_job({
                 "name": "bench-goodput", "min_workers": 2, "max_workers": args.nodes,
+                **({"layout": {"shard": args.shard}} if args.sharded else {}),
                 "data": {"num_samples": 4096, "global_batch_size": 24, "seed": 0},
                 "max_steps": args.max_steps,
                 **({"checkpoint": {"uri": f"file://{work}/ckpt", "every_steps": (
@@ -191,7 +215,9 @@ def springback_side(args, work: Path, checkpoint: str = "") -> dict:  # noqa: AN
             def start_node(name: str) -> None:
                 nodes.start(name, [PY, "-m", "springback.worker.agent", "--job", job.id,
                                    "--coordinator", server.address, "--max-restarts", "100", "--",
-                                   PY, str(BENCH / "_springback_train.py")], env)
+                                   PY, str(BENCH / ("_springback_sharded_train.py"
+                                                    if args.sharded else
+                                                    "_springback_train.py"))], env)
 
             final = {}
 
@@ -219,7 +245,7 @@ def springback_side(args, work: Path, checkpoint: str = "") -> dict:  # noqa: AN
     gens = [e for e in events if e["event"] == "generation"]
     # the job's committed final step: survivors keep every finished step, nothing is redone
     useful = final["step"]
-    label = f"springback lt {args.liveness_timeout_s:g}s" + (
+    label = f"springback{' hsdp' if args.sharded else ''} lt {args.liveness_timeout_s:g}s" + (
         f" ckpt {checkpoint}" if checkpoint else "")
     return {"system": label, "t0": t0,
             "end": steps[-1]["t"], "useful": useful, "first": steps[0]["t"],
@@ -231,7 +257,12 @@ def springback_side(args, work: Path, checkpoint: str = "") -> dict:  # noqa: AN
 
 def _parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--nodes", type=int, default=3)
+    p.add_argument("--nodes", type=int, help="default 3; 4 with --sharded")
+    p.add_argument("--sharded", action="store_true",
+                   help="HSDP (replicate x shard) on both sides: Springback's sharded Session "
+                   "vs torchft's fault tolerant HSDP; the Blocks model")
+    p.add_argument("--shard", type=int, default=2, help="--sharded: the shard degree "
+                   "(torchft: the nodes of one replica group)")
     p.add_argument("--max-steps", type=int, default=1500)
     p.add_argument("--step-sleep-s", type=float, default=0.06)
     p.add_argument("--kill-every-s", type=float, default=20.0)
@@ -254,12 +285,22 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--repeat", type=int, default=1,
                    help="run every side this many times, in interleaved rounds; the "
                    "ratios are of each system's median")
-    p.add_argument("--only", default="springback,torchft,torchrun",
-                   help="comma-separated sides to run")
+    p.add_argument("--only", help="comma-separated sides to run (default "
+                   "springback,torchft,torchrun; springback,torchft with --sharded)")
     p.add_argument("--work-dir", help="logs and state (default: a new temp dir)")
     p.add_argument("--plot", help="write a PNG timeline (steps over time, kills marked) here")
     p.add_argument("--json", help="append the summary as one JSON line to this file")
-    return p.parse_args()
+    args = p.parse_args()
+    args.nodes = args.nodes or (4 if args.sharded else 3)
+    args.only = args.only or ("springback,torchft" if args.sharded else
+                              "springback,torchft,torchrun")
+    if args.sharded:
+        if args.shard < 2 or args.nodes % args.shard:
+            p.error(f"--shard {args.shard} must be at least 2 and divide --nodes {args.nodes}")
+        if "torchrun" in args.only.split(",") or args.springback_checkpoints:
+            p.error("--sharded runs Springback and torchft only (no torchrun, no "
+                    "--springback-checkpoints)")
+    return args
 
 
 def _sides(args: argparse.Namespace, work: Path) -> list[tuple[str, Callable[[], dict]]]:
@@ -273,9 +314,10 @@ def _sides(args: argparse.Namespace, work: Path) -> list[tuple[str, Callable[[],
         sides.append((f"springback-ckpt-{every}",
                       lambda d=d, every=every: springback_side(args, d, every)))
     if "torchft" in wanted:
+        side = B.torchft_hsdp_side if args.sharded else B.torchft_side
         for hb in (int(x) for x in args.torchft_heartbeat_ms.split(",") if x):
             d = work / f"torchft-hb{hb}"
-            sides.append((f"torchft-hb{hb}", lambda d=d, hb=hb: B.torchft_side(
+            sides.append((f"torchft-hb{hb}", lambda d=d, hb=hb: side(
                 args, d, Nodes(d), run_trace, _read, hb)))
     if "torchrun" in wanted:
         d = work / "torchrun"
@@ -354,11 +396,11 @@ def main() -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="springback-goodput-"))
-    print(f"trace: {args.nodes} nodes, SIGKILL one node every {args.kill_every_s:.0f} s, "
+    print(f"trace: {args.nodes} nodes{f' (HSDP, shard {args.shard})' if args.sharded else ''}, SIGKILL one node every {args.kill_every_s:.0f} s, "
           f"replacement {args.replace_after_s:.0f} s later; max_steps {args.max_steps}; "
           f"logs in {work}; load average {[round(x, 2) for x in os.getloadavg()]}", flush=True)
     import _baselines as B
-    plain_s = B.plain_step_s(args.nodes)
+    plain_s = B.plain_step_s(args.nodes, sharded=args.sharded)
     results, failures = [], {}
     rounds = [(f"round{i + 1}/" if args.repeat > 1 else "", side) for i in range(args.repeat)
               for side in _sides(args, work / (f"round{i + 1}" if args.repeat > 1 else ""))]
@@ -383,7 +425,8 @@ def main() -> int:
     if args.json:
         with open(args.json, "a") as f:
             f.write(json.dumps({"trace": {"kill_every_s": args.kill_every_s,
-                                          "max_steps": args.max_steps},
+                                          "max_steps": args.max_steps,
+                                          "sharded": args.sharded},
                                 "load_average": os.getloadavg(), "plain_ms": plain_s * 1000,
                                 "rows": rows, "failures": failures}) + "\n")
     return 1 if failures else 0
