@@ -66,7 +66,7 @@ from springback.storage import catalog
 from springback.storage.commit import DoneRecord, commit, wait_for_records, write_shard
 from springback.storage.manifest import ManifestCursor, Manifest, checkpoint_dir_name
 from springback.storage.retry import RetryPolicy
-from springback.storage.snapshot import ShardSnapshot, StagingArea, storage_keys
+from springback.storage.snapshot import PlainHolders, ShardSnapshot, StagingArea, storage_keys
 from springback.storage.store import ObjectStore, join
 
 log = logging.getLogger(__name__)
@@ -249,6 +249,7 @@ class Checkpointer:
         extra: dict[str, Any] | None = None,
         optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
         urgent: bool = False,
+        holders: PlainHolders | None = None,
     ) -> cf.Future[CommitInfo | DoneRecord] | None:
         """Snapshot this rank's share of ``state_dict`` and write it in the background.
 
@@ -261,7 +262,9 @@ class Checkpointer:
         a future (rank 0: :class:`CommitInfo`; others: their done-record) or
         ``None`` when skipped. ``cursor``, ``layout`` and ``extra`` (JSON-able) go
         into the manifest from rank 0. ``urgent`` (the caller will wait for it)
-        writes at the normal CPU priority. Saving the step of the previous save again
+        writes at the normal CPU priority. ``holders``: which ranks hold each
+        non-DTensor entry, when not every rank holds every one (pipeline
+        stages; see `snapshot.PlainHolders`). Saving the step of the previous save again
         (e.g. a drain checkpoint right after a periodic one) returns the previous
         future instead of rewriting files a committer may be reading. Raises
         ``ValueError`` for a step lower than the previous one in the same
@@ -283,7 +286,8 @@ class Checkpointer:
                 cf.wait([self._inflight])  # type: ignore[list-item]
             t1 = time.perf_counter()
             defer = self._hook_optimizers(optimizer)
-            snap = self._staging.snapshot(state_dict, rank=self.rank, world_size=self.world_size, defer=defer)
+            snap = self._staging.snapshot(state_dict, rank=self.rank, world_size=self.world_size,
+                                          defer=defer, holders=holders)
             rng = capture_rng() if self.save_rng else None
             t2 = time.perf_counter()
             self._copying = snap if snap.pending else None

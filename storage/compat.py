@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem
 from torch.distributed.checkpoint.planner_helpers import _create_write_items
+from torch.distributed.checkpoint.state_dict import _get_fqns
 
 __all__ = [
     "FsspecReader",
@@ -48,6 +49,13 @@ that can unpickle them (tests/storage/test_compat.py round-trips both)."""
 # flattening, so our fqns are the ones its planners and readers use.
 # set_element(state_dict, mappings[fqn], value): puts a flattened entry back
 # at its nested place, as DCP's default load planner does.
+
+
+def state_dict_names(model: Any, name: str) -> set[str]:
+    """The names a parameter of `model` called `name` (``named_parameters``)
+    has in torch's state dicts (wrappers' prefixes, such as DDP's
+    ``module.``, left out)."""
+    return _get_fqns(model, name)
 
 
 def create_write_items(fqn: str, obj: Any) -> list[WriteItem]:

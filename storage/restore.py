@@ -62,6 +62,7 @@ def load(
     process_group: Any = None,
     store: ObjectStore | None = None,
     optimizer_state_as_saved: bool = False,
+    unsaved: dict[str, Any] | None = None,
 ) -> Manifest:
     """Load one committed checkpoint into ``state_dict`` in place (no verification, no fallback).
 
@@ -70,8 +71,9 @@ def load(
     :class:`CheckpointMismatch` naming the keys, with ``state_dict`` untouched.
     With ``optimizer_state_as_saved``, a parameter whose optimizer state the
     checkpoint does not hold at all (it had never been stepped when saved, e.g.
-    an unused module) is removed from ``state_dict["optim"]["state"]`` instead,
-    so it is restored without state, as it was saved. Raises
+    an unused module) has its ``state.<fqn>.*`` entries removed from
+    ``state_dict["optim"]`` instead (and put in `unsaved`, by key), so it can
+    be restored without state, as it was saved. Raises
     :class:`CheckpointNotFound` if it is not committed.
 
     A flaky store is survived: the metadata read and the whole ``dcp.load``
@@ -85,6 +87,7 @@ def load(
     as :func:`restore_model` does.
     """
     s = store or ObjectStore(ckpt_uri, storage_options=storage_options)
+    unsaved = {} if unsaved is None else unsaved
     manifest = catalog.read_manifest(ckpt_uri, store=s)
     reader = dcpread.reader_for(ckpt_uri, s)
     metadata = dcpread.collective_retry(lambda: dcpread.read_metadata(reader, ckpt_uri, s),
@@ -93,8 +96,13 @@ def load(
     reader.prime(metadata)  # dcp.load reads it from here, not from the store again
     saved = set(metadata.state_dict_metadata)
     if optimizer_state_as_saved:
-        _drop_unsaved_optimizer_state(state_dict, saved)
+        unsaved.update(_drop_unsaved_optimizer_state(state_dict, saved))
     missing = sorted(k for k in compat.flatten_state_dict(state_dict)[0] if k not in saved)
+    if missing and NESTED_OPTIMIZER_KEY in saved:
+        raise CheckpointMismatch(
+            f"checkpoint {ckpt_uri} holds the optimizer's settings by param group index "
+            f"({NESTED_OPTIMIZER_KEY}), as Springback wrote them before they were saved by "
+            "parameter name: this release cannot restore it; nothing was loaded", uri=ckpt_uri)
     if missing:
         raise CheckpointMismatch(
             f"checkpoint {ckpt_uri} holds no entry for {', '.join(missing[:10])}"
@@ -108,17 +116,22 @@ def load(
     return manifest
 
 
-def _drop_unsaved_optimizer_state(state_dict: dict[str, Any], saved: set[str]) -> list[str]:
-    """Remove the optimizer state of parameters the checkpoint holds none for; return them."""
-    state = state_dict.get("optim", {}).get("state") if isinstance(state_dict.get("optim"), dict) else None
-    if not isinstance(state, dict):
-        return []
-    dropped = [fqn for fqn, entries in state.items() if isinstance(entries, dict)
-               and not any(f"optim.state.{fqn}.{k}" in saved for k in entries)]
-    for fqn in dropped:
-        del state[fqn]
+def _drop_unsaved_optimizer_state(state_dict: dict[str, Any], saved: set[str]) -> dict[str, Any]:
+    """Remove the optimizer state of parameters the checkpoint holds none for
+    (``optim.state.<fqn>.<entry>``, the flattened form of `model_state_dict`);
+    return the removed entries by key."""
+    optim = state_dict.get("optim")
+    if not isinstance(optim, dict):
+        return {}
+    by_param: dict[str, list[str]] = {}
+    for key in optim:
+        if key.startswith("state."):
+            by_param.setdefault(key[len("state."):].rsplit(".", 1)[0], []).append(key)
+    dropped = {key: optim.pop(key) for keys in by_param.values()
+               if not any(f"optim.{k}" in saved for k in keys) for key in keys}
     if dropped:
-        log.info("no optimizer state was saved for %s (never stepped): restored without state", dropped)
+        log.info("no optimizer state was saved for %s (never stepped): restored without state",
+                 sorted({k[len("state."):].rsplit(".", 1)[0] for k in dropped}))
     return dropped
 
 
@@ -143,6 +156,7 @@ def restore(
     restore_rng: bool = False,
     store: ObjectStore | None = None,
     optimizer_state_as_saved: bool = False,
+    unsaved: dict[str, Any] | None = None,
 ) -> RestoreResult:
     """Load the newest intact committed checkpoint under ``base_uri`` into ``state_dict``.
 
@@ -156,6 +170,7 @@ def restore(
     committed candidate, :class:`CorruptCheckpoint` (with all problems) when every
     candidate is bad, :class:`CheckpointMismatch` when ``state_dict`` has entries
     the chosen checkpoint lacks (see :func:`load`; nothing is loaded then).
+    `optimizer_state_as_saved` and `unsaved`: as for :func:`load`.
     """
     s = store or ObjectStore(base_uri, storage_options=storage_options)
     rank, world, distributed = _dist_group(process_group)
@@ -175,7 +190,7 @@ def restore(
             skipped.append((uri, problems))
             continue
         manifest = load(uri, state_dict, process_group=process_group, store=s,
-                        optimizer_state_as_saved=optimizer_state_as_saved)
+                        optimizer_state_as_saved=optimizer_state_as_saved, unsaved=unsaved)
         if restore_rng:
             rng = load_record(s, uri, rank % manifest.world_size).rng or {}
             if "cpu" in rng:
@@ -193,6 +208,20 @@ def restore(
     )
 
 
+NESTED_OPTIMIZER_KEY = "optim.param_groups.0.params"
+"""A key only checkpoints with the optimizer's param groups by index hold
+(written before `model_state_dict` flattened them by parameter name)."""
+
+
+def _flat_optimizer_options() -> Any:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+_FLAT_OPTIMIZER = _flat_optimizer_options()
+
+
 def model_state_dict(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer | None = None,
@@ -200,6 +229,12 @@ def model_state_dict(
     extra_state: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """``{"model": ..., "optim": ...}`` via ``torch.distributed.checkpoint.state_dict.get_state_dict``.
+
+    The optimizer's part is flattened by parameter name
+    (``state.<fqn>.<entry>``, ``param_groups.<fqn>.<setting>``), so ranks that
+    hold different parameters (pipeline stages) write disjoint keys, and a
+    checkpoint restores into any split of the model; param groups by index
+    (``param_groups.0.params``) would differ from stage to stage.
 
     Works for plain / DDP modules and FSDP2 (``fully_shard``) modules, whose
     entries are DTensors. ``extra_state`` (name -> object with ``state_dict()``,
@@ -214,19 +249,22 @@ def model_state_dict(
     if optimizer is None:
         sd = {"model": get_model_state_dict(model)}
     else:
-        msd, osd = get_state_dict(model, optimizer)
+        msd, osd = get_state_dict(model, optimizer, options=_FLAT_OPTIMIZER)
         sd = {"model": msd, "optim": osd}
     if extra_state:
         sd["extra_state"] = {name: obj.state_dict() for name, obj in extra_state.items()}
     return sd
 
 
-def apply_model_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, sd: dict[str, Any]) -> None:
+def apply_model_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+                           sd: dict[str, Any], unsaved: dict[str, Any] | None = None) -> None:
     """Inverse of :func:`model_state_dict`: push loaded values into the module and optimizer.
 
-    The model's entries must be complete (strict). The optimizer takes the state
-    as given: a parameter without state in ``sd["optim"]`` (never stepped when it
-    was saved) ends up without state, exactly as the saved optimizer was.
+    The model's entries must be complete (strict). `unsaved`: the optimizer
+    entries `restore` found no saved state for (``state.<fqn>.*``, never
+    stepped when saved); those parameters end up without state, exactly as
+    the saved optimizer was (torch's loader of the flattened form needs
+    every parameter's entries, so they are passed in and taken out after).
     """
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
@@ -235,8 +273,15 @@ def apply_model_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimi
     )
 
     set_model_state_dict(model, sd["model"])
-    if optimizer is not None:
-        set_optimizer_state_dict(model, optimizer, sd["optim"], options=StateDictOptions(strict=False))
+    if optimizer is None:
+        return
+    set_optimizer_state_dict(model, optimizer, {**sd["optim"], **(unsaved or {})},
+                             options=StateDictOptions(strict=False,
+                                                      flatten_optimizer_state_dict=True))
+    stateless = {k[len("state."):].rsplit(".", 1)[0] for k in unsaved or {}}
+    for name, param in model.named_parameters():
+        if stateless & compat.state_dict_names(model, name):
+            optimizer.state.pop(param, None)
 
 
 def detached_copy(tree: Any) -> Any:
@@ -284,12 +329,13 @@ def restore_model(
     pristine = copy.deepcopy(optimizer.state_dict()) if optimizer is not None and not optimizer.state else None
     try:
         staged = detached_copy(model_state_dict(model, optimizer, extra_state=extra_state))
-        result = restore(base_uri, staged, optimizer_state_as_saved=True, **kwargs)
+        unsaved: dict[str, Any] = {}
+        result = restore(base_uri, staged, optimizer_state_as_saved=True, unsaved=unsaved, **kwargs)
     except BaseException:  # DCP raises CheckpointException, a BaseException
         if pristine is not None and optimizer is not None:
             optimizer.load_state_dict(pristine)
         raise
-    apply_model_state_dict(model, optimizer, staged)
+    apply_model_state_dict(model, optimizer, staged, unsaved)
     for name, obj in (extra_state or {}).items():
         obj.load_state_dict(staged["extra_state"][name])
     return result

@@ -16,7 +16,11 @@ hangs on a dead peer. Which rank writes what:
 - any other object (ints, lists, ...) is replicated too and assigned the same way.
 
 This matches DCP semantics (one copy per key), and requires that every rank of a
-generation passes the same keys with the same shapes for non-DTensor entries.
+generation passes the same keys with the same shapes for non-DTensor entries,
+unless the caller says which ranks hold each of them (`PlainHolders`: pipeline
+stages hold only their own layers' plain entries, gathered once by the
+training library): each is then written by one of its holders, by the same
+balanced assignment over the holders only.
 
 The snapshot copies the owned tensors into staging buffers that are kept and
 reused across saves (pinned when the source is on an accelerator), so host memory
@@ -139,6 +143,11 @@ def _first_of_parallel_meshes(mesh: Any) -> bool:
     return True
 
 
+PlainHolders = dict[str, tuple[int, tuple[int, ...]]]
+"""Flattened key of a non-DTensor entry -> (its size in bytes, the ranks that
+hold it), the same on every rank."""
+
+
 def assign_replicated(sizes: dict[str, int], world_size: int) -> dict[str, int]:
     """Map each replicated key to the rank that writes it (deterministic, size-balanced)."""
     heap = [(0, r) for r in range(world_size)]
@@ -148,6 +157,27 @@ def assign_replicated(sizes: dict[str, int], world_size: int) -> dict[str, int]:
         owner[fqn] = r
         heapq.heappush(heap, (load + sizes[fqn], r))
     return owner
+
+
+def assign_among_holders(holders: PlainHolders) -> dict[str, int]:
+    """Map each key to the holder that writes it: largest first, to its least
+    loaded holder, ties to the lowest rank (deterministic, size-balanced)."""
+    load: dict[int, int] = {}
+    owner: dict[str, int] = {}
+    for fqn in sorted(holders, key=lambda k: (-holders[k][0], k)):
+        size, ranks = holders[fqn]
+        r = min(ranks, key=lambda q: (load.get(q, 0), q))
+        owner[fqn] = r
+        load[r] = load.get(r, 0) + size
+    return owner
+
+
+def plain_entries(state_dict: dict[str, Any]) -> dict[str, int]:
+    """This rank's non-DTensor entries of `state_dict` (flattened keys) and their
+    sizes, as `snapshot` weighs them: what to gather for `PlainHolders`."""
+    flat, _ = compat.flatten_state_dict(state_dict)
+    return {fqn: obj.numel() * obj.element_size() if isinstance(obj, torch.Tensor)
+            else _OBJECT_WEIGHT for fqn, obj in flat.items() if not isinstance(obj, DTensor)}
 
 
 class StagingArea:
@@ -169,7 +199,8 @@ class StagingArea:
         return buf
 
     def snapshot(
-        self, state_dict: dict[str, Any], *, rank: int, world_size: int, defer: frozenset[int] = frozenset()
+        self, state_dict: dict[str, Any], *, rank: int, world_size: int,
+        defer: frozenset[int] = frozenset(), holders: PlainHolders | None = None,
     ) -> ShardSnapshot:
         """Copy this rank's owned entries of ``state_dict`` into the staging buffers.
 
@@ -178,10 +209,12 @@ class StagingArea:
         :meth:`ShardSnapshot.copy_pending`; the caller must keep them unchanged
         until ``copied`` is set. Every other copy is complete (device streams
         synchronized) when this returns, so the caller may mutate those entries at
-        once. Raises ``ValueError`` for entries it cannot checkpoint (Partial DTensors).
+        once. Raises ``ValueError`` for entries it cannot checkpoint (Partial
+        DTensors), and for a non-DTensor entry `holders` (when given) does not
+        list this rank for.
         """
         flat, mappings = compat.flatten_state_dict(state_dict)
-        owned = _owned_items(flat, rank=rank, world_size=world_size)
+        owned = _owned_items(flat, rank=rank, world_size=world_size, holders=holders)
 
         items: list[WriteItem] = []
         data: list[torch.Tensor | bytes] = []
@@ -220,10 +253,11 @@ class StagingArea:
         return ShardSnapshot(items=items, data=data, mappings=mappings, num_bytes=num_bytes, pending=pending, after=after)
 
 
-def _owned_items(flat: dict[str, Any], *, rank: int, world_size: int) -> list[tuple[WriteItem, Any]]:
+def _owned_items(flat: dict[str, Any], *, rank: int, world_size: int,
+                 holders: PlainHolders | None = None) -> list[tuple[WriteItem, Any]]:
     """The write items this rank stores, with their data: the local shards of
     its DTensors, plus the replicated entries (plain tensors, other objects)
-    that `assign_replicated` gives it."""
+    that `assign_replicated` gives it (`assign_among_holders` with `holders`)."""
     owned: list[tuple[WriteItem, Any]] = []
     replicated: dict[str, tuple[WriteItem, Any]] = {}
     sizes: dict[str, int] = {}
@@ -239,7 +273,14 @@ def _owned_items(flat: dict[str, Any], *, rank: int, world_size: int) -> list[tu
         else:
             replicated[fqn] = (compat.create_write_items(fqn, obj)[0], obj)
             sizes[fqn] = _OBJECT_WEIGHT
-    owner = assign_replicated(sizes, world_size)
+    if holders is None:
+        owner = assign_replicated(sizes, world_size)
+    else:
+        stray = sorted(fqn for fqn in replicated if rank not in holders.get(fqn, (0, ()))[1])
+        if stray:
+            raise ValueError(f"rank {rank} holds {', '.join(stray[:5])}, which the gathered "
+                             "holders do not list it for")
+        owner = assign_among_holders(holders)
     owned.extend(v for fqn, v in replicated.items() if owner[fqn] == rank)
     return owned
 

@@ -100,3 +100,10 @@ def test_forget_meshes_empties_dtensors_sharding_caches():
     propagator = DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding
     assert propagator.cache_info().currsize == 0
     assert torch._C._get_DTensor_sharding_propagator_cache_stats() is not None
+
+
+def test_state_dict_names_leave_a_wrappers_prefix_out():
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    assert compat.state_dict_names(model, "0.weight") == {"0.weight"}
+    compiled = torch.compile(model)  # an OptimizedModule: parameters under _orig_mod.
+    assert compat.state_dict_names(compiled, "_orig_mod.0.weight") == {"0.weight"}

@@ -74,6 +74,24 @@ class TestPartialOptimizerState:
         assert all(torch.equal(a, b) for a, b in zip(params(model).values(), params(model2).values()))
 
 
+class TestOptimizerByParameterName:
+    def test_a_checkpoint_with_param_groups_by_index_is_refused_saying_so(self, tmp_path):
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        base = str(tmp_path / "ck")
+        model, opt = build(0)
+        train_step(model, opt, 1)
+        msd, osd = get_state_dict(model, opt)  # the nested form: param groups by index
+        saver = Checkpointer(base, rank=0, world_size=1)
+        saver.save(1, {"model": msd, "optim": osd}, generation=1).result(timeout=60)
+        saver.close()
+        model2, opt2 = build(99)
+        before = params(model2)
+        with pytest.raises(CheckpointMismatch, match="by param group index"):
+            restore_model(base, model2, opt2)
+        assert all(torch.equal(before[k], v) for k, v in params(model2).items())
+
+
 class TestAllOrNothing:
     def test_a_checkpoint_of_another_model_is_refused_naming_the_entry_and_changes_nothing(self, tmp_path):
         base, model, opt = trained_checkpoint(tmp_path)

@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from springback.storage.manifest import Manifest, checkpoint_dir_name, parse_checkpoint_dir_name
-from springback.storage.snapshot import assign_replicated
+from springback.storage.snapshot import assign_among_holders, assign_replicated
 from springback.storage.store import join, resolve_storage_options
 
 
@@ -18,6 +18,20 @@ def test_each_replicated_entry_has_exactly_one_writer_and_loads_are_balanced(siz
     assert assign_replicated(dict(reversed(list(sizes.items()))), world) == owner  # order-independent
     loads = [sum(sizes[k] for k, r in owner.items() if r == rank) for rank in range(world)]
     assert max(loads) - min(loads) <= max(sizes.values(), default=0)
+
+
+@given(st.dictionaries(st.text(min_size=1, max_size=8),
+                       st.tuples(st.integers(0, 10_000),
+                                 st.sets(st.integers(0, 7), min_size=1).map(lambda s: tuple(sorted(s)))),
+                       max_size=40))
+def test_an_entry_held_by_some_ranks_is_written_by_exactly_one_of_them(holders):
+    owner = assign_among_holders(holders)
+    assert owner.keys() == holders.keys()
+    assert all(owner[k] in ranks for k, (_, ranks) in holders.items())
+    assert assign_among_holders(dict(reversed(list(holders.items())))) == owner  # order-independent
+    everyone = {k: (size, tuple(range(8))) for k, (size, _) in holders.items()}
+    assert assign_among_holders(everyone) == assign_replicated(
+        {k: size for k, (size, _) in holders.items()}, 8)  # held by all: as without holders
 
 
 @given(st.integers(0, 10**9), st.integers(0, 10**6))

@@ -28,6 +28,10 @@ Failure semantics:
   on, so a node that was the last holder of the state leaves it committed. The
   checkpoint of the final step (max_steps) is waited for the same way, before
   that step is reported.
+* With pipeline stages (pp > 1) a stage's plain tensors and settings are held
+  by its ranks only: the first save of a generation all-gathers which rank
+  holds which non-DTensor entry (a collective, like the busy flag), and each
+  is written by one of its holders (`storage.snapshot.PlainHolders`).
 * At the end of a generation the in-flight save is waited for up to
   `CLOSE_TIMEOUT_S`; a save cut short by a dead peer never commits (its
   manifest is written last) and is deleted after the next commit.
@@ -36,7 +40,7 @@ Failure semantics:
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import grpc
 import torch
@@ -47,6 +51,10 @@ from springback.v1 import worker_service_pb2 as wpb
 from springback.worker.rank.context import RankContext
 from springback.worker.state.mesh import MeshLayout
 from springback.worker.rank.rendezvous import handed_to_gloo
+from springback.worker.state.peerobjects import all_gather_objects
+
+if TYPE_CHECKING:
+    from springback.storage.snapshot import PlainHolders
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +76,7 @@ class GenerationCheckpoints:
         self._rank = rank
         self.every_steps = int(plan.spec.checkpoint.every_steps)
         self.base_uri = job_checkpoint_uri(plan.spec.checkpoint.uri, plan.job_id or ctx.env.job_id)
+        self._holders: PlainHolders | None = None  # gathered at the first save, with pp > 1
         self._ckpt = Checkpointer(self.base_uri, rank=rank,
                                   world_size=plan.world_size,
                                   on_commit=self._on_commit if rank == 0 else None,
@@ -113,9 +122,13 @@ class GenerationCheckpoints:
             return False
         # With the optimizer, the copy to host memory overlaps the next forward
         # and backward; its next step() waits for the copy (storage's pre-hook).
-        self._ckpt.save(step, self._state(), generation=self._plan.generation, cursor=cursor,
-                        layout=MeshLayout.from_plan(self._plan).as_dict(),
-                        optimizer=self._ctx.state.get("optimizer"), urgent=wait)
+        state = self._state()
+        layout = MeshLayout.from_plan(self._plan)
+        if layout.pp > 1 and self._holders is None:
+            self._holders = _gather_holders(state, self._plan.world_size)
+        self._ckpt.save(step, state, generation=self._plan.generation, cursor=cursor,
+                        layout=layout.as_dict(), optimizer=self._ctx.state.get("optimizer"),
+                        urgent=wait, holders=self._holders)
         if wait:
             try:
                 self._ckpt.wait(DRAIN_SAVE_TIMEOUT_S)
@@ -192,6 +205,24 @@ class GenerationCheckpoints:
                 error=f"rank {self._rank}: {type(exc).__name__}: {exc}"), timeout=RPC_TIMEOUT_S)
         except grpc.RpcError as e:
             log.warning("ReportCheckpointError failed: %s", e.code().name)
+
+
+def _gather_holders(state: dict[str, Any], world_size: int) -> PlainHolders:
+    """Collective: which ranks hold each non-DTensor entry of the checkpointed
+    state, and its size. Raises ValueError naming an entry whose size differs
+    between its holders (they would write different data for one key), and
+    what a failed collective raises."""
+    from springback.storage.snapshot import plain_entries
+
+    holders: dict[str, tuple[int, list[int]]] = {}
+    for r, entries in enumerate(all_gather_objects(plain_entries(state), world_size)):
+        for fqn, size in cast(dict[str, int], entries).items():
+            known = holders.setdefault(fqn, (size, []))
+            if known[0] != size:
+                raise ValueError(f"checkpoint entry {fqn} has {known[0]} bytes on rank "
+                                 f"{known[1][0]} and {size} on rank {r}")
+            known[1].append(r)
+    return {fqn: (size, tuple(ranks)) for fqn, (size, ranks) in holders.items()}
 
 
 def extra_state(state: dict[str, Any]) -> dict[str, Any]:
