@@ -28,6 +28,14 @@ Rules, in order:
 * Survivors keep their node rank when it is still in range; the others fill
   the vacant ranks in candidate order. Global ranks are contiguous in
   node-rank order, so with equal ranks per node a survivor keeps its ranks.
+* Pipeline stages (pp > 1, equal ranks per node, whole nodes per stage):
+  survivors keep their stage. The active set takes, for each stage, the
+  survivors that held it (in their old order) before anyone else, so a
+  stage with a live member is never left to a spare while members of
+  another stage fill the world; the remaining places go to the other
+  candidates in order. A stage's node ranks are a contiguous run (pp is the
+  outermost mesh dimension), and a survivor keeps its node rank when that
+  rank is still in its stage's run.
 * State holders are *proven*, never assumed: the members whose ranks
   reported, at the start of a generation, the state they agreed on
   (`JobStatus.state_holders`), less those whose ranks crashed since. Being
@@ -161,6 +169,62 @@ def _assign_ranks(plan: pb.Plan, active: Sequence[pb.Member], old_rank: dict[str
         first_rank += m.num_local_ranks
 
 
+def _by_stage(candidates: Sequence[pb.Member], n: int, previous: pb.Plan | None,
+              spec: pb.JobSpec) -> list[list[pb.Member]] | None:
+    """The active members of each pipeline stage, `n` in all: each stage's
+    survivors first, then the other candidates in order (see the module
+    docstring). None when the stage rule does not apply: pp = 1, no previous
+    run, unequal nodes, or a stage that is not whole nodes."""
+    pp = max(spec.layout.pp, 1)
+    if pp == 1 or previous is None or not previous.members or n % pp:
+        return None
+    if len({m.num_local_ranks for m in candidates[:n]} | {
+            m.num_local_ranks for m in previous.members}) != 1:
+        return None
+    old_nodes = len(previous.members)
+    if old_nodes % pp:
+        return None
+    per_old, per_new = old_nodes // pp, n // pp
+    old_stage = {m.member_id: m.node_rank // per_old for m in previous.members}
+    stages: list[list[pb.Member]] = [[] for _ in range(pp)]
+    rest: list[pb.Member] = []
+    for m in candidates:
+        stage = old_stage.get(m.id)
+        if stage is not None and len(stages[stage]) < per_new:
+            stages[stage].append(m)
+        else:
+            rest.append(m)
+    for stage in stages:
+        while len(stage) < per_new and rest:
+            stage.append(rest.pop(0))
+    return stages
+
+
+def _assign_stage_ranks(plan: pb.Plan, stages: Sequence[Sequence[pb.Member]],
+                        old_rank: dict[str, int]) -> None:
+    """Node ranks by stage: stage s takes the run [s * k, (s + 1) * k); its
+    members keep their old node rank when it falls in that run."""
+    k = len(stages[0])
+    first_rank = 0
+    add = plan.members.add
+    for s, members in enumerate(stages):
+        run = range(s * k, (s + 1) * k)
+        by_slot: dict[int, pb.Member] = {}
+        movers = []
+        for m in members:
+            r = old_rank.get(m.id)
+            if r is not None and r in run and r not in by_slot:
+                by_slot[r] = m
+            else:
+                movers.append(m)
+        movers.reverse()
+        for slot in run:
+            m = by_slot.get(slot) or movers.pop()
+            add(member_id=m.id, host=m.host, node_rank=slot, first_rank=first_rank,
+                num_local_ranks=m.num_local_ranks)
+            first_rank += m.num_local_ranks
+
+
 def make_plan(
     job: pb.Job,
     members: Sequence[pb.Member],
@@ -193,10 +257,15 @@ def make_plan(
             plan.reason = f"{reason}; waiting: {fault}" if reason else f"waiting: {fault}"
         return plan
 
-    active = candidates[:n]
+    staged = _by_stage(candidates, n, previous, spec)
+    active = [m for stage in staged for m in stage] if staged else candidates[:n]
     plan.action = pb.PLAN_ACTION_RUN
-    _assign_ranks(plan, active, old_rank)
-    plan.spares.extend(m.id for m in candidates[n:])
+    if staged:
+        _assign_stage_ranks(plan, staged, old_rank)
+    else:
+        _assign_ranks(plan, active, old_rank)
+    chosen = {m.id for m in active}
+    plan.spares.extend(m.id for m in candidates if m.id not in chosen)
     plan.world_size = sum(m.num_local_ranks for m in active)
     plan.layout.CopyFrom(resolve_layout(spec, active))
     head = next(m for m in active if m.id == plan.members[0].member_id)

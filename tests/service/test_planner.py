@@ -49,6 +49,55 @@ class TestRanks:
         assert p.world_size == 8 and (p.master_addr, p.master_port) == ("ha", 1000)
 
 
+class TestPipelineStages:
+    def test_a_lost_node_leaves_every_stage_one_of_its_survivors(self):
+        # pp 2 over 4 nodes: a, b hold stage 0, c, d stage 1; d is lost
+        first = plan(job(pp=2), members("a", "b", "c", "d"))
+        second = plan(job(pp=2), members("a", "b", "c"), first)
+        assert [(m.member_id, m.node_rank) for m in second.members] == [("a", 0), ("c", 1)]
+        assert list(second.spares) == ["b"]  # not c: stage 1 would have no holder
+
+    def test_a_join_grows_each_stage_with_its_survivors_kept_on_it(self):
+        first = plan(job(pp=2), members("a", "b", "c", "d"))
+        second = plan(job(pp=2), members("a", "b", "c"), first)
+        third = plan(job(pp=2), members("a", "b", "c", "e"), second)
+        stage = {m.member_id: m.node_rank // 2 for m in third.members}
+        assert stage["a"] == 0 and stage["c"] == 1 and third.world_size == 4
+        assert [m.first_rank for m in third.members] == [0, 1, 2, 3]
+
+    def test_survivors_keep_their_node_rank_inside_their_stage(self):
+        first = plan(job(pp=2), members("a", "b", "c", "d", "e", "f"))
+        second = plan(job(pp=2), members("a", "b", "c", "d", "e", "f", "g", "h"), first)
+        assert [(m.member_id, m.node_rank) for m in second.members][:3] == [
+            ("a", 0), ("b", 1), ("c", 2)]  # stage 0 of 6 nodes: 0-2, of 8: 0-3
+        assert {m.member_id: m.node_rank // 4 for m in second.members}["d"] == 1
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    alive=st.lists(st.sampled_from("abcdefghij"), unique=True, max_size=10),
+    survivors=st.lists(st.sampled_from("abcdefghij"), unique=True, max_size=10),
+    pp=st.sampled_from([2, 3]),
+)
+def test_a_pipeline_plan_keeps_a_survivor_on_every_stage_that_has_one(alive, survivors, pp):
+    j = job(pp=pp, max_workers=10)
+    previous = plan(j, members(*survivors)) if survivors else None
+    p = plan(j, members(*alive), previous)
+    if p.action != pb.PLAN_ACTION_RUN:
+        return
+    planned = [m.member_id for m in p.members]
+    assert sorted(m.node_rank for m in p.members) == list(range(len(planned)))
+    assert set(planned) | set(p.spares) == set(alive) and len(planned) % pp == 0
+    if previous is None or previous.action != pb.PLAN_ACTION_RUN:
+        return
+    per_old, per_new = len(previous.members) // pp, len(planned) // pp
+    old = {m.member_id: m.node_rank // per_old for m in previous.members}
+    new = {m.member_id: m.node_rank // per_new for m in p.members}
+    for stage in range(pp):
+        if any(old.get(a) == stage for a in alive):  # a live member held it
+            assert any(old.get(m) == stage and new[m] == stage for m in planned), stage
+
+
 class TestLayoutAndLimits:
     def test_tp_times_pp_must_divide_the_world_and_the_rest_are_spares(self):
         p = plan(job(tp=2, pp=2), members("a", "b", "c", "d", "e", "f"))

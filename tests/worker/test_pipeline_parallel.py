@@ -139,28 +139,29 @@ def held_stages(root: Path) -> dict[int, dict[int, dict]]:
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("cluster", [PP], indirect=True)
 def test_pipeline_node_loss_then_join_refill_the_stages_in_memory_bit_identical(cluster):
-    """Four single-rank nodes, pp = 2 x dp = 2: ranks 0-1 hold layers 0-1,
-    ranks 2-3 layers 2-3 (and the counter). SIGKILL of rank 1's node: its
-    stage's other replica (rank 0) and the last stage's two survive; the
-    planner keeps pp = 2 and takes a world of 2 (a 0 and c 1, each on the
-    stage it held; d waits as a spare). A fifth node joins: world 4 again,
-    c moves to stage 0 (from a) and d and e take stage 1 from c."""
+    """Four single-rank nodes, pp = 2 x dp = 2: ranks 0-1 (a, b) hold layers
+    0-1, ranks 2-3 (c, d) layers 2-3 (and the counter). SIGKILL of rank 3's
+    node (d): the planner keeps pp = 2 and takes a world of 2 with a survivor
+    of each stage on it (a 0, c 1; b waits as a spare), where the first two
+    survivors (a, b: both stage 0) would have left the last stage to no one.
+    A fifth node joins: world 4 again, a and b on stage 0, c and e on stage 1
+    (e taking it from c)."""
     pp = {"script": PP_TRAIN, "nproc": 1, "env": {"TINY_STEP_SLEEP_S": "0.2"}}
     a = cluster.start("a", **pp)
     b = cluster.start("b", **pp)
     c = cluster.start("c", **pp)
     d = cluster.start("d", **pp)
     cluster.wait_world(4, min_step=12, timeout_s=150)
-    b.signal_node(signal.SIGKILL)
+    d.signal_node(signal.SIGKILL)
     cluster.wait_world(2, min_step=max(r["step"] for r in steps(cluster.root)) + 2,
                        timeout_s=90)
-    e = cluster.start("e", **pp)  # with the spare d: 2 -> 4 ranks
+    e = cluster.start("e", **pp)  # with the spare b: 2 -> 4 ranks
     cluster.wait_world(4, min_step=max(r["step"] for r in steps(cluster.root)) + 3,
                        timeout_s=120)
     job = cluster.wait_succeeded(timeout_s=150)
-    for agent in (a, c, d, e):
+    for agent in (a, b, c, e):
         assert agent.wait(30) == 0, agent.log()
-    logs = "".join(agent.log() for agent in (a, c, d, e))
+    logs = "".join(agent.log() for agent in (a, b, c, e))
     # from memory (nothing else exists): no state lost, no step redone, each
     # stage had a live replica
     assert job.status.num_state_losses == 0 and job.status.steps_redone == 0, job.status
