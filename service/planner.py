@@ -189,14 +189,14 @@ def _by_stage(candidates: Sequence[pb.Member], n: int, previous: pb.Plan | None,
     stages: list[list[pb.Member]] = [[] for _ in range(pp)]
     rest: list[pb.Member] = []
     for m in candidates:
-        stage = old_stage.get(m.id)
-        if stage is not None and len(stages[stage]) < per_new:
-            stages[stage].append(m)
+        held = old_stage.get(m.id)
+        if held is not None and len(stages[held]) < per_new:
+            stages[held].append(m)
         else:
             rest.append(m)
-    for stage in stages:
-        while len(stage) < per_new and rest:
-            stage.append(rest.pop(0))
+    for run in stages:
+        while len(run) < per_new and rest:
+            run.append(rest.pop(0))
     return stages
 
 
