@@ -21,15 +21,18 @@ from test_elastic import cluster  # noqa: F401 - the fixture
 from test_sharded import SPEC
 
 from springback.worker.state.reshard import Box, plan_transfers
-from springback.worker.state.sharded import ShardedModel, unfilled
+from springback.worker.state.sharded import unfilled
 
 PP_TRAIN = str(Path(__file__).with_name("pp_train.py"))
 PP = {**{k: v for k, v in SPEC.items() if k != "checkpoint"}, "name": "pipeline-parallel",
       "min_workers": 1, "max_workers": 4, "layout": {"pp": 2}}
-"""No checkpoint: the library's checkpoint writer takes plain tensors as held
-by every rank, which a pipeline stage's are not (each stage has its own
-keys), so memory is the only source: a fill that failed would be a state
-loss, which the test refuses."""
+"""No checkpoint: memory is the only source, so a fill that failed would be
+a state loss, which the tests refuse (pipeline checkpoints:
+test_layout_restore.py)."""
+PP_COPIES = {**PP, "name": "pipeline-copies", "max_workers": 2, "max_steps": 40,
+             "peer_copies": {"every_steps": 2}}
+"""pp = 2 x dp = 1: no stage has a replica, so only the peer copies hold a
+lost stage."""
 
 
 def _whole(n: int) -> Box:
@@ -56,36 +59,6 @@ def test_each_stage_is_filled_from_its_own_replicas_and_judged_on_every_stage():
     # each rank alone (the peer copies' test): the other stage's keys have no place
     assert unfilled({**stage[0], **stage[1]}, [owns[0]]) == [
         "param/layers.1.weight (not in the new model)"]
-
-
-class _Mesh:
-    """A stand-in for a generation's mesh of `pp` stages (only its size is read)."""
-
-    def __init__(self, pp: int) -> None:
-        self.pp = pp
-
-    def __getitem__(self, dim: str) -> "_Mesh":
-        assert dim == "pp"
-        return self
-
-    def size(self) -> int:
-        return self.pp
-
-
-@pytest.mark.timeout(10)
-def test_a_pipeline_stage_never_judges_a_fill_alone():
-    """`ShardedModel.missing` (the peer copies' roll back judges each rank's
-    fill with it, one rank at a time): on a pipeline stage it reports a gap
-    whatever the keys, so the stages, which own different keys, never
-    decide apart (some collecting the copy, others passing it over)."""
-    sm = ShardedModel(lambda mesh: None)
-    sm._adopt(torch.nn.Linear(2, 2), torch.optim.SGD([torch.zeros(1)], lr=1.0))
-    full = {"param/weight": _whole(4), "param/bias": _whole(2)}
-    assert sm.missing(full) == []  # no mesh: one model judges alone
-    sm.mesh = _Mesh(1)
-    assert sm.missing(full) == []
-    sm.mesh = _Mesh(2)
-    assert sm.missing(full) and sm.missing({}) == sm.missing(full)
 
 
 @pytest.mark.timeout(90)
@@ -177,3 +150,28 @@ def test_pipeline_node_loss_then_join_refill_the_stages_in_memory_bit_identical(
             stage = rank // (h["world_size"] // 2)
             assert h["pp"] == 2 and h["layers"] == [2 * stage, 2 * stage + 1], held
     cluster.audit()  # exactly once: sampler records and the applied counter
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("cluster", [PP_COPIES], indirect=True)
+def test_a_lost_stage_without_a_replica_comes_back_from_its_peer_copy_on_a_spare(cluster):
+    """Two single-rank nodes, pp = 2 x dp = 1 (a: layers 0-1, b: layers 2-3
+    and the counter), peer copies every 2 steps (b's stage kept on a), c a
+    spare. SIGKILL of b: c takes stage 1, filled from a's copy of b's stage
+    (every rank judges the fill over both stages' keys), rolled back to the
+    copy step: no checkpoint, no state lost, each tensor bit-identical to the
+    step it resumed from, every sample applied once."""
+    pp = {"script": PP_TRAIN, "nproc": 1, "env": {"TINY_STEP_SLEEP_S": "0.2"}}
+    a = cluster.start("a", **pp)
+    b = cluster.start("b", **pp)
+    cluster.wait_world(2, min_step=8, timeout_s=150)
+    c = cluster.start("c", **pp)  # a spare: max_workers is 2
+    b.signal_node(signal.SIGKILL)
+    job = cluster.wait_succeeded(timeout_s=180)
+    for agent in (a, c):
+        assert agent.wait(30) == 0, agent.log()
+    assert job.status.num_state_losses == 0 and job.status.num_restores == 0, job.status
+    assert not job.status.last_checkpoint.uri, job.status
+    assert "peer copies" in a.log() + c.log()
+    assert_stages_bit_identical(cluster.root, world=2)
+    cluster.audit()  # exactly once: the steps after the copy step were trained again

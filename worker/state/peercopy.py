@@ -83,6 +83,8 @@ from springback.worker.state.reshard import (
     plan_transfers,
 )
 
+from springback.worker.state.sharded import unfilled
+
 if TYPE_CHECKING:
     from springback.worker.rank.context import RankContext
     from springback.worker.state.sharded import Held, ShardedModel
@@ -266,6 +268,9 @@ class PeerCopyStore:
         failure mid-way leaves the snapshots and copies as they were, and
         the session's step unchanged (a later start may use them again)."""
         offers = cast(list[dict[int, dict[str, Any]]], all_gather_objects(self.offer(), world))
+        # every rank's new model's keys: a fill is judged over all of them
+        # (a pipeline's stages own different keys), alike on every rank
+        owns = [set(cast(list[str], o)) for o in all_gather_objects(sorted(sm.own_keys()), world)]
         for step in sorted({s for o in offers for s in o}, reverse=True):
             if step < newest_commit:
                 break
@@ -274,8 +279,8 @@ class PeerCopyStore:
             if not owners:
                 continue
             keys = {k: rows for _, have in pieces for k, rows in have.items()}
-            if sm.missing(keys):
-                continue  # this step's pieces do not fill the new model
+            if unfilled(keys, owns):
+                continue  # this step's pieces do not fill the new models
             targets = sm.targets(keys)
             needs = all_gather_objects({k: r for k, (_, r) in targets.items()}, world)
             transfers = plan_transfers([have for _, have in pieces],

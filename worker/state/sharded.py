@@ -220,16 +220,6 @@ class ShardedModel:
         own = {f"param/{fqn}" for fqn in self._params}
         return own | {f"buffer/{fqn}" for fqn, _ in self.model.named_buffers()}
 
-    def missing(self, keys: Collection[str]) -> list[str]:
-        """`unfilled` for this rank's new model alone. A pipeline stage (pp >
-        1) cannot judge a fill alone (the other stages own other keys, and
-        the ranks would decide differently): it says so whatever the keys,
-        so every rank of a pipeline passes such a fill over alike (the peer
-        copies' roll back; the agreement judges on every rank's keys)."""
-        if self.mesh is not None and self.mesh["pp"].size() > 1:
-            return ["a pipeline stage's model alone (pp > 1): the other stages' keys unknown"]
-        return unfilled(keys, [self.own_keys()])
-
     def hyperparameters(self) -> list[dict[str, Any]]:
         """The optimizer's param-group settings (lr, betas, ...), in group order."""
         assert self.optimizer is not None
