@@ -65,7 +65,7 @@ _SCHEMA: dict[str, Any] = {
     "min_workers": (int, False),
     "max_workers": (int, False),
     "layout": ({"tp": (int, False), "pp": (int, False), "ep": (int, False),
-                "shard": (int, False)}, False),
+                "shard": (int, False), "min_pp": (int, False)}, False),
     "data": (
         {"num_samples": (int, True), "global_batch_size": (int, True), "seed": (int, False)},
         True,
@@ -202,6 +202,10 @@ def validate(spec: types_pb2.JobSpec) -> types_pb2.JobSpec:
         )
     for degree in ("tp", "pp", "ep"):
         setattr(out.layout, degree, getattr(out.layout, degree) or 1)
+    out.layout.min_pp = out.layout.min_pp or out.layout.pp
+    if out.layout.min_pp > out.layout.pp:
+        raise InvalidArgument("layout.min_pp", f"{out.layout.min_pp} is above layout.pp "
+                              f"{out.layout.pp} (the most stages)")
     out.failures.max_per_step = out.failures.max_per_step or DEFAULT_MAX_PER_STEP
     out.failures.window_s = out.failures.window_s or DEFAULT_WINDOW_S
     out.failures.plan_wait_s = out.failures.plan_wait_s or DEFAULT_PLAN_WAIT_S

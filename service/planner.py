@@ -28,6 +28,12 @@ Rules, in order:
 * Survivors keep their node rank when it is still in range; the others fill
   the vacant ranks in candidate order. Global ranks are contiguous in
   node-rank order, so with equal ranks per node a survivor keeps its ranks.
+* Re-partitioning: when no world of the live members fits ``layout.pp``
+  stages and the spec allows fewer (``layout.min_pp``), the plan runs the
+  most stages, down to min_pp, that a world fits (e.g. 4 -> 3 when one of
+  four single-node stages is lost); it grows back to pp when members join.
+  The ranks split the layers over the plan's pp (`worker.stage_layers`) and
+  move them in memory (`worker/state/reshard.py`).
 * Pipeline stages (pp > 1, equal ranks per node, whole nodes per stage):
   survivors keep their stage. The active set takes, for each stage, the
   survivors that held it (in their old order) before anyone else, so a
@@ -169,14 +175,32 @@ def _assign_ranks(plan: pb.Plan, active: Sequence[pb.Member], old_rank: dict[str
         first_rank += m.num_local_ranks
 
 
+def _fewer_stages(candidates: Sequence[pb.Member], spec: pb.JobSpec,
+                  n: int) -> tuple[pb.JobSpec, int]:
+    """With ``layout.min_pp`` below ``layout.pp``, when no world fits pp
+    stages: the spec with the most stages (down to min_pp) that a world of
+    the live members fits, and that world's member count; `spec` and `n`
+    unchanged when none does."""
+    lowest = max(spec.layout.min_pp or spec.layout.pp, 1)  # 0: fixed at pp
+    for pp in range(spec.layout.pp - 1, lowest - 1, -1):
+        fewer = pb.JobSpec()
+        fewer.CopyFrom(spec)
+        fewer.layout.pp = pp
+        count, _ = _active_count(candidates, fewer)
+        if count:
+            return fewer, count
+    return spec, n
+
+
 def _by_stage(candidates: Sequence[pb.Member], n: int, previous: pb.Plan | None,
               spec: pb.JobSpec) -> list[list[pb.Member]] | None:
     """The active members of each pipeline stage, `n` in all: each stage's
     survivors first, then the other candidates in order (see the module
     docstring). None when the stage rule does not apply: pp = 1, no previous
-    run, unequal nodes, or a stage that is not whole nodes."""
+    run with as many stages, unequal nodes, or a stage that is not whole nodes."""
     pp = max(spec.layout.pp, 1)
-    if pp == 1 or previous is None or not previous.members or n % pp:
+    if (pp == 1 or previous is None or previous.action != pb.PLAN_ACTION_RUN
+            or previous.layout.pp != pp or not previous.members or n % pp):
         return None
     if len({m.num_local_ranks for m in candidates[:n]} | {
             m.num_local_ranks for m in previous.members}) != 1:
@@ -251,6 +275,8 @@ def make_plan(
     live_holders = {m.id for m in candidates if m.id in proven}
     n, fault = (0, "") if job.status.state == pb.JOB_STATE_PAUSED else _active_count(
         candidates, spec)
+    if n == 0 and fault and job.status.state != pb.JOB_STATE_PAUSED:
+        spec, n = _fewer_stages(candidates, spec, n)
     if n == 0:
         _hold(plan, candidates, previous, live_holders, progress)
         if fault:

@@ -73,6 +73,30 @@ class TestPipelineStages:
         assert {m.member_id: m.node_rank // 4 for m in second.members}["d"] == 1
 
 
+class TestRepartition:
+    def test_a_pipeline_that_may_shrink_runs_fewer_stages_and_grows_back(self):
+        j = job(pp=4)
+        j.spec.layout.min_pp = 2
+        first = plan(j, members("a", "b", "c", "d"))
+        assert (first.layout.pp, first.world_size) == (4, 4)
+        second = plan(j, members("a", "b", "d"), first)  # c's stage lost, no spare
+        assert second.action == pb.PLAN_ACTION_RUN and (second.layout.pp, second.layout.dp) == (3, 1)
+        assert second.spec.layout.pp == 4  # the job's spec is unchanged
+        third = plan(j, members("a", "b", "d", "e"), second)
+        assert (third.layout.pp, third.world_size) == (4, 4)
+
+    def test_a_fixed_stage_count_waits_naming_the_layout(self):
+        first = plan(job(pp=4), members("a", "b", "c", "d"))
+        second = plan(job(pp=4), members("a", "b", "d"), first)
+        assert second.action == pb.PLAN_ACTION_WAIT and "layout.tp * layout.pp" in second.reason
+
+    def test_it_never_goes_below_min_pp(self):
+        j = job(pp=4)
+        j.spec.layout.min_pp = 3
+        p = plan(j, members("a", "b"))
+        assert p.action == pb.PLAN_ACTION_WAIT
+
+
 @settings(max_examples=200, deadline=None)
 @given(
     alive=st.lists(st.sampled_from("abcdefghij"), unique=True, max_size=10),

@@ -27,6 +27,8 @@ GOOD = {"name": "lm", "data": {"num_samples": 10, "global_batch_size": 2}, "max_
         ({"data": {"num_samples": 10}}, "data.global_batch_size"),
         ({"layout": {"tp": "2"}}, "layout.tp"),
         ({"layout": {"dp": 2}}, "layout.dp"),
+        ({"layout": {"pp": 2, "min_pp": 3}}, "layout.min_pp"),
+        ({"layout": {"min_pp": "2"}}, "layout.min_pp"),
         ({"checkpoint": {"every_steps": 5}}, "checkpoint.uri"),
         ({"workers": 3}, "workers"),
         ({"peer_copies": {"every_steps": -1}}, "peer_copies.every_steps"),
@@ -98,3 +100,8 @@ def test_arbitrary_input_is_accepted_or_rejected_cleanly(value):
         spec_from_dict(value)
     except InvalidArgument as e:
         assert e.field  # never a crash, always a named field
+
+
+def test_a_pipeline_keeps_its_stage_count_unless_the_spec_lets_it_shrink():
+    assert spec_from_dict({**GOOD, "layout": {"pp": 4}}).layout.min_pp == 4
+    assert spec_from_dict({**GOOD, "layout": {"pp": 4, "min_pp": 2}}).layout.min_pp == 2

@@ -175,3 +175,51 @@ def test_a_lost_stage_without_a_replica_comes_back_from_its_peer_copy_on_a_spare
     assert "peer copies" in a.log() + c.log()
     assert_stages_bit_identical(cluster.root, world=2)
     cluster.audit()  # exactly once: the steps after the copy step were trained again
+
+
+PP_SHRINK = {**PP, "name": "pipeline-repartition", "max_workers": 4, "max_steps": 50,
+             "layout": {"pp": 4, "min_pp": 2}, "peer_copies": {"every_steps": 2}}
+"""pp = 4 x dp = 1, allowed down to 2 stages; the peer copies hold each stage
+on the next node."""
+
+
+def _layers(stage: int, pp: int, num_layers: int = 4) -> list[int]:
+    base, extra = divmod(num_layers, pp)
+    first = stage * base + min(stage, extra)
+    return list(range(first, first + base + (stage < extra)))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("cluster", [PP_SHRINK], indirect=True)
+def test_a_pipeline_re_partitions_over_the_surviving_stages_and_grows_back(cluster):
+    """Four single-rank nodes, one layer each (pp = 4 x dp = 1, min_pp 2),
+    no spare. SIGKILL of the third stage's node: no world fits four stages,
+    so the planner runs three and the ranks split the four layers 2-1-1,
+    filled from the survivors' snapshots and the lost stage's peer copy
+    (rolled back to the copy step). A join: four stages again, each layer
+    moved from where it lives. No checkpoint, no state lost, bit-identical,
+    exactly once."""
+    pp = {"script": PP_TRAIN, "nproc": 1, "env": {"TINY_STEP_SLEEP_S": "0.2"}}
+    agents = [cluster.start(n, **pp) for n in ("a", "b", "c", "d")]
+    cluster.wait_world(4, min_step=8, timeout_s=150)
+    agents[2].signal_node(signal.SIGKILL)
+    cluster.wait_world(3, min_step=max(r["step"] for r in steps(cluster.root)) + 2,
+                       timeout_s=120)
+    agents.append(cluster.start("e", **pp))
+    cluster.wait_world(4, min_step=max(r["step"] for r in steps(cluster.root)) + 2,
+                       timeout_s=120)
+    job = cluster.wait_succeeded(timeout_s=180)
+    live = [agents[i] for i in (0, 1, 3, 4)]
+    for agent in live:
+        assert agent.wait(30) == 0, agent.log()
+    assert job.status.num_state_losses == 0 and job.status.num_restores == 0, job.status
+    assert not job.status.last_checkpoint.uri, job.status
+    assert "peer copies" in "".join(agent.log() for agent in live)
+    assert_stages_bit_identical(cluster.root, world=3)  # re-partitioned 4 -> 3
+    assert_stages_bit_identical(cluster.root, world=4)  # and back
+    held = held_stages(cluster.root)
+    assert {h["pp"] for g in held.values() for h in g.values()} == {3, 4}
+    for generation in held.values():
+        for rank, h in generation.items():
+            assert h["layers"] == _layers(rank, h["pp"]), generation
+    cluster.audit()

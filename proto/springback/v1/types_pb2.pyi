@@ -61,16 +61,18 @@ PLAN_ACTION_WAIT: PlanAction
 PLAN_ACTION_STOP: PlanAction
 
 class Layout(_message.Message):
-    __slots__ = ("tp", "pp", "ep", "shard")
+    __slots__ = ("tp", "pp", "ep", "shard", "min_pp")
     TP_FIELD_NUMBER: _ClassVar[int]
     PP_FIELD_NUMBER: _ClassVar[int]
     EP_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
+    MIN_PP_FIELD_NUMBER: _ClassVar[int]
     tp: int
     pp: int
     ep: int
     shard: int
-    def __init__(self, tp: _Optional[int] = ..., pp: _Optional[int] = ..., ep: _Optional[int] = ..., shard: _Optional[int] = ...) -> None: ...
+    min_pp: int
+    def __init__(self, tp: _Optional[int] = ..., pp: _Optional[int] = ..., ep: _Optional[int] = ..., shard: _Optional[int] = ..., min_pp: _Optional[int] = ...) -> None: ...
 
 class DataSpec(_message.Message):
     __slots__ = ("num_samples", "global_batch_size", "seed")
