@@ -27,6 +27,10 @@ Scenarios:
   and FSDP2's strided shard): tp 2 on 2 ranks, two joiners (shard 2 x tp 2),
   the same 4 as HSDP (replicate 2 x tp 2), then the first two lost; each
   generation holds, bit for bit, the step it resumed from.
+* ``tp_second_fault`` (two nodes of tp 2, each a full replica): step 2 is
+  trained; generation 2 reshards to FSDP shard 2 x tp 2 and loses rank 3 as
+  it enters the exchange; generation 3 (the first node alone, tp 2) must
+  hold step 2's state, bit for bit.
 * ``tp_copies`` (two nodes of tp 2, FSDP2 shard 2 across them, peer copies
   every 2 steps): the second node dies after step 3; the first rolls back to
   step 2 from the copies it keeps of the lost node's TP slices.
@@ -358,6 +362,21 @@ def tensor_parallel() -> None:
         start(ag, 4, plan(4, 2, shard=1, tp=2), rank)
 
 
+def tp_second_fault() -> None:
+    ag = new_agreement(tp_build)
+    rank = join("g1", [0, 1, 2, 3])  # two nodes of tp 2, each a full replica
+    start(ag, 1, plan(1, 4, shard=1, tp=2, nodes=2), rank)
+    trained(ag, range(1, 3))
+    leave_group()
+    if RANK == 3:
+        die_at(agreement_module, "exchange")
+    rank = join("g2", [0, 1, 2, 3])  # to FSDP shard 2 x tp 2: rank 3 dies in the exchange
+    start(ag, 2, plan(2, 4, shard=2, tp=2, nodes=2), rank)
+    rank = join("g3", [0, 1])  # then the second node is gone: the first alone, tp 2
+    if rank is not None:
+        start(ag, 3, plan(3, 2, shard=1, tp=2), rank)
+
+
 def tp_copies() -> None:
     ag = new_agreement(tp_build)
     rank = join("g1", [0, 1, 2, 3])
@@ -449,6 +468,7 @@ if __name__ == "__main__":
     torch.set_num_threads(1)
     {"second_fault": second_fault, "handover": handover, "restore": restore,
      "rollback": rollback, "tensor_parallel": tensor_parallel, "tp_copies": tp_copies,
+     "tp_second_fault": tp_second_fault,
      "tp_restore": tp_restore, "plain": plain,
      "fill": fill}[SCENARIO]()
     with open(os.path.join(ROOT, f"result-{RANK}.json"), "w", encoding="utf-8") as f:

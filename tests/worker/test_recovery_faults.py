@@ -113,6 +113,19 @@ def test_tensor_parallel_state_under_fsdp_is_resharded_in_memory_through_joins_a
             assert g["digest"] == trained[str(step)], (rank, gen)
 
 
+@pytest.mark.timeout(150)
+def test_a_rank_killed_in_a_tensor_parallel_reshard_leaves_its_node_peer_the_trained_state(
+        tmp_path):
+    results = run(tmp_path, "tp_second_fault", 4, victims=(3,))
+    for rank in (0, 1):
+        res = results[rank]
+        assert generation(res, 2)["error"] == "RuntimeError"  # rank 3 died in the exchange
+        last = generation(res, 3)
+        assert (last.get("error"), last["step"], last["kind"]) == \
+            (None, 2, "RESTORE_KIND_PEERS"), res
+        assert last["digest"] == res["trained"]["2"]
+
+
 @pytest.mark.timeout(120)
 def test_a_lost_nodes_tensor_parallel_slices_come_back_from_their_peer_copies(tmp_path):
     for res in run(tmp_path, "tp_copies", 4, victims=(2, 3))[:2]:
