@@ -31,6 +31,11 @@ Scenarios:
   trained; generation 2 reshards to FSDP shard 2 x tp 2 and loses rank 3 as
   it enters the exchange; generation 3 (the first node alone, tp 2) must
   hold step 2's state, bit for bit.
+* ``pp_second_fault`` (4 one-rank nodes, pp 2 x dp 2, tests/worker/pp_train.py):
+  step 2 is trained; generation 2 swaps ranks 1 and 2 between the stages
+  and loses rank 0 as it enters the exchange; generation 3 (ranks 1 and 2,
+  the two whose stage was changing: one holder of each) must hold step 2's
+  state of both stages.
 * ``tp_copies`` (two nodes of tp 2, FSDP2 shard 2 across them, peer copies
   every 2 steps): the second node dies after step 3; the first rolls back to
   step 2 from the copies it keeps of the lost node's TP slices.
@@ -73,6 +78,7 @@ from springback.worker.train.checkpointing import restore_from_checkpoint
 from springback.worker.rank.context import RankContext
 from springback.worker.state.peercopy import GenerationCopies
 from springback.worker.rank.rendezvous import leave_group
+from springback.worker.state.mesh import MeshLayout, build_mesh
 from springback.worker.state.sharded import ShardedModel
 
 RANK, ROOT, SCENARIO = int(sys.argv[1]), sys.argv[2], sys.argv[3]
@@ -377,6 +383,58 @@ def tp_second_fault() -> None:
         start(ag, 3, plan(3, 2, shard=1, tp=2), rank)
 
 
+def pp_plan(generation: int, world: int) -> pb.Plan:
+    """pp 2 over `world` one-rank nodes, the rest data parallel (shard)."""
+    p = plan(generation, world, shard=world // 2)
+    p.layout.pp, p.layout.dp, p.layout.replicate, p.layout.shard = 2, world // 2, 1, world // 2
+    return p
+
+
+def pp_trained(ag: StateAgreement, steps: range, world: int) -> None:
+    """Pipelined steps (tests/worker/pp_train.py) on the current group; the
+    full state gathered from both stages is recorded, key by key."""
+    import pp_train
+
+    state = ag.ctx.state
+    mesh = build_mesh(MeshLayout.from_plan(pp_plan(0, world)), "cpu")
+    schedule = pp_train.pipeline(state["model"], mesh, 12)
+    dp = mesh.get_local_rank("shard")
+    for step in steps:
+        pp_train.train_step(state["model"], state["optimizer"], schedule, mesh,
+                            torch.arange(12)[dp::world // 2])
+        ag.ctx.state_step = step
+        result["trained"][str(step)] = pp_train.key_digests(
+            pp_train.full_state(state["model"], state["optimizer"]))
+
+
+def pp_start(ag: StateAgreement, generation: int, world: int, rank: int | None) -> None:
+    """`start`, recording the full state of both stages key by key."""
+    import pp_train
+
+    start(ag, generation, pp_plan(generation, world), rank)
+    entry = result["generations"][-1]
+    if "error" not in entry:
+        entry["keys"] = pp_train.key_digests(pp_train.full_state(ag.ctx.state["model"],
+                                                                 ag.ctx.state["optimizer"]))
+
+
+def pp_second_fault() -> None:
+    import pp_train
+
+    ag = new_agreement(pp_train.build, replicated=pp_train.REPLICATED)
+    rank = join("g1", [0, 1, 2, 3])  # stage 0: ranks 0-1, stage 1: ranks 2-3
+    pp_start(ag, 1, 4, rank)
+    pp_trained(ag, range(1, 3), 4)
+    leave_group()
+    if RANK == 0:
+        die_at(agreement_module, "exchange")
+    rank = join("g2", [0, 2, 1, 3])  # 1 and 2 swap stages; 0 dies in the exchange
+    pp_start(ag, 2, 4, rank)
+    rank = join("g3", [1, 2])  # the two that were moving: one holder of each stage
+    if rank is not None:
+        pp_start(ag, 3, 2, rank)
+
+
 def tp_copies() -> None:
     ag = new_agreement(tp_build)
     rank = join("g1", [0, 1, 2, 3])
@@ -468,7 +526,7 @@ if __name__ == "__main__":
     torch.set_num_threads(1)
     {"second_fault": second_fault, "handover": handover, "restore": restore,
      "rollback": rollback, "tensor_parallel": tensor_parallel, "tp_copies": tp_copies,
-     "tp_second_fault": tp_second_fault,
+     "tp_second_fault": tp_second_fault, "pp_second_fault": pp_second_fault,
      "tp_restore": tp_restore, "plain": plain,
      "fill": fill}[SCENARIO]()
     with open(os.path.join(ROOT, f"result-{RANK}.json"), "w", encoding="utf-8") as f:

@@ -3,7 +3,8 @@ killed in the state agreement's all-gather, in the reshard exchange, in a
 peer-copy roll back, in a checkpoint restore and in a DDP hand-over (the
 joiner itself, then a holder); the next generation's state is, bit for bit,
 the state of the step it resumed from. Tensor-parallel state under FSDP2
-resharded through joins, a layout change and a loss. And the agreement's
+resharded through joins, a layout change and a loss; a rank killed in a
+tensor-parallel and in a pipeline reshard. And the agreement's
 decisions: a plain parameter, a fill that must carry non-tensor optimizer
 state, a lost state said as lost.
 Real multi-process gloo, the library's own `StateAgreement`."""
@@ -124,6 +125,19 @@ def test_a_rank_killed_in_a_tensor_parallel_reshard_leaves_its_node_peer_the_tra
         assert (last.get("error"), last["step"], last["kind"]) == \
             (None, 2, "RESTORE_KIND_PEERS"), res
         assert last["digest"] == res["trained"]["2"]
+
+
+@pytest.mark.timeout(150)
+def test_a_rank_killed_in_a_pipeline_reshard_leaves_a_holder_of_each_stage_the_trained_state(
+        tmp_path):
+    results = run(tmp_path, "pp_second_fault", 4, victims=(0,))
+    for rank in (1, 2):
+        res = results[rank]
+        assert generation(res, 2)["error"] == "RuntimeError"  # rank 0 died in the exchange
+        last = generation(res, 3)
+        assert (last.get("error"), last["step"], last["kind"]) == \
+            (None, 2, "RESTORE_KIND_PEERS"), res
+        assert last["keys"] == res["trained"]["2"]  # both stages, every tensor
 
 
 @pytest.mark.timeout(120)
