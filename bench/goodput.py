@@ -34,8 +34,11 @@ global batch and --step-sleep-s as the DDP form):
   ``Session(build=build)``, FSDP2 over ``mesh["replicate", "shard"]``), the job's
   layout ``shard: 2``: 4 nodes train replicate 2 x shard 2; after a kill the
   planner runs replicate 1 x shard 2 on two of the three survivors (the third
-  a spare) with the state resharded in memory, and 2 x 2 again when the
-  replacement joins.
+  a spare), and 2 x 2 again when the replacement joins. The two are the
+  first in old node-rank order: when they are the same shard coordinate of
+  both replicas the other shard's holder is the spare, no source, and the
+  ranks roll back to peer copies (from scratch before any exist); otherwise
+  the state is resharded in memory (README, the sharded paragraph).
 * torchft: bench/_torchft_hsdp_train.py (torchtitan's integration: FSDP2
   inside a replica group, the reduce-scattered gradients averaged across
   groups by an all-reduce hook over the Manager's ManagedProcessGroup); one
