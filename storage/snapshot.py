@@ -185,6 +185,23 @@ class StagingArea:
 
     def __init__(self) -> None:
         self._buffers: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
+        self._encoded: dict[str, tuple[Any, bytes]] = {}
+        """Plain settings (the optimizer's lr, betas, ... per parameter) as
+        serialized at an earlier save, reused while their value is the same:
+        hundreds of them, each a torch.save, would otherwise cost the stall
+        milliseconds."""
+
+    def _encode(self, fqn: str, obj: Any) -> bytes:
+        """`obj` as torch.save bytes (a BYTE_IO item)."""
+        cached = self._encoded.get(fqn)
+        if cached is not None and _plain(obj) and type(cached[0]) is type(obj) and cached[0] == obj:
+            return cached[1]
+        buf = io.BytesIO()
+        torch.save(obj, buf)
+        data = buf.getvalue()
+        if _plain(obj):
+            self._encoded[fqn] = (obj, data)
+        return data
 
     @property
     def num_bytes(self) -> int:
@@ -224,9 +241,7 @@ class StagingArea:
         num_bytes = 0
         for item, src in owned:
             if item.type == WriteItemType.BYTE_IO:
-                buf = io.BytesIO()
-                torch.save(src, buf)
-                data.append(buf.getvalue())
+                data.append(self._encode(item.index.fqn, src))
                 num_bytes += len(data[-1])
             else:
                 key = _key(item.index)
@@ -251,6 +266,13 @@ class StagingArea:
             if key not in live:
                 del self._buffers[key]
         return ShardSnapshot(items=items, data=data, mappings=mappings, num_bytes=num_bytes, pending=pending, after=after)
+
+
+def _plain(obj: Any) -> bool:
+    """Numbers, strings, None, and tuples or lists of them: compared by value."""
+    if isinstance(obj, (tuple, list)):
+        return all(_plain(v) for v in obj)
+    return obj is None or isinstance(obj, (bool, int, float, str))
 
 
 def _owned_items(flat: dict[str, Any], *, rank: int, world_size: int,

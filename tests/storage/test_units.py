@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import io
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -59,3 +61,24 @@ def test_join_keeps_the_scheme_and_resolves_the_s3_endpoint_from_the_environment
     explicit = {"client_kwargs": {"endpoint_url": "http://other"}}
     assert resolve_storage_options("s3://b/x", explicit)["client_kwargs"]["endpoint_url"] == "http://other"
     assert resolve_storage_options("/local/path", None) == {}
+
+
+def test_plain_settings_are_serialized_once_while_their_value_stays_the_same(monkeypatch):
+    import torch
+
+    from springback.storage import snapshot
+
+    area = snapshot.StagingArea()
+    saves = []
+    real = torch.save
+    monkeypatch.setattr(snapshot.torch, "save", lambda obj, f: (saves.append(obj), real(obj, f)))
+    state = {"optim": {"param_groups.a.lr": 0.1, "param_groups.a.betas": (0.9, 0.99),
+                       "other": {"nested": [1, 2]}}}
+    first = area.snapshot(state, rank=0, world_size=1)
+    again = area.snapshot(state, rank=0, world_size=1)
+    assert len(saves) == 3 and first.data == again.data  # the second snapshot reused them
+    state["optim"]["param_groups.a.lr"] = 0.05  # a scheduler changed it
+    changed = area.snapshot(state, rank=0, world_size=1)
+    assert saves[3:] == [0.05]
+    lr = next(d for i, d in zip(changed.items, changed.data) if i.index.fqn == "optim.param_groups.a.lr")
+    assert torch.load(io.BytesIO(lr)) == 0.05
