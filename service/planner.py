@@ -34,14 +34,15 @@ Rules, in order:
   four single-node stages is lost); it grows back to pp when members join.
   The ranks split the layers over the plan's pp (`worker.stage_layers`) and
   move them in memory (`worker/state/reshard.py`).
-* Pipeline stages (pp > 1, equal ranks per node, whole nodes per stage):
-  survivors keep their stage. The active set takes, for each stage, the
-  survivors that held it (in their old order) before anyone else, so a
-  stage with a live member is never left to a spare while members of
-  another stage fill the world; the remaining places go to the other
-  candidates in order. A stage's node ranks are a contiguous run (pp is the
-  outermost mesh dimension), and a survivor keeps its node rank when that
-  rank is still in its stage's run.
+* Pieces: when nodes hold different pieces of the state (pipeline stages,
+  or FSDP shards over single-rank nodes; equal ranks per node), every node
+  rank of the new plan goes to a survivor that held the (stage, shard)
+  pieces that rank will hold: the survivor that had that node rank if it
+  held them, else the first survivor in order that did; only then do the
+  other candidates fill the rest. So a piece with a live holder is never
+  left to a spare while holders of another piece fill the world (HSDP 2 x 2
+  losing one node keeps one holder of each shard; a pipeline keeps every
+  stage's survivors on it).
 * State holders are *proven*, never assumed: the members whose ranks
   reported, at the start of a generation, the state they agreed on
   (`JobStatus.state_holders`), less those whose ranks crashed since. Being
@@ -192,61 +193,64 @@ def _fewer_stages(candidates: Sequence[pb.Member], spec: pb.JobSpec,
     return spec, n
 
 
-def _by_stage(candidates: Sequence[pb.Member], n: int, previous: pb.Plan | None,
-              spec: pb.JobSpec) -> list[list[pb.Member]] | None:
-    """The active members of each pipeline stage, `n` in all: each stage's
-    survivors first, then the other candidates in order (see the module
-    docstring). None when the stage rule does not apply: pp = 1, no previous
-    run with as many stages, unequal nodes, or a stage that is not whole nodes."""
-    pp = max(spec.layout.pp, 1)
-    if (pp == 1 or previous is None or previous.action != pb.PLAN_ACTION_RUN
-            or previous.layout.pp != pp or not previous.members or n % pp):
-        return None
-    if len({m.num_local_ranks for m in candidates[:n]} | {
-            m.num_local_ranks for m in previous.members}) != 1:
-        return None
-    old_nodes = len(previous.members)
-    if old_nodes % pp:
-        return None
-    per_old, per_new = old_nodes // pp, n // pp
-    old_stage = {m.member_id: m.node_rank // per_old for m in previous.members}
-    stages: list[list[pb.Member]] = [[] for _ in range(pp)]
-    rest: list[pb.Member] = []
-    for m in candidates:
-        held = old_stage.get(m.id)
-        if held is not None and len(stages[held]) < per_new:
-            stages[held].append(m)
-        else:
-            rest.append(m)
-    for run in stages:
-        while len(run) < per_new and rest:
-            run.append(rest.pop(0))
-    return stages
+def _pieces(layout: pb.ParallelLayout, first_rank: int, size: int) -> frozenset[tuple[int, int]]:
+    """The (pipeline stage, shard index) pairs of a node's ranks under
+    `layout`: the rows of the state it holds (ranks are ordered pp, then
+    replicate, shard and tp, see `worker/state/mesh.py`)."""
+    tp, shard = max(layout.tp, 1), max(layout.shard, 1)
+    per_stage = max(layout.replicate, 1) * shard * tp
+    return frozenset((r // per_stage, (r // tp) % shard) for r in range(first_rank, first_rank + size))
 
 
-def _assign_stage_ranks(plan: pb.Plan, stages: Sequence[Sequence[pb.Member]],
-                        old_rank: dict[str, int]) -> None:
-    """Node ranks by stage: stage s takes the run [s * k, (s + 1) * k); its
-    members keep their old node rank when it falls in that run."""
-    k = len(stages[0])
+def _placed(candidates: Sequence[pb.Member], n: int, previous: pb.Plan | None,
+            spec: pb.JobSpec) -> list[pb.Member] | None:
+    """The members of node ranks 0 .. n-1 when nodes hold different pieces of
+    the state (pipeline stages, or shards spread over single-rank nodes):
+    each node rank goes to a survivor that held its piece (the one that had
+    that node rank if it did), the rest to the other candidates in order
+    (see the module docstring). None when the rule does not apply: no
+    previous run, unequal nodes, another pp, shard or tp than the previous
+    run's (its pieces are not the new ones), or every node holding every
+    piece."""
+    if previous is None or previous.action != pb.PLAN_ACTION_RUN or not previous.members:
+        return None
+    sizes = {m.num_local_ranks for m in candidates[:n]} | {
+        m.num_local_ranks for m in previous.members}
+    if len(sizes) != 1:
+        return None
+    size = sizes.pop()
+    new, old = resolve_layout(spec, candidates[:n]), previous.layout
+    if (new.pp, new.shard, new.tp) != (old.pp, old.shard, old.tp):
+        return None  # the pieces themselves change: no survivor holds a new one whole
+    wanted = [_pieces(new, j * size, size) for j in range(n)]
+    if all(w == wanted[0] for w in wanted) and len(wanted[0]) == max(new.pp, 1) * max(new.shard, 1):
+        return None  # every node holds every piece: any node serves any place
+    held = {m.member_id: (m.node_rank, _pieces(previous.layout, m.first_rank, m.num_local_ranks))
+            for m in previous.members}
+    slots: list[pb.Member | None] = [None] * n
+    taken: set[str] = set()
+    for j in range(n):  # its own node rank first, when it held that place's piece
+        m = next((c for c in candidates if c.id in held and held[c.id][0] == j), None)
+        if m is not None and wanted[j] <= held[m.id][1]:
+            slots[j] = m
+            taken.add(m.id)
+    for j in range(n):  # then any survivor that held the piece
+        if slots[j] is None:
+            m = next((c for c in candidates if c.id not in taken and c.id in held
+                      and wanted[j] <= held[c.id][1]), None)
+            if m is not None:
+                slots[j] = m
+                taken.add(m.id)
+    rest = [c for c in candidates if c.id not in taken]
+    return [slot if slot is not None else rest.pop(0) for slot in slots]
+
+
+def _assign_slots(plan: pb.Plan, slots: Sequence[pb.Member]) -> None:
     first_rank = 0
-    add = plan.members.add
-    for s, members in enumerate(stages):
-        run = range(s * k, (s + 1) * k)
-        by_slot: dict[int, pb.Member] = {}
-        movers = []
-        for m in members:
-            r = old_rank.get(m.id)
-            if r is not None and r in run and r not in by_slot:
-                by_slot[r] = m
-            else:
-                movers.append(m)
-        movers.reverse()
-        for slot in run:
-            m = by_slot.get(slot) or movers.pop()
-            add(member_id=m.id, host=m.host, node_rank=slot, first_rank=first_rank,
-                num_local_ranks=m.num_local_ranks)
-            first_rank += m.num_local_ranks
+    for j, m in enumerate(slots):
+        plan.members.add(member_id=m.id, host=m.host, node_rank=j, first_rank=first_rank,
+                         num_local_ranks=m.num_local_ranks)
+        first_rank += m.num_local_ranks
 
 
 def make_plan(
@@ -283,11 +287,11 @@ def make_plan(
             plan.reason = f"{reason}; waiting: {fault}" if reason else f"waiting: {fault}"
         return plan
 
-    staged = _by_stage(candidates, n, previous, spec)
-    active = [m for stage in staged for m in stage] if staged else candidates[:n]
+    slots = _placed(candidates, n, previous, spec)
+    active = list(slots) if slots is not None else candidates[:n]
     plan.action = pb.PLAN_ACTION_RUN
-    if staged:
-        _assign_stage_ranks(plan, staged, old_rank)
+    if slots is not None:
+        _assign_slots(plan, slots)
     else:
         _assign_ranks(plan, active, old_rank)
     chosen = {m.id for m in active}

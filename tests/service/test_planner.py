@@ -73,6 +73,24 @@ class TestPipelineStages:
         assert {m.member_id: m.node_rank // 4 for m in second.members}["d"] == 1
 
 
+class TestShardsOverSingleRankNodes:
+    def test_a_lost_node_leaves_one_holder_of_each_shard(self):
+        # replicate 2 x shard 2 on four one-rank nodes: a, c hold shard 0; b, d shard 1
+        j = sharded_job(shard=2)
+        first = plan(j, members("a", "b", "c", "d"))
+        assert [(m.member_id, m.node_rank % 2) for m in first.members] == [
+            ("a", 0), ("b", 1), ("c", 0), ("d", 1)]
+        second = plan(j, members("a", "c", "d"), first)  # b lost: shard 2 x replicate 1
+        assert [(m.member_id, m.node_rank) for m in second.members] == [("a", 0), ("d", 1)]
+        assert list(second.spares) == ["c"]  # not d: shard 1 would have no holder
+
+    def test_nodes_that_hold_every_shard_keep_the_prefix_rule(self):
+        j = sharded_job(shard=2)
+        first = plan(j, members("a", "b", "c", ranks=2))  # each node: both shards
+        second = plan(j, members("a", "c", ranks=2), first)
+        assert [(m.member_id, m.node_rank) for m in second.members] == [("a", 0), ("c", 1)]
+
+
 class TestRepartition:
     def test_a_pipeline_that_may_shrink_runs_fewer_stages_and_grows_back(self):
         j = job(pp=4)
