@@ -59,24 +59,27 @@ class FaultInjector:
     Content-Length) and closes the connection; ``path=`` limits a rule to
     request paths containing that text. ``slow(delay_s)`` holds every
     matching request for ``delay_s`` before forwarding it (a slow store, until
-    ``clear()``).
+    ``clear()``); with ``until=`` (an Event) it holds it until the event is
+    set (at most ``delay_s``): a request kept in flight for as long as a test
+    needs, whatever the machine's load.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._rules: list[list[Any]] = []  # [remaining, mode, method, delay_s, path]
+        self._rules: list[list[Any]] = []  # [remaining, mode, method, delay_s, path, until]
         self.injected: list[tuple[str, str, str]] = []  # (mode, method, path)
         self.forwarded = 0
 
     def fail(self, count: int, mode: str, *, method: str | None = None, path: str = "") -> FaultInjector:
         assert mode in ("503", "reset", "throttle", "truncate")
         with self._lock:
-            self._rules.append([count, mode, method, 0.0, path])
+            self._rules.append([count, mode, method, 0.0, path, None])
         return self
 
-    def slow(self, delay_s: float, *, method: str | None = None, count: int = 10**9, path: str = "") -> FaultInjector:
+    def slow(self, delay_s: float, *, method: str | None = None, count: int = 10**9, path: str = "",
+             until: threading.Event | None = None) -> FaultInjector:
         with self._lock:
-            self._rules.append([count, "delay", method, delay_s, path])
+            self._rules.append([count, "delay", method, delay_s, path, until])
         return self
 
     def clear(self) -> FaultInjector:
@@ -85,8 +88,9 @@ class FaultInjector:
             self._rules.clear()
         return self
 
-    def _take(self, method: str, path: str) -> tuple[str | None, float]:
-        """The fault for this request: (mode or None, delay before forwarding)."""
+    def _take(self, method: str, path: str) -> tuple[str | None, float, threading.Event | None]:
+        """The fault for this request: (mode or None, delay before forwarding,
+        the event that ends the delay sooner)."""
         with self._lock:
             for rule in self._rules:
                 if rule[0] > 0 and (rule[2] is None or rule[2] == method) and rule[4] in path:
@@ -94,9 +98,9 @@ class FaultInjector:
                     self.injected.append((rule[1], method, path))
                     if rule[1] in ("delay", "truncate"):
                         self.forwarded += 1
-                    return rule[1], rule[3]
+                    return rule[1], rule[3], rule[5]
             self.forwarded += 1
-        return None, 0.0
+        return None, 0.0, None
 
 
 _HOP = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade", "proxy-connection"}
@@ -124,8 +128,10 @@ def _make_handler(upstream: tuple[str, int], injector: FaultInjector) -> type[Ba
 
         def _handle(self) -> None:
             body = self._body()
-            mode, delay_s = injector._take(self.command, self.path)
-            if delay_s:
+            mode, delay_s, until = injector._take(self.command, self.path)
+            if until is not None:
+                until.wait(delay_s)  # held in flight until the test lets it go
+            elif delay_s:
                 time.sleep(delay_s)  # the injected fault itself: a slow store
             if mode == "reset":
                 self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")

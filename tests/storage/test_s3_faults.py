@@ -223,15 +223,19 @@ class TestRestoreThroughAFlakyStore:
         monkeypatch.setattr(s3fs.S3FileSystem, "retries", 1)
         base, _, sd, _, injector = self._saved(s3_bucket, make_s3_options, moto_endpoint, faulty_s3)
         bucket, _ = s3_bucket
-        injector.slow(1.0, method="GET", count=1, path=".distcp")  # a shard read in flight, to cut
+        # a shard read held in flight until it has been cut (a fixed delay
+        # could end before a loaded machine ran the cutter: nothing to cut)
+        released = threading.Event()
+        injector.slow(30.0, method="GET", count=1, path=".distcp", until=released)
         with NetProxy(faulty_s3[0]) as link:
             flaky = _store(bucket, _no_lower_retries(link.url, make_s3_options), PATIENT_RETRY)
 
             def cut() -> None:
                 wait_for(lambda: injector.injected, 30, "a shard read in flight")
                 link.reset().refuse()
-                time.sleep(1.0)
+                time.sleep(1.0)  # the outage lasts a second: connections refused meanwhile
                 link.heal()
+                released.set()
 
             cutter = threading.Thread(target=cut, daemon=True)
             cutter.start()
