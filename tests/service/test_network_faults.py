@@ -54,7 +54,7 @@ class TestFaultyAgentLink:
                     link.reset()
                     wait_for(lambda: beats_after(start + 2), 10, "heartbeats after a reset")
                 # 3. Refused connections for a third of the liveness timeout.
-                link.reset().refuse()
+                link.refuse().reset()  # refused first: a reconnect between the two would go through
                 refused_at = time.monotonic()
                 wait_for(lambda: time.monotonic() - refused_at >= LIVENESS_S / 3
                          and link.num_refused > 0, 10, "refusals to last")
