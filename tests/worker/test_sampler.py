@@ -112,3 +112,26 @@ class TestExactlyOnceAcrossReshards:
         report = check_exactly_once(str(tmp_path), num_samples=8, global_batch_size=4,
                                     last_step=1)
         assert report.missing_steps == [1]
+
+    def test_tp_and_pp_peers_of_a_dp_rank_count_once_unless_their_batch_differs(self, tmp_path):
+        """World 8 = pp 2 x dp 2 x tp 2: every dp rank's batch is recorded by
+        its four peers; the check counts it once. A peer that took another
+        dp rank's batch shows as duplicates."""
+        stream = SampleStream(num_samples=16, global_batch_size=4)
+        dp_rank_of = [0, 0, 1, 1, 0, 0, 1, 1]  # pp outermost, then dp, then tp
+        for rank, dp in enumerate(dp_rank_of):
+            log = AuditLog(str(tmp_path / "same"), 1, rank, dp)
+            for step in (1, 2):
+                log.record(stream.batch(step, 2, dp))
+            log.close()
+        report = check_exactly_once(str(tmp_path / "same"), num_samples=16, global_batch_size=4,
+                                    last_step=2)
+        assert report.ok, report
+        assert report.samples == 8
+        for rank, dp in enumerate(dp_rank_of):
+            log = AuditLog(str(tmp_path / "other"), 1, rank, dp)
+            log.record(stream.batch(1, 2, 1 - dp if rank == 5 else dp))  # rank 5: dp 1's batch
+            log.close()
+        report = check_exactly_once(str(tmp_path / "other"), num_samples=16, global_batch_size=4,
+                                    last_step=1)
+        assert not report.ok and report.duplicates

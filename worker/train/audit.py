@@ -2,7 +2,9 @@
 
 With `SPRINGBACK_AUDIT_DIR` set, every rank appends one JSON line per batch it
 takes to ``g<generation>-r<rank>-p<pid>.jsonl``, *before* the batch is used, so a
-rank killed mid-step still leaves its record. A step may be started by one
+rank killed mid-step still leaves its record. The record names the rank's
+data-parallel coordinate: its TP and PP peers take the same batch, which
+the check counts once. A step may be started by one
 generation and, if that generation broke before any rank finished it, run again
 by the next; the step's outcome is the one of the *latest* generation that ran
 it. `check_exactly_once` applies that rule and verifies that the kept records
@@ -32,17 +34,22 @@ class AuditLog:
     a closed log; a full disk raises OSError to the training loop.
     """
 
-    def __init__(self, directory: str, generation: int, rank: int) -> None:
+    def __init__(self, directory: str, generation: int, rank: int,
+                 dp_rank: int | None = None) -> None:
+        """`dp_rank`: the rank's data-parallel coordinate (default `rank`:
+        no TP or PP peers)."""
         os.makedirs(directory, exist_ok=True)
         name = f"g{generation:06d}-r{rank:05d}-p{os.getpid()}.jsonl"
         self._file = open(os.path.join(directory, name), "a", encoding="utf-8")
         self._generation = generation
         self._rank = rank
+        self._dp_rank = rank if dp_rank is None else dp_rank
 
     def record(self, batch: Batch) -> None:
         line = json.dumps({
             "generation": self._generation,
             "rank": self._rank,
+            "dp_rank": self._dp_rank,
             "step": batch.step,
             "samples": [[int(e), int(i)] for e, i in zip(batch.epochs, batch.indices)],
         })
@@ -84,7 +91,10 @@ def read_records(directory: str) -> list[dict]:
 def check_exactly_once(directory: str, *, num_samples: int, global_batch_size: int,
                        last_step: int) -> AuditReport:
     """Checks steps 1..`last_step`: each kept step has `global_batch_size` samples
-    and every (epoch, index) appears once; complete epochs cover all indices."""
+    and every (epoch, index) appears once; complete epochs cover all indices.
+    The TP/PP peers of a data-parallel rank count once when their batch is
+    the same as its (a record without ``dp_rank`` is its rank's own); a
+    peer with another batch counts again, so it shows as duplicates."""
     by_step: dict[int, dict[int, list[dict]]] = defaultdict(lambda: defaultdict(list))
     for rec in read_records(directory):
         if rec["step"] <= last_step:
@@ -100,7 +110,13 @@ def check_exactly_once(directory: str, *, num_samples: int, global_batch_size: i
             continue
         owner = max(runs)
         generations.add(owner)
-        samples = [tuple(s) for rec in runs[owner] for s in rec["samples"]]
+        samples: list[tuple[int, int]] = []
+        by_dp_rank: dict[int, list[tuple[int, int]]] = {}
+        for rec in runs[owner]:
+            taken = [tuple(s) for s in rec["samples"]]
+            first = by_dp_rank.setdefault(rec.get("dp_rank", rec["rank"]), taken)
+            if first is taken or first != taken:  # the dp rank's first record, or a peer's other batch
+                samples.extend(taken)
         if len(samples) != global_batch_size:
             missing_steps.append(step)
         for s in samples:

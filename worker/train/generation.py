@@ -78,6 +78,11 @@ class Generation:
         self.group = dist.group.WORLD
         self.layout = MeshLayout.from_plan(plan)
         self.dp_rank = self.layout.dp_rank(rank)
+        coordinates = self.layout.coordinates(rank)
+        self._counts_loss = coordinates["tp"] == 0 and coordinates["pp"] == self.layout.pp - 1
+        """Whether this rank's `report` counts in the step's loss: one rank per
+        dp rank, its last pipeline stage's (which computes the loss) first TP
+        rank; TP and PP peers share its batch, so theirs would count it again."""
         """This rank's data-parallel coordinate: ranks sharing it (TP and PP
         peers) get the same batches."""
         self.dp_size = self.layout.dp
@@ -86,7 +91,7 @@ class Generation:
         self._boundary = StepBoundary(rank, self.world_size)
         self._copies: GenerationCopies | None = None  # the sharded form's peer copies
         self._loss = float("nan")
-        self._audit = (AuditLog(ctx.env.audit_dir, self.generation, rank)
+        self._audit = (AuditLog(ctx.env.audit_dir, self.generation, rank, self.dp_rank)
                        if ctx.env.audit_dir else None)
         self._checkpoints = None
         self._step_times = StepTimes()  # rank 0 reports their percentiles
@@ -175,7 +180,10 @@ class Generation:
         return self._mesh
 
     def report(self, *, loss: float) -> None:
-        """Attaches this rank's mean loss over its batch to the current step."""
+        """Attaches this rank's mean loss over its batch to the current step.
+        With tp or pp > 1 the step's loss counts each dp rank's batch once,
+        from the rank of its last pipeline stage with tp coordinate 0; the
+        other ranks' reports are ignored."""
         self._loss = float(loss)
 
     def _end_step(self, batch: Batch) -> bool:
@@ -226,7 +234,8 @@ class Generation:
         seen = max(latest.generation if latest is not None else 0, self.generation)
         if s.reporter is not None and s.reporter.coordinator_generation > seen:
             seen = s.reporter.coordinator_generation
-        share = 0.0 if self._loss != self._loss else self._loss * len(batch.indices)
+        share = (self._loss * len(batch.indices)
+                 if self._counts_loss and self._loss == self._loss else 0.0)
         channel = s.channel
         return Vote(step=batch.step, generation_seen=seen,
                     loss_share=share / batch.global_batch_size,
