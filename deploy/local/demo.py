@@ -11,6 +11,8 @@ goodput and the exactly-once audit of the training samples.
     deploy/local/demo.sh              # sets up the venv first, then runs this
     .venv/bin/python deploy/local/demo.py [--max-steps N] [--state-dir DIR]
     deploy/local/demo.sh --sharded    # FSDP2/HSDP: two agents of two ranks (train_fsdp.py)
+    deploy/local/demo.sh --3d         # pipeline x tensor parallel x FSDP2 (train_3d.py)
+    deploy/local/demo.sh --moe        # a top-2 mixture of experts, experts over ep (train_moe.py)
 
 Safe to run twice: each run starts from an empty state directory, and
 processes left over by an interrupted earlier run (recorded in its pid file)
@@ -40,6 +42,17 @@ TTY = sys.stdout.isatty()
 def say(msg: str) -> None:
     clear = "\r\033[K" if TTY else ""
     print(f"{clear}{time.strftime('%H:%M:%S')}  {msg}", flush=True)
+
+
+MODES = {
+    # mode: (script, job spec, ranks per agent, agents started first)
+    "ddp": ("train.py", "job.yaml", "1", (1, 2, 3)),
+    "sharded": ("train_fsdp.py", "job_fsdp.yaml", "2", (1, 2)),
+    "3d": ("train_3d.py", "job_3d.yaml", "2", (1, 2)),
+    "moe": ("train_moe.py", "job_moe.yaml", "2", (1, 2)),
+}
+"""In every mode worker-2 is SIGKILLed a quarter of the way in and worker-4
+joins half way."""
 
 
 class Processes:
@@ -105,19 +118,28 @@ def main() -> int:
                                                         f"springback-demo-{os.getuid()}"))
     p.add_argument("--liveness-timeout-s", type=float, default=None,
                    help="also the ranks' collective timeout (default 5 s, the coordinator's "
-                        "own; 6 s with --sharded: a freshly built FSDP2 model's first steps on a "
-                        "loaded 2-core machine took longer than 5 s). The SIGKILLed node is "
-                        "detected by its peers whatever this is; at 2 s every agent's lease "
+                        "own; 6 s with --sharded, --3d and --moe: a freshly built sharded "
+                        "model's first steps on a loaded 2-core machine took longer than 5 s). "
+                        "The SIGKILLed node is detected by its peers whatever this is; at 2 s "
+                        "every agent's lease "
                         "expired while the ranks started on a slow 2-core machine")
-    p.add_argument("--sharded", action="store_true",
-                   help="the FSDP2/HSDP variant (examples/tinylm/train_fsdp.py) on two nodes of "
-                        "two ranks; the kill and the join reshard the state in memory")
+    modes = p.add_mutually_exclusive_group()
+    modes.add_argument("--sharded", dest="mode", action="store_const", const="sharded",
+                       help="the FSDP2/HSDP variant (examples/tinylm/train_fsdp.py) on two nodes "
+                            "of two ranks; the kill and the join reshard the state in memory")
+    modes.add_argument("--3d", dest="mode", action="store_const", const="3d",
+                       help="the 3-D variant (examples/tinylm/train_3d.py, job_3d.yaml): pipeline "
+                            "stages over two nodes x tensor parallel over each node's two ranks "
+                            "x FSDP2; the kill re-partitions to one stage (from the lost "
+                            "stage's peer copy), the join grows it back to two")
+    modes.add_argument("--moe", dest="mode", action="store_const", const="moe",
+                       help="the mixture-of-experts variant (examples/tinylm/train_moe.py): "
+                            "top-2 routing, experts sharded over ep on two nodes of two ranks")
+    p.set_defaults(mode="ddp")
     args = p.parse_args()
     if args.liveness_timeout_s is None:
-        args.liveness_timeout_s = 6.0 if args.sharded else 5.0
-    script, spec_file, nproc, first_workers = (
-        ("train_fsdp.py", "job_fsdp.yaml", "2", (1, 2)) if args.sharded
-        else ("train.py", "job.yaml", "1", (1, 2, 3)))
+        args.liveness_timeout_s = 5.0 if args.mode == "ddp" else 6.0
+    script, spec_file, nproc, first_workers = MODES[args.mode]
 
     from springback.client.api import Client
     from springback.cli.local import free_port
@@ -280,7 +302,7 @@ def summarize(events, audit, spec, killed_at_t, job, check_exactly_once) -> None
     for g in gens[1:]:
         before = [s for s in steps if s["t"] < g["t"]]
         after = [s for s in steps if s["t"] > g["t"]]
-        if before and after and "joined" in g["reason"]:
+        if before and after and g["reason"].startswith(("joined", "admitted")):
             recoveries.append((f"gen {g['generation']} (join)", after[0]["t"] - before[-1]["t"]))
     for what, seconds in recoveries:
         print(f"recovery             {what}: training again after {seconds:.2f} s")
@@ -306,7 +328,10 @@ def summarize(events, audit, spec, killed_at_t, job, check_exactly_once) -> None
     report = check_exactly_once(str(audit), num_samples=spec.data.num_samples,
                                 global_batch_size=spec.data.global_batch_size,
                                 last_step=job.status.step)
-    verdict = "every sample consumed exactly once" if report.ok else f"PROBLEM: {report}"
+    verdict = ("every sample consumed exactly once" if report.ok else
+               f"PROBLEM: {len(report.duplicates)} samples trained twice, {len(report.missing)} "
+               f"never, steps not fully recorded: {report.missing_steps[:10]}"
+               f"{' ...' if len(report.missing_steps) > 10 else ''}")
     print(f"data audit           {report.samples} samples over {report.steps} steps: {verdict}")
     print("=" * 72)
 
