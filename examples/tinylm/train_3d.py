@@ -133,10 +133,11 @@ def build(mesh):  # noqa: ANN001, ANN201 - (DeviceMesh) -> (this rank's stage, i
     return model, torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
 
 
-def per_sample_loss(logits: torch.Tensor, seqs: torch.Tensor) -> torch.Tensor:
+def per_sample_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean next-character cross entropy of each sequence."""
-    per_token = F.cross_entropy(logits.reshape(-1, VOCAB), seqs.reshape(-1), reduction="none")
-    return per_token.view(len(seqs), -1).mean(dim=1)
+    per_token = F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1),
+                                reduction="none")
+    return per_token.view(len(targets), -1).mean(dim=1)
 
 
 class Pipeline:
