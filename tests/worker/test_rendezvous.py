@@ -75,3 +75,37 @@ def test_each_generations_dtensors_are_bound_to_its_own_mesh_not_an_equal_older_
                          text=True, timeout=50)
     assert out.returncode == 0 and "own meshes [True, True, True]" in out.stdout, \
         out.stdout + out.stderr
+
+
+@pytest.mark.timeout(30)
+def test_a_collective_failure_that_torch_wraps_in_its_own_error_still_breaks_the_generation():
+    """An FSDP reduction inside a pipeline stage's backward fails on a dead
+    peer; torch's pipelining (`stage_backward`) re-raises gloo's error as
+    ``RuntimeError("Failed to run stage backward ...") from e``, whose text
+    names no collective. It is still a collective failure (else the rank
+    exits and the generation's survivors lose their state: the 3-D test's
+    first run), and the lost peer is still found from gloo's error. A
+    user's error raised from a non-collective one is not."""
+    import torch
+    from torch.distributed.pipelining._backward import stage_backward
+
+    from springback.worker.rank import rendezvous
+
+    gloo = ("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed "
+            "by peer [127.0.0.1]:60608. This is typically caused by a remote worker crashing.")
+    x = torch.ones(3, requires_grad=True)
+    y = (x * 2).sum()
+    y.register_hook(lambda grad: (_ for _ in ()).throw(RuntimeError(gloo)))
+    with pytest.raises(RuntimeError) as wrapped:
+        stage_backward(y, None, [x])
+    assert "gloo" not in str(wrapped.value)  # the wrapper's own text only
+    assert rendezvous.is_collective_failure(wrapped.value)
+    rendezvous._endpoint_ranks["127.0.0.1:60608"] = 5
+    try:
+        assert rendezvous.lost_peer_rank(wrapped.value) == 5
+    finally:
+        del rendezvous._endpoint_ranks["127.0.0.1:60608"]
+    try:
+        raise RuntimeError("the user's loss went NaN") from ValueError("bad batch")
+    except RuntimeError as user:
+        assert not rendezvous.is_collective_failure(user)

@@ -365,7 +365,7 @@ def lost_peer_rank(exc: BaseException) -> int | None:
     "connection closed/reset by peer [ip]:port" for a socket of this
     generation's group; None for anything else (a timeout: the peer may be
     alive but stopped or cut off; an address no peer published)."""
-    match = _PEER_GONE.search(str(exc))
+    match = next((m for e in _causes(exc) if (m := _PEER_GONE.search(str(e)))), None)
     if match is None:
         return None
     ip, text = (match.group(1), match.group(2)) if match.group(1) else (
@@ -377,12 +377,30 @@ def lost_peer_rank(exc: BaseException) -> int | None:
     return found if found is not None else _endpoint_ranks.get(f"{ip}:{swapped}")
 
 
-def is_collective_failure(exc: BaseException) -> bool:
-    """True when `exc` is what a collective or the store raises because a peer
-    died, hung or was cut off: the generation broke, not the user's code."""
+def _causes(exc: BaseException) -> list[BaseException]:
+    """`exc` and the exceptions it was explicitly raised from (``raise ... from
+    e``: `__cause__`), outermost first. torch wraps a collective's error in
+    its own: pipelining's ``stage_backward`` re-raises an FSDP reduction's
+    gloo error as ``RuntimeError("Failed to run stage backward ...")``."""
+    chain: list[BaseException] = []
+    current: BaseException | None = exc
+    while current is not None and len(chain) < 16 and all(current is not e for e in chain):
+        chain.append(current)
+        current = current.__cause__
+    return chain
+
+
+def _is_collective_error(exc: BaseException) -> bool:
     if isinstance(exc, dist.DistError):
         return True
     if not isinstance(exc, RuntimeError):
         return False
     text = str(exc)
     return any(marker in text for marker in _COLLECTIVE_ERROR_MARKERS)
+
+
+def is_collective_failure(exc: BaseException) -> bool:
+    """True when `exc`, or an exception it was raised from, is what a
+    collective or the store raises because a peer died, hung or was cut off:
+    the generation broke, not the user's code."""
+    return any(_is_collective_error(e) for e in _causes(exc))
