@@ -33,6 +33,7 @@ from pathlib import Path
 
 import pytest
 from cluster import steps
+from sbtest import wait_for
 from test_elastic import cluster  # noqa: F401 - the fixture
 from test_pipeline_parallel import PP, assert_stages_bit_identical, held_stages
 
@@ -93,3 +94,53 @@ def test_fsdp_tp_pp_node_loss_then_join_keep_the_state_in_memory_bit_identical(c
             assert all(dims == ["replicate", "shard", "tp"] for dims in h["dtensors"].values()), held
     cluster.audit()
     print(f"3-D scenario wall {time.monotonic() - started:.1f} s")
+
+
+SPEC_3D_SHARDED = {**SPEC_3D, "name": "fsdp-tp-pp-sharded", "max_steps": 60,
+                   "layout": {"tp": 2, "pp": 2, "shard": 2}, "peer_copies": {"every_steps": 2}}
+"""FSDP shards across nodes (shard 2, replicate 1): no node's shards have a
+replica, only their peer copies on the next node."""
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("cluster", [SPEC_3D_SHARDED], indirect=True)
+def test_fsdp_tp_pp_with_shards_across_nodes_a_spare_takes_a_lost_shard_from_its_peer_copy(
+        cluster):
+    """Four nodes of two ranks, pp 2 x shard 2 x tp 2 (node a = stage 0
+    shard 0, b = stage 0 shard 1, c = stage 1 shard 0, d = stage 1 shard 1:
+    every parameter is a DTensor sharded over the dp dim *and* tp), peer
+    copies every 2 steps, e a spare. SIGKILL of d: its (stage 1, shard 1)
+    rows live on only in their peer copy; e takes d's place, filled from
+    that copy and the survivors' snapshots, every rank rolled back to the
+    copy step, with no WAIT between. Checks: no restore, no state lost, no checkpoint at all, the
+    full state gathered at the new start equals (SHA-256 per key) the state
+    held at the copy step, every generation FSDP (shard 2) x TP x PP,
+    exactly once (the steps after the copy step trained again on the same
+    samples).
+
+    Failure semantics: as the test above. Red-check (once, in a copy of the
+    tree): the fill from peer copies disabled (`worker/state/peercopy.py`:
+    its transfers forced to None): the lost shard has no source, the
+    survivors' ranks fail on the applied-step check, the job never succeeds."""
+    node = {"script": PP3D_TRAIN, "nproc": 2, "env": {"TINY_STEP_SLEEP_S": "0.25"}}
+    a, b, c, d = (cluster.start(n, **node) for n in ("a", "b", "c", "d"))
+    cluster.wait_world(8, min_step=6, timeout_s=150)
+    e = cluster.start("e", **node)  # a spare: max_workers is 4
+    wait_for(lambda: len(cluster.job().status.spares) == 1, 90, "e to be a spare")
+    d.signal_node(signal.SIGKILL)
+    job = cluster.wait_succeeded(timeout_s=180)
+    for agent in (a, b, c, e):
+        assert agent.wait(30) == 0, agent.log()
+    logs = "".join(agent.log() for agent in (a, b, c, e))
+    assert job.status.num_state_losses == 0 and job.status.num_restores == 0, job.status
+    assert not job.status.last_checkpoint.uri, job.status
+    assert "restoring checkpoint" not in logs and "peer copies" in logs, logs
+    assert "waiting: layout" not in logs, logs  # the spare took the place at once
+    assert_stages_bit_identical(cluster.root, world=8)
+    generations = held_stages(cluster.root)
+    assert len(generations) >= 2, generations  # the first world and the one after the kill
+    for held in generations.values():
+        for rank, h in held.items():
+            assert (h["pp"], h["tp"], h["shard"], h["replicate"]) == (2, 2, 2, 1), held
+            assert h["layers"] == [2 * (rank // 4), 2 * (rank // 4) + 1], held
+    cluster.audit()
