@@ -100,6 +100,7 @@ def test_a_collective_failure_that_torch_wraps_in_its_own_error_still_breaks_the
         stage_backward(y, None, [x])
     assert "gloo" not in str(wrapped.value)  # the wrapper's own text only
     assert rendezvous.is_collective_failure(wrapped.value)
+    assert rendezvous.failure_line(wrapped.value) == gloo  # the log's "broke ...: <why>"
     rendezvous._endpoint_ranks["127.0.0.1:60608"] = 5
     try:
         assert rendezvous.lost_peer_rank(wrapped.value) == 5

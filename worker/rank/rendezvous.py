@@ -399,6 +399,16 @@ def _is_collective_error(exc: BaseException) -> bool:
     return any(marker in text for marker in _COLLECTIVE_ERROR_MARKERS)
 
 
+def failure_line(exc: BaseException) -> str:
+    """One line naming what broke: the first non-blank line of the collective
+    error in `exc`'s chain (torch's wrappers name none and open with a blank
+    line), else of `exc` or a cause, else its repr."""
+    chain = _causes(exc)
+    ordered = [e for e in chain if _is_collective_error(e)] + chain
+    return next((line.strip() for e in ordered for line in str(e).splitlines()
+                 if line.strip()), repr(exc))
+
+
 def is_collective_failure(exc: BaseException) -> bool:
     """True when `exc`, or an exception it was raised from, is what a
     collective or the store raises because a peer died, hung or was cut off:

@@ -25,6 +25,7 @@ from springback.worker.train.boundary import Agreed, StepBoundary, Vote, carry_v
 from springback.worker.train.peerloss import lost_peer
 from springback.worker.train.steptimes import StepTimes
 from springback.worker.rank.rendezvous import (
+    failure_line,
     is_collective_failure,
     leave_group,
     note_subgroup_endpoints,
@@ -350,7 +351,7 @@ class Generation:
             return False
         s = self.ctx
         s.clean = False
-        why = str(exc).splitlines()[0] if str(exc) else repr(exc)
+        why = failure_line(exc)
         log.warning("generation %d broke on rank %d at step %d: %s", self.generation,
                     self.rank, s.step + 1, why)
         self._abandon_in_flight()
