@@ -68,12 +68,16 @@ def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, width: int) -
     opt.zero_grad()
 
 
-def plan(world: int, replicate: int, ref=None, nodes: int = 1, kind=None):  # noqa: ANN001, ANN201
+def plan(world: int, replicate: int, ref=None, nodes: int = 1, kind=None,  # noqa: ANN001, ANN201
+         layout: dict | None = None):
+    """Generation 2's plan over `world` ranks on `nodes` equal nodes: HSDP
+    (dp = world) unless `layout` gives the ParallelLayout's degrees."""
     from springback.client import plans
     from springback.v1 import types_pb2 as pb
 
     p = pb.Plan(generation=2, world_size=world, layout=pb.ParallelLayout(
-        dp=world, tp=1, pp=1, ep=1, replicate=replicate, shard=world // replicate))
+        **(layout or dict(dp=world, tp=1, pp=1, ep=1, replicate=replicate,
+                          shard=world // replicate))))
     p.restore.kind = kind or (pb.RESTORE_KIND_PEERS if ref is None else pb.RESTORE_KIND_CHECKPOINT)
     if ref is not None:
         p.restore.checkpoint.CopyFrom(ref)
@@ -83,35 +87,44 @@ def plan(world: int, replicate: int, ref=None, nodes: int = 1, kind=None):  # no
     return plans.set_nodes(p)
 
 
-def agreement(args, ctx_step: int):  # noqa: ANN001, ANN201
+def agreement(args, ctx_step: int, build_fn=None, replicated=()):  # noqa: ANN001, ANN201
     from springback.worker.train.agreement import StateAgreement
     from springback.worker.train.checkpointing import restore_from_checkpoint
     from springback.worker.rank.context import RankContext
     from springback.worker.state.sharded import ShardedModel
 
-    ctx = RankContext(env=SimpleNamespace(rendezvous_timeout_s=120.0), state={},  # type: ignore[arg-type]
+    ctx = RankContext(env=SimpleNamespace(rendezvous_timeout_s=120.0, job_id="bench"),
+                     state={},  # type: ignore[arg-type]
                       device=torch.device("cpu"), state_step=ctx_step)
-    return StateAgreement(ctx, restore_from_checkpoint, ShardedModel(build(args)))
+    return StateAgreement(ctx, restore_from_checkpoint,
+                          ShardedModel(build_fn or build(args), replicated=replicated))
 
 
-def commit(args, rank: int, step: int, model, opt, layout: dict) -> None:  # noqa: ANN001
+def commit(args, rank: int, step: int, model, opt, layout: dict,  # noqa: ANN001
+           world: int = 4) -> None:
     """Every rank: checkpoints `step` to S3 and waits for the commit."""
     from springback.storage import Checkpointer, model_state_dict
 
-    ck = Checkpointer(args.base, rank=rank, world_size=4)
+    ck = Checkpointer(args.base, rank=rank, world_size=world)
     ck.save(step, model_state_dict(model, opt), generation=1, cursor=(0, 0), layout=layout)
     ck.wait(600)
     ck.close(60)
 
 
-def next_step_via(agreed, new_plan, rank: int, store, args) -> tuple[float, float, int]:  # noqa: ANN001
+def next_step_via(agreed, new_plan, rank: int, store, args,  # noqa: ANN001
+                  step=None) -> tuple[float, float, int]:  # noqa: ANN001
     """The survivors' start of generation 2 through `agreed` (its agreement),
-    then one step: (seconds to the agreed state, to the step's end, restore kind)."""
+    then one step (`step(model, optimizer, mesh)`, else `train_step`):
+    (seconds to the agreed state, to the step's end, restore kind)."""
     t0 = time.perf_counter()
-    _, kind, _ = agreed.agree_sharded(new_plan, rank, store)
+    outcome = agreed.agree_sharded(new_plan, rank, store)
     agree_s = time.perf_counter() - t0
-    train_step(agreed.ctx.state["model"], agreed.ctx.state["optimizer"], args.width)
-    return agree_s, time.perf_counter() - t0, kind
+    model, opt = agreed.ctx.state["model"], agreed.ctx.state["optimizer"]
+    if step is None:
+        train_step(model, opt, args.width)
+    else:
+        step(model, opt, outcome.mesh)
+    return agree_s, time.perf_counter() - t0, outcome.kind
 
 
 def newest_commit(args):  # noqa: ANN001, ANN201
@@ -122,15 +135,16 @@ def newest_commit(args):  # noqa: ANN001, ANN201
     return pb.CheckpointRef(uri=newest.uri, step=newest.step, generation=newest.generation)
 
 
-def lose_node_1(rank: int, tmp: str, name: str) -> dist.Store | None:
-    """Node 1 (ranks 2 and 3) is lost: the survivors form a new 2-rank group
-    (returns its store; None on the lost ranks)."""
+def lose_node_1(rank: int, tmp: str, name: str, survivors=(0, 1)) -> dist.Store | None:  # noqa: ANN001
+    """Node 1 (ranks 2 and 3) is lost: the survivors form a new group, in
+    which `survivors[i]` is rank i (returns its store; None on the others)."""
     dist.barrier()
     dist.destroy_process_group()
-    if rank >= 2:
+    if rank not in survivors:
         return None
-    store = dist.FileStore(os.path.join(tmp, name), 2)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+    store = dist.FileStore(os.path.join(tmp, name), len(survivors))
+    dist.init_process_group("gloo", store=store, rank=survivors.index(rank),
+                            world_size=len(survivors))
     return store
 
 
@@ -273,17 +287,9 @@ def report_fsdp(r: dict) -> None:
           f"from S3 {r['s3_s']:.2f} s: {r['s3_s'] / r['copy_s']:.1f}x")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--layers", type=int, default=5)
-    ap.add_argument("--width", type=int, default=2048)
-    ap.add_argument("--scenario", choices=("hsdp", "fsdp", "both"), default="both")
-    ap.add_argument("--rounds", type=int, default=4,
-                    help="fsdp: pairs of K-step windows without / with copies")
-    args = ap.parse_args()
-    ctx = mp.get_context("spawn")
-    q: mp.Queue = ctx.Queue()
+def s3_bucket(ctx, q: mp.Queue):  # noqa: ANN001, ANN201
+    """Starts the moto S3 server child, makes a fresh bucket on it and points
+    this process (and the ranks it spawns) at it: (server process, bucket)."""
     server = ctx.Process(target=_serve_moto, args=(q,), daemon=True)
     server.start()
     host, port = q.get(timeout=60)
@@ -295,6 +301,21 @@ def main() -> None:
                  aws_secret_access_key="testing", region_name="us-east-1").create_bucket(Bucket=bucket)
     os.environ.update({"SPRINGBACK_S3_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "testing",
                        "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"})
+    return server, bucket
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=5)
+    ap.add_argument("--width", type=int, default=2048)
+    ap.add_argument("--scenario", choices=("hsdp", "fsdp", "both"), default="both")
+    ap.add_argument("--rounds", type=int, default=4,
+                    help="fsdp: pairs of K-step windows without / with copies")
+    args = ap.parse_args()
+    ctx = mp.get_context("spawn")
+    q: mp.Queue = ctx.Queue()
+    server, bucket = s3_bucket(ctx, q)
     args.base = f"s3://{bucket}/ckpt"
     params = args.layers * (args.width * args.width + args.width)
     print(f"model: {args.layers} x Linear({args.width}): {params * 4 / 2**20:.0f} MiB of "
