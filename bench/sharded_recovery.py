@@ -104,9 +104,17 @@ def commit(args, rank: int, step: int, model, opt, layout: dict,  # noqa: ANN001
            world: int = 4) -> None:
     """Every rank: checkpoints `step` to S3 and waits for the commit."""
     from springback.storage import Checkpointer, model_state_dict
+    from springback.storage.snapshot import plain_entries
 
+    state = model_state_dict(model, opt)
+    holders = None
+    if layout.get("pp", 1) > 1:  # the stages hold different plain entries: say whose
+        gathered: list = [None] * world
+        dist.all_gather_object(gathered, plain_entries(state))
+        holders = {fqn: (size, tuple(r for r, e in enumerate(gathered) if fqn in e))
+                   for e in gathered for fqn, size in e.items()}
     ck = Checkpointer(args.base, rank=rank, world_size=world)
-    ck.save(step, model_state_dict(model, opt), generation=1, cursor=(0, 0), layout=layout)
+    ck.save(step, state, generation=1, cursor=(0, 0), layout=layout, holders=holders)
     ck.wait(600)
     ck.close(60)
 

@@ -99,6 +99,8 @@ class DoneRecord:
     rng: dict[str, torch.Tensor] | None = None
     entry: FileEntry | None = None
     """Size and CRC of the record file itself; set when read back by the committer."""
+    held: tuple[str, ...] = ()
+    """The rank's keys, written by it or by another rank (`ShardSnapshot.held`)."""
 
 
 class _HashingWriter:
@@ -187,6 +189,7 @@ def write_shard(
         results=results,
         mappings=snap.mappings,
         rng=rng,
+        held=snap.held,
     )
     _create(store, join(ckpt_uri, record_name(rank)), pickle.dumps(record), ckpt_uri)
     return record
@@ -260,7 +263,19 @@ def wait_for_records(
 
 
 def build_metadata(records: list[DoneRecord], ckpt_uri: str) -> Metadata:
-    """Merge the ranks' parts into DCP ``Metadata``; ``ValueError`` if the chunks do not tile."""
+    """Merge the ranks' parts into DCP ``Metadata``; ``ValueError`` if the chunks
+    do not tile, or if a rank held an entry that no rank wrote (ranks that pass
+    different plain entries -- pipeline stages -- without saying which ranks
+    hold each, `snapshot.PlainHolders`; a DTensor on a mesh whose every rank
+    took itself for a replica)."""
+    written = {item.index.fqn for r in records for item in r.items}
+    for r in records:
+        lost = [fqn for fqn in r.held if fqn not in written]
+        if lost:
+            raise ValueError(
+                f"no rank wrote {', '.join(lost[:4])}{' ...' if len(lost) > 4 else ''} "
+                f"({len(lost)} entries rank {r.rank} holds) for {ckpt_uri}; ranks whose "
+                "plain (non-DTensor) entries differ, as pipeline stages' do, must pass `holders`")
     plans = [SavePlan(items=list(r.items)) for r in records]
     try:
         _, md = create_default_global_save_plan(plans, rewrite_index_hints=False)

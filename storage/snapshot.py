@@ -7,7 +7,8 @@ hangs on a dead peer. Which rank writes what:
   (its mesh coordinate is not 0 along a ``Replicate`` dimension; HSDP / 2-D; or
   the tensor lives on a slice of a larger mesh and this rank's slice is not the
   one at coordinate 0 of the dimensions left out: FSDP2's data-parallel mesh
-  under tensor parallel, whose TP indices hold the same shard);
+  under tensor parallel, whose TP indices hold the same shard -- but not the
+  pipeline dimension: other stages hold other layers);
 - a plain ``torch.Tensor`` entry is taken to be *replicated* on every rank (DDP),
   and exactly one rank writes it; ranks are chosen by a size-balanced greedy
   assignment computed identically on every rank (largest first, to the least
@@ -53,7 +54,9 @@ from torch.distributed.tensor import DTensor
 
 from springback.storage import compat
 
-_OBJECT_WEIGHT = 64  # nominal bytes of a non-tensor entry, for the balance
+_OBJECT_WEIGHT = 64
+STAGE_DIM = "pp"
+"""The mesh dimension of pipeline stages (`worker/state/mesh.py` names it so)."""  # nominal bytes of a non-tensor entry, for the balance
 
 
 @dataclasses.dataclass
@@ -74,6 +77,9 @@ class ShardSnapshot:
     """A CUDA event recorded at snapshot time that device copies must wait for, or None."""
     copied: threading.Event = dataclasses.field(default_factory=threading.Event)
     """Set when no copy is pending any more (also after a failed copy)."""
+    held: tuple[str, ...] = ()
+    """The flattened keys of every entry this rank passed, written by it or
+    not: the committer checks that some rank wrote each of them."""
 
     def __post_init__(self) -> None:
         if not self.pending:
@@ -125,7 +131,9 @@ def _first_of_parallel_meshes(mesh: Any) -> bool:
     same coordinates along the dimensions the slice leaves out, e.g. the
     other tensor-parallel indices of an FSDP2 mesh["replicate", "shard"])
     hold the same data, and only the slice at coordinate 0 on each of those
-    dimensions writes it, as a Replicate placement would."""
+    dimensions writes it, as a Replicate placement would. The pipeline
+    dimension (`STAGE_DIM`) is not one of them: the slices along it are other
+    stages, which hold other layers."""
     root = mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else mesh
     if root is mesh:
         return True
@@ -134,7 +142,10 @@ def _first_of_parallel_meshes(mesh: Any) -> bool:
         return False
     members = set(mesh.mesh.flatten().tolist())
     grid = root.mesh
+    names = root.mesh_dim_names or ()
     for dim in range(grid.dim()):
+        if dim < len(names) and names[dim] == STAGE_DIM:
+            continue  # another stage's slice holds other tensors: this one is written here
         # the slice is constant along `dim` when all its ranks share this rank's index there
         index = [slice(None)] * grid.dim()
         index[dim] = where[dim]
@@ -265,7 +276,9 @@ class StagingArea:
         for key in list(self._buffers):  # drop buffers of entries that went away
             if key not in live:
                 del self._buffers[key]
-        return ShardSnapshot(items=items, data=data, mappings=mappings, num_bytes=num_bytes, pending=pending, after=after)
+        held = tuple(sorted(flat))
+        return ShardSnapshot(items=items, data=data, mappings=mappings, num_bytes=num_bytes,
+                             pending=pending, after=after, held=held)
 
 
 def _plain(obj: Any) -> bool:

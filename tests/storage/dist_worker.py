@@ -8,6 +8,9 @@ Modes:
   hang     save step 1 normally; then save step 2 where rank ``hang_rank`` blocks in
            the middle of its shard upload (until killed). Rank 0 writes the outcome
            of step 2's commit to ``out``.
+  stages   pipeline stages under FSDP2: a mesh (pp 2, shard world/2), stage s
+           holds layer s only, sharded over its slice mesh["shard"]; checkpoint
+           step 1 and write each stage's full layer to ``out``-s.pt.
   die_before_commit  save step 1 normally; then save step 2, where rank 0 (the
            committer), once every shard is durable, creates the file ``out`` and
            blocks just before writing ``.metadata`` (until killed).
@@ -66,7 +69,9 @@ def main() -> None:
         return die_before_commit(a, rank, world)
     dist.init_process_group("gloo", init_method=f"file://{a['rendezvous']}", rank=rank, world_size=world)
     try:
-        if a["mode"] == "save":
+        if a["mode"] == "stages":
+            stages(a, rank, world)
+        elif a["mode"] == "save":
             model, opt = build(a["parallel"], world, seed=0, mesh_shape=a.get("mesh"))
             g = torch.Generator().manual_seed(100 + rank)
             for _ in range(3):
@@ -94,6 +99,27 @@ def main() -> None:
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def stages(a: dict, rank: int, world: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from springback.storage import Checkpointer
+
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("pp", "shard"))
+    stage = mesh.get_local_rank("pp")
+    torch.manual_seed(stage)
+    model = nn.Sequential()
+    model.add_module(f"layer{stage}", nn.Linear(16, 33))
+    fully_shard(model, mesh=mesh["shard"])  # a slice of the root mesh: pp left out
+    ck = Checkpointer(a["base"], rank=rank, world_size=world, commit_timeout_s=60, poll_interval_s=0.05)
+    ck.save(1, {"model": model.state_dict()}, generation=1, layout={"pp": 2, "dp": world // 2})
+    ck.wait(60)
+    ck.close()
+    full = {k: v.full_tensor() for k, v in model.state_dict().items()}
+    if mesh.get_local_rank("shard") == 0:
+        torch.save(full, f"{a['out']}-{stage}.pt")
 
 
 def hang(a: dict, rank: int, world: int) -> None:

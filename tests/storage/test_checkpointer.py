@@ -69,11 +69,13 @@ def assert_state_equal(a: dict, b: dict) -> None:
             assert a[k] == b[k], k
 
 
-def save_all_ranks(base: str, step: int, sd_per_rank: list[dict], *, generation: int = 1, **kw) -> list:
+def save_all_ranks(base: str, step: int, sd_per_rank: list[dict], *, generation: int = 1,
+                   holders=None, **kw) -> list:  # noqa: ANN001
     """Every rank saves; returns the futures' results, rank 0 first."""
     world = len(sd_per_rank)
     ckpts = [Checkpointer(base, rank=r, world_size=world, commit_timeout_s=30, poll_interval_s=0.02, **kw) for r in range(world)]
-    futs = [c.save(step, sd_per_rank[r], generation=generation, cursor=(2, 17 * step), layout={"dp": world}) for r, c in enumerate(ckpts)]
+    futs = [c.save(step, sd_per_rank[r], generation=generation, cursor=(2, 17 * step), layout={"dp": world},
+                   holders=holders) for r, c in enumerate(ckpts)]
     out = [f.result(timeout=60) for f in futs]
     for c in ckpts:
         c.close()
@@ -104,6 +106,28 @@ class TestCommitProtocol:
         rank0_fqns = {i.index.fqn for i in rec0.items}
         assert rank0_fqns and rank1_fqns and not (rank0_fqns & rank1_fqns)
         assert rank0_fqns | rank1_fqns == {"model.w1", "model.b1", "model.w2", "model.emb", "step_count", "meta.lr", "meta.names"}
+
+    def test_stages_with_different_plain_entries_commit_only_when_they_name_their_holders(
+            self, base_uri):
+        """Two pipeline stages, two replicas each: stage 0 holds `s0`, stage 1
+        `s1`. Without `holders` the world-wide assignment would give some of a
+        stage's entries to the other stage's ranks, which do not have them: the
+        commit is refused, naming an entry, instead of committing a checkpoint
+        that lacks it; with `holders` every entry is written by one of its own."""
+        from springback.storage.snapshot import plain_entries
+
+        stages = [{"s0": {f"w{i}": torch.full((64,), float(i)) for i in range(4)}},
+                  {"s1": {f"w{i}": torch.full((64,), 10.0 + i) for i in range(4)}}]
+        per_rank = [stages[0], stages[0], stages[1], stages[1]]
+        with pytest.raises(ValueError, match=r"no rank wrote s\d\.w\d.*must pass `holders`"):
+            save_all_ranks(base_uri, 1, per_rank)
+        assert [c.state for c in list_checkpoints(base_uri)] == ["partial"]
+        holders = {fqn: (size, (2 * s, 2 * s + 1)) for s in (0, 1)
+                   for fqn, size in plain_entries(stages[s]).items()}
+        info = save_all_ranks(base_uri, 2, per_rank, holders=holders)[0]
+        out = {"s0": zeros_like_state(stages[0]["s0"]), "s1": zeros_like_state(stages[1]["s1"])}
+        assert restore(base_uri, out).step == info.manifest.step == 2
+        assert_state_equal(out, {**stages[0], **stages[1]})
 
     def test_plain_dcp_load_reads_the_checkpoint(self, base_uri):
         sd = make_state(3)

@@ -112,6 +112,25 @@ def test_saved_with_shard_4_restores_bit_identical_as_replicate_2_by_shard_1(tmp
 
 
 @pytest.mark.timeout(120)
+def test_every_pipeline_stages_fsdp_shards_are_in_the_checkpoint(tmp_path):
+    """FSDP2 on each stage's slice of a (pp, shard) mesh: the stage at pp
+    coordinate 1 writes its layer too (the slices along pp are no replicas),
+    and the checkpoint holds both stages' layers, bit for bit."""
+    from springback.storage import restore
+
+    base = f"file://{tmp_path}/ckpts"
+    out = tmp_path / "stage"
+    join_all(launch(4, {"mode": "stages", "base": base, "out": str(out)}, tmp_path, "stages"),
+             tmp_path, "stages")
+    expected = {f"model.{k}": v for s in (0, 1)
+                for k, v in torch.load(f"{out}-{s}.pt", weights_only=False).items()}
+    assert len(expected) == 4  # two layers, weight and bias
+    got = {"model": {k.removeprefix("model."): torch.zeros_like(v) for k, v in expected.items()}}
+    assert restore(base, got).step == 1
+    assert_tree_equal({k.removeprefix("model."): v for k, v in expected.items()}, got["model"])
+
+
+@pytest.mark.timeout(120)
 def test_rank_killed_mid_upload_leaves_no_committed_half_checkpoint_and_it_is_cleaned(tmp_path):
     base = f"file://{tmp_path}/ckpts"
     outcome = tmp_path / "outcome.json"
