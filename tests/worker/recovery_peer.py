@@ -36,6 +36,17 @@ Scenarios:
   and loses rank 0 as it enters the exchange; generation 3 (ranks 1 and 2,
   the two whose stage was changing: one holder of each) must hold step 2's
   state of both stages.
+* ``ep_second_fault`` (4 one-rank nodes, ep 2, tests/worker/moe_train.py):
+  step 2 is trained; generation 2 swaps ranks 1 and 2 between the expert
+  halves and loses rank 0 (a holder of rank 1's half) as it enters the
+  exchange; generation 3 (ranks 1 and 2, ep 2) must hold step 2's experts,
+  router and balancing buffers.
+* ``pp3d_second_fault`` (4 nodes of tp 2, pp 2 x replicate 2,
+  tests/worker/pp3d_train.py): step 2 is trained; generation 2 swaps nodes 1
+  and 2 between the stages, each stage FSDP-sharded over its two nodes, and
+  loses node 0 (a holder of node 2's new rows) as it enters the exchange;
+  generation 3 (nodes 2 and 1, tp 2 x pp 2) must hold step 2's state of
+  both stages.
 * ``tp_copies`` (two nodes of tp 2, FSDP2 shard 2 across them, peer copies
   every 2 steps): the second node dies after step 3; the first rolls back to
   step 2 from the copies it keeps of the lost node's TP slices.
@@ -77,7 +88,7 @@ from springback.worker.train.agreement import StateAgreement, StateUnrecoverable
 from springback.worker.train.checkpointing import restore_from_checkpoint
 from springback.worker.rank.context import RankContext
 from springback.worker.state.peercopy import GenerationCopies
-from springback.worker.rank.rendezvous import leave_group
+from springback.worker.rank.rendezvous import _forget_meshes, leave_group
 from springback.worker.state.mesh import MeshLayout, build_mesh
 from springback.worker.state.sharded import ShardedModel
 
@@ -107,6 +118,7 @@ def join(tag: str, members: list[int]) -> int | None:
     None when it is not a member."""
     if RANK not in members:
         return None
+    _forget_meshes()  # as `form_group` does: a DTensor op must not meet an older mesh
     store = STORE[0] = dist.FileStore(os.path.join(ROOT, f"store-{tag}"), len(members))
     dist.init_process_group("gloo", store=store, rank=members.index(RANK),
                             world_size=len(members), timeout=datetime.timedelta(seconds=30))
@@ -435,6 +447,94 @@ def pp_second_fault() -> None:
         pp_start(ag, 3, 2, rank)
 
 
+def ep_plan(generation: int, world: int) -> pb.Plan:
+    """ep 2 over `world` one-rank nodes (expert groups of 2 consecutive dp
+    ranks, replicas of each other)."""
+    p = plan(generation, world, shard=1)
+    p.layout.ep = 2
+    return p
+
+
+def ep_trained(ag: StateAgreement, steps: range, world: int) -> None:
+    """Steps of tests/worker/moe_train.py (all-to-all dispatch over ep)."""
+    import moe_train
+
+    state = ag.ctx.state
+    for step in steps:
+        moe_train.train_step(state["model"], state["optimizer"],
+                             torch.arange(12)[dist.get_rank()::world], 12)
+        ag.ctx.state_step = step
+        result["trained"][str(step)] = digest(state)
+
+
+def ep_second_fault() -> None:
+    import moe_train
+
+    ag = new_agreement(moe_train.build)
+    rank = join("g1", [0, 1, 2, 3])  # experts 0-1 on ranks 0 and 2, 2-3 on 1 and 3
+    start(ag, 1, ep_plan(1, 4), rank)
+    ep_trained(ag, range(1, 3), 4)
+    leave_group()
+    if RANK == 0:
+        die_at(agreement_module, "exchange")
+    # 1 and 2 swap expert halves, each served by both holders of its half;
+    # 0, one of rank 1's, dies in the exchange
+    rank = join("g2", [0, 2, 1, 3])
+    start(ag, 2, ep_plan(2, 4), rank)
+    rank = join("g3", [1, 2])  # the two that were moving: one holder of each half
+    if rank is not None:
+        start(ag, 3, ep_plan(3, 2), rank)
+
+
+def pp3d_plan(generation: int, world: int, *, shard: int) -> pb.Plan:
+    """tp 2 inside two-rank nodes, pp 2 across nodes, the rest data parallel
+    (`shard` of it FSDP, the rest replicas)."""
+    p = plan(generation, world, shard=1, tp=2, nodes=world // 2)
+    dp = world // 4
+    p.layout.pp, p.layout.dp, p.layout.replicate, p.layout.shard = 2, dp, dp // shard, shard
+    return p
+
+
+def pp3d_start(ag: StateAgreement, generation: int, world: int, rank: int | None, *,
+               shard: int) -> None:
+    """`start`, recording the full state of both stages key by key."""
+    import pp3d_train
+
+    start(ag, generation, pp3d_plan(generation, world, shard=shard), rank)
+    entry = result["generations"][-1]
+    if "error" not in entry:
+        entry["keys"] = pp3d_train.key_digests(pp3d_train.full_state(
+            ag.ctx.state["model"], ag.ctx.state["optimizer"]))
+
+
+def pp3d_second_fault() -> None:
+    import pp3d_train
+
+    ag = new_agreement(pp3d_train.build, replicated=["counter.weight"])
+    # nodes of 2 ranks (tp 2): stage 0 on nodes 0-1, stage 1 on nodes 2-3, replicas
+    rank = join("g1", list(range(8)))
+    pp3d_start(ag, 1, 8, rank, shard=1)
+    mesh = build_mesh(MeshLayout.from_plan(pp3d_plan(0, 8, shard=1)), "cpu")
+    schedule = pp3d_train.pipeline(ag.ctx.state["model"], mesh, 12)
+    dp = mesh.get_local_rank("replicate")
+    for step in range(1, 3):
+        pp3d_train.train_step(ag.ctx.state["model"], ag.ctx.state["optimizer"], schedule, mesh,
+                              torch.arange(12)[dp::2])
+        ag.ctx.state_step = step
+        result["trained"][str(step)] = pp3d_train.key_digests(pp3d_train.full_state(
+            ag.ctx.state["model"], ag.ctx.state["optimizer"]))
+    leave_group()
+    if RANK in (0, 1):
+        die_at(agreement_module, "exchange")
+    # nodes 1 and 2 swap stages, each stage now FSDP-sharded over its two
+    # nodes; node 0 (a holder of node 2's new rows) dies in the exchange
+    rank = join("g2", [0, 1, 4, 5, 2, 3, 6, 7])
+    pp3d_start(ag, 2, 8, rank, shard=2)
+    rank = join("g3", [4, 5, 2, 3])  # the two that were moving: one holder of each stage
+    if rank is not None:
+        pp3d_start(ag, 3, 4, rank, shard=1)
+
+
 def tp_copies() -> None:
     ag = new_agreement(tp_build)
     rank = join("g1", [0, 1, 2, 3])
@@ -527,6 +627,7 @@ if __name__ == "__main__":
     {"second_fault": second_fault, "handover": handover, "restore": restore,
      "rollback": rollback, "tensor_parallel": tensor_parallel, "tp_copies": tp_copies,
      "tp_second_fault": tp_second_fault, "pp_second_fault": pp_second_fault,
+     "ep_second_fault": ep_second_fault, "pp3d_second_fault": pp3d_second_fault,
      "tp_restore": tp_restore, "plain": plain,
      "fill": fill}[SCENARIO]()
     with open(os.path.join(ROOT, f"result-{RANK}.json"), "w", encoding="utf-8") as f:

@@ -4,9 +4,9 @@ peer-copy roll back, in a checkpoint restore and in a DDP hand-over (the
 joiner itself, then a holder); the next generation's state is, bit for bit,
 the state of the step it resumed from. Tensor-parallel state under FSDP2
 resharded through joins, a layout change and a loss; a rank killed in a
-tensor-parallel and in a pipeline reshard. And the agreement's
-decisions: a plain parameter, a fill that must carry non-tensor optimizer
-state, a lost state said as lost.
+tensor-parallel, a pipeline, an expert-parallel and an FSDP x TP x PP
+reshard. And the agreement's decisions: a plain parameter, a fill that must
+carry non-tensor optimizer state, a lost state said as lost.
 Real multi-process gloo, the library's own `StateAgreement`."""
 
 from __future__ import annotations
@@ -47,6 +47,20 @@ def run(tmp_path: Path, scenario: str, world: int, victims: tuple[int, ...] = ()
 
 def generation(result: dict, n: int) -> dict:
     return next(g for g in result["generations"] if g["generation"] == n)
+
+
+def assert_the_survivors_hold_step_2(results: list[dict], survivors: tuple[int, ...],
+                                     field: str = "digest") -> None:
+    """Generation 2 failed on the survivors (a victim died in its exchange)
+    and generation 3 holds step 2's state, from peers, bit for bit (`field`:
+    the whole state's digest, or each key's)."""
+    for rank in survivors:
+        res = results[rank]
+        assert generation(res, 2)["error"] == "RuntimeError", res
+        last = generation(res, 3)
+        assert (last.get("error"), last["step"], last["kind"]) == \
+            (None, 2, "RESTORE_KIND_PEERS"), res
+        assert last[field] == res["trained"]["2"], (rank, field)
 
 
 @pytest.mark.timeout(200)
@@ -117,27 +131,31 @@ def test_tensor_parallel_state_under_fsdp_is_resharded_in_memory_through_joins_a
 @pytest.mark.timeout(150)
 def test_a_rank_killed_in_a_tensor_parallel_reshard_leaves_its_node_peer_the_trained_state(
         tmp_path):
-    results = run(tmp_path, "tp_second_fault", 4, victims=(3,))
-    for rank in (0, 1):
-        res = results[rank]
-        assert generation(res, 2)["error"] == "RuntimeError"  # rank 3 died in the exchange
-        last = generation(res, 3)
-        assert (last.get("error"), last["step"], last["kind"]) == \
-            (None, 2, "RESTORE_KIND_PEERS"), res
-        assert last["digest"] == res["trained"]["2"]
+    # rank 3 dies in the exchange
+    assert_the_survivors_hold_step_2(run(tmp_path, "tp_second_fault", 4, victims=(3,)), (0, 1))
 
 
 @pytest.mark.timeout(150)
 def test_a_rank_killed_in_a_pipeline_reshard_leaves_a_holder_of_each_stage_the_trained_state(
         tmp_path):
-    results = run(tmp_path, "pp_second_fault", 4, victims=(0,))
-    for rank in (1, 2):
-        res = results[rank]
-        assert generation(res, 2)["error"] == "RuntimeError"  # rank 0 died in the exchange
-        last = generation(res, 3)
-        assert (last.get("error"), last["step"], last["kind"]) == \
-            (None, 2, "RESTORE_KIND_PEERS"), res
-        assert last["keys"] == res["trained"]["2"]  # both stages, every tensor
+    # rank 0 dies in the exchange; both stages compared, every tensor
+    assert_the_survivors_hold_step_2(run(tmp_path, "pp_second_fault", 4, victims=(0,)), (1, 2),
+                                     "keys")
+
+
+@pytest.mark.timeout(150)
+def test_a_rank_killed_in_an_expert_parallel_reshard_leaves_a_holder_of_each_expert_the_trained_state(
+        tmp_path):
+    # rank 0, a holder of rank 1's new experts, dies in the exchange
+    assert_the_survivors_hold_step_2(run(tmp_path, "ep_second_fault", 4, victims=(0,)), (1, 2))
+
+
+@pytest.mark.timeout(200)
+def test_a_node_killed_in_an_fsdp_tp_pp_reshard_leaves_a_holder_of_each_stage_the_trained_state(
+        tmp_path):
+    # node 0 (ranks 0-1), a holder of node 2's new rows, dies in the exchange
+    assert_the_survivors_hold_step_2(run(tmp_path, "pp3d_second_fault", 8, victims=(0, 1)),
+                                     (2, 3, 4, 5), "keys")
 
 
 @pytest.mark.timeout(120)
