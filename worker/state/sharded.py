@@ -115,7 +115,10 @@ class ShardedModel:
     def __init__(self, build: BuildFn, *, on_meta: bool = True,
                  replicated: Collection[str] = ()) -> None:
         # imported now, not inside the first generation's collectives (seconds
-        # on a loaded machine, longer than a short collective timeout)
+        # on a loaded machine, longer than a short collective timeout); dynamo
+        # is what FSDP2's first `fully_shard` imports (0.5 s here): a joiner
+        # pays for it before it joins, not in the build the others wait for
+        import torch._dynamo  # noqa: F401
         import torch.distributed.device_mesh  # noqa: F401
         import torch.distributed.fsdp  # noqa: F401
         import torch.distributed.tensor  # noqa: F401
