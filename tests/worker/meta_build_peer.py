@@ -3,7 +3,8 @@ RANK DIR CASE``. Two gloo ranks (FSDP2, shard=2) through the library's own
 `StateAgreement`: generation 1 starts fresh, trains a step and commits a
 checkpoint; generation 2 fills from the ranks' own shards (memory);
 generation 3 starts on ranks that hold nothing and restores the checkpoint.
-CASE names the model: ``plain``, ``nonpersistent`` (a non-persistent
+CASE names the model: ``plain``, ``unsharded`` (no FSDP2: plain parameters,
+declared replicated, which ``to_empty`` replaces), ``nonpersistent`` (a non-persistent
 buffer, which no checkpoint holds), ``item`` (the build reads a value: it
 cannot run on the meta device), ``loose`` (a tensor attribute outside the
 parameters and buffers). Rank 0 writes ``result-CASE.json``: per generation
@@ -59,9 +60,10 @@ def build(mesh):  # noqa: ANN001, ANN201
 
     torch.manual_seed(0)
     model = Net()
-    for block in (model.a, model.b):
-        fully_shard(block, mesh=mesh["replicate", "shard"])
-    fully_shard(model, mesh=mesh["replicate", "shard"])
+    if CASE != "unsharded":
+        for block in (model.a, model.b):
+            fully_shard(block, mesh=mesh["replicate", "shard"])
+        fully_shard(model, mesh=mesh["replicate", "shard"])
     BUILDS.append("meta" if next(model.parameters()).is_meta else "real")
     return model, torch.optim.AdamW(model.parameters(), lr=0.1)
 
@@ -87,7 +89,8 @@ def digest(ctx: RankContext) -> str:
 def agreement() -> StateAgreement:
     ctx = RankContext(env=SimpleNamespace(rendezvous_timeout_s=60.0, job_id=""), state={},  # type: ignore[arg-type]
                       device=torch.device("cpu"))
-    return StateAgreement(ctx, restore_from_checkpoint, ShardedModel(build))
+    replicated = [n for n, _ in Net().named_parameters()] if CASE == "unsharded" else []
+    return StateAgreement(ctx, restore_from_checkpoint, ShardedModel(build, replicated=replicated))
 
 
 def output(ctx: RankContext) -> list[float]:

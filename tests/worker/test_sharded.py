@@ -157,6 +157,7 @@ def test_fsdp_across_nodes_losing_a_shard_and_its_copy_restores_the_newest_commi
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("case,builds", [
     ("plain", ["real", "meta", "meta"]),            # filled from memory, then a checkpoint
+    ("unsharded", ["real", "meta", "meta"]),        # plain parameters: the optimizer rebound
     ("nonpersistent", ["real", "meta", "real"]),    # no checkpoint holds such a buffer
     ("item", ["real", "real", "real"]),             # the build reads a value: never on meta
     ("loose", ["real", "real", "real"]),            # a tensor outside params and buffers
