@@ -47,6 +47,10 @@ Scenarios:
   loses node 0 (a holder of node 2's new rows) as it enters the exchange;
   generation 3 (nodes 2 and 1, tp 2 x pp 2) must hold step 2's state of
   both stages.
+* ``pp3d_restore`` (4 nodes of tp 2, pp 2 x replicate 2,
+  tests/worker/pp3d_train.py): step 2 is trained and committed; ranks that
+  hold nothing restore it at tp 2 x pp 1 x replicate 2 (4 ranks), then at
+  tp 1 x pp 2 x shard 4 (8 ranks).
 * ``tp_copies`` (two nodes of tp 2, FSDP2 shard 2 across them, peer copies
   every 2 steps): the second node dies after step 3; the first rolls back to
   step 2 from the copies it keeps of the lost node's TP slices.
@@ -85,6 +89,7 @@ from springback.storage import Checkpointer, committed_checkpoints, model_state_
 from springback.client import plans
 from springback.v1 import types_pb2 as pb
 from springback.worker.train.agreement import StateAgreement, StateUnrecoverable
+from springback.worker.train.checkpointing import _gather_holders as gather_holders
 from springback.worker.train.checkpointing import restore_from_checkpoint
 from springback.worker.rank.context import RankContext
 from springback.worker.state.peercopy import GenerationCopies
@@ -486,24 +491,42 @@ def ep_second_fault() -> None:
         start(ag, 3, ep_plan(3, 2), rank)
 
 
-def pp3d_plan(generation: int, world: int, *, shard: int) -> pb.Plan:
-    """tp 2 inside two-rank nodes, pp 2 across nodes, the rest data parallel
+def pp3d_plan(generation: int, world: int, *, shard: int, pp: int = 2, tp: int = 2,
+              ref: pb.CheckpointRef | None = None) -> pb.Plan:
+    """tp inside two-rank nodes, pp across nodes, the rest data parallel
     (`shard` of it FSDP, the rest replicas)."""
-    p = plan(generation, world, shard=1, tp=2, nodes=world // 2)
-    dp = world // 4
-    p.layout.pp, p.layout.dp, p.layout.replicate, p.layout.shard = 2, dp, dp // shard, shard
+    p = plan(generation, world, shard=1, tp=tp, nodes=world // 2, ref=ref)
+    dp = world // (pp * tp)
+    p.layout.pp, p.layout.dp, p.layout.replicate, p.layout.shard = pp, dp, dp // shard, shard
     return p
 
 
 def pp3d_start(ag: StateAgreement, generation: int, world: int, rank: int | None, *,
-               shard: int) -> None:
-    """`start`, recording the full state of both stages key by key."""
+               shard: int, pp: int = 2, tp: int = 2, ref: pb.CheckpointRef | None = None
+               ) -> None:
+    """`start`, recording the full state of every stage key by key."""
     import pp3d_train
 
-    start(ag, generation, pp3d_plan(generation, world, shard=shard), rank)
+    start(ag, generation, pp3d_plan(generation, world, shard=shard, pp=pp, tp=tp, ref=ref), rank)
     entry = result["generations"][-1]
     if "error" not in entry:
         entry["keys"] = pp3d_train.key_digests(pp3d_train.full_state(
+            ag.ctx.state["model"], ag.ctx.state["optimizer"]))
+
+
+def pp3d_trained(ag: StateAgreement, steps: range) -> None:
+    """Pipelined steps of tests/worker/pp3d_train.py on 8 ranks (pp 2 x
+    replicate 2 x tp 2); the full state of both stages recorded key by key."""
+    import pp3d_train
+
+    mesh = build_mesh(MeshLayout.from_plan(pp3d_plan(0, 8, shard=1)), "cpu")
+    schedule = pp3d_train.pipeline(ag.ctx.state["model"], mesh, 12)
+    dp = mesh.get_local_rank("replicate")
+    for step in steps:
+        pp3d_train.train_step(ag.ctx.state["model"], ag.ctx.state["optimizer"], schedule, mesh,
+                              torch.arange(12)[dp::2])
+        ag.ctx.state_step = step
+        result["trained"][str(step)] = pp3d_train.key_digests(pp3d_train.full_state(
             ag.ctx.state["model"], ag.ctx.state["optimizer"]))
 
 
@@ -514,15 +537,7 @@ def pp3d_second_fault() -> None:
     # nodes of 2 ranks (tp 2): stage 0 on nodes 0-1, stage 1 on nodes 2-3, replicas
     rank = join("g1", list(range(8)))
     pp3d_start(ag, 1, 8, rank, shard=1)
-    mesh = build_mesh(MeshLayout.from_plan(pp3d_plan(0, 8, shard=1)), "cpu")
-    schedule = pp3d_train.pipeline(ag.ctx.state["model"], mesh, 12)
-    dp = mesh.get_local_rank("replicate")
-    for step in range(1, 3):
-        pp3d_train.train_step(ag.ctx.state["model"], ag.ctx.state["optimizer"], schedule, mesh,
-                              torch.arange(12)[dp::2])
-        ag.ctx.state_step = step
-        result["trained"][str(step)] = pp3d_train.key_digests(pp3d_train.full_state(
-            ag.ctx.state["model"], ag.ctx.state["optimizer"]))
+    pp3d_trained(ag, range(1, 3))
     leave_group()
     if RANK in (0, 1):
         die_at(agreement_module, "exchange")
@@ -533,6 +548,35 @@ def pp3d_second_fault() -> None:
     rank = join("g3", [4, 5, 2, 3])  # the two that were moving: one holder of each stage
     if rank is not None:
         pp3d_start(ag, 3, 4, rank, shard=1)
+
+
+def pp3d_restore() -> None:
+    import pp3d_train
+
+    ag = new_agreement(pp3d_train.build, replicated=["counter.weight"])
+    rank = join("g1", list(range(8)))  # pp 2 x replicate 2 x tp 2
+    pp3d_start(ag, 1, 8, rank, shard=1)
+    pp3d_trained(ag, range(1, 3))
+    state = ag.ctx.state
+    base = f"file://{ROOT}/ckpt"
+    saved = model_state_dict(state["model"], state["optimizer"])
+    ck = Checkpointer(base, rank=dist.get_rank(), world_size=8)
+    ck.save(2, saved, generation=1, cursor=(0, 0), layout={"pp": 2, "dp": 2, "tp": 2},
+            holders=gather_holders(saved, 8))  # the stages hold different plain entries
+    ck.wait(60)
+    ck.close(60)
+    dist.barrier()
+    newest = committed_checkpoints(base)[-1]
+    ref = pb.CheckpointRef(uri=newest.uri, step=newest.step, generation=newest.generation)
+    leave_group()
+    rank = join("g2", [0, 1, 2, 3])  # holding nothing: pp 1 x replicate 2 x tp 2
+    if rank is not None:
+        fresh = new_agreement(pp3d_train.build, replicated=["counter.weight"])
+        pp3d_start(fresh, 2, 4, rank, shard=1, pp=1, ref=ref)
+        leave_group()
+    rank = join("g3", list(range(8)))  # holding nothing: pp 2 x shard 4, tp 1
+    fresh = new_agreement(pp3d_train.build, replicated=["counter.weight"])
+    pp3d_start(fresh, 3, 8, rank, shard=4, tp=1, ref=ref)
 
 
 def tp_copies() -> None:
@@ -628,6 +672,7 @@ if __name__ == "__main__":
      "rollback": rollback, "tensor_parallel": tensor_parallel, "tp_copies": tp_copies,
      "tp_second_fault": tp_second_fault, "pp_second_fault": pp_second_fault,
      "ep_second_fault": ep_second_fault, "pp3d_second_fault": pp3d_second_fault,
+     "pp3d_restore": pp3d_restore,
      "tp_restore": tp_restore, "plain": plain,
      "fill": fill}[SCENARIO]()
     with open(os.path.join(ROOT, f"result-{RANK}.json"), "w", encoding="utf-8") as f:

@@ -5,8 +5,9 @@ joiner itself, then a holder); the next generation's state is, bit for bit,
 the state of the step it resumed from. Tensor-parallel state under FSDP2
 resharded through joins, a layout change and a loss; a rank killed in a
 tensor-parallel, a pipeline, an expert-parallel and an FSDP x TP x PP
-reshard. And the agreement's decisions: a plain parameter, a fill that must
-carry non-tensor optimizer state, a lost state said as lost.
+reshard; an FSDP x TP x PP commit restored at pp 1 and at tp 1. And the
+agreement's decisions: a plain parameter, a fill that must carry non-tensor
+optimizer state, a lost state said as lost.
 Real multi-process gloo, the library's own `StateAgreement`."""
 
 from __future__ import annotations
@@ -202,3 +203,15 @@ def test_non_tensor_optimizer_state_is_carried_and_a_lost_state_is_said_and_buil
             lost["state_lost"], lost
         assert lost["optimizer_entries"] == 0  # nothing a failed fill made is kept
         assert lost["digest"] == res["fresh"]  # the build's own model, as on a fresh start
+
+
+@pytest.mark.timeout(200)
+def test_an_fsdp_tp_pp_commit_restores_bit_identical_without_the_pipeline_and_without_tp(
+        tmp_path):
+    results = run(tmp_path, "pp3d_restore", 8)
+    for rank, res in enumerate(results):
+        for gen in (2, 3) if rank < 4 else (3,):
+            g = generation(res, gen)
+            assert (g.get("error"), g["step"], g["kind"]) == \
+                (None, 2, "RESTORE_KIND_CHECKPOINT"), (rank, res)
+            assert g["keys"] == res["trained"]["2"], (rank, gen)  # every tensor, every stage
