@@ -41,6 +41,11 @@ Scenarios:
   halves and loses rank 0 (a holder of rank 1's half) as it enters the
   exchange; generation 3 (ranks 1 and 2, ep 2) must hold step 2's experts,
   router and balancing buffers.
+* ``repartition_second_fault`` (4 one-rank nodes, pp 2 x dp 2,
+  tests/worker/pp_train.py): step 2 is trained; generation 2 re-partitions to
+  one stage (pp 1 x dp 4: every rank takes the other stage's layers) and
+  loses rank 1, a holder of stage 0, as it enters the exchange; generation 3
+  (ranks 0, 2 and 3, pp 1) must hold step 2's state of both stages.
 * ``pp3d_second_fault`` (4 nodes of tp 2, pp 2 x replicate 2,
   tests/worker/pp3d_train.py): step 2 is trained; generation 2 swaps nodes 1
   and 2 between the stages, each stage FSDP-sharded over its two nodes, and
@@ -400,10 +405,10 @@ def tp_second_fault() -> None:
         start(ag, 3, plan(3, 2, shard=1, tp=2), rank)
 
 
-def pp_plan(generation: int, world: int) -> pb.Plan:
-    """pp 2 over `world` one-rank nodes, the rest data parallel (shard)."""
-    p = plan(generation, world, shard=world // 2)
-    p.layout.pp, p.layout.dp, p.layout.replicate, p.layout.shard = 2, world // 2, 1, world // 2
+def pp_plan(generation: int, world: int, pp: int = 2) -> pb.Plan:
+    """`pp` stages over `world` one-rank nodes, the rest data parallel (shard)."""
+    p = plan(generation, world, shard=world // pp)
+    p.layout.pp, p.layout.dp, p.layout.replicate, p.layout.shard = pp, world // pp, 1, world // pp
     return p
 
 
@@ -424,11 +429,12 @@ def pp_trained(ag: StateAgreement, steps: range, world: int) -> None:
             pp_train.full_state(state["model"], state["optimizer"]))
 
 
-def pp_start(ag: StateAgreement, generation: int, world: int, rank: int | None) -> None:
-    """`start`, recording the full state of both stages key by key."""
+def pp_start(ag: StateAgreement, generation: int, world: int, rank: int | None,
+             pp: int = 2) -> None:
+    """`start`, recording the full state of every stage key by key."""
     import pp_train
 
-    start(ag, generation, pp_plan(generation, world), rank)
+    start(ag, generation, pp_plan(generation, world, pp), rank)
     entry = result["generations"][-1]
     if "error" not in entry:
         entry["keys"] = pp_train.key_digests(pp_train.full_state(ag.ctx.state["model"],
@@ -489,6 +495,25 @@ def ep_second_fault() -> None:
     rank = join("g3", [1, 2])  # the two that were moving: one holder of each half
     if rank is not None:
         start(ag, 3, ep_plan(3, 2), rank)
+
+
+def repartition_second_fault() -> None:
+    import pp_train
+
+    ag = new_agreement(pp_train.build, replicated=pp_train.REPLICATED)
+    rank = join("g1", [0, 1, 2, 3])  # stage 0: ranks 0-1, stage 1: ranks 2-3
+    pp_start(ag, 1, 4, rank)
+    pp_trained(ag, range(1, 3), 4)
+    leave_group()
+    if RANK == 1:
+        die_at(agreement_module, "exchange")
+    # re-partitioned to one stage (pp 1 x dp 4): every rank takes the layers
+    # of the other stage; rank 1, a holder of stage 0, dies in the exchange
+    rank = join("g2", [0, 1, 2, 3])
+    pp_start(ag, 2, 4, rank, pp=1)
+    rank = join("g3", [0, 2, 3])  # stage 0's last holder and stage 1's two
+    if rank is not None:
+        pp_start(ag, 3, 3, rank, pp=1)
 
 
 def pp3d_plan(generation: int, world: int, *, shard: int, pp: int = 2, tp: int = 2,
@@ -672,7 +697,7 @@ if __name__ == "__main__":
      "rollback": rollback, "tensor_parallel": tensor_parallel, "tp_copies": tp_copies,
      "tp_second_fault": tp_second_fault, "pp_second_fault": pp_second_fault,
      "ep_second_fault": ep_second_fault, "pp3d_second_fault": pp3d_second_fault,
-     "pp3d_restore": pp3d_restore,
+     "pp3d_restore": pp3d_restore, "repartition_second_fault": repartition_second_fault,
      "tp_restore": tp_restore, "plain": plain,
      "fill": fill}[SCENARIO]()
     with open(os.path.join(ROOT, f"result-{RANK}.json"), "w", encoding="utf-8") as f:

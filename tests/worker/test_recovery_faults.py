@@ -4,10 +4,10 @@ peer-copy roll back, in a checkpoint restore and in a DDP hand-over (the
 joiner itself, then a holder); the next generation's state is, bit for bit,
 the state of the step it resumed from. Tensor-parallel state under FSDP2
 resharded through joins, a layout change and a loss; a rank killed in a
-tensor-parallel, a pipeline, an expert-parallel and an FSDP x TP x PP
-reshard; an FSDP x TP x PP commit restored at pp 1 and at tp 1. And the
-agreement's decisions: a plain parameter, a fill that must carry non-tensor
-optimizer state, a lost state said as lost.
+tensor-parallel, a pipeline, a pipeline re-partition, an expert-parallel
+and an FSDP x TP x PP reshard; an FSDP x TP x PP commit restored at pp 1
+and at tp 1. And the agreement's decisions: a plain parameter, a fill that
+must carry non-tensor optimizer state, a lost state said as lost.
 Real multi-process gloo, the library's own `StateAgreement`."""
 
 from __future__ import annotations
@@ -142,6 +142,14 @@ def test_a_rank_killed_in_a_pipeline_reshard_leaves_a_holder_of_each_stage_the_t
     # rank 0 dies in the exchange; both stages compared, every tensor
     assert_the_survivors_hold_step_2(run(tmp_path, "pp_second_fault", 4, victims=(0,)), (1, 2),
                                      "keys")
+
+
+@pytest.mark.timeout(150)
+def test_a_rank_killed_as_a_pipeline_re_partitions_leaves_a_holder_of_each_stage_the_trained_state(
+        tmp_path):
+    # pp 2 -> 1: rank 1, a holder of stage 0, dies in the exchange; all tensors of both stages
+    assert_the_survivors_hold_step_2(
+        run(tmp_path, "repartition_second_fault", 4, victims=(1,)), (0, 2, 3), "keys")
 
 
 @pytest.mark.timeout(150)
