@@ -441,7 +441,9 @@ def pp_start(ag: StateAgreement, generation: int, world: int, rank: int | None,
                                                                  ag.ctx.state["optimizer"]))
 
 
-def pp_second_fault() -> None:
+def pp_step_2() -> StateAgreement:
+    """Steps 1-2 of tests/worker/pp_train.py on 4 one-rank nodes, pp 2 x dp
+    2 (stage 0: ranks 0-1, stage 1: ranks 2-3); the group left."""
     import pp_train
 
     ag = new_agreement(pp_train.build, replicated=pp_train.REPLICATED)
@@ -449,6 +451,11 @@ def pp_second_fault() -> None:
     pp_start(ag, 1, 4, rank)
     pp_trained(ag, range(1, 3), 4)
     leave_group()
+    return ag
+
+
+def pp_second_fault() -> None:
+    ag = pp_step_2()
     if RANK == 0:
         die_at(agreement_module, "exchange")
     rank = join("g2", [0, 2, 1, 3])  # 1 and 2 swap stages; 0 dies in the exchange
@@ -498,13 +505,7 @@ def ep_second_fault() -> None:
 
 
 def repartition_second_fault() -> None:
-    import pp_train
-
-    ag = new_agreement(pp_train.build, replicated=pp_train.REPLICATED)
-    rank = join("g1", [0, 1, 2, 3])  # stage 0: ranks 0-1, stage 1: ranks 2-3
-    pp_start(ag, 1, 4, rank)
-    pp_trained(ag, range(1, 3), 4)
-    leave_group()
+    ag = pp_step_2()
     if RANK == 1:
         die_at(agreement_module, "exchange")
     # re-partitioned to one stage (pp 1 x dp 4): every rank takes the layers
@@ -555,14 +556,21 @@ def pp3d_trained(ag: StateAgreement, steps: range) -> None:
             ag.ctx.state["model"], ag.ctx.state["optimizer"]))
 
 
-def pp3d_second_fault() -> None:
+def pp3d_step_2() -> StateAgreement:
+    """Steps 1-2 of tests/worker/pp3d_train.py on 8 ranks: nodes of 2 ranks
+    (tp 2), stage 0 on nodes 0-1 and stage 1 on nodes 2-3, the two nodes of
+    a stage replicas; the group kept."""
     import pp3d_train
 
     ag = new_agreement(pp3d_train.build, replicated=["counter.weight"])
-    # nodes of 2 ranks (tp 2): stage 0 on nodes 0-1, stage 1 on nodes 2-3, replicas
     rank = join("g1", list(range(8)))
     pp3d_start(ag, 1, 8, rank, shard=1)
     pp3d_trained(ag, range(1, 3))
+    return ag
+
+
+def pp3d_second_fault() -> None:
+    ag = pp3d_step_2()
     leave_group()
     if RANK in (0, 1):
         die_at(agreement_module, "exchange")
@@ -578,10 +586,7 @@ def pp3d_second_fault() -> None:
 def pp3d_restore() -> None:
     import pp3d_train
 
-    ag = new_agreement(pp3d_train.build, replicated=["counter.weight"])
-    rank = join("g1", list(range(8)))  # pp 2 x replicate 2 x tp 2
-    pp3d_start(ag, 1, 8, rank, shard=1)
-    pp3d_trained(ag, range(1, 3))
+    ag = pp3d_step_2()
     state = ag.ctx.state
     base = f"file://{ROOT}/ckpt"
     saved = model_state_dict(state["model"], state["optimizer"])

@@ -30,8 +30,9 @@ them are the same with and without ep.
 Pipeline parallel keeps ``pp`` across generations unless the spec lets it
 shrink (``layout.min_pp``: the planner re-partitions the layers): the stage
 a rank holds is its ``pp`` coordinate, and `stage_layers` says which of a
-model's layers that stage holds. A stage's state keeps the full model's names (the script
-deletes the other stages' layers, `worker/state/sharded.py`), so a lost
+model's layers that stage holds. A stage's state keeps the full model's
+names (the script deletes the other stages' layers,
+`worker/state/sharded.py`), so a lost
 node's stage is refilled from any live dp replica of it, and a rank that
 moves to another stage takes that stage's layers from their holders.
 
