@@ -85,8 +85,11 @@ def _checkpoint_exception() -> type[BaseException]:
 
     return CheckpointException
 
-LOWER_RETRIES_OFF = {"retries": {"max_attempts": 1, "mode": "standard"}}
-"""botocore ``config_kwargs`` that make it try once (this module retries)."""
+LOWER_RETRIES_OFF = {"retries": {"total_max_attempts": 1, "mode": "standard"}}
+"""botocore ``config_kwargs`` that make it try once (this module retries).
+``total_max_attempts``, not ``max_attempts``: botocore reads the latter as
+*retries* (one more than asked), and that retry, after a random wait of up to
+a second, hid a fault from this module's policy and its counters."""
 
 
 def _chain(exc: BaseException) -> list[BaseException]:

@@ -16,7 +16,7 @@ import torch
 from netproxy import NetProxy
 from sbtest import wait_for
 from springback.storage import Checkpointer, RetryPolicy, TransientStorageError, list_checkpoints, restore, verify
-from springback.storage.retry import is_transient
+from springback.storage.retry import LOWER_RETRIES_OFF, is_transient
 from springback.storage.store import ObjectStore
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -63,7 +63,7 @@ def _state() -> dict:
 def _no_lower_retries(endpoint: str, make_s3_options) -> dict:
     # Turn off botocore's and s3fs's own retries so every injected fault reaches our layer.
     # (s3fs's own retry count is a class attribute: see _store below.)
-    return make_s3_options(endpoint, config_kwargs={"retries": {"max_attempts": 1, "mode": "standard"}})
+    return make_s3_options(endpoint, config_kwargs=dict(LOWER_RETRIES_OFF))
 
 
 def _store(bucket: str, opts: dict, retry: RetryPolicy) -> ObjectStore:
@@ -81,6 +81,23 @@ def _save(base: str, store: ObjectStore, step: int, sd: dict, world: int = 2):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.timeout(60)
+def test_a_failed_request_reaches_the_stores_policy_with_no_retry_below_it(
+        s3_bucket, faulty_s3, make_s3_options):
+    """The store's options (no retry setting of the caller's) make botocore and
+    s3fs try once: one injected 503 is one retry of the store's own, counted.
+    (A reset is another matter: aiohttp sends an idempotent request cut on a
+    reused connection once more at once, per RFC 9112, below every policy.)"""
+    bucket, opts = s3_bucket
+    endpoint, injector = faulty_s3
+    ObjectStore(bucket, storage_options=opts).put_bytes(f"{bucket}/one", b"payload")
+    store = ObjectStore(bucket, storage_options=make_s3_options(endpoint), retry=FAST_RETRY)
+    injector.fail(1, "503", method="GET", path="/one")
+    assert store.get_bytes(f"{bucket}/one") == b"payload"
+    assert len(injector.injected) == 1
+    assert store.stats.retries == 1
+
+
 def test_injected_503s_throttling_and_resets_are_retried_and_the_checkpoint_is_intact(s3_bucket, faulty_s3, make_s3_options):
     bucket, _ = s3_bucket
     endpoint, injector = faulty_s3
