@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
 
 from springback.storage import Checkpointer, compat
-from springback.worker.rank.rendezvous import _forget_meshes, _reset_group_count
+from springback.worker.rank.rendezvous import _reset_group_count, forget_meshes
 
 
 def test_flatten_state_dict_names_nested_entries_by_dotted_path():
@@ -96,7 +96,7 @@ def test_forget_meshes_empties_dtensors_sharding_caches():
     # behaviour is tests/worker/test_rendezvous.py's mesh-cache test)
     from torch.distributed.tensor import DTensor
 
-    _forget_meshes()
+    forget_meshes()
     propagator = DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding
     assert propagator.cache_info().currsize == 0
     assert torch._C._get_DTensor_sharding_propagator_cache_stats() is not None

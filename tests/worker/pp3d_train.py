@@ -35,7 +35,6 @@ raises, which ends the generation (``with gen:``) for the next plan.
 Environment knobs: TINY_STEP_SLEEP_S slows each step.
 """
 
-import hashlib
 import json
 import os
 import sys
@@ -50,7 +49,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from draws import record_draw
 from fsdp_train import NUM_COUNTED, AppliedSteps, features
-from pp_train import Net, dp_sum, stage_of
+from pp_train import Net, dp_sum, key_digests, stage_of, write_digests
 from springback.client.env import AUDIT_DIR
 from springback.worker import Session
 
@@ -147,31 +146,17 @@ def full_state(model: Net, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor
     return out
 
 
-def key_digests(state: dict[str, torch.Tensor]) -> dict[str, str]:
-    """SHA-256 of each tensor's bytes, by key."""
-    return {key: hashlib.sha256(value.contiguous().numpy().tobytes()).hexdigest()
-            for key, value in state.items()}
-
-
-def _write(gen, entry: dict) -> None:  # noqa: ANN001
-    audit = os.environ.get(AUDIT_DIR)
-    if audit:
-        with open(os.path.join(audit, f"digest-g{gen.generation:04d}-r{gen.rank}.jsonl"),
-                  "a") as f:
-            f.write(json.dumps({**entry, "world_size": gen.world_size}) + "\n")
-
-
 def record(gen, when: str, step: int) -> dict[str, torch.Tensor]:  # noqa: ANN001
     """Collective: the full state's keys' digests written (``start``, ``end``)."""
     state = full_state(gen.model, gen.optimizer)
-    _write(gen, {"when": when, "step": step, "keys": key_digests(state)})
+    write_digests(gen, {"when": when, "step": step, "keys": key_digests(state)})
     return state
 
 
 def record_own(gen, step: int) -> None:  # noqa: ANN001
     """After a step: this rank's stage's keys' digests (``after``), gathered
     over the stage's mesh only."""
-    _write(gen, {"when": "after", "step": step,
+    write_digests(gen, {"when": "after", "step": step,
                  "keys": key_digests(own_state(gen.model, gen.optimizer))})
 
 

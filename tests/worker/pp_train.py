@@ -175,7 +175,8 @@ def key_digests(state: dict[str, torch.Tensor]) -> dict[str, str]:
             for key, value in state.items()}
 
 
-def _write(gen, entry: dict) -> None:  # noqa: ANN001
+def write_digests(gen, entry: dict) -> None:  # noqa: ANN001
+    """Appends `entry` (with the world size) to this rank's digest record."""
     audit = os.environ.get(AUDIT_DIR)
     if audit:
         with open(os.path.join(audit, f"digest-g{gen.generation:04d}-r{gen.rank}.jsonl"),
@@ -187,7 +188,7 @@ def record(gen, when: str, step: int) -> dict[str, torch.Tensor]:  # noqa: ANN00
     """Collective: the full state gathered from every stage, its keys'
     digests written (``start``, ``end``)."""
     state = full_state(gen.model, gen.optimizer)
-    _write(gen, {"when": when, "step": step, "keys": key_digests(state)})
+    write_digests(gen, {"when": when, "step": step, "keys": key_digests(state)})
     return state
 
 
@@ -195,7 +196,7 @@ def record_own(gen, step: int) -> None:  # noqa: ANN001
     """After a step, no collective: this rank's stage's keys' digests
     (``after``), so a step that a kill interrupts before the next gather is
     still on record."""
-    _write(gen, {"when": "after", "step": step,
+    write_digests(gen, {"when": "after", "step": step,
                  "keys": key_digests(own_state(gen.model, gen.optimizer))})
 
 

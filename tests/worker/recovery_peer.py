@@ -98,7 +98,7 @@ from springback.worker.train.checkpointing import _gather_holders as gather_hold
 from springback.worker.train.checkpointing import restore_from_checkpoint
 from springback.worker.rank.context import RankContext
 from springback.worker.state.peercopy import GenerationCopies
-from springback.worker.rank.rendezvous import _forget_meshes, leave_group
+from springback.worker.rank.rendezvous import forget_meshes, leave_group
 from springback.worker.state.mesh import MeshLayout, build_mesh
 from springback.worker.state.sharded import ShardedModel
 
@@ -128,7 +128,7 @@ def join(tag: str, members: list[int]) -> int | None:
     None when it is not a member."""
     if RANK not in members:
         return None
-    _forget_meshes()  # as `form_group` does: a DTensor op must not meet an older mesh
+    forget_meshes()  # as `form_group` does: a DTensor op must not meet an older mesh
     store = STORE[0] = dist.FileStore(os.path.join(ROOT, f"store-{tag}"), len(members))
     dist.init_process_group("gloo", store=store, rank=members.index(RANK),
                             world_size=len(members), timeout=datetime.timedelta(seconds=30))

@@ -155,7 +155,7 @@ def form_group(*, job_id: str, generation: int, rank: int, world_size: int,
             f"only {prefix.add('arrived', 0)}/{world_size} ranks arrived within "
             f"{rendezvous_timeout_s:.0f}s")
     _reset_group_count()
-    _forget_meshes()
+    forget_meshes()
     dist.init_process_group(backend, store=dist.PrefixStore("pg/", prefix), rank=rank,
                             world_size=world_size,
                             timeout=datetime.timedelta(seconds=collective_timeout_s))
@@ -177,7 +177,7 @@ def _reset_group_count() -> None:
         dist.distributed_c10d._world.group_count = 0  # no public setter
 
 
-def _forget_meshes() -> None:
+def forget_meshes() -> None:
     """DTensor caches its sharding decisions by value, and a `DeviceMesh`
     equals any other of the same layout: an op on the new generation's
     DTensors that hits an entry made in an earlier generation returns a
@@ -185,7 +185,8 @@ def _forget_meshes() -> None:
     next collective fails with "Could not resolve the process group", or
     worse, meets a group of the same name and other ranks). Those caches
     (the C++ and Python sharding propagation caches and the redistribute
-    planner's) are emptied before every generation's group is formed. Private
+    planner's) are emptied before every generation's group is formed:
+    `form_group` does it, and so must whatever forms a group otherwise. Private
     torch APIs, like `_reset_group_count` (tests/storage/test_compat.py)."""
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor import _redistribute
