@@ -11,6 +11,7 @@ the certificates and the password).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -23,6 +24,20 @@ from springback.service.server import CoordinatorConfig, CoordinatorServer
 
 SECURE_ETCD = "secure_etcd"
 """The marker that puts a test's `etcd` behind TLS and etcd's auth."""
+
+
+@pytest.fixture(autouse=True)
+def _root_logger_as_found() -> Iterator[None]:
+    """Puts the root logger's handlers and level back after each test: the
+    `springback` CLI run in-process (`cli.main.main`, `service.logs.configure`)
+    replaces them with a handler on that test's captured stderr, closed once
+    the test ends ("Logging error ... I/O operation on closed file" in every
+    later test's teardown)."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
 
 
 def pytest_configure(config: pytest.Config) -> None:
