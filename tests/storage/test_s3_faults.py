@@ -80,7 +80,6 @@ def _save(base: str, store: ObjectStore, step: int, sd: dict, world: int = 2):
     return futs
 
 
-@pytest.mark.timeout(120)
 @pytest.mark.timeout(60)
 def test_a_failed_request_reaches_the_stores_policy_with_no_retry_below_it(
         s3_bucket, faulty_s3, make_s3_options):
@@ -98,6 +97,7 @@ def test_a_failed_request_reaches_the_stores_policy_with_no_retry_below_it(
     assert store.stats.retries == 1
 
 
+@pytest.mark.timeout(120)
 def test_injected_503s_throttling_and_resets_are_retried_and_the_checkpoint_is_intact(s3_bucket, faulty_s3, make_s3_options):
     bucket, _ = s3_bucket
     endpoint, injector = faulty_s3

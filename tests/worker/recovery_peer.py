@@ -94,8 +94,7 @@ from springback.storage import Checkpointer, committed_checkpoints, model_state_
 from springback.client import plans
 from springback.v1 import types_pb2 as pb
 from springback.worker.train.agreement import StateAgreement, StateUnrecoverable
-from springback.worker.train.checkpointing import _gather_holders as gather_holders
-from springback.worker.train.checkpointing import restore_from_checkpoint
+from springback.worker.train.checkpointing import gather_holders, restore_from_checkpoint
 from springback.worker.rank.context import RankContext
 from springback.worker.state.peercopy import GenerationCopies
 from springback.worker.rank.rendezvous import forget_meshes, leave_group

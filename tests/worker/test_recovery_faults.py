@@ -50,6 +50,18 @@ def generation(result: dict, n: int) -> dict:
     return next(g for g in result["generations"] if g["generation"] == n)
 
 
+def assert_step_2_restored(results: list[dict], *, in_both: int, recorded: str) -> None:
+    """Every rank's restores (generations 2 and 3 for the first `in_both`
+    ranks, 3 for the others) read step 2 from the checkpoint, and the state
+    they hold (`recorded`: ``digest`` or ``keys``) is step 2's as trained."""
+    for rank, res in enumerate(results):
+        for gen in (2, 3) if rank < in_both else (3,):
+            g = generation(res, gen)
+            assert (g.get("error"), g["step"], g["kind"]) == \
+                (None, 2, "RESTORE_KIND_CHECKPOINT"), (rank, res)
+            assert g[recorded] == res["trained"]["2"], (rank, gen)
+
+
 def assert_the_survivors_hold_step_2(results: list[dict], survivors: tuple[int, ...],
                                      field: str = "digest") -> None:
     """Generation 2 failed on the survivors (a victim died in its exchange)
@@ -178,13 +190,7 @@ def test_a_lost_nodes_tensor_parallel_slices_come_back_from_their_peer_copies(tm
 
 @pytest.mark.timeout(120)
 def test_a_tensor_parallel_commit_restores_bit_identical_at_other_tp_sizes(tmp_path):
-    results = run(tmp_path, "tp_restore", 4)
-    for rank, res in enumerate(results):
-        for gen in (2, 3) if rank < 2 else (3,):
-            g = generation(res, gen)
-            assert (g.get("error"), g["step"], g["kind"]) == \
-                (None, 2, "RESTORE_KIND_CHECKPOINT"), (rank, res)
-            assert g["digest"] == res["trained"]["2"], (rank, gen)
+    assert_step_2_restored(run(tmp_path, "tp_restore", 4), in_both=2, recorded="digest")
 
 
 @pytest.mark.timeout(120)
@@ -216,10 +222,5 @@ def test_non_tensor_optimizer_state_is_carried_and_a_lost_state_is_said_and_buil
 @pytest.mark.timeout(200)
 def test_an_fsdp_tp_pp_commit_restores_bit_identical_without_the_pipeline_and_without_tp(
         tmp_path):
-    results = run(tmp_path, "pp3d_restore", 8)
-    for rank, res in enumerate(results):
-        for gen in (2, 3) if rank < 4 else (3,):
-            g = generation(res, gen)
-            assert (g.get("error"), g["step"], g["kind"]) == \
-                (None, 2, "RESTORE_KIND_CHECKPOINT"), (rank, res)
-            assert g["keys"] == res["trained"]["2"], (rank, gen)  # every tensor, every stage
+    # every tensor of every stage, key by key
+    assert_step_2_restored(run(tmp_path, "pp3d_restore", 8), in_both=4, recorded="keys")

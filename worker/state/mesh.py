@@ -31,10 +31,9 @@ Pipeline parallel keeps ``pp`` across generations unless the spec lets it
 shrink (``layout.min_pp``: the planner re-partitions the layers): the stage
 a rank holds is its ``pp`` coordinate, and `stage_layers` says which of a
 model's layers that stage holds. A stage's state keeps the full model's
-names (the script deletes the other stages' layers,
-`worker/state/sharded.py`), so a lost
-node's stage is refilled from any live dp replica of it, and a rank that
-moves to another stage takes that stage's layers from their holders.
+names (the script deletes the other stages' layers, `worker/state/sharded.py`),
+so a lost node's stage is refilled from any live dp replica of it, and a rank
+that moves to another stage takes that stage's layers from their holders.
 
 `build_mesh` is a collective over the generation's default group (every rank
 calls it in the same order); torch creates one sub-group per mesh dimension

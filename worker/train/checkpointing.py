@@ -125,7 +125,7 @@ class GenerationCheckpoints:
         state = self._state()
         layout = MeshLayout.from_plan(self._plan)
         if layout.pp > 1 and self._holders is None:
-            self._holders = _gather_holders(state, self._plan.world_size)
+            self._holders = gather_holders(state, self._plan.world_size)
         self._ckpt.save(step, state, generation=self._plan.generation, cursor=cursor,
                         layout=layout.as_dict(), optimizer=self._ctx.state.get("optimizer"),
                         urgent=wait, holders=self._holders)
@@ -207,9 +207,10 @@ class GenerationCheckpoints:
             log.warning("ReportCheckpointError failed: %s", e.code().name)
 
 
-def _gather_holders(state: dict[str, Any], world_size: int) -> PlainHolders:
+def gather_holders(state: dict[str, Any], world_size: int) -> PlainHolders:
     """Collective: which ranks hold each non-DTensor entry of the checkpointed
-    state, and its size. Raises ValueError naming an entry whose size differs
+    state, and its size (a save's ``holders`` where the ranks hold different
+    plain entries, as a pipeline's stages do). Raises ValueError naming an entry whose size differs
     between its holders (they would write different data for one key), and
     what a failed collective raises."""
     from springback.storage.snapshot import plain_entries
