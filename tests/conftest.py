@@ -12,6 +12,8 @@ the certificates and the password).
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -38,6 +40,27 @@ def _root_logger_as_found() -> Iterator[None]:
     yield
     root.handlers[:] = handlers
     root.setLevel(level)
+
+
+BUSY_LOOPS = 2
+"""Processes the `loaded` fixture keeps spinning: one per core of the 2-core
+machines this suite is sized for, so the test's own processes get about
+half the CPU they would on an idle machine (load ~ 2 + the test's)."""
+
+
+@pytest.fixture
+def loaded() -> Iterator[list[subprocess.Popen]]:
+    """Weather, not lab conditions: `BUSY_LOOPS` CPU-bound processes run
+    beside the test and are killed at its teardown. A test that takes it
+    asserts what it asserts on an idle machine, only slower."""
+    loops = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(BUSY_LOOPS)]
+    try:
+        yield loops
+    finally:
+        for p in loops:
+            p.kill()
+        for p in loops:
+            p.wait(timeout=10)
 
 
 def pytest_configure(config: pytest.Config) -> None:
