@@ -16,6 +16,9 @@ not import all of `springback.storage`); its test is here with the others.
 
 from __future__ import annotations
 
+import contextlib
+import io
+from collections.abc import Iterator
 from typing import Any
 
 import fsspec
@@ -31,6 +34,7 @@ from torch.distributed.checkpoint.state_dict import _get_fqns
 
 __all__ = [
     "FsspecReader",
+    "RangeReads",
     "StorageInfo",
     "create_write_items",
     "flatten_state_dict",
@@ -49,6 +53,51 @@ that can unpickle them (tests/storage/test_compat.py round-trips both)."""
 # flattening, so our fqns are the ones its planners and readers use.
 # set_element(state_dict, mappings[fqn], value): puts a flattened entry back
 # at its nested place, as DCP's default load planner does.
+
+
+class _NoOpen:
+    """A DCP reader's filesystem whose ``create_stream`` opens nothing (each
+    item's bytes come from `RangeReads.read_range`); the rest is torch's."""
+
+    def __init__(self, fs: Any) -> None:
+        self._fs = fs
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._fs, name)
+
+    @contextlib.contextmanager
+    def create_stream(self, path: Any, mode: str) -> Iterator[None]:
+        yield None
+
+
+class RangeReads:
+    """Mixin over DCP's ``FileSystemReader`` / ``FsspecReader``: the bytes of
+    each item come from `read_range` (``relative_path``, ``offset``,
+    ``length``), called once per item, in DCP's order, instead of from a file
+    DCP opened. DCP's ``read_data`` opens each file (``fs.create_stream``),
+    then cuts one view per item from it (the private ``_slice_file``); both
+    are replaced here, the rest of ``read_data`` (transforms, ``torch.load``,
+    the planner's calls) is DCP's own. ``item_ranges(plan)`` gives the
+    ``(relative_path, offset, length)`` of a plan's items, in that order."""
+
+    storage_data: dict[Any, Any]
+
+    def read_range(self, relative_path: str, offset: int, length: int) -> bytes:
+        raise NotImplementedError
+
+    def use_range_reads(self) -> None:
+        """Call once the reader's ``fs`` is set (end of ``__init__``)."""
+        self.fs = _NoOpen(self.fs)  # type: ignore[has-type]
+
+    def item_ranges(self, plan: Any) -> list[tuple[str, int, int]]:
+        by_file: dict[str, list[tuple[str, int, int]]] = {}
+        for item in plan.items:  # read_data's grouping: by file, files in first-seen order
+            info = self.storage_data[item.storage_index]
+            by_file.setdefault(info.relative_path, []).append((info.relative_path, info.offset, info.length))
+        return [r for ranges in by_file.values() for r in ranges]
+
+    def _slice_file(self, file: Any, sinfo: Any) -> io.BytesIO:
+        return io.BytesIO(self.read_range(sinfo.relative_path, sinfo.offset, sinfo.length))
 
 
 def state_dict_names(model: Any, name: str) -> set[str]:

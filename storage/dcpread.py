@@ -3,18 +3,22 @@
 Two pieces, used by `springback.storage.restore`:
 
 * DCP readers (`FileReader`, `S3Reader`: torch's ``FileSystemReader`` and
-  ``FsspecReader``) that classify their own read errors *on the rank that met
-  them*: a transient one (a reset, refused or closed connection, a 5xx, a
-  truncated body; see `springback.storage.retry`) is raised as
-  `TransientReadError` from it. DCP gathers every rank's failure into one
+  ``FsspecReader``) that read through the restore's `ObjectStore`: the items
+  of a plan that lie back to back in a file are read by one ranged request
+  (`ObjectStore.read_range`, at most `_RUN_BYTES`), and a request that fails
+  (a reset, a 503, a body shorter than its range) is retried alone, read
+  again from its start, never the whole load. A read whose request spent its
+  retry budget is classified *on the rank that met it*: a transient error is
+  raised as `TransientReadError` from it. DCP gathers every rank's failure into one
   ``CheckpointException`` by pickling it, and a pickled exception loses its
   ``__cause__`` chain -- s3fs's ``OSError(EIO)`` for a 503 would arrive on the
   other ranks as a bare OSError, a permanent error. The readers also serve the
   checkpoint's ``Metadata`` once `read_metadata` read it (`prime`), so DCP
   does not read it again: DCP's own read unpickles ``.metadata`` freely and
   turns any error into a bare ``AssertionError``.
-* `collective_retry`: run one whole unit (reading the metadata, a whole
-  ``dcp.load``) on every rank, and agree after each try, with one
+* `collective_retry`: for what a request's retry cannot fix, run one whole
+  unit (reading the metadata, a whole ``dcp.load``) on every rank again
+  (counted apart: ``RetryStats.collective_retries``), agreeing after each try, with one
   ``all_gather_object``, whether every rank succeeded, whether to try again
   (every failure transient and every rank within the retry budget) or to fail.
   Every rank takes the same decision, so the retries stay collective and no
@@ -54,12 +58,29 @@ def _classified(uri: str, what: str, fn: Callable[[], T]) -> T:
         raise
 
 
-class _Classifying:
-    """Mixin over a DCP ``StorageReader``: transient read errors become
-    `TransientReadError`; `prime` fixes the metadata DCP is served."""
+_RUN_BYTES = 32 << 20
+"""Items that lie back to back in a file are read by one request, up to this
+many bytes (a bigger item is one request by itself): many small tensors cost
+few requests, and a retry rereads at most this much again."""
+
+
+class _Classifying(compat.RangeReads):
+    """Mixin over a DCP ``StorageReader``: each run of items is read by one
+    retried request of the store (`ObjectStore.read_range`); transient read
+    errors that still escape become `TransientReadError`; `prime` fixes the
+    metadata DCP is served."""
 
     _sb_uri: str = ""
     _sb_metadata: Any = None
+    _sb_store: ObjectStore
+    _sb_runs: dict[tuple[str, int, int], tuple[str, int, int]]
+    _sb_cached: tuple[tuple[str, int, int], bytes] | None = None
+
+    def _sb_init(self, uri: str, store: ObjectStore) -> None:
+        self._sb_uri = uri
+        self._sb_store = store
+        self._sb_runs = {}
+        self.use_range_reads()
 
     def prime(self, metadata: Any) -> None:
         self._sb_metadata = metadata
@@ -73,35 +94,73 @@ class _Classifying:
         return self._sb_metadata
 
     def read_data(self, plan: Any, planner: Any) -> Any:
+        """DCP's ``read_data``, with each run of back-to-back items read by one
+        request, retried alone (`read_range`). Blocks until every item is read;
+        a request whose retry budget ran out fails the read (`TransientReadError`)."""
+        self._sb_runs = _runs(self.item_ranges(plan))
+        self._sb_cached = None
+
         def read() -> Any:
             fut = super(_Classifying, self).read_data(plan, planner)  # type: ignore[misc]
             fut.wait()  # the readers finish synchronously; an error surfaces here, on this rank
             return fut
 
-        return _classified(self._sb_uri, "reading", read)
+        try:
+            return _classified(self._sb_uri, "reading", read)
+        finally:
+            self._sb_cached = None
+
+    def read_range(self, relative_path: str, offset: int, length: int) -> bytes:
+        run = self._sb_runs.get((relative_path, offset, length), (relative_path, offset, length))
+        if self._sb_cached is None or self._sb_cached[0] != run:
+            path, start, size = run
+            self._sb_cached = run, self._sb_store.read_range(join(self._sb_uri, path), start, size)
+        start = offset - run[1]
+        return self._sb_cached[1][start:start + length]
+
+
+def _runs(ranges: list[tuple[str, int, int]]) -> dict[tuple[str, int, int], tuple[str, int, int]]:
+    """Each item range -> the run (path, offset, length) it is read with:
+    consecutive items of one file that lie back to back, up to `_RUN_BYTES`."""
+    out: dict[tuple[str, int, int], tuple[str, int, int]] = {}
+    group: list[tuple[str, int, int]] = []
+
+    def close() -> None:
+        if group:
+            run = (group[0][0], group[0][1], group[-1][1] + group[-1][2] - group[0][1])
+            out.update(dict.fromkeys(group, run))
+            group.clear()
+
+    for r in ranges:
+        if group and not (r[0] == group[-1][0] and r[1] == group[-1][1] + group[-1][2]
+                          and r[1] + r[2] - group[0][1] <= _RUN_BYTES):
+            close()
+        group.append(r)
+    close()
+    return out
 
 
 class FileReader(_Classifying, dcp.FileSystemReader):
-    """``FileSystemReader`` that classifies its errors (see the module docstring)."""
+    """``FileSystemReader`` reading through ``store`` (see the module docstring)."""
 
-    def __init__(self, path: str, *, uri: str) -> None:
+    def __init__(self, path: str, *, uri: str, store: ObjectStore) -> None:
         super().__init__(path)
-        self._sb_uri = uri
+        self._sb_init(uri, store)
 
 
 class S3Reader(_Classifying, compat.FsspecReader):
-    """``FsspecReader`` that classifies its errors (see the module docstring)."""
+    """``FsspecReader`` reading through ``store`` (see the module docstring)."""
 
-    def __init__(self, uri: str, **storage_options: Any) -> None:
-        super().__init__(uri, **storage_options)
-        self._sb_uri = uri
+    def __init__(self, uri: str, *, store: ObjectStore) -> None:
+        super().__init__(uri, **store.storage_options)
+        self._sb_init(uri, store)
 
 
 def reader_for(ckpt_uri: str, store: ObjectStore) -> FileReader | S3Reader:
-    """The classifying DCP reader for ``ckpt_uri`` on ``store``."""
+    """The DCP reader for ``ckpt_uri`` on ``store``, reading through it."""
     if store.is_local:
-        return FileReader(compat.strip_protocol(store.fs, ckpt_uri), uri=ckpt_uri)
-    return S3Reader(ckpt_uri, **store.storage_options)
+        return FileReader(compat.strip_protocol(store.fs, ckpt_uri), uri=ckpt_uri, store=store)
+    return S3Reader(ckpt_uri, store=store)
 
 
 def read_metadata(reader: FileReader | S3Reader, ckpt_uri: str, store: ObjectStore) -> Metadata:
@@ -143,7 +202,9 @@ def collective_retry(fn: Callable[[], T], *, what: str, uri: str, store: ObjectS
     (attempts or ``deadline_s``, counted from the first try), in which case all
     raise `TransientStorageError` naming ``what`` and ``uri``, chained to the
     last local error. ``fn`` must be idempotent (a retry redoes all of it).
-    Counts ``store.stats`` retries and give-ups on the group's rank 0 only.
+    Counts ``store.stats.collective_retries`` and ``gave_up`` on the group's
+    rank 0 only. Each request inside ``fn`` is retried on its own first
+    (`ObjectStore`), so this runs again only after a request spent its budget.
     """
     policy = store.retry
     rank, world = _group(process_group)
@@ -181,7 +242,7 @@ def collective_retry(fn: Callable[[], T], *, what: str, uri: str, store: ObjectS
                 f"{what} {uri} failed after {attempt} attempts in {time.monotonic() - start:.1f}s "
                 f"(retry budget spent): {first}", uri=uri) from error
         if rank == 0:
-            store.stats._add(retries=1)
+            store.stats._add(collective_retries=1)
         log.warning("transient error %s %s (attempt %d), trying it again: %s", what, uri, attempt, first)
         time.sleep(min(policy.max_backoff_s, backoff))
         backoff = max(backoff * 2, 1e-3)

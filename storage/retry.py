@@ -2,9 +2,15 @@
 jitter for transient errors, within an attempt budget and a deadline
 (`RetryPolicy`), run by ``tenacity``.
 
-It is the only layer that retries: `ObjectStore` turns s3fs's and botocore's
-own retries off (`LOWER_RETRIES_OFF`), so one fault costs one retry decision
-here and a `RetryPolicy`'s numbers mean what they say.
+It is the only layer that retries, and it retries each request on its own:
+every `ObjectStore` call (GET, ranged GET, HEAD, PUT, LIST, DELETE) and every
+ranged read of a restore's DCP reader (`springback.storage.dcpread`) is one
+`call_with_retry`, so a fault costs one request, not the operation around it.
+`ObjectStore` turns s3fs's and botocore's own retries off
+(`LOWER_RETRIES_OFF`), so one fault costs one retry decision here and a
+`RetryPolicy`'s numbers mean what they say. Retrying a whole DCP load on
+every rank (`dcpread.collective_retry`) is left for what a request's retry
+cannot fix, and counted apart (`RetryStats.collective_retries`).
 
 What counts as transient (retried), by exception type and structured error
 code, never by message text: connection resets / refusals / timeouts, HTTP 5xx
@@ -156,16 +162,23 @@ class RetryPolicy:
 
 
 class RetryStats:
-    """Thread-safe counter of retries, for metrics and tests."""
+    """Thread-safe counters of retries, for metrics and tests.
+
+    ``retries``: requests tried again (`call_with_retry`); ``collective_retries``:
+    whole units (a DCP load) tried again on every rank (`dcpread.collective_retry`,
+    counted on the group's rank 0); ``gave_up``: either kind that ran out of budget.
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.retries = 0
+        self.collective_retries = 0
         self.gave_up = 0
 
-    def _add(self, *, retries: int = 0, gave_up: int = 0) -> None:
+    def _add(self, *, retries: int = 0, collective_retries: int = 0, gave_up: int = 0) -> None:
         with self._lock:
             self.retries += retries
+            self.collective_retries += collective_retries
             self.gave_up += gave_up
 
 

@@ -3,8 +3,10 @@
 URIs are plain strings (``file:///x``, ``/x``, ``s3://bucket/x``, ``memory://x``):
 ``pathlib.Path`` would mangle ``s3://``. A :class:`ObjectStore` wraps the fsspec filesystem
 of one URI scheme and applies :func:`~springback.storage.retry.call_with_retry` to
-every call, so transient errors (5xx, throttling, resets) are retried with backoff
-and anything else fails at once with the URI in the message. That policy is the
+every call, each request on its own (a ranged read is one request,
+:meth:`ObjectStore.read_range`), so transient errors (5xx, throttling, resets,
+truncated bodies) are retried with backoff and anything else fails at once with
+the URI in the message. That policy is the
 only retry layer: on S3, s3fs's and botocore's own retries are turned off
 (botocore ``config_kwargs["retries"]`` unless the caller sets one).
 
@@ -33,6 +35,7 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from springback.storage import compat
+from springback.storage.errors import TransientReadError
 from springback.storage.retry import LOWER_RETRIES_OFF, RetryPolicy, RetryStats, call_with_retry
 from springback.storage.s3upload import S3PartWriter
 
@@ -200,6 +203,31 @@ class ObjectStore:
     def get_bytes(self, uri: str) -> bytes:
         """Read the whole file at ``uri``."""
         return self._call("read", uri, lambda: self.fs.cat_file(self._path(uri)))
+
+    def read_range(self, uri: str, offset: int, length: int) -> bytes:
+        """Read ``length`` bytes of the file at ``uri`` from ``offset``: one
+        ranged GET on S3, retried on its own, whole, from ``offset`` again
+        (idempotent).
+
+        A body shorter than asked (a connection closed mid-body) is a
+        transient error and is read again; on local files a short read is the
+        file's real size and raises `EOFError` at once. ``FileNotFoundError``
+        is raised at once too.
+        """
+        if length == 0:
+            return b""
+        path = self._path(uri)
+
+        def attempt() -> bytes:
+            data = self.fs.cat_file(path, start=offset, end=offset + length)
+            if len(data) != length:
+                what = f"{uri} [{offset}, {offset + length}): got {len(data)} of {length} bytes"
+                if self.is_local:
+                    raise EOFError(f"short file {what}")
+                raise TransientReadError(f"truncated body reading {what}", uri=uri)
+            return data
+
+        return self._call("read", uri, attempt)
 
     def checksum(self, uri: str) -> tuple[int, int]:
         """``(crc32, size)`` of the file at ``uri``, reading it once.
