@@ -1,14 +1,17 @@
 """The reshard's transfer planner on N-dimensional blocks (pure functions),
-and the placements it refuses (a real DTensor in a one-rank gloo group)."""
+the placements it refuses (a real DTensor in a one-rank gloo group), and its
+receive into views that are not contiguous (two real gloo ranks)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
 
 import pytest
 
+from sbtest import run_gloo_peers
 from springback.worker.state.reshard import Box, Transfer, covered, plan_transfers, subtract, volume
 
 pytestmark = pytest.mark.timeout(60)
@@ -90,3 +93,21 @@ def test_a_partial_placement_is_refused_by_name():
     assert out.returncode == 0, out.stderr
     assert "shard (0, 0) (4, 2)" in out.stdout
     assert "refused: a Partial (unreduced) value: reduce it first" in out.stdout, out.stdout
+
+
+VIEW_PEER = os.path.join(os.path.dirname(__file__), "reshard_view_peer.py")
+
+
+@pytest.mark.timeout(45)
+def test_blocks_received_into_strided_views_land_bit_for_bit(tmp_path):
+    """reshard_view_peer.py: a tp-degree change (column shards into a whole
+    row-major tensor), column shards into row shards, and row shards into a
+    transposed target: every receive goes to a view that is not contiguous,
+    so through `exchange`'s landing buffer (the path of every receive on GPU,
+    whose held pieces are host copies), and must write the peer's bits."""
+    results = run_gloo_peers(VIEW_PEER, 2, str(tmp_path / "store"), timeout_s=40)
+    keys = {"tp2_to_tp1", "cols_to_rows", "into_transposed"}
+    for rank, result in enumerate(results):
+        assert result["strided"] == dict.fromkeys(keys, True), (rank, result)  # the path under test
+        assert result["received"] > 0 and result["written"], (rank, result)
+        assert result["differ"] == dict.fromkeys(keys, 0), (rank, result)
