@@ -28,6 +28,10 @@
   only then fails UNAVAILABLE: a call made just after a failover, or while
   the first leader is being elected, is served instead of refused (clients
   do not retry `CreateJob`).
+  A join (`JoinJob`) is checked before it is forwarded (`membership.validate_join`):
+  a bad field is INVALID_ARGUMENT from the replica it reached, without a
+  round trip to the leader or a wait for one (the leader checks again, and
+  cuts members' free text, see `servicers.member_text`).
   Heartbeats are not forwarded: any replica renews a member's lease in etcd
   itself, so members stay alive while leadership changes hands (a replica
   that cannot reach etcd refuses them at once, see `liveness`). Plan streams
@@ -56,12 +60,14 @@ from concurrent import futures
 from typing import Any, NoReturn
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from springback.client.channel import DEFAULT_TIMEOUT_S, connect
-from springback.client.errors import SpringbackError
+from springback.client.errors import SpringbackError, grpc_code
 from springback.client.polling import wait_until
 from springback.service import credentials
 from springback.service.election import Election
+from springback.service.membership import validate_join
 from springback.v1 import job_service_pb2 as js
 from springback.v1 import worker_service_pb2 as ws
 
@@ -75,6 +81,18 @@ _SERVED_BY_ANY_REPLICA = frozenset({
     "/springback.v1.WorkerService/Heartbeat",
     "/springback.v1.WorkerService/WatchPlans",
 })
+
+
+def _check_join(request: ws.JoinJobRequest) -> None:
+    validate_join(request.host, request.rendezvous_port, request.num_local_ranks,
+                  request.join_token)
+
+
+_CHECKED_BEFORE_FORWARDING: dict[str, tuple[Any, Callable[[Any], None]]] = {
+    "/springback.v1.WorkerService/JoinJob": (ws.JoinJobRequest, _check_join),
+}
+"""Per method: its request type and a check (raising `InvalidArgument`, no
+I/O) that a follower runs on the raw request before forwarding it."""
 
 
 def _deny(code: grpc.StatusCode, details: str) -> grpc.RpcMethodHandler:
@@ -400,7 +418,17 @@ class LeaderForwarding(grpc.aio.ServerInterceptor):
         return channel
 
     def _unary(self, method: str, metadata: list) -> Callable:
+        checked = _CHECKED_BEFORE_FORWARDING.get(method)
+
         def forward(request: bytes, context: grpc.ServicerContext) -> bytes:
+            if checked is not None:
+                try:
+                    checked[1](checked[0].FromString(request))
+                except SpringbackError as e:  # InvalidArgument: a bad field, named
+                    _abort(context, grpc_code(e), str(e))
+                except DecodeError:
+                    _abort(context, grpc.StatusCode.INVALID_ARGUMENT,
+                           f"request: not a {checked[0].__name__}")
             call = self._leader_channel(context).unary_unary(method)
             self.num_forwarded += 1
             try:

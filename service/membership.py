@@ -17,9 +17,13 @@ import re
 import time
 import uuid
 
+import grpc
+
 from springback.service import fencing, keys, planner
 from springback.service.coordinator import Coordinator, timestamp_now
-from springback.client.errors import FailedPrecondition, InvalidArgument, NotFound
+from springback.client.errors import (
+    FailedPrecondition, InvalidArgument, NotFound, SpringbackError,
+)
 from springback.service.failures import DEFAULT_MAX_PER_STEP, DEFAULT_WINDOW_S, FailureStreaks
 from springback.service.liveness import EtcdReachability
 from springback.service.store import Store
@@ -32,7 +36,26 @@ _HOST = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9_.-]*[A-Za-z0-9_])?|\[?[0-9A-Fa-f:
 _MAX_HOST = 253
 
 
-def _validate_join(host: str, rendezvous_port: int, num_local_ranks: int, join_token: str) -> None:
+MIN_SPARE_SLOTS = 8
+"""See `members_cap`."""
+
+
+def members_cap(spec: pb.JobSpec) -> int:
+    """Most members a job may have registered at once: ``max_workers`` plus as
+    many spares (at least `MIN_SPARE_SLOTS`), room for every node to rejoin
+    before its old member expires. A join beyond it is RESOURCE_EXHAUSTED."""
+    return spec.max_workers + max(spec.max_workers, MIN_SPARE_SLOTS)
+
+
+class TooManyMembers(SpringbackError):
+    """A join beyond `members_cap`; nothing is written."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def validate_join(host: str, rendezvous_port: int, num_local_ranks: int, join_token: str) -> None:
+    """INVALID_ARGUMENT naming the first bad field of a join; no I/O (every
+    replica checks before forwarding, the leader again)."""
     if not host:
         raise InvalidArgument("host", "is required")
     if len(host) > _MAX_HOST or not _HOST.fullmatch(host):
@@ -40,8 +63,9 @@ def _validate_join(host: str, rendezvous_port: int, num_local_ranks: int, join_t
                                       f"(at most {_MAX_HOST} characters)")
     if not 0 < rendezvous_port < 65536:
         raise InvalidArgument("rendezvous_port", f"{rendezvous_port} is not a TCP port")
-    if num_local_ranks == 0:
-        raise InvalidArgument("num_local_ranks", "must be positive")
+    if not 0 < num_local_ranks <= planner.MAX_LOCAL_RANKS:
+        raise InvalidArgument("num_local_ranks", f"{num_local_ranks} is outside "
+                                                 f"1..{planner.MAX_LOCAL_RANKS}")
     if len(join_token) > _MAX_TOKEN or not (join_token.isascii() and join_token.isprintable()):
         raise InvalidArgument("join_token", f"must be at most {_MAX_TOKEN} printable ASCII characters")
 
@@ -80,7 +104,7 @@ class Membership:
         registers it afresh under the same id. Without a token every call
         registers a new member.
         """
-        _validate_join(host, rendezvous_port, num_local_ranks, join_token)
+        validate_join(host, rendezvous_port, num_local_ranks, join_token)
         coordinator = self.coordinator
         fence = coordinator.election.fence()  # taken first: see Coordinator.change
         job = coordinator.get_job(job_id)
@@ -95,6 +119,12 @@ class Membership:
         )
         key = keys.member(job_id, member.id)
         store = coordinator.store
+        cap = members_cap(job.spec)
+        if store.fingerprint(keys.members(job_id))[0] >= cap and not (
+                join_token and self._registered(key, member)):  # a retry of a join that landed
+            raise TooManyMembers(f"members: job {job_id} has its {cap} members "
+                                 "(members_cap: max_workers plus as many spares, at least "
+                                 f"{MIN_SPARE_SLOTS}); join when one leaves")
         # Create first, read only when that fails: a first attempt (nearly
         # every join) costs a lease grant and one transaction, no read.
         member.joined_at.CopyFrom(timestamp_now())

@@ -65,6 +65,11 @@ from springback.v1 import types_pb2 as pb
 
 _TERMINAL = (pb.JOB_STATE_SUCCEEDED, pb.JOB_STATE_FAILED, pb.JOB_STATE_CANCELLED)
 
+MAX_LOCAL_RANKS = 1024
+"""Most ranks one member (node) may bring; `JoinJob` refuses more
+(`membership.validate_join`). The plan's rank numbers are 32-bit: without a
+bound, two members of 2**32 - 1 ranks overflow the world size."""
+
 
 @dataclass(frozen=True)
 class Progress:
@@ -267,7 +272,9 @@ def make_plan(
     """The plan for the next generation (its generation number is left 0).
 
     `holders` names the members proven to hold the state in memory (see the
-    module docstring); only live ones among them are state sources.
+    module docstring); only live ones among them are state sources. Raises
+    `ValueError` for a member whose rank count is outside 1..`MAX_LOCAL_RANKS`
+    (`replan` makes that a waiting plan that names it).
     """
     spec = job.spec
     plan = pb.Plan(job_id=job.id, spec=spec, reason=reason)
@@ -275,6 +282,7 @@ def make_plan(
         plan.action = pb.PLAN_ACTION_STOP
         return plan
     candidates, old_rank = _ordered_candidates(members, previous)
+    _check_bounds(candidates)
     proven = set(holders)
     live_holders = {m.id for m in candidates if m.id in proven}
     n, fault = (0, "") if job.status.state == pb.JOB_STATE_PAUSED else _active_count(
@@ -303,6 +311,15 @@ def make_plan(
     plan.master_port = head.rendezvous_port
     _choose_restore(plan, live_holders, progress, newest_checkpoint, requested_checkpoint)
     return plan
+
+
+def _check_bounds(candidates: Sequence[pb.Member]) -> None:
+    """Raises `ValueError` naming the first member whose rank count is out of
+    bounds: a record `JoinJob` would have refused (written by something else)."""
+    for m in candidates:
+        if not 0 < m.num_local_ranks <= MAX_LOCAL_RANKS:
+            raise ValueError(f"member {m.id}: num_local_ranks {m.num_local_ranks} is outside "
+                             f"1..{MAX_LOCAL_RANKS}")
 
 
 def _hold(plan: pb.Plan, candidates: Sequence[pb.Member], previous: pb.Plan | None,

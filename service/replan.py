@@ -10,10 +10,18 @@ A new generation is made when the plan's signature (action and rank
 assignment, `planner.signature`) changes, or when forced (a rank crashed, an
 operator restore); otherwise the plan stays, and only its hot spares may be
 updated in place (training is not interrupted).
+
+A planner error (a member record `JoinJob` would have refused, a bug) never
+escapes: the job gets a WAIT plan that keeps its state holders and lists every
+other live member as a spare, its status message says ``planner error: ...``,
+and the error is logged once per job and message. Every live member is thus
+planned, so the reconcile loop does not retry the job until its membership
+changes, and the other jobs' replans go on.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Collection
 from dataclasses import dataclass
@@ -22,6 +30,8 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 from springback.service import ckptinterval, planner
 from springback.v1 import types_pb2 as pb
+
+log = logging.getLogger(__name__)
 
 
 def timestamp_now() -> Timestamp:
@@ -96,6 +106,25 @@ def _make_plan(inputs: Inputs, holders: list[str],
     return plan, time.perf_counter() - started
 
 
+def _waiting_on_error(inputs: Inputs, holders: list[str], error: Exception) -> pb.Plan:
+    """The WAIT plan of a job whose planner raised `error` (module docstring)."""
+    job, previous = inputs.job, inputs.previous
+    why = f"planner error: {type(error).__name__}: {error}"
+    if why not in job.status.message:  # once, not on every replan that meets it again
+        log.error("job %s: %s", job.id, why)
+    progress = inputs.progress or planner.Progress(step=job.status.step, cursor=job.status.cursor)
+    plan = pb.Plan(job_id=job.id, spec=job.spec, action=pb.PLAN_ACTION_WAIT,
+                   reason=f"{inputs.reason}; {why}" if inputs.reason else why,
+                   step=progress.step)
+    plan.cursor.CopyFrom(progress.cursor)
+    kept = set(holders)
+    if previous is not None:
+        plan.members.extend(m for m in previous.members if m.member_id in kept)
+    kept = {m.member_id for m in plan.members}
+    plan.spares.extend(m.id for m in inputs.members if not m.draining and m.id not in kept)
+    return plan
+
+
 def _stamp_generation(status: pb.JobStatus, plan: pb.Plan, previous: pb.Plan | None,
                       requested: pb.CheckpointRef | None) -> None:
     plan.generation = (previous.generation if previous else 0) + 1
@@ -134,8 +163,11 @@ def replan(inputs: Inputs) -> Decision:
     requested = None
     if job.status.restore_step:
         requested = next((c for c in inputs.checkpoints if c.step == job.status.restore_step), None)
-    plan, planning_s = _make_plan(inputs, holders, requested)
-    interval = ckptinterval.apply(plan, inputs.observed)
+    try:
+        plan, planning_s = _make_plan(inputs, holders, requested)
+        interval = ckptinterval.apply(plan, inputs.observed)
+    except Exception as e:  # noqa: BLE001 (one job's error: its plan waits, named; see above)
+        plan, planning_s, interval = _waiting_on_error(inputs, holders, e), 0.0, None
     signature = planner.signature(plan)
     new_generation = (inputs.force_generation or previous is None
                       or signature != inputs.previous_signature)

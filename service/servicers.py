@@ -23,7 +23,9 @@ from google.protobuf.duration_pb2 import Duration
 
 from springback.service.commits import Commits
 from springback.service.coordinator import Coordinator
-from springback.client.errors import FailedPrecondition, SpringbackError, grpc_code
+from springback.client.errors import (
+    FailedPrecondition, InvalidArgument, SpringbackError, grpc_code,
+)
 from springback.service import streamnotes
 from springback.service.evidence import PeerLossEvidence
 from springback.service.streamnotes import StreamNotes
@@ -46,12 +48,24 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 MAX_REASON_CHARS = 1024
 """Free text from members (leave, drain, failure and checkpoint-error
-reasons) is cut to this many characters before it reaches etcd, job status
-or logs, so a member cannot fill them."""
+reasons, a generation start's ``state_lost``) is cut to this many characters
+before it reaches etcd, job status or logs, so a member cannot fill them."""
+MAX_URI_CHARS = 4096
+"""A committed checkpoint's URI longer than this is INVALID_ARGUMENT (a URI
+cannot be cut)."""
 
 
-def _bounded(text: str) -> str:
-    return text if len(text) <= MAX_REASON_CHARS else text[:MAX_REASON_CHARS]
+def member_text(text: str) -> str:
+    """`text` with its control and other unprintable characters escaped
+    (``\\n``, ``\\x1b``), cut to `MAX_REASON_CHARS`: a member's newline
+    cannot forge a line in the coordinator's log, nor an escape sequence
+    reach an operator's terminal through a job message."""
+    if len(text) <= MAX_REASON_CHARS and text.isprintable():
+        return text
+    text = text[:MAX_REASON_CHARS]  # escaping only lengthens: cut first, then again
+    escaped = "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii")
+                      for c in text)
+    return escaped[:MAX_REASON_CHARS]
 
 
 JOIN_PLAN_WAIT_S = 5.0
@@ -245,13 +259,14 @@ class WorkerServicer(ws_grpc.WorkerServiceServicer):
 
     @_handle
     def LeaveJob(self, request: ws.LeaveJobRequest, context: grpc.ServicerContext) -> ws.LeaveJobResponse:
-        self.membership.leave(request.job_id, request.member_id, _bounded(request.reason))
+        self.membership.leave(request.job_id, request.member_id, member_text(request.reason))
         return ws.LeaveJobResponse()
 
     @_handle
     def DrainMember(self, request: ws.DrainMemberRequest,
                     context: grpc.ServicerContext) -> ws.DrainMemberResponse:
-        checkpoint = self.membership.drain(request.job_id, request.member_id, _bounded(request.reason))
+        checkpoint = self.membership.drain(request.job_id, request.member_id,
+                                           member_text(request.reason))
         return ws.DrainMemberResponse(checkpoint=checkpoint)
 
     async def WatchPlans(self, request: ws.WatchPlansRequest,
@@ -286,7 +301,7 @@ class WorkerServicer(ws_grpc.WorkerServiceServicer):
         if request.generation_start:
             self.coordinator.record_generation_start(
                 request.job_id, request.member_id, request.generation, progress,
-                request.restored_from, state_lost=request.state_lost,
+                request.restored_from, state_lost=member_text(request.state_lost),
                 spans=(request.startup_s, request.rendezvous_s, request.transfer_s))
             return ws.ReportStepResponse(
                 generation=self.coordinator.current_generation(request.job_id))
@@ -305,7 +320,7 @@ class WorkerServicer(ws_grpc.WorkerServiceServicer):
                 request.job_id, request.member_id, request.generation, request.lost_rank)
             return ws.ReportFailureResponse(generation=generation)
         generation = self.membership.report_failure(
-            request.job_id, request.member_id, request.generation, _bounded(request.reason),
+            request.job_id, request.member_id, request.generation, member_text(request.reason),
             state_kept=request.state_kept, job_fatal=request.job_fatal)
         return ws.ReportFailureResponse(generation=generation)
 
@@ -320,6 +335,8 @@ class WorkerServicer(ws_grpc.WorkerServiceServicer):
     @_handle
     def CommitCheckpoint(self, request: ws.CommitCheckpointRequest,
                          context: grpc.ServicerContext) -> ws.CommitCheckpointResponse:
+        if len(request.checkpoint.uri) > MAX_URI_CHARS:
+            raise InvalidArgument("checkpoint.uri", f"longer than {MAX_URI_CHARS} characters")
         retained = self.commits.commit(
             request.job_id, request.member_id, request.generation, request.checkpoint)
         return ws.CommitCheckpointResponse(retained=retained)
@@ -327,5 +344,6 @@ class WorkerServicer(ws_grpc.WorkerServiceServicer):
     @_handle
     def ReportCheckpointError(self, request: ws.ReportCheckpointErrorRequest,
                               context: grpc.ServicerContext) -> ws.ReportCheckpointErrorResponse:
-        self.commits.report_error(request.job_id, request.member_id, request.generation, _bounded(request.error))
+        self.commits.report_error(request.job_id, request.member_id, request.generation,
+                                  member_text(request.error))
         return ws.ReportCheckpointErrorResponse()
