@@ -102,7 +102,11 @@ class Membership:
         expired. A token reused with another host, port or rank count is
         INVALID_ARGUMENT. A retry arriving after the member already expired
         registers it afresh under the same id. Without a token every call
-        registers a new member.
+        registers a new member. A bad field is INVALID_ARGUMENT naming it
+        (`validate_join`); a join when the job has `members_cap` members is
+        RESOURCE_EXHAUSTED (`TooManyMembers`), unless it is the retry of one
+        that landed; joins racing at the cap may pass it together. Both
+        write nothing.
         """
         validate_join(host, rendezvous_port, num_local_ranks, join_token)
         coordinator = self.coordinator
@@ -125,8 +129,9 @@ class Membership:
             raise TooManyMembers(f"members: job {job_id} has its {cap} members "
                                  "(members_cap: max_workers plus as many spares, at least "
                                  f"{MIN_SPARE_SLOTS}); join when one leaves")
-        # Create first, read only when that fails: a first attempt (nearly
-        # every join) costs a lease grant and one transaction, no read.
+        # Create first, read the member only when that fails: a first attempt
+        # (nearly every join) costs the cap's count (two keys-only reads, no
+        # values), a lease grant and one transaction.
         member.joined_at.CopyFrom(timestamp_now())
         lease = store.grant_lease(max(2, math.ceil(self.liveness_timeout_s)))
         if coordinator.writer.create(key, member.SerializeToString(), lease=lease, fence=fence):
