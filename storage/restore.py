@@ -76,11 +76,12 @@ def load(
     be restored without state, as it was saved. Raises
     :class:`CheckpointNotFound` if it is not committed.
 
-    A flaky store is survived: the metadata read and the whole ``dcp.load``
-    are each retried, collectively (every rank decides alike, see
-    :func:`springback.storage.dcpread.collective_retry`), while every failure is
-    transient (resets, refused connections, 5xx, truncated bodies, on any rank),
-    within the store's `RetryPolicy` (attempts and ``deadline_s``); then
+    A flaky store is survived: each request (resets, refused connections,
+    5xx, truncated bodies) is retried on its own within the store's
+    `RetryPolicy`; only when one spent that budget are the metadata read or
+    the whole ``dcp.load`` retried, collectively (every rank decides alike, see
+    :func:`springback.storage.dcpread.collective_retry`), while every failure
+    is transient, within the same policy (attempts and ``deadline_s``); then
     :class:`TransientStorageError` names the URI. A permanent error (a missing
     or unreadable file) is raised at once, on every rank. After a failed read
     ``state_dict`` may be partly loaded: load into copies to keep the originals,

@@ -4,6 +4,7 @@ fault-injecting HTTP proxy in front of it."""
 from __future__ import annotations
 
 import http.client
+import random
 import socket
 import threading
 import time
@@ -62,16 +63,38 @@ class FaultInjector:
     ``clear()``); with ``until=`` (an Event) it holds it until the event is
     set (at most ``delay_s``): a request kept in flight for as long as a test
     needs, whatever the machine's load.
+
+    ``rate(seed)`` fails a random share of *every* request (after the rules,
+    until ``clear()``): a brown-out. Each request draws once, from a
+    generator seeded with ``seed``: ``throttle`` (503 SlowDown), ``reset``
+    (before forwarding), ``reset_after`` (forwarded, the upstream answered,
+    then the connection is reset instead of answering), ``truncate`` (GETs
+    only).
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._rules: list[list[Any]] = []  # [remaining, mode, method, delay_s, path, until]
+        self._rate: list[tuple[float, str]] = []  # (cumulative probability, mode)
+        self._rng = random.Random(0)
         self.injected: list[tuple[str, str, str]] = []  # (mode, method, path)
         self.forwarded = 0
 
+    def rate(self, seed: int, *, throttle: float = 0.15, reset: float = 0.05, reset_after: float = 0.05,
+             truncate: float = 0.10) -> FaultInjector:
+        """Fail that share of every request from now on (see the class docstring)."""
+        assert throttle + reset + reset_after + truncate <= 1
+        with self._lock:
+            self._rng = random.Random(seed)
+            self._rate, total = [], 0.0
+            for mode, p in (("throttle", throttle), ("reset", reset), ("reset_after", reset_after),
+                            ("truncate", truncate)):
+                total += p
+                self._rate.append((total, mode))
+        return self
+
     def fail(self, count: int, mode: str, *, method: str | None = None, path: str = "") -> FaultInjector:
-        assert mode in ("503", "reset", "throttle", "truncate")
+        assert mode in ("503", "reset", "reset_after", "throttle", "truncate")
         with self._lock:
             self._rules.append([count, mode, method, 0.0, path, None])
         return self
@@ -86,6 +109,7 @@ class FaultInjector:
         """Drop the remaining rules (what was injected stays recorded)."""
         with self._lock:
             self._rules.clear()
+            self._rate = []
         return self
 
     def _take(self, method: str, path: str) -> tuple[str | None, float, threading.Event | None]:
@@ -96,9 +120,17 @@ class FaultInjector:
                 if rule[0] > 0 and (rule[2] is None or rule[2] == method) and rule[4] in path:
                     rule[0] -= 1
                     self.injected.append((rule[1], method, path))
-                    if rule[1] in ("delay", "truncate"):
+                    if rule[1] in ("delay", "truncate", "reset_after"):
                         self.forwarded += 1
                     return rule[1], rule[3], rule[5]
+            if self._rate:
+                u = self._rng.random()
+                mode = next((m for p, m in self._rate if u < p), None)
+                if mode is not None and (mode != "truncate" or method == "GET"):
+                    self.injected.append((mode, method, path))
+                    if mode != "reset":
+                        self.forwarded += 1
+                    return mode, 0.0, None
             self.forwarded += 1
         return None, 0.0, None
 
@@ -153,6 +185,12 @@ def _make_handler(upstream: tuple[str, int], injector: FaultInjector) -> type[Ba
             conn.request(self.command, self.path, body=body, headers=headers)
             resp = conn.getresponse()
             data = resp.read()
+            if mode == "reset_after":  # the request took effect upstream; its answer is lost
+                conn.close()
+                self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+                self.close_connection = True
+                self.connection.close()
+                return
             self.send_response(resp.status)
             for k, v in resp.getheaders():
                 if k.lower() not in _HOP and k.lower() != "content-length":
@@ -161,7 +199,7 @@ def _make_handler(upstream: tuple[str, int], injector: FaultInjector) -> type[Ba
             length = resp.getheader("Content-Length", "0") if self.command == "HEAD" else str(len(data))
             self.send_header("Content-Length", length)
             self.end_headers()
-            if mode == "truncate":
+            if mode == "truncate" and data:
                 self.wfile.write(data[: len(data) // 2])
                 self.wfile.flush()
                 self.close_connection = True

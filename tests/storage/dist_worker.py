@@ -11,6 +11,9 @@ Modes:
   stages   pipeline stages under FSDP2: a mesh (pp 2, shard world/2), stage s
            holds layer s only, sharded over its slice mesh["shard"]; checkpoint
            step 1 and write each stage's full layer to ``out``-s.pt.
+  brownout restore a plain state (zeros of ``shapes``) from ``base`` through
+           ``storage_options`` (a failing S3 endpoint) and write the restored
+           state and the store's retry counters to ``out``-rank.pt.
   die_before_commit  save step 1 normally; then save step 2, where rank 0 (the
            committer), once every shard is durable, creates the file ``out`` and
            blocks just before writing ``.metadata`` (until killed).
@@ -70,7 +73,9 @@ def main() -> None:
         return die_before_commit(a, rank, world)
     dist.init_process_group("gloo", init_method=f"file://{a['rendezvous']}", rank=rank, world_size=world)
     try:
-        if a["mode"] == "stages":
+        if a["mode"] == "brownout":
+            brownout(a, rank)
+        elif a["mode"] == "stages":
             stages(a, rank, world)
         elif a["mode"] == "save":
             model, opt = build(a["parallel"], world, seed=0, mesh_shape=a.get("mesh"))
@@ -100,6 +105,18 @@ def main() -> None:
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def brownout(a: dict, rank: int) -> None:
+    from springback.storage import RetryPolicy, restore
+    from springback.storage.store import ObjectStore
+
+    store = ObjectStore(a["base"], storage_options=a["storage_options"], retry=RetryPolicy(**a["retry"]))
+    sd = {k: torch.zeros(shape) for k, shape in a["shapes"].items()}
+    res = restore(a["base"], sd, store=store)
+    s = store.stats
+    torch.save({"state": sd, "step": res.step, "skipped": [u for u, _ in res.skipped], "retries": s.retries,
+                "collective_retries": s.collective_retries, "gave_up": s.gave_up}, f"{a['out']}-{rank}.pt")
 
 
 def stages(a: dict, rank: int, world: int) -> None:

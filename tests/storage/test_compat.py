@@ -84,6 +84,42 @@ def test_fsspec_reader_loads_what_the_checkpointer_wrote():
     assert torch.equal(loaded["w"], torch.arange(6.0))
 
 
+def test_range_reads_read_every_item_by_read_range_and_open_no_file():
+    base = "memory://compat-range-reads"
+    ckpt = Checkpointer(base, rank=0, world_size=1)
+    sd = {"w": torch.arange(6.0), "b": torch.ones(3), "meta": {"k": 1}}
+    info = ckpt.save(1, sd, generation=1).result(timeout=30)
+    ckpt.close()
+    fs = fsspec.filesystem("memory")
+    asked: list[tuple[str, int, int]] = []
+
+    class Reader(compat.RangeReads, compat.FsspecReader):
+        def __init__(self, uri: str) -> None:
+            super().__init__(uri)
+            self.use_range_reads()
+
+        def read_range(self, relative_path: str, offset: int, length: int) -> bytes:
+            asked.append((relative_path, offset, length))
+            return fs.cat_file(f"{info.uri}/{relative_path}", start=offset, end=offset + length)
+
+        def read_data(self, plan, planner):
+            assert self.item_ranges(plan) == [(self.storage_data[i.storage_index].relative_path,
+                                               self.storage_data[i.storage_index].offset,
+                                               self.storage_data[i.storage_index].length) for i in plan.items]
+            return super().read_data(plan, planner)
+
+    loaded = {"w": torch.zeros(6), "b": torch.zeros(3), "meta": {"k": 0}}
+    reader = Reader(info.uri)
+
+    def no_open(*args: object) -> None:
+        raise AssertionError("a file was opened")
+
+    reader.fs._fs.create_stream = no_open  # torch's own stream: never opened
+    dcp.load(loaded, storage_reader=reader)
+    assert torch.equal(loaded["w"], sd["w"]) and torch.equal(loaded["b"], sd["b"]) and loaded["meta"] == {"k": 1}
+    assert len(asked) == 3 and {p for p, _, _ in asked} == {"__0_0.distcp"}
+
+
 def test_reset_group_count_puts_the_counter_back_to_zero_without_a_group():
     assert not dist.is_initialized()
     dist.distributed_c10d._world.group_count = 3  # what a failed init_process_group leaves
