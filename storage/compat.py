@@ -78,7 +78,9 @@ class RangeReads:
     then cuts one view per item from it (the private ``_slice_file``); both
     are replaced here, the rest of ``read_data`` (transforms, ``torch.load``,
     the planner's calls) is DCP's own. ``item_ranges(plan)`` gives the
-    ``(relative_path, offset, length)`` of a plan's items, in that order."""
+    ``(relative_path, offset, length)`` of a plan's items, in that order.
+    The reader must serve ``read_metadata`` itself: DCP's own reads
+    ``.metadata`` through ``create_stream``, which opens nothing here."""
 
     storage_data: dict[Any, Any]
 
