@@ -26,6 +26,11 @@ DEFAULT_WINDOW_S = 600
 """failures.window_s when the spec leaves it 0."""
 DEFAULT_PLAN_WAIT_S = 300
 """failures.plan_wait_s when the spec leaves it 0."""
+DEFAULT_STORAGE_OUTAGE_S = 1800
+"""failures.storage_outage_s when the spec leaves it 0: how long a job waits
+for a store that refuses its restore before it ends FAILED naming storage."""
+MAX_STORAGE_OUTAGE_S = 7 * 24 * 3600
+"""The most failures.storage_outage_s may say (a week)."""
 DEFAULT_ON_STATE_LOST = types_pb2.STATE_LOST_POLICY_RESTART
 """failures.on_state_lost when the spec leaves it unset: a state is lost only
 when nothing was committed (the steps before the first checkpoint, or a job
@@ -85,7 +90,7 @@ _SCHEMA: dict[str, Any] = {
     "max_steps": (int, True),
     "failures": (
         {"max_per_step": (int, False), "window_s": (int, False), "plan_wait_s": (int, False),
-         "on_state_lost": (("restart", "fail"), False)},
+         "on_state_lost": (("restart", "fail"), False), "storage_outage_s": (int, False)},
         False,
     ),
     "peer_copies": ({"every_steps": (int, False)}, False),
@@ -210,6 +215,10 @@ def validate(spec: types_pb2.JobSpec) -> types_pb2.JobSpec:
     out.failures.window_s = out.failures.window_s or DEFAULT_WINDOW_S
     out.failures.plan_wait_s = out.failures.plan_wait_s or DEFAULT_PLAN_WAIT_S
     out.failures.on_state_lost = out.failures.on_state_lost or DEFAULT_ON_STATE_LOST
+    out.failures.storage_outage_s = out.failures.storage_outage_s or DEFAULT_STORAGE_OUTAGE_S
+    if out.failures.storage_outage_s > MAX_STORAGE_OUTAGE_S:
+        raise InvalidArgument("failures.storage_outage_s", f"{out.failures.storage_outage_s} is "
+                              f"above {MAX_STORAGE_OUTAGE_S} (a week)")
     out.peer_copies.every_steps = peer_copy_every_steps(out)
     if out.data.num_samples == 0:
         raise InvalidArgument("data.num_samples", "must be positive")

@@ -533,7 +533,10 @@ class Coordinator:
         def started(job: pb.Job) -> str | None:
             status = job.status
             rolled_back[0] = False
-            if status.holders_step == progress.step and list(status.state_holders) == holders:
+            waited_for_storage = status.HasField("storage_unavailable_since")
+            status.ClearField("storage_unavailable_since")  # the store answered
+            if (not waited_for_storage and status.holders_step == progress.step
+                    and list(status.state_holders) == holders):
                 return status.message  # a repeated report: what was said stands
             redone = max(status.step - progress.step, 0)
             rolled_back[0] = redone > 0

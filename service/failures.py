@@ -8,7 +8,12 @@ the job getting past the step of the first of them, all within
 ``failures.window_s`` seconds.
 
 Several failure reports of one generation (every rank crashing at once, one
-report per agent) count once. Progress beyond the streak's step, or a gap
+report per agent) count once; agents report a rank's exit for the
+generation the rank was in, not their newest plan's. A live rank's break
+(state kept) of a generation that never started is not counted (the
+caller's `counted`): it is the consequence of another member's failure.
+A store that refuses a restore is no failure at all
+(``failures.storage_outage_s``, `membership.Membership.report_failure`). Progress beyond the streak's step, or a gap
 longer than the window, starts a new streak. The streaks live in the
 leader's memory: a leader change forgets them (the job may then take up to
 ``max_per_step`` more failures before it is failed).
@@ -18,9 +23,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from springback.client.spec import DEFAULT_MAX_PER_STEP, DEFAULT_PLAN_WAIT_S, DEFAULT_WINDOW_S
+from springback.client.spec import (
+    DEFAULT_MAX_PER_STEP,
+    DEFAULT_PLAN_WAIT_S,
+    DEFAULT_STORAGE_OUTAGE_S,
+    DEFAULT_WINDOW_S,
+)
 
-__all__ = ["DEFAULT_MAX_PER_STEP", "DEFAULT_PLAN_WAIT_S", "DEFAULT_WINDOW_S", "FailureStreaks"]
+__all__ = ["DEFAULT_MAX_PER_STEP", "DEFAULT_PLAN_WAIT_S", "DEFAULT_STORAGE_OUTAGE_S",
+           "DEFAULT_WINDOW_S", "FailureStreaks"]
 
 
 @dataclass
@@ -37,10 +48,13 @@ class FailureStreaks:
         self._streaks: dict[str, _Streak] = {}
 
     def record(self, job_id: str, *, step: int, generation: int, now: float,
-               max_per_step: int, window_s: float) -> int:
+               max_per_step: int, window_s: float, counted: bool = True) -> int:
         """Counts a failure reported at progress `step` in `generation`;
-        returns the streak's length (stop the job when >= `max_per_step`)."""
+        returns the streak's length (stop the job when >= `max_per_step`).
+        With `counted` False only the length is returned."""
         streak = self._streaks.get(job_id)
+        if not counted:
+            return len(streak.generations) if streak is not None and step <= streak.step else 0
         if streak is None or step > streak.step or now - streak.started_at > window_s:
             streak = self._streaks[job_id] = _Streak(step=step, started_at=now)
         streak.generations.add(generation)

@@ -81,6 +81,7 @@ class History:
         self._last_step_at: dict[str, float] = {}  # job -> wall time of its newest step report
         self._awaiting: dict[str, js.GenerationEvent] = {}  # job -> its generation's first step
         self._running: dict[str, js.GenerationEvent] = {}  # job -> its stepping generation
+        self._started: dict[str, int] = {}  # job -> newest generation whose start was recorded
         # (job, generation) -> record to write again, with its recovery time
         self._unflushed: dict[tuple[str, int], js.GenerationEvent] = {}
 
@@ -90,6 +91,7 @@ class History:
             self._last_step_at.clear()
             self._awaiting.clear()
             self._running.clear()
+            self._started.clear()
             self._unflushed.clear()
 
     def on_change(self, job: pb.Job, plan: pb.Plan | None,
@@ -132,6 +134,7 @@ class History:
         rank 0's (startup, rendezvous, transfer) seconds."""
         now = time.time()
         with self._lock:
+            self._started[job_id] = max(self._started.get(job_id, 0), generation)
             event = self._awaiting.get(job_id)
             if event is not None and event.generation == generation:
                 if not event.started_at.seconds:
@@ -141,6 +144,14 @@ class History:
                 event.steps_redone = steps_redone
                 event.restore = cast(pb.RestoreKind, restored_from)
                 event.state_lost, event.steps_lost = state_lost, steps_lost
+
+    def started(self, job_id: str, generation: int) -> bool | None:
+        """Whether `generation` of the job started (its ranks agreed on a
+        state) or a later one did, as far as this replica saw; None when it
+        saw no start of the job (it became leader since)."""
+        with self._lock:
+            newest = self._started.get(job_id)
+        return None if newest is None else newest >= generation
 
     def on_progress(self, job_id: str, generation: int, *, stall_total_s: float = 0.0,
                     step_s: float = 0.0,

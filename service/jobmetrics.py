@@ -72,7 +72,9 @@ class JobMetrics(Collector):
                       ("checkpoint_step", "Step of the newest committed checkpoint."),
                       ("checkpoint_age_seconds", "Time since the newest checkpoint was committed."),
                       ("goodput_ratio",
-                       "Share of the time since the first step not spent recovering."))}
+                       "Share of the time since the first step not spent recovering."),
+                      ("storage_unavailable_seconds",
+                       "How long the job has waited for its store (0: not waiting)."))}
         counters = {name: CounterMetricFamily(f"springback_job_{name}", text, labels=labels)
                     for name, text, labels in (
                         ("generations", "Generations made.", ["job"]),
@@ -105,6 +107,9 @@ class JobMetrics(Collector):
                                 ("samples_consumed", s.samples_consumed),
                                 ("running", float(s.state == pb.JOB_STATE_RUNNING))):
                 gauges[name].add_metric(label, value)
+            waited = (max(now - s.storage_unavailable_since.ToNanoseconds() / 1e9, 0.0)
+                      if s.HasField("storage_unavailable_since") else 0.0)
+            gauges["storage_unavailable_seconds"].add_metric(label, waited)
             if s.last_checkpoint.step:
                 gauges["checkpoint_step"].add_metric(label, s.last_checkpoint.step)
                 committed = s.last_checkpoint.committed_at.ToNanoseconds() / 1e9

@@ -11,7 +11,9 @@ join again as a new member.
 
 from __future__ import annotations
 
+import datetime
 import hashlib
+import logging
 import math
 import re
 import time
@@ -24,10 +26,17 @@ from springback.service.coordinator import Coordinator, timestamp_now
 from springback.client.errors import (
     FailedPrecondition, InvalidArgument, NotFound, SpringbackError,
 )
-from springback.service.failures import DEFAULT_MAX_PER_STEP, DEFAULT_WINDOW_S, FailureStreaks
+from springback.service.failures import (
+    DEFAULT_MAX_PER_STEP,
+    DEFAULT_STORAGE_OUTAGE_S,
+    DEFAULT_WINDOW_S,
+    FailureStreaks,
+)
 from springback.service.liveness import EtcdReachability
 from springback.service.store import Store
 from springback.v1 import types_pb2 as pb
+
+log = logging.getLogger(__name__)
 
 
 _MAX_TOKEN = 128
@@ -210,7 +219,8 @@ class Membership:
         return False
 
     def report_failure(self, job_id: str, member_id: str, generation: int, reason: str,
-                       state_kept: bool = False, job_fatal: bool = False) -> int:
+                       state_kept: bool = False, job_fatal: bool = False,
+                       storage_unavailable: bool = False) -> int:
         """A local rank died: that member's ranks no longer hold the state, and
         a new generation is made at once. With `state_kept` a live rank says
         its generation broke (a collective failed: a reset link, a peer's
@@ -222,21 +232,37 @@ class Membership:
         makes no new generation unless the member is in the current plan.
         Fenced in the transaction (`fencing.change_as_member`): a generation
         newer than the current one is FAILED_PRECONDITION, an expired member
-        NOT_FOUND. When failures repeat without
-        progress (`failures.FailureStreaks`), or at once with `job_fatal`
-        (the ranks agreed that no membership can go on, e.g. a placement
-        nothing can restore), the job ends FAILED with the reason instead;
-        returns the job's generation.
+        NOT_FOUND.
+
+        What counts toward the crash-loop rule (`failures.FailureStreaks`):
+        one event per generation (several reports of one generation count
+        once), and a `state_kept` break only in a generation that started (a
+        rendezvous that a crashed peer never joined is that crash's
+        consequence, not a second event). When failures repeat without
+        progress, or at once with `job_fatal` (the ranks agreed that no
+        membership can go on, e.g. a placement nothing can restore), the job
+        ends FAILED with the reason instead.
+
+        With `storage_unavailable` (and `state_kept`) the generation could not
+        start because the store refused its restore past the retry budget:
+        nothing is counted, the job's message says it waits for storage
+        since the first such report (``status.storage_unavailable_since``,
+        cleared by the next start), the generation is made again, and the job
+        ends FAILED naming storage only once the outage passed
+        ``failures.storage_outage_s``. Returns the job's generation.
         """
         coordinator = self.coordinator
         coordinator.require_leader()
         fencing.report_fence(coordinator, job_id, member_id, generation, older=True)
+        if storage_unavailable:
+            return self._storage_unavailable(job_id, member_id, generation, reason)
         job = coordinator.get_job(job_id)
         policy = job.spec.failures
         limit = policy.max_per_step or DEFAULT_MAX_PER_STEP
+        counted = not state_kept or coordinator.history.started(job_id, generation) is not False
         streak = self._streaks.record(
             job_id, step=job.status.step, generation=generation, now=time.monotonic(),
-            max_per_step=limit, window_s=policy.window_s or DEFAULT_WINDOW_S)
+            max_per_step=limit, window_s=policy.window_s or DEFAULT_WINDOW_S, counted=counted)
         what = reason or ("a collective failed" if state_kept else "rank exited")
 
         def count(job: pb.Job) -> None:
@@ -256,4 +282,33 @@ class Membership:
         job = fencing.change_as_member(
             coordinator, job_id, member_id, generation, message, count, older=True,
             stateless=() if state_kept else {member_id}, replan_if_current=True)
+        return job.status.generation
+
+    def _storage_unavailable(self, job_id: str, member_id: str, generation: int,
+                             reason: str) -> int:
+        """`report_failure` with `storage_unavailable`: wait, or fail past the limit."""
+        now = time.time()
+        limit = self.coordinator.get_job(job_id).spec.failures.storage_outage_s \
+            or DEFAULT_STORAGE_OUTAGE_S
+        said = [""]
+
+        def wait_for_storage(job: pb.Job) -> str:
+            status = job.status
+            if not status.HasField("storage_unavailable_since"):
+                status.storage_unavailable_since.FromNanoseconds(int(now * 1e9))
+            since = status.storage_unavailable_since.ToDatetime(tzinfo=datetime.timezone.utc)
+            lasted = now - status.storage_unavailable_since.ToNanoseconds() / 1e9
+            if lasted > limit and not planner.is_terminal(status.state):
+                status.state = pb.JOB_STATE_FAILED
+                said[0] = (f"failed: storage unavailable for {lasted:.0f}s (past "
+                           f"failures.storage_outage_s {limit}); last: {member_id}: {reason}")
+            else:
+                said[0] = (f"waiting: storage unavailable since {since:%Y-%m-%dT%H:%M:%SZ} "
+                           f"({lasted:.0f}s, failing after {limit}s): {reason}")
+            return said[0]
+
+        job = fencing.change_as_member(
+            self.coordinator, job_id, member_id, generation, "storage unavailable",
+            wait_for_storage, older=True, stateless=(), replan_if_current=True)
+        log.warning("job %s: %s", job_id, said[0])
         return job.status.generation

@@ -321,7 +321,8 @@ class WorkerServicer(ws_grpc.WorkerServiceServicer):
             return ws.ReportFailureResponse(generation=generation)
         generation = self.membership.report_failure(
             request.job_id, request.member_id, request.generation, member_text(request.reason),
-            state_kept=request.state_kept, job_fatal=request.job_fatal)
+            state_kept=request.state_kept, job_fatal=request.job_fatal,
+            storage_unavailable=request.storage_unavailable)
         return ws.ReportFailureResponse(generation=generation)
 
     @_handle

@@ -28,6 +28,8 @@ SPEC = {"name": "tiny", "min_workers": 2, "max_workers": 3,
         "data": {"num_samples": NUM_SAMPLES, "global_batch_size": BATCH, "seed": 1},
         "max_steps": MAX_STEPS}
 
+ENDED = (pb.JOB_STATE_SUCCEEDED, pb.JOB_STATE_FAILED, pb.JOB_STATE_CANCELLED)
+
 pytestmark = pytest.mark.timeout(180)
 
 
@@ -58,8 +60,12 @@ def cluster(request, tmp_path, client, coordinator_address):
                      f"world size {world} at step {min_step}")
 
         def wait_succeeded(self, timeout_s: float = 120) -> pb.Job:
-            return wait_for(lambda: (j := self.job()).status.state == pb.JOB_STATE_SUCCEEDED
-                            and j, timeout_s, "the job to succeed")
+            """The job once it ended, asserted SUCCEEDED (a FAILED job fails
+            the test at once, with its message)."""
+            job = wait_for(lambda: (j := self.job()).status.state in ENDED and j, timeout_s,
+                           "the job to end")
+            assert job.status.state == pb.JOB_STATE_SUCCEEDED, job.status.message
+            return job
 
         def audit(self):
             """Exactly once, from the sampler's records *and* from what the
@@ -323,6 +329,10 @@ TWO_CHECKPOINTED = {**SPEC, "min_workers": 2, "max_workers": 2,
                     "checkpoint": {"uri": "set by the fixture", "every_steps": 10}}
 
 
+THREE_CHECKPOINTED = {**SPEC, "min_workers": 3, "max_workers": 3,
+                      "checkpoint": {"uri": "set by the fixture", "every_steps": 10}}
+
+
 class TestEveryRankCrashes:
     @pytest.mark.parametrize("cluster", [TWO_CHECKPOINTED], indirect=True)
     def test_when_every_rank_crashes_at_once_training_resumes_from_the_newest_commit(
@@ -345,6 +355,52 @@ class TestEveryRankCrashes:
         assert job.status.num_restores == 1
         assert 1 <= job.status.steps_redone <= 4  # steps 21..24, as far as they were reported
         assert job.status.num_failures == 2
+        report = cluster.audit()
+        assert report.ok, report
+
+    @pytest.mark.parametrize("cluster", [THREE_CHECKPOINTED], indirect=True)
+    def test_every_rank_of_three_nodes_crashing_at_once_under_load_is_one_failure(
+            self, cluster, tmp_path, loaded):
+        """One correlated crash is one event: the three agents' reports (which,
+        on a loaded machine, arrive after the first one's replan) count once,
+        and the job resumes from the newest commit instead of ending FAILED as
+        a crash loop (issue 43: three reports, three generations, FAILED)."""
+        env = {"TINY_CRASH_AT_STEP": "45", "TINY_CRASH_MARKER": str(tmp_path / "crashed"),
+               "TINY_CRASH_RANKS": "all"}
+        agents = [cluster.start(n, env=env) for n in ("a", "b", "c")]
+        job = cluster.wait_succeeded(timeout_s=150)
+        assert job.status.step == MAX_STEPS
+        assert sum("reporting failure" in a.log() for a in agents) == 3
+        records = steps(cluster.root)
+        crashed_in = min(r["generation"] for r in records if r["step"] == 40)
+        resumed = [r for r in records if r["generation"] > crashed_in]
+        assert min(r["step"] for r in resumed) == 41, "not resumed from the step-40 commit"
+        assert job.status.num_restores == 1
+        report = cluster.audit()
+        assert report.ok, report
+
+    @pytest.mark.parametrize("cluster", [{**THREE_CHECKPOINTED, "failures": {"max_per_step": 2}}],
+                             indirect=True)
+    def test_a_crash_and_two_hangs_at_one_step_are_one_failure_not_a_crash_loop(
+            self, cluster, tmp_path):
+        """A bad batch at step 45 crashes node a's rank and hangs b's and c's
+        (a deadlock in the user's code). The watchdogs kill the hung ranks
+        only after a's report made generation 4 (and b's 5): their agents
+        report them for the generation the ranks were in (3), so the event
+        counts once, and a max_per_step of 2 does not end the job. Before,
+        an agent reported its own newest plan's generation: three
+        generations "broke without progress" and the job ended FAILED."""
+        crash = {"TINY_CRASH_AT_STEP": "45", "TINY_CRASH_MARKER": str(tmp_path / "crashed"),
+                 "TINY_CRASH_RANKS": "all"}
+        agents = [cluster.start("a", env=crash)]
+        agents += [cluster.start(n, env={**crash, "TINY_CRASH_IN": "hang"}) for n in ("b", "c")]
+        job = cluster.wait_succeeded(timeout_s=150)
+        assert job.status.step == MAX_STEPS
+        assert sum("is hung" in a.log() for a in agents) == 2
+        records = steps(cluster.root)
+        crashed_in = min(r["generation"] for r in records if r["step"] == 40)
+        resumed = [r for r in records if r["generation"] > crashed_in]
+        assert min(r["step"] for r in resumed) == 41, "not resumed from the step-40 commit"
         report = cluster.audit()
         assert report.ok, report
 

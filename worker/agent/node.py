@@ -60,6 +60,7 @@ from springback.v1 import types_pb2 as pb
 from springback.v1 import worker_service_pb2 as wpb
 from springback.v1 import worker_service_pb2_grpc as wgrpc
 from springback.client import env as E
+from springback.worker import rankstats
 from springback.worker.agent.member import MemberLink
 from springback.worker.agent.metrics import node_registry
 from springback.worker.control import PlanPublisher
@@ -285,9 +286,20 @@ class Agent:
             self._restart.kill_all()
         self._local.kill_all()
 
-    def _report_failure(self, local_rank: int, code: int, reason: str | None = None) -> None:
+    def _report_failure(self, local_rank: int, code: int, reason: str | None = None,
+                        pid: int = 0) -> None:
+        """Reports a local rank's exit for the generation it was in: the newest
+        one the rank process `pid` read (its statistics, `rankstats`), else the
+        agent's newest plan (a rank that never read one). Not the agent's plan
+        alone: every rank of a job crashing at once is one event, and on a
+        loaded machine the second agent's report comes after the first one's
+        replan; reported for that new generation, it counted as a second
+        failure without progress (`service/failures.py`)."""
         assert self.member is not None
         generation = self._plan.generation if self._plan else 0
+        stats = rankstats.read_all(self._publisher.directory).get(local_rank) if pid else None
+        if stats is not None and stats.get("pid") == pid and stats.get("seen_generation"):
+            generation = min(generation, int(stats["seen_generation"]))
         reason = reason or f"local rank {local_rank} of {self.member.id} exited with status {code}"
         log.warning("%s; reporting failure", reason)
         try:
@@ -383,7 +395,7 @@ class Agent:
                 continue
             if self._fenced.is_set():
                 return None
-            self._report_failure(lr, code, self._hung.pop(lr, None))
+            self._report_failure(lr, code, self._hung.pop(lr, None), pid=p.pid)
             self._num_restarts += 1
             if self._num_restarts > self.config.max_restarts:
                 log.error("more than %d rank failures: giving up", self.config.max_restarts)

@@ -125,16 +125,20 @@ class StepReporter:
                 self._flushing -= 1
         return True
 
-    def report_broken(self, generation: int, reason: str) -> bool:
+    def report_broken(self, generation: int, reason: str, *,
+                      storage_unavailable: bool = False) -> bool:
         """Tells the coordinator that `generation` broke on this live rank
         (state kept; see ReportFailureRequest.state_kept), so it is made again
-        when no membership change follows. One call with a deadline; False
-        when it failed (the caller re-sends while it waits for a plan). Sent
-        by the calling thread, not queued: the step loop is stopped anyway."""
+        when no membership change follows; with `storage_unavailable`, that it
+        could not start because the store refused its restore past the retry
+        budget (the job then waits for storage). One call with a deadline;
+        False when it failed (the caller re-sends while it waits for a plan).
+        Sent by the calling thread, not queued: the step loop is stopped anyway."""
         try:
             resp = self._stub.ReportFailure(wpb.ReportFailureRequest(
                 job_id=self._job_id, member_id=self._member_id, generation=generation,
-                reason=reason, state_kept=True), timeout=REPORT_TIMEOUT_S)
+                reason=reason, state_kept=True, storage_unavailable=storage_unavailable),
+                timeout=REPORT_TIMEOUT_S)
         except grpc.RpcError as e:
             log.warning("ReportFailure(generation=%d, state kept) failed: %s %s", generation,
                         e.code().name, e.details())

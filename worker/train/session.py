@@ -69,6 +69,7 @@ from springback.v1 import types_pb2 as pb
 from springback.worker.rank import rngstate
 from springback.worker.control import PlanChannel, await_activation
 from springback.client.env import LOCAL_RANK, STANDBY_FILE, RankEnv
+from springback.storage.errors import TransientStorageError
 from springback.worker.rankstats import RankStats
 from springback.worker.rank.rendezvous import (
     RendezvousAborted,
@@ -298,6 +299,19 @@ class Session:
                         rank, e)
             leave_group(broken=True, cause=e)
             self.ctx.clean = False
+            return None
+        except TransientStorageError as e:
+            # Every rank meets it together (the restore's retries are
+            # collective): the store stayed unavailable past its retry budget.
+            # Weather, not a crash: the rank lives on and rank 0 asks the
+            # coordinator to wait for storage and make the generation again.
+            log.error("generation %d could not start on rank %d: storage unavailable: %s",
+                      plan.generation, rank, e)
+            leave_group(broken=True, cause=e)
+            self.ctx.clean = False  # a restore cut short may have written part of the state
+            if rank == 0 and self.ctx.reporter is not None:
+                self.ctx.reporter.report_broken(plan.generation, f"storage unavailable: {e}",
+                                                storage_unavailable=True)
             return None
         gen = Generation(self.ctx, plan, rank)
         gen._store, gen._mesh = store, outcome.mesh

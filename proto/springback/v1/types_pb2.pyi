@@ -129,16 +129,18 @@ class PeerCopySpec(_message.Message):
     def __init__(self, every_steps: _Optional[int] = ...) -> None: ...
 
 class FailurePolicy(_message.Message):
-    __slots__ = ("max_per_step", "window_s", "plan_wait_s", "on_state_lost")
+    __slots__ = ("max_per_step", "window_s", "plan_wait_s", "on_state_lost", "storage_outage_s")
     MAX_PER_STEP_FIELD_NUMBER: _ClassVar[int]
     WINDOW_S_FIELD_NUMBER: _ClassVar[int]
     PLAN_WAIT_S_FIELD_NUMBER: _ClassVar[int]
     ON_STATE_LOST_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_OUTAGE_S_FIELD_NUMBER: _ClassVar[int]
     max_per_step: int
     window_s: int
     plan_wait_s: int
     on_state_lost: StateLostPolicy
-    def __init__(self, max_per_step: _Optional[int] = ..., window_s: _Optional[int] = ..., plan_wait_s: _Optional[int] = ..., on_state_lost: _Optional[_Union[StateLostPolicy, str]] = ...) -> None: ...
+    storage_outage_s: int
+    def __init__(self, max_per_step: _Optional[int] = ..., window_s: _Optional[int] = ..., plan_wait_s: _Optional[int] = ..., on_state_lost: _Optional[_Union[StateLostPolicy, str]] = ..., storage_outage_s: _Optional[int] = ...) -> None: ...
 
 class JobSpec(_message.Message):
     __slots__ = ("name", "min_workers", "max_workers", "layout", "data", "checkpoint", "max_steps", "failures", "peer_copies", "price_per_node_hour")
@@ -191,7 +193,7 @@ class CheckpointRef(_message.Message):
     def __init__(self, step: _Optional[int] = ..., uri: _Optional[str] = ..., generation: _Optional[int] = ..., world_size: _Optional[int] = ..., size_bytes: _Optional[int] = ..., cursor: _Optional[_Union[DataCursor, _Mapping]] = ..., committed_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
 class JobStatus(_message.Message):
-    __slots__ = ("state", "generation", "world_size", "members", "spares", "step", "samples_consumed", "loss", "last_checkpoint", "message", "checkpoint_error", "restore_step", "updated_at", "cursor", "num_restores", "steps_redone", "num_failures", "state_holders", "holders_step", "num_state_losses", "steps_lost")
+    __slots__ = ("state", "generation", "world_size", "members", "spares", "step", "samples_consumed", "loss", "last_checkpoint", "message", "checkpoint_error", "restore_step", "updated_at", "cursor", "num_restores", "steps_redone", "num_failures", "state_holders", "holders_step", "num_state_losses", "steps_lost", "storage_unavailable_since")
     STATE_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -213,6 +215,7 @@ class JobStatus(_message.Message):
     HOLDERS_STEP_FIELD_NUMBER: _ClassVar[int]
     NUM_STATE_LOSSES_FIELD_NUMBER: _ClassVar[int]
     STEPS_LOST_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_UNAVAILABLE_SINCE_FIELD_NUMBER: _ClassVar[int]
     state: JobState
     generation: int
     world_size: int
@@ -234,7 +237,8 @@ class JobStatus(_message.Message):
     holders_step: int
     num_state_losses: int
     steps_lost: int
-    def __init__(self, state: _Optional[_Union[JobState, str]] = ..., generation: _Optional[int] = ..., world_size: _Optional[int] = ..., members: _Optional[_Iterable[str]] = ..., spares: _Optional[_Iterable[str]] = ..., step: _Optional[int] = ..., samples_consumed: _Optional[int] = ..., loss: _Optional[float] = ..., last_checkpoint: _Optional[_Union[CheckpointRef, _Mapping]] = ..., message: _Optional[str] = ..., checkpoint_error: _Optional[str] = ..., restore_step: _Optional[int] = ..., updated_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., cursor: _Optional[_Union[DataCursor, _Mapping]] = ..., num_restores: _Optional[int] = ..., steps_redone: _Optional[int] = ..., num_failures: _Optional[int] = ..., state_holders: _Optional[_Iterable[str]] = ..., holders_step: _Optional[int] = ..., num_state_losses: _Optional[int] = ..., steps_lost: _Optional[int] = ...) -> None: ...
+    storage_unavailable_since: _timestamp_pb2.Timestamp
+    def __init__(self, state: _Optional[_Union[JobState, str]] = ..., generation: _Optional[int] = ..., world_size: _Optional[int] = ..., members: _Optional[_Iterable[str]] = ..., spares: _Optional[_Iterable[str]] = ..., step: _Optional[int] = ..., samples_consumed: _Optional[int] = ..., loss: _Optional[float] = ..., last_checkpoint: _Optional[_Union[CheckpointRef, _Mapping]] = ..., message: _Optional[str] = ..., checkpoint_error: _Optional[str] = ..., restore_step: _Optional[int] = ..., updated_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., cursor: _Optional[_Union[DataCursor, _Mapping]] = ..., num_restores: _Optional[int] = ..., steps_redone: _Optional[int] = ..., num_failures: _Optional[int] = ..., state_holders: _Optional[_Iterable[str]] = ..., holders_step: _Optional[int] = ..., num_state_losses: _Optional[int] = ..., steps_lost: _Optional[int] = ..., storage_unavailable_since: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
 class Job(_message.Message):
     __slots__ = ("id", "spec", "status", "created_at", "started_at", "finished_at")
