@@ -83,13 +83,14 @@ class RangeReads:
     ``.metadata`` through ``create_stream``, which opens nothing here."""
 
     storage_data: dict[Any, Any]
+    fs: Any  # the reader's: torch's filesystem, wrapped by use_range_reads
 
     def read_range(self, relative_path: str, offset: int, length: int) -> bytes:
         raise NotImplementedError
 
     def use_range_reads(self) -> None:
         """Call once the reader's ``fs`` is set (end of ``__init__``)."""
-        self.fs = _NoOpen(self.fs)  # type: ignore[has-type]
+        self.fs = _NoOpen(self.fs)
 
     def item_ranges(self, plan: Any) -> list[tuple[str, int, int]]:
         by_file: dict[str, list[tuple[str, int, int]]] = {}
