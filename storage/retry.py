@@ -36,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -139,6 +140,12 @@ def is_transient(exc: BaseException, *, _depth: int = 0) -> bool:
     return False
 
 
+ENV_MAX_ATTEMPTS = "SPRINGBACK_STORAGE_MAX_ATTEMPTS"
+"""Environment: `RetryPolicy.max_attempts` of every store a process makes by default."""
+ENV_DEADLINE_S = "SPRINGBACK_STORAGE_DEADLINE_S"
+"""Environment: `RetryPolicy.deadline_s` of every store a process makes by default."""
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RetryPolicy:
     """How hard to retry a transient storage error."""
@@ -153,6 +160,27 @@ class RetryPolicy:
     """Upper bound of one sleep."""
     deadline_s: float = 120.0
     """No new try starts after this many seconds since the first one."""
+
+    @classmethod
+    def from_env(cls) -> RetryPolicy:
+        """The default policy, with what the environment sets
+        (`ENV_MAX_ATTEMPTS`, `ENV_DEADLINE_S`: e.g. an operator who wants a
+        restore to give up on an unavailable store sooner, so the job shows it
+        waiting for storage sooner). A value that is not a number, or out of
+        range, raises ValueError naming the variable."""
+        kwargs: dict[str, float | int] = {}
+        for env, field, kind in ((ENV_MAX_ATTEMPTS, "max_attempts", int),
+                                 (ENV_DEADLINE_S, "deadline_s", float)):
+            text = os.environ.get(env, "").strip()
+            if not text:
+                continue
+            try:
+                kwargs[field] = kind(text)
+            except ValueError:
+                raise ValueError(f"{env}={text!r} is not a {kind.__name__}") from None
+            if not kwargs[field] > 0:
+                raise ValueError(f"{env}={text!r} must be positive")
+        return cls(**kwargs)  # type: ignore[arg-type]
 
     def __post_init__(self) -> None:
         if self.max_attempts < 1:

@@ -97,7 +97,7 @@ class ObjectStore:
     ) -> None:
         self.storage_options = resolve_storage_options(uri, storage_options)
         self.fs, _ = fsspec.url_to_fs(uri, **self.storage_options)
-        self.retry = retry or RetryPolicy()
+        self.retry = retry or RetryPolicy.from_env()
         self.stats = stats or RetryStats()
         self.is_local = isinstance(self.fs, LocalFileSystem)
         self.is_s3 = type(self.fs).__name__ == "S3FileSystem"

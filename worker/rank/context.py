@@ -82,27 +82,33 @@ class RankContext:
             if self.stats is not None:
                 self.stats.busy("")
 
-    def newer_plan_within(self, generation: int, timeout_s: float, broken: str = "") -> bool:
+    def newer_plan_within(self, generation: int, timeout_s: float, broken: str = "", *,
+                          storage_unavailable: bool = False,
+                          first_ask_s: float | None = None) -> bool:
         """Waits until any plan (of whatever action) newer than `generation`
         was published; False when `timeout_s` passed first.
 
         With `broken` (why this rank's generation broke) and a coordinator,
         a plan that has not come within one collective timeout (the agent
         sets it to the liveness timeout: long enough for a dead peer to
-        expire) is asked for: the rank reports the broken generation with its
-        state kept, and again every collective timeout while it waits, so a
-        break without a membership change (a reset link, a peer's transient
-        error) is replanned instead of waiting out the whole plan wait."""
+        expire), or within `first_ask_s` when given, is asked for: the rank
+        reports the broken generation with its state kept (and
+        `storage_unavailable` when the store refused its start), and again
+        every collective timeout while it waits, so a break without a
+        membership change (a reset link, a peer's transient error, a store
+        that came back) is replanned instead of waiting out the whole plan
+        wait."""
         start = time.monotonic()
         deadline = start + timeout_s
         ask_every = max(self.env.collective_timeout_s, 1.0)
-        next_ask = start + ask_every
+        next_ask = start + (ask_every if first_ask_s is None else first_ask_s)
         while (latest := self.latest()) is None or latest.generation <= generation:
             now = time.monotonic()
             if now >= deadline:
                 return False
             if broken and self.reporter is not None and now >= next_ask:
-                self.reporter.report_broken(generation, broken)
+                self.reporter.report_broken(generation, broken,
+                                            storage_unavailable=storage_unavailable)
                 next_ask = time.monotonic() + ask_every
             time.sleep(0.02)
         return True

@@ -85,6 +85,9 @@ from springback.worker.state.sharded import BuildFn, ShardedModel
 
 log = logging.getLogger(__name__)
 
+STORAGE_RETRY_MAX_S = 30.0
+"""The longest wait between two starts that the store refused (`_wait_for_storage`)."""
+
 FINAL_RESEND_S = 1.0
 """How often rank 0 re-sends the final step report while it waits for STOP."""
 
@@ -147,6 +150,8 @@ class Session:
         self._generation = 0
         self._was_member = False
         self._started_once = False  # this process's start-up was reported
+        self._storage_refusals = 0  # generations in a row the store refused to start
+        self._storage_refused: tuple[int, str] | None = None  # (rank, error) of the last start
         self._standalone_store: dist.TCPStore | None = None
         self.ctx = RankContext(env=self.env, state=self.state, device=self.device,
                                wait_s=plan_wait_s or DEFAULT_PLAN_WAIT_S)
@@ -253,7 +258,14 @@ class Session:
                 self.ctx.final = None
                 self.ctx.wait_s = (self._plan_wait_override_s or plan.spec.failures.plan_wait_s
                                 or DEFAULT_PLAN_WAIT_S)
+                self._storage_refused = None
                 gen = self._start(plan)
+                if gen is None and self._storage_refused is not None:
+                    if not self._wait_for_storage(plan):
+                        raise RuntimeError(
+                            f"generation {plan.generation} could not start (storage "
+                            f"unavailable) and no newer plan came within {self.ctx.wait_s:.0f}s")
+                    continue
                 if gen is None:
                     if not self.ctx.newer_plan_within(plan.generation, self.ctx.wait_s,
                                                       broken="the generation could not start"):
@@ -309,10 +321,10 @@ class Session:
                       plan.generation, rank, e)
             leave_group(broken=True, cause=e)
             self.ctx.clean = False  # a restore cut short may have written part of the state
-            if rank == 0 and self.ctx.reporter is not None:
-                self.ctx.reporter.report_broken(plan.generation, f"storage unavailable: {e}",
-                                                storage_unavailable=True)
+            self._storage_refusals += 1
+            self._storage_refused = (rank, str(e))
             return None
+        self._storage_refusals = 0
         gen = Generation(self.ctx, plan, rank)
         gen._store, gen._mesh = store, outcome.mesh
         gen._copies = self._agreement.copies_for(plan, rank)
@@ -326,6 +338,21 @@ class Session:
             self.ctx.stats.generation_started(generation=plan.generation,
                                            world_size=plan.world_size, rank=rank, step=self.step)
         return gen
+
+    def _wait_for_storage(self, plan: pb.Plan) -> bool:
+        """After a start the store refused (every rank alike): rank 0 tells the
+        coordinator, which shows the job waiting for storage and makes the
+        generation again; the first time at once, then after a backoff that
+        doubles up to `STORAGE_RETRY_MAX_S` (a store that stays down is not
+        hammered with restores). Every rank waits for the next plan; False
+        when none came within the plan wait (the rank then exits)."""
+        rank, error = self._storage_refused or (0, "")
+        n = self._storage_refusals
+        backoff = 0.0 if n <= 1 else min(2.0 ** (n - 1), STORAGE_RETRY_MAX_S)
+        return self.ctx.newer_plan_within(
+            plan.generation, max(self.ctx.wait_s, backoff + 1.0),
+            broken=f"storage unavailable: {error}" if rank == 0 else "",
+            storage_unavailable=True, first_ask_s=backoff)
 
     def _clear_gradients(self) -> None:
         """Drops the gradients every registered module and optimizer holds.
