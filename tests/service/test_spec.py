@@ -38,6 +38,10 @@ GOOD = {"name": "lm", "data": {"num_samples": 10, "global_batch_size": 2}, "max_
         ({"failures": {"on_state_lost": "ignore"}}, "failures.on_state_lost"),
         ({"failures": {"on_state_lost": ["fail"]}}, "failures.on_state_lost"),
         ({"data": {"num_samples": 10, "global_batch_size": 2**40}}, "data.global_batch_size"),
+        ({"failures": {"storage_outage_s": -1}}, "failures.storage_outage_s"),
+        ({"failures": {"storage_outage_s": "1h"}}, "failures.storage_outage_s"),
+        ({"failures": {"storage_outage_s": 8 * 24 * 3600}}, "failures.storage_outage_s"),
+        ({"failures": {"storage_outage_s": 2**40}}, "failures.storage_outage_s"),
     ],
 )
 def test_bad_keys_are_named(patch, field):
@@ -56,6 +60,11 @@ def test_peer_copies_default_to_every_10_steps_and_0_disables_them():
     off = spec_from_dict({**GOOD, "peer_copies": {"every_steps": 0}})
     assert off.peer_copies.HasField("every_steps") and off.peer_copies.every_steps == 0
     assert spec_from_dict({**GOOD, "peer_copies": {"every_steps": 3}}).peer_copies.every_steps == 3
+
+
+def test_a_job_waits_half_an_hour_for_its_store_unless_the_spec_says_otherwise():
+    assert spec_from_dict(GOOD).failures.storage_outage_s == 1800
+    assert spec_from_dict({**GOOD, "failures": {"storage_outage_s": 60}}).failures.storage_outage_s == 60
 
 
 def test_a_state_loss_restarts_unless_the_spec_says_fail():
