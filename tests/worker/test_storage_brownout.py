@@ -1,0 +1,142 @@
+"""A storage brown-out during a restore, end to end (issue 43's acceptance):
+every node of a job is lost, three new nodes restore its newest commit from
+S3 while the S3 endpoint throttles and drops a share of every request, and
+the job ends SUCCEEDED, resumed right after that commit, every sample applied
+exactly once.
+
+The brown-out is tests/s3faults.py's rate mode on a fault proxy in front of a
+moto server: 15 % of requests answered 503 SlowDown, 5 % reset before they
+reach the server, 5 % reset after it answered, 10 % of GET bodies cut short.
+It is on from before the new nodes start until the job ends (their restore,
+their training, their checkpoints). The ranks keep the default storage retry
+policy: each failed request is retried on its own, which the retry layer's
+warnings in the agents' logs show ("transient error on read ... retrying":
+one line per retried request, each counted in the store's
+``RetryStats.retries``). Retrying the whole load instead fails it here, as
+nearly every load meets a fault. Real etcd, coordinator, agents, gloo ranks.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from applied import check_applied
+from cluster import AgentProcess, steps
+from s3faults import FaultyS3
+from sbtest import wait_for
+from springback.v1 import types_pb2 as pb
+from springback.worker.train.audit import check_exactly_once
+
+NUM_SAMPLES, BATCH, MAX_STEPS, EVERY = 288, 12, 60, 10
+NUM_NODES = 3
+SEED = 43
+"""The brown-out's draw (which request fails how); threads' timing varies the rest."""
+ENDED = (pb.JOB_STATE_SUCCEEDED, pb.JOB_STATE_FAILED, pb.JOB_STATE_CANCELLED)
+REQUEST_RETRY = re.compile(r"transient error on (\w+) (\S+) \(attempt \d+\), retrying")
+"""storage/retry.py's warning before it tries one request again."""
+WHOLE_LOAD_RETRY = re.compile(r"transient error \w+ \S+ \(attempt \d+\), trying it again")
+"""storage/dcpread.py's warning before every rank loads the whole checkpoint again."""
+
+
+@pytest.fixture
+def s3():
+    """A moto S3 server, a bucket made directly, and the fault proxy in front of
+    it that the agents use: (bucket URI, proxy, the agents' S3 environment)."""
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
+    server.start()
+    host, port = server.get_host_and_port()
+    bucket = f"brownout-{uuid.uuid4().hex[:8]}"
+    boto3.client("s3", endpoint_url=f"http://{host}:{port}", region_name="us-east-1",
+                 aws_access_key_id="testing",
+                 aws_secret_access_key="testing").create_bucket(Bucket=bucket)
+    with FaultyS3(f"http://{host}:{port}") as proxy:
+        env = {"SPRINGBACK_S3_ENDPOINT_URL": proxy.url, "AWS_ACCESS_KEY_ID": "testing",
+               "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+        yield f"s3://{bucket}/ckpt", proxy, env
+    server.stop()
+
+
+def _spec(uri: str) -> dict:
+    return {"name": "brownout", "min_workers": NUM_NODES, "max_workers": NUM_NODES,
+            "max_steps": MAX_STEPS,
+            "data": {"num_samples": NUM_SAMPLES, "global_batch_size": BATCH, "seed": 1},
+            "checkpoint": {"uri": uri, "every_steps": EVERY}}
+
+
+def _retries(agents: list[AgentProcess]) -> tuple[list[tuple[str, str]], int]:
+    """(what, uri) of every request the agents' ranks tried again, and how
+    many whole loads they tried again."""
+    logs = "".join(a.log() for a in agents)
+    return REQUEST_RETRY.findall(logs), len(WHOLE_LOAD_RETRY.findall(logs))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("weather", ["idle", "loaded"])
+def test_a_restore_through_an_s3_brownout_resumes_after_the_newest_commit_exactly_once(
+        tmp_path: Path, client, coordinator_address, s3, weather, request):
+    if weather == "loaded":
+        request.getfixturevalue("loaded")
+    uri, proxy, env = s3
+    started = time.monotonic()
+    job_id = client.create_job(_spec(uri)).id
+    agents = [AgentProcess(tmp_path, f"a{i}", job_id, coordinator_address, env=env)
+              for i in range(NUM_NODES)]
+    try:
+        # Three nodes train on a clean store until a commit, then all are lost at once.
+        wait_for(lambda: client.get_job(job_id).status.last_checkpoint.step >= 3 * EVERY, 150,
+                 f"a commit at step {3 * EVERY}")
+        for agent in agents:
+            agent.signal_node(signal.SIGKILL)
+        for agent in agents:
+            agent.wait(30)
+        lost = client.get_job(job_id).status
+        committed, generation = lost.last_checkpoint.step, lost.generation
+        restoring = lost.last_checkpoint.uri.removeprefix("s3:/")  # its objects' request paths
+
+        proxy.injector.rate(SEED)  # the brown-out, from before the new nodes start
+        second = [AgentProcess(tmp_path, f"b{i}", job_id, coordinator_address, env=env)
+                  for i in range(NUM_NODES)]
+        agents += second
+        resumed = wait_for(lambda: [r for r in steps(tmp_path) if r["generation"] > generation],
+                           150, "a step after the restore")
+        during_restore = [f for f in list(proxy.injector.injected) if f[2].startswith(restoring)]
+
+        job = wait_for(lambda: (j := client.get_job(job_id)).status.state in ENDED and j, 150,
+                       "the job to end")
+        faults = list(proxy.injector.injected)
+        proxy.injector.clear()
+        assert job.status.state == pb.JOB_STATE_SUCCEEDED, job.status.message
+        for agent in second:
+            agent.wait(60)
+    finally:
+        for agent in agents:
+            agent.stop()
+
+    resumed = [r for r in steps(tmp_path) if r["generation"] > generation]
+    assert min(r["step"] for r in resumed) == committed + 1, "not resumed after the newest commit"
+    report = check_exactly_once(str(tmp_path / "audit"), num_samples=NUM_SAMPLES,
+                                global_batch_size=BATCH, last_step=MAX_STEPS)
+    assert report.ok, report
+    applied = check_applied(tmp_path / "audit", num_samples=NUM_SAMPLES, global_batch_size=BATCH,
+                            seed=1, last_step=MAX_STEPS)
+    assert applied.ok, applied
+    # The brown-out reached the restore (requests for the restored commit failed) ...
+    assert during_restore, f"no fault injected into the restore of {restoring}"
+    # ... and failed requests were tried again, each on its own.
+    retried, whole_loads = _retries(second)
+    restore_retries = [r for r in retried if r[0] == "read" and restoring in r[1]]
+    assert restore_retries, "no request of the restore was retried"
+    assert len(retried) > whole_loads, (len(retried), whole_loads)
+    print(f"{weather}: committed {committed}, {len(faults)} faults injected "
+          f"({len(during_restore)} into the restore before its first step), "
+          f"{len(retried)} requests retried ({len(restore_retries)} restore reads), "
+          f"{whole_loads} whole-load retries, {job.status.generation} generations, "
+          f"{time.monotonic() - started:.0f}s")
