@@ -32,6 +32,7 @@ from springback.service.election import Election
 from springback.service.history import History
 from springback.client.errors import (
     Conflict, FailedPrecondition, NotFound, NotLeader, SpringbackError, StaleGeneration,
+    StoreUnavailable,
 )
 from springback.service.store import Store
 from springback.v1 import job_service_pb2 as js
@@ -160,6 +161,8 @@ class Coordinator:
         self._departures: dict[tuple[str, str], str] = {}
         # job id -> members' (count, newest revision) when last found in line with the plan
         self._fingerprints: dict[str, tuple[int, int]] = {}
+        # job id -> the reconcile error last logged for it (logged once, counted always)
+        self._reconcile_errors: dict[str, str] = {}
         # job id -> what `checkpoint.every_steps: auto` is chosen from (leader
         # memory: a new leader starts again from the spec's prior)
         self._measures: dict[str, _Measures] = {}
@@ -193,6 +196,7 @@ class Coordinator:
             self._lease_of.clear()
             self._member_checked.clear()
             self._fingerprints.clear()
+            self._reconcile_errors.clear()
             self._unsettled.clear()
             self._measures.clear()
             self.history.forget()
@@ -650,42 +654,59 @@ class Coordinator:
         This is how joins, expired members (lease gone), and changes a previous
         leader did not finish, turn into new generations. Reads only, unless
         something changed.
+
+        One job's error never stops the others' replans: anything but an
+        unreachable store or a lost leadership (which stop the pass) is logged
+        with the job's id, counted in ``num_loop_errors``, and the pass goes
+        on; the job is tried again next pass.
         """
         for job in self.list_jobs():
-            if planner.is_terminal(job.status.state):
-                continue
-            fingerprint = self.store.fingerprint(keys.members(job.id))
-            if self._fingerprints.get(job.id) == fingerprint:
-                continue  # no member joined, left, expired or drained
-            # More may come: one generation for the whole burst. Unless the job
-            # is full: more joins could only be spares, so waiting gains nothing.
-            # The members are read only then: fewer keys than max_workers
-            # (fingerprint[0]) cannot be full, and a storm re-read them per pass.
-            settled = self._settled(job.id, fingerprint)
-            if not settled and fingerprint[0] < job.spec.max_workers:
-                continue
-            alive = {m.id for m in self.members(job.id) if not m.draining}
-            full = len(alive) >= job.spec.max_workers
-            if not settled and not full:
-                continue
-            self._unsettled.pop(job.id, None)
-            plan = self.current_plan(job.id)
-            planned = {m.member_id for m in plan.members} | set(plan.spares) if plan else set()
-            if plan is not None and planned == alive:
-                self._fingerprints[job.id] = fingerprint
-                continue
-            lost = sorted(planned - alive)
-            joined = sorted(alive - planned)
-            reason = "; ".join(
-                part for part in (
-                    f"lost {_named(lost)} (liveness timeout)" if lost else "",
-                    f"admitted {_named(joined)}" if joined else "",
-                ) if part
-            ) or "initial plan"
             try:
-                self.change(job.id, reason)
+                self._reconcile_job(job)
+            except (StoreUnavailable, NotLeader):
+                raise
             except (Conflict, NotFound) as e:
                 log.info("reconcile %s: %s", job.id, e)
+            except Exception as e:  # one job's bug: log it, count it, replan the others
+                self.num_loop_errors += 1
+                said = f"{type(e).__name__}: {e}"
+                if self._reconcile_errors.get(job.id) != said:  # once, not every pass
+                    self._reconcile_errors[job.id] = said
+                    log.exception("reconcile %s failed", job.id)
+
+    def _reconcile_job(self, job: pb.Job) -> None:
+        """`reconcile` for one job."""
+        if planner.is_terminal(job.status.state):
+            return
+        fingerprint = self.store.fingerprint(keys.members(job.id))
+        if self._fingerprints.get(job.id) == fingerprint:
+            return  # no member joined, left, expired or drained
+        # More may come: one generation for the whole burst. Unless the job
+        # is full: more joins could only be spares, so waiting gains nothing.
+        # The members are read only then: fewer keys than max_workers
+        # (fingerprint[0]) cannot be full, and a storm re-read them per pass.
+        settled = self._settled(job.id, fingerprint)
+        if not settled and fingerprint[0] < job.spec.max_workers:
+            return
+        alive = {m.id for m in self.members(job.id) if not m.draining}
+        full = len(alive) >= job.spec.max_workers
+        if not settled and not full:
+            return
+        self._unsettled.pop(job.id, None)
+        plan = self.current_plan(job.id)
+        planned = {m.member_id for m in plan.members} | set(plan.spares) if plan else set()
+        if plan is not None and planned == alive:
+            self._fingerprints[job.id] = fingerprint
+            return
+        lost = sorted(planned - alive)
+        joined = sorted(alive - planned)
+        reason = "; ".join(
+            part for part in (
+                f"lost {_named(lost)} (liveness timeout)" if lost else "",
+                f"admitted {_named(joined)}" if joined else "",
+            ) if part
+        ) or "initial plan"
+        self.change(job.id, reason)
 
     def flush_progress(self) -> None:
         """Writes reported progress of jobs that changed since their last write."""

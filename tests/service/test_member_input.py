@@ -199,3 +199,21 @@ class TestAPlannerError:
                  "the other job replanned again")
         assert coordinator.store.get(keys.job(broken.id)).mod_revision == revision
         assert coordinator.coordinator.num_loop_errors == 0
+
+
+class TestAnUnreadableMemberRecord:
+    @pytest.mark.timeout(60)
+    def test_stops_only_its_own_job_in_the_reconcile_loop(
+            self, coordinator, client, workers, make_spec):
+        """A member record that is not a `Member` at all (bytes no replica
+        wrote) makes its job's reconcile raise before the planner runs: the
+        error is logged and counted, and a job after it in the loop's order
+        is planned all the same (before, one job's error ended every pass)."""
+        # full with it (max_workers 1): reconciled on every pass, with no settling wait
+        broken = client.create_job(make_spec(name="aaa", max_workers=1))
+        other = client.create_job(make_spec(name="zzz", max_workers=1))
+        coordinator.store.put(keys.member(broken.id, "m-garbage"), b"\xff\xfe not a member")
+        wait_for(lambda: coordinator.coordinator.num_loop_errors >= 1, 20,
+                 "the broken job's reconcile to fail")
+        lone = workers.JoinJob(join_request(other.id), timeout=10).member
+        wait_for(lambda: planned(coordinator, other.id, lone.id), 10, "the other job planned")
