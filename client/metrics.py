@@ -7,7 +7,7 @@ yield whole metric families, histograms included (`add_collector`); nothing is
 updated on hot paths. `serve` runs a daemon HTTP server on ``HOST:PORT``
 (port 0 picks a free one, optionally over TLS) answering ``GET /metrics``
 with `prometheus_client.generate_latest`, plus any extra read-only pages (the
-coordinator's dashboard) behind an optional bearer token; a browser trades
+coordinator's dashboard), all behind an optional bearer token; a browser trades
 the token for a session (`Sessions`) once, and its cookie holds only the
 session id; ``POST /logout`` ends it (`LOGOUT_FORM`, added to the pages a
 session opened). Every response carries `SECURITY_HEADERS`.
@@ -196,6 +196,10 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     def do_GET(self) -> None:  # noqa: N802 (http.server naming)
         path = self.path.split("?")[0]
         if path == "/metrics":
+            # job ids and generations: the same credential as the pages (a
+            # scraper sends it as ``Authorization: Bearer``)
+            if self.server.tokens and not self._authorized(self.server.tokens):
+                return
             self._reply(200, CONTENT_TYPE_LATEST, self.server.registry.render())
             return
         if path == LOGOUT:  # a link or an <img> must not end a session
@@ -288,9 +292,10 @@ def serve(registry: Registry, listen: str, *, pages: dict[str, Page] | None = No
           tls_key: str | None = None) -> http.server.ThreadingHTTPServer:
     """Starts the endpoint; returns the server (``server_address`` has the port).
 
-    ``/metrics`` is always open (Prometheus scrapers rarely carry tokens);
-    `pages` (path prefix -> handler) require the token when `token` is set:
-    ``Authorization: Bearer <token>``, or for a browser the session cookie
+    ``/metrics`` and `pages` (path prefix -> handler) require the token when
+    `token` is set (without one, as on a node agent's listener, they are
+    open): ``Authorization: Bearer <token>`` (Prometheus:
+    ``authorization: {credentials_file: ...}``), or for a browser the session cookie
     that opening any page with ``?token=<token>`` sets: the token opens a
     server-side session (`Sessions`) and the cookie holds only its random id
     (HttpOnly, SameSite=Strict, Path=/, Secure over TLS; the reply redirects

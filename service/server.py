@@ -98,8 +98,9 @@ class CoordinatorConfig:
     progress_flush_s: float = 5.0
     """Reported progress is written to etcd at most this often."""
     metrics_listen: str | None = None
-    """HOST:PORT for the Prometheus endpoint (/metrics, open) and the dashboard
-    (/, behind `token`); None: off."""
+    """HOST:PORT for the Prometheus endpoint (/metrics) and the dashboard (/),
+    both behind `token` (or `viewer_token`) when there is one; None: off. An
+    address other hosts can reach needs `token` (or `insecure`)."""
     metrics_tls_cert: str | None = None
     """PEM certificate: with metrics_tls_key, the metrics listener serves
     HTTPS (and the dashboard's session cookie is Secure)."""
@@ -112,8 +113,9 @@ class CoordinatorConfig:
     so health checks and load balancers see the replica leave. The CLI's
     ``--drain-s`` defaults to 5."""
     insecure: bool = False
-    """Accept a `listen` address other hosts can reach without a `token`
-    (refused otherwise: anyone reaching the port could control every job)."""
+    """Accept a `listen` or `metrics_listen` address other hosts can reach
+    without a `token` (refused otherwise: anyone reaching the port could
+    control every job, or read every job's metrics)."""
 
     def __post_init__(self) -> None:
         if not self.etcd:
@@ -131,6 +133,18 @@ class CoordinatorConfig:
                 f"listen: {self.listen!r} is reachable from other hosts and the coordinator has "
                 "no token, so anyone who reaches it could control every job: give --token (or "
                 "SPRINGBACK_TOKEN), listen on 127.0.0.1, or pass --insecure to accept that")
+        if self.metrics_listen is not None:
+            metrics_host, _, metrics_port = self.metrics_listen.rpartition(":")
+            if not metrics_host or not metrics_port.isdigit():
+                raise ValueError(f"metrics_listen: {self.metrics_listen!r} is not HOST:PORT")
+            # client certificates (tls_roles) guard the gRPC port only: the
+            # HTTP listener knows bearer tokens alone
+            if not self.token and not self.insecure and not _loopback(metrics_host):
+                raise ValueError(
+                    f"metrics_listen: {self.metrics_listen!r} is reachable from other hosts and "
+                    "the coordinator has no token, so anyone who reaches it could read every "
+                    "job's metrics and dashboard: give --token (or SPRINGBACK_TOKEN), use "
+                    "--metrics-listen 127.0.0.1:PORT, or pass --insecure to accept that")
         if self.liveness_timeout_s < 2:
             raise ValueError(f"liveness_timeout_s: {self.liveness_timeout_s} is below 2 s "
                              "(etcd lease granularity)")

@@ -84,14 +84,18 @@ class CoordinatorProcess:
             self._log.close()
 
 
-def scrape(address: str) -> dict[str, float]:
+def scrape(address: str, token: str | None = None) -> dict[str, float]:
     """``name{labels}`` -> value of every sample a Prometheus endpoint at
     ``HOST:PORT`` serves on /metrics, parsed with prometheus-client's own
     parser (so the exposition must be valid). Labels are sorted by name.
-    Raises OSError while nothing answers."""
+    `token`: sent as ``Authorization: Bearer`` (a coordinator with a token
+    wants its operator's or viewer's). Raises OSError while nothing answers
+    (urllib.error.HTTPError, an OSError, for a refusal)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as response:
+    request = urllib.request.Request(
+        f"http://{address}/metrics", headers={"Authorization": f"Bearer {token}"} if token else {})
+    with urllib.request.urlopen(request, timeout=5) as response:
         assert response.headers["Content-Type"].startswith("text/plain")
         text = response.read().decode()
     samples = {}

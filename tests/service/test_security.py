@@ -210,3 +210,82 @@ class TestSafeDefaults:
         assert done.returncode == 2, (done.stdout, done.stderr)
         assert "listen: '0.0.0.0:0'" in done.stderr and "--insecure" in done.stderr
         assert not (tmp_path / "state").exists()  # no etcd was started
+
+    @pytest.mark.parametrize("listen", ["0.0.0.0:0", "10.1.2.3:9090", "[::]:0", "metrics.example:9090"])
+    def test_a_reachable_metrics_listen_without_a_token_is_refused_naming_the_way_out(self, listen):
+        from springback.service.server import CoordinatorConfig
+
+        with pytest.raises(ValueError) as e:
+            CoordinatorConfig(etcd="http://127.0.0.1:2379", metrics_listen=listen)
+        assert str(e.value).startswith(f"metrics_listen: {listen!r}") and "--insecure" in str(e.value)
+        # certificates guard the gRPC port, not the HTTP listener
+        with pytest.raises(ValueError, match="^metrics_listen: "):
+            CoordinatorConfig(etcd="http://127.0.0.1:2379", metrics_listen=listen,
+                              tls_cert="c", tls_key="k", tls_client_ca="ca", tls_roles="r")
+        CoordinatorConfig(etcd="http://127.0.0.1:2379", metrics_listen=listen, token=TOKEN)
+        CoordinatorConfig(etcd="http://127.0.0.1:2379", metrics_listen=listen, insecure=True)
+        CoordinatorConfig(etcd="http://127.0.0.1:2379", metrics_listen="127.0.0.1:0")
+
+    def test_up_refuses_a_reachable_metrics_listen_before_starting_etcd(self, tmp_path):
+        import os
+        import sys
+
+        env = {k: v for k, v in os.environ.items() if k != "SPRINGBACK_TOKEN"}
+        done = subprocess.run(
+            [sys.executable, "-m", "springback.cli", "up", "--metrics-listen", "0.0.0.0:0",
+             "--state-dir", str(tmp_path / "state"), "--etcd-port", "0"],
+            capture_output=True, text=True, timeout=60, env=env)
+        assert done.returncode == 2, (done.stdout, done.stderr)
+        assert "metrics_listen: '0.0.0.0:0'" in done.stderr and "--insecure" in done.stderr
+        assert not (tmp_path / "state").exists()
+
+
+VIEWER = "viewer-token-for-metrics"
+
+
+class TestMetricsNeedACredential:
+    """``/metrics`` names jobs and their generations: with a token it takes
+    the operator's or the viewer's, as a scraper's bearer token."""
+
+    @pytest.fixture
+    def server(self, start_coordinator, make_spec):
+        server = start_coordinator(token=TOKEN, viewer_token=VIEWER,
+                                   metrics_listen="127.0.0.1:0")
+        wait_for(server.election.is_leader, 10, "leadership")
+        with Client(server.address, token=TOKEN) as client:
+            server.job_id = client.create_job(make_spec()).id
+        return server
+
+    @pytest.mark.parametrize("token", [None, "wrong", TOKEN + "x", "Basic " + TOKEN])
+    def test_a_scrape_without_a_right_credential_is_401_and_shows_nothing(self, server, token):
+        import urllib.error
+        import urllib.request
+
+        headers = {"Authorization": token if token.startswith("Basic") else f"Bearer {token}"} \
+            if token else {}
+        request = urllib.request.Request(f"http://{server.metrics_address}/metrics",
+                                         headers=headers)
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(request, timeout=10)
+        assert e.value.code == 401 and e.value.headers["WWW-Authenticate"] == "Bearer"
+        assert server.job_id.encode() not in e.value.read()
+
+    @pytest.mark.parametrize("token", [TOKEN, VIEWER])
+    def test_the_operator_and_the_viewer_scrape(self, server, token):
+        from sbtest import scrape
+
+        samples = scrape(server.metrics_address, token=token)
+        assert samples[f'springback_job_generation{{job="{server.job_id}"}}'] >= 1
+
+    def test_without_a_token_on_loopback_metrics_are_open(self, coordinator_with_metrics):
+        from sbtest import scrape
+
+        assert scrape(coordinator_with_metrics.metrics_address)[
+            "springback_coordinator_is_leader"] == 1.0
+
+
+@pytest.fixture
+def coordinator_with_metrics(start_coordinator):
+    server = start_coordinator(metrics_listen="127.0.0.1:0")
+    wait_for(server.election.is_leader, 10, "leadership")
+    return server
