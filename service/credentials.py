@@ -6,7 +6,9 @@ that joined, and the ranks it starts) needs only its own member's calls, so
 
     sbm1.<job id>.<member id>.<HMAC-SHA256 of "<job id>/<member id>">
 
-keyed by a key derived from the operator token, so every replica (they share
+keyed by a key derived from the operator token (`derive_key`: HKDF-SHA256,
+one key per kind of credential, so a MAC of one kind never verifies as
+another's, whatever the ids), so every replica (they share
 the token) issues and checks the same credentials with nothing stored: no
 etcd key to steal, nothing to replicate. `BearerAuth` (interceptors.py)
 lets such a credential make only `MEMBER_METHODS`, and only with the
@@ -19,7 +21,7 @@ An agent needs to join before it is a member. The operator hands each job's
 agents that job's join credential (``IssueJoinCredential``, `springback job
 join-credential`)::
 
-    sbj1.<job id>.<HMAC-SHA256 of "join/<job id>", keyed as above>
+    sbj1.<job id>.<HMAC-SHA256 of "<job id>", under the join key>
 
 It makes only `JOIN_METHODS`, and only for the job it names: a node running
 agents of job A, whatever its ranks read from the agent, can join A (as any
@@ -29,7 +31,7 @@ the agent calls with its member credential.
 Replicas call each other too (`streamnotes` relays plan-stream notes to the
 leader with ``ReportPlanStreams``). They do so with the replica credential::
 
-    sbr1.<HMAC-SHA256 of "replica", keyed as above>
+    sbr1.<HMAC-SHA256 of "replica", under the replica key>
 
 which every replica derives from the operator token, so every replica
 computes (and checks) the same one. It opens only `REPLICA_METHODS`; those
@@ -40,6 +42,7 @@ functions, no I/O.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 
@@ -61,13 +64,35 @@ REPLICA_METHODS = frozenset({"/springback.v1.WorkerService/ReportPlanStreams"})
 or a client certificate mapped to the replica role."""
 
 
-def _key(operator_token: str) -> bytes:
-    return hmac.new(operator_token.encode(), b"springback member credential v1",
-                    hashlib.sha256).digest()
+KINDS = ("member", "join", "replica")
+"""The kinds of credential derived from the operator token, one key each."""
+HKDF_SALT = b"springback credentials v2"
+
+
+def hkdf_sha256(secret: bytes, salt: bytes, info: bytes, length: int = 32) -> bytes:
+    """HKDF (RFC 5869) with SHA-256: extract a pseudorandom key from `secret`
+    under `salt`, expand it to `length` bytes bound to `info`."""
+    prk = hmac.new(salt, secret, hashlib.sha256).digest()
+    okm, block = b"", b""
+    for counter in range(1, -(-length // 32) + 1):
+        block = hmac.new(prk, block + info + bytes([counter]), hashlib.sha256).digest()
+        okm += block
+    return okm[:length]
+
+
+@functools.lru_cache(maxsize=16)
+def derive_key(operator_token: str, kind: str) -> bytes:
+    """The HMAC key of credentials of `kind` (one of `KINDS`): HKDF-SHA256
+    of the operator token, ``info`` naming the kind, so each kind has a key
+    of its own. Cached: every member call checks a credential. Raises
+    ValueError for an unknown kind."""
+    if kind not in KINDS:
+        raise ValueError(f"kind {kind!r} is not one of {', '.join(KINDS)}")
+    return hkdf_sha256(operator_token.encode(), HKDF_SALT, f"springback/{kind}".encode())
 
 
 def _mac(operator_token: str, job_id: str, member_id: str) -> str:
-    return hmac.new(_key(operator_token), f"{job_id}/{member_id}".encode(),
+    return hmac.new(derive_key(operator_token, "member"), f"{job_id}/{member_id}".encode(),
                     hashlib.sha256).hexdigest()
 
 
@@ -93,7 +118,8 @@ def member_of(operator_token: str, credential: str) -> tuple[str, str] | None:
 
 
 def _join_mac(operator_token: str, job_id: str) -> str:
-    return hmac.new(_key(operator_token), f"join/{job_id}".encode(), hashlib.sha256).hexdigest()
+    return hmac.new(derive_key(operator_token, "join"), job_id.encode(),
+                    hashlib.sha256).hexdigest()
 
 
 def issue_join(operator_token: str, job_id: str) -> str:
@@ -118,7 +144,7 @@ def job_joined_by(operator_token: str, credential: str) -> str | None:
 
 def replica_credential(operator_token: str) -> str:
     """The credential replicas sharing `operator_token` call each other with."""
-    mac = hmac.new(_key(operator_token), b"replica", hashlib.sha256).hexdigest()
+    mac = hmac.new(derive_key(operator_token, "replica"), b"replica", hashlib.sha256).hexdigest()
     return f"{REPLICA_PREFIX}.{mac}"
 
 

@@ -114,6 +114,40 @@ def test_a_forged_join_credential_is_unauthenticated(start_coordinator, make_spe
             assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
+def test_a_join_credential_relabelled_as_a_member_credential_is_unauthenticated(
+        start_coordinator, make_spec):
+    """Each kind of credential has its own HKDF key: the MAC of job A's join
+    credential, presented as member A of a job called ``join`` (once the
+    same HMAC input, ``join/A``, under one key), verifies as nothing."""
+    server = start_coordinator(token=TOKEN)
+    wait_for(server.election.is_leader, 10, "leadership")
+    with Client(server.address, token=TOKEN) as client:
+        job = client.create_job(make_spec(max_workers=1))
+        mac = client.issue_join_credential(job.id).rsplit(".", 1)[1]
+    relabelled = f"{credentials.PREFIX}.join.{job.id}.{mac}"
+    with connect([server.address], token=relabelled) as channel:
+        with pytest.raises(grpc.RpcError) as e:
+            ws_grpc.WorkerServiceStub(channel).Heartbeat(
+                ws.HeartbeatRequest(job_id="join", member_id=job.id), timeout=5)
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED, e.value.details()
+    assert credentials.member_of(TOKEN, relabelled) is None
+
+
+def test_credential_keys_are_hkdf_sha256_one_per_kind():
+    # RFC 5869, test case 1
+    okm = credentials.hkdf_sha256(bytes.fromhex("0b" * 22),
+                                  bytes.fromhex("000102030405060708090a0b0c"),
+                                  bytes.fromhex("f0f1f2f3f4f5f6f7f8f9"), 42)
+    assert okm.hex() == ("3cb25f25faacd57a90434f64d0362f2a2d2d0a90cf1a5a4c5db02d56ecc4c5bf"
+                         "34007208d5b887185865")
+    derived = {credentials.derive_key(TOKEN, kind) for kind in credentials.KINDS}
+    assert len(derived) == len(credentials.KINDS) and all(len(k) == 32 for k in derived)
+    assert credentials.derive_key(TOKEN, "member") == credentials.hkdf_sha256(
+        TOKEN.encode(), credentials.HKDF_SALT, b"springback/member")
+    with pytest.raises(ValueError, match="kind 'viewer'"):
+        credentials.derive_key(TOKEN, "viewer")
+
+
 def test_without_a_token_no_join_credential_is_issued(coordinator, make_spec):
     with Client(coordinator.address) as client:
         job = client.create_job(make_spec(max_workers=1))
