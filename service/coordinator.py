@@ -529,6 +529,7 @@ class Coordinator:
             if member_id not in self._plans[job_id].members:
                 raise StaleGeneration(job_id, generation, self.current_generation(job_id))
             holders = sorted(self._plans[job_id].members)
+        self.history.note_start(job_id, generation)
         reason = f"generation {generation} started at step {progress.step} (state from " \
                  f"{pb.RestoreKind.Name(restored_from).removeprefix('RESTORE_KIND_').lower()})"
 

@@ -10,8 +10,12 @@ the job getting past the step of the first of them, all within
 Several failure reports of one generation (every rank crashing at once, one
 report per agent) count once; agents report a rank's exit for the
 generation the rank was in, not their newest plan's. A live rank's break
-(state kept) of a generation that never started is not counted (the
-caller's `counted`): it is the consequence of another member's failure.
+(state kept) of a generation that never started is not counted there (the
+caller's `counted`): it is the consequence of another member's failure (a
+crashed or hung peer that never joined the rendezvous). It is counted
+apart instead (`record_unstarted`): `UNSTARTED_FACTOR` x ``max_per_step``
+generations in a row that could not start end the job FAILED all the same,
+so a rendezvous that can never complete is no endless loop.
 A store that refuses a restore is no failure at all
 (``failures.storage_outage_s``, `membership.Membership.report_failure`). Progress beyond the streak's step, or a gap
 longer than the window, starts a new streak. The streaks live in the
@@ -34,6 +38,11 @@ __all__ = ["DEFAULT_MAX_PER_STEP", "DEFAULT_PLAN_WAIT_S", "DEFAULT_STORAGE_OUTAG
            "DEFAULT_WINDOW_S", "FailureStreaks"]
 
 
+UNSTARTED_FACTOR = 3
+"""Generations in a row broken before they started, per ``max_per_step``,
+that end the job FAILED (see `FailureStreaks.record_unstarted`)."""
+
+
 @dataclass
 class _Streak:
     step: int
@@ -46,6 +55,7 @@ class FailureStreaks:
 
     def __init__(self) -> None:
         self._streaks: dict[str, _Streak] = {}
+        self._unstarted: dict[str, set[int]] = {}  # job -> never-started generations broken
 
     def record(self, job_id: str, *, step: int, generation: int, now: float,
                max_per_step: int, window_s: float, counted: bool = True) -> int:
@@ -60,5 +70,17 @@ class FailureStreaks:
         streak.generations.add(generation)
         return len(streak.generations)
 
+    def record_unstarted(self, job_id: str, *, generation: int, newest_start: int) -> int:
+        """Counts a live rank's break of `generation`, which never started
+        (`newest_start` is the newest generation that did); returns how many
+        generations in a row after `newest_start` broke so (stop the job when
+        >= `UNSTARTED_FACTOR` x ``max_per_step``: a rendezvous that can never
+        complete is a deterministic error, not weather)."""
+        broken = self._unstarted.setdefault(job_id, set())
+        broken.difference_update({g for g in broken if g <= newest_start})
+        broken.add(generation)
+        return len(broken)
+
     def forget(self, job_id: str) -> None:
         self._streaks.pop(job_id, None)
+        self._unstarted.pop(job_id, None)

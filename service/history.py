@@ -134,7 +134,6 @@ class History:
         rank 0's (startup, rendezvous, transfer) seconds."""
         now = time.time()
         with self._lock:
-            self._started[job_id] = max(self._started.get(job_id, 0), generation)
             event = self._awaiting.get(job_id)
             if event is not None and event.generation == generation:
                 if not event.started_at.seconds:
@@ -145,13 +144,19 @@ class History:
                 event.restore = cast(pb.RestoreKind, restored_from)
                 event.state_lost, event.steps_lost = state_lost, steps_lost
 
-    def started(self, job_id: str, generation: int) -> bool | None:
-        """Whether `generation` of the job started (its ranks agreed on a
-        state) or a later one did, as far as this replica saw; None when it
-        saw no start of the job (it became leader since)."""
+    def note_start(self, job_id: str, generation: int) -> None:
+        """Rank 0 reported that `generation` started (every report, a repeated
+        one included: a generation made again at the same step with the same
+        holders started all the same)."""
         with self._lock:
-            newest = self._started.get(job_id)
-        return None if newest is None else newest >= generation
+            self._started[job_id] = max(self._started.get(job_id, 0), generation)
+
+    def newest_start(self, job_id: str) -> int | None:
+        """The newest generation of the job whose start (its ranks agreed on
+        a state) this replica recorded; None when it saw none (it became
+        leader since)."""
+        with self._lock:
+            return self._started.get(job_id)
 
     def on_progress(self, job_id: str, generation: int, *, stall_total_s: float = 0.0,
                     step_s: float = 0.0,

@@ -30,6 +30,7 @@ from springback.service.failures import (
     DEFAULT_MAX_PER_STEP,
     DEFAULT_STORAGE_OUTAGE_S,
     DEFAULT_WINDOW_S,
+    UNSTARTED_FACTOR,
     FailureStreaks,
 )
 from springback.service.liveness import EtcdReachability
@@ -238,7 +239,9 @@ class Membership:
         one event per generation (several reports of one generation count
         once), and a `state_kept` break only in a generation that started (a
         rendezvous that a crashed peer never joined is that crash's
-        consequence, not a second event). When failures repeat without
+        consequence, not a second event; `failures.UNSTARTED_FACTOR` x
+        ``max_per_step`` such breaks in a row still end the job). When
+        failures repeat without
         progress, or at once with `job_fatal` (the ranks agreed that no
         membership can go on, e.g. a placement nothing can restore), the job
         ends FAILED with the reason instead.
@@ -259,15 +262,19 @@ class Membership:
         job = coordinator.get_job(job_id)
         policy = job.spec.failures
         limit = policy.max_per_step or DEFAULT_MAX_PER_STEP
-        counted = not state_kept or coordinator.history.started(job_id, generation) is not False
+        newest_start = coordinator.history.newest_start(job_id)
+        counted = not state_kept or newest_start is None or newest_start >= generation
         streak = self._streaks.record(
             job_id, step=job.status.step, generation=generation, now=time.monotonic(),
             max_per_step=limit, window_s=policy.window_s or DEFAULT_WINDOW_S, counted=counted)
+        unstarted = 0 if counted else self._streaks.record_unstarted(
+            job_id, generation=generation, newest_start=newest_start or 0)
         what = reason or ("a collective failed" if state_kept else "rank exited")
 
         def count(job: pb.Job) -> None:
             job.status.num_failures += 1
-            if (job_fatal or streak >= limit) and not planner.is_terminal(job.status.state):
+            if ((job_fatal or streak >= limit or unstarted >= UNSTARTED_FACTOR * limit)
+                    and not planner.is_terminal(job.status.state)):
                 job.status.state = pb.JOB_STATE_FAILED
 
         if job_fatal:
@@ -275,6 +282,9 @@ class Membership:
         elif streak >= limit:
             message = (f"failed: {streak} generations broke by rank failures at step "
                        f"{job.status.step} without progress; last: {member_id}: {what}")
+        elif unstarted >= UNSTARTED_FACTOR * limit:
+            message = (f"failed: {unstarted} generations in a row could not start (their "
+                       f"rendezvous broke); last: {member_id}: {what}")
         elif state_kept:
             message = f"generation {generation} broke on {member_id} (state kept): {what}"
         else:

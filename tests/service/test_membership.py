@@ -14,6 +14,7 @@ from sbtest import wait_for
 from springback.client.api import Client
 from springback.service import keys
 from springback.service.coordinator import MEMBER_CHECK_S
+from springback.service.failures import UNSTARTED_FACTOR
 from springback.v1 import types_pb2 as pb
 from springback.v1 import worker_service_pb2 as ws
 from springback.v1 import worker_service_pb2_grpc as ws_grpc
@@ -497,3 +498,40 @@ class TestCommits:
             job_id=job.id, member_id=a, generation=generation,
             checkpoint=pb.CheckpointRef(step=20, uri=f"s3://b/p/{job.id}/step-20")), timeout=5)
         assert client.get_job(job.id).status.checkpoint_error == ""
+
+
+class TestCrashLoopCounting:
+    """What counts toward ``failures.max_per_step`` (service/failures.py)."""
+
+    def test_live_ranks_breaks_of_generations_that_never_started_count_apart(
+            self, coordinator, client, workers, make_spec):
+        """After a started generation broke, the generations made for it that
+        never started (a rendezvous a dead peer never joined) do not add to
+        the crash-loop streak: two such breaks leave a max_per_step of 2
+        job running. Six in a row (`UNSTARTED_FACTOR` x 2) end it FAILED,
+        naming why, so a rendezvous that never completes is no endless loop."""
+        job = client.create_job(make_spec(max_workers=2, failures={"max_per_step": 2}))
+        a, b = join(workers, job.id, 9171), join(workers, job.id, 9172)
+        started(workers, coordinator, job.id, a)
+        workers.ReportFailure(ws.ReportFailureRequest(
+            job_id=job.id, member_id=b, generation=plan_of(coordinator, job.id).generation,
+            reason="rank 0 exited 1"), timeout=5)
+        for n in range(1, 2 * UNSTARTED_FACTOR + 1):
+            keep_alive(workers, job.id, a, b)
+            _report_broken(workers, job.id, a, plan_of(coordinator, job.id).generation)
+            status = client.get_job(job.id).status
+            if n < 2 * UNSTARTED_FACTOR:
+                assert status.state == pb.JOB_STATE_RUNNING, (n, status.message)
+        assert status.state == pb.JOB_STATE_FAILED
+        assert "6 generations in a row could not start" in status.message, status.message
+
+    def test_live_ranks_breaks_of_started_generations_still_make_a_crash_loop(
+            self, coordinator, client, workers, make_spec):
+        job = client.create_job(make_spec(max_workers=2, failures={"max_per_step": 2}))
+        a, b = join(workers, job.id, 9181), join(workers, job.id, 9182)
+        for _ in range(2):
+            started(workers, coordinator, job.id, a)
+            _report_broken(workers, job.id, a, plan_of(coordinator, job.id).generation)
+        status = client.get_job(job.id).status
+        assert status.state == pb.JOB_STATE_FAILED
+        assert "2 generations broke by rank failures" in status.message, status.message

@@ -333,6 +333,18 @@ THREE_CHECKPOINTED = {**SPEC, "min_workers": 3, "max_workers": 3,
                       "checkpoint": {"uri": "set by the fixture", "every_steps": 10}}
 
 
+def assert_resumed_after_commit(root: Path, committed: int) -> None:
+    """The first step after the crash is `committed` + 1. Step `committed` ran
+    (and was committed) in the generation that crashed; the agreement on step
+    k is read at the end of step k + 1, so the last steps before the crash may
+    have no record there."""
+    records = steps(root)
+    crashed_in = min(r["generation"] for r in records if r["step"] == committed)
+    resumed = [r for r in records if r["generation"] > crashed_in]
+    assert min(r["step"] for r in resumed) == committed + 1, \
+        f"not resumed from the step-{committed} commit"
+
+
 class TestEveryRankCrashes:
     @pytest.mark.parametrize("cluster", [TWO_CHECKPOINTED], indirect=True)
     def test_when_every_rank_crashes_at_once_training_resumes_from_the_newest_commit(
@@ -345,13 +357,7 @@ class TestEveryRankCrashes:
         job = cluster.wait_succeeded()
         assert job.status.step == MAX_STEPS
         assert sum("reporting failure" in a.log() for a in agents) == 2
-        records = steps(cluster.root)
-        # step 20 ran (and was committed) in the generation that crashed; the
-        # agreement on step k is read at the end of step k + 1, so the last
-        # steps before the crash may have no record there
-        crashed_in = min(r["generation"] for r in records if r["step"] == 20)
-        resumed = [r for r in records if r["generation"] > crashed_in]
-        assert min(r["step"] for r in resumed) == 21, "not resumed from the step-20 commit"
+        assert_resumed_after_commit(cluster.root, 20)
         assert job.status.num_restores == 1
         assert 1 <= job.status.steps_redone <= 4  # steps 21..24, as far as they were reported
         assert job.status.num_failures == 2
@@ -371,10 +377,7 @@ class TestEveryRankCrashes:
         job = cluster.wait_succeeded(timeout_s=150)
         assert job.status.step == MAX_STEPS
         assert sum("reporting failure" in a.log() for a in agents) == 3
-        records = steps(cluster.root)
-        crashed_in = min(r["generation"] for r in records if r["step"] == 40)
-        resumed = [r for r in records if r["generation"] > crashed_in]
-        assert min(r["step"] for r in resumed) == 41, "not resumed from the step-40 commit"
+        assert_resumed_after_commit(cluster.root, 40)
         assert job.status.num_restores == 1
         report = cluster.audit()
         assert report.ok, report
@@ -397,10 +400,7 @@ class TestEveryRankCrashes:
         job = cluster.wait_succeeded(timeout_s=150)
         assert job.status.step == MAX_STEPS
         assert sum("is hung" in a.log() for a in agents) == 2
-        records = steps(cluster.root)
-        crashed_in = min(r["generation"] for r in records if r["step"] == 40)
-        resumed = [r for r in records if r["generation"] > crashed_in]
-        assert min(r["step"] for r in resumed) == 41, "not resumed from the step-40 commit"
+        assert_resumed_after_commit(cluster.root, 40)
         report = cluster.audit()
         assert report.ok, report
 
