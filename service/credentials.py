@@ -45,6 +45,8 @@ from __future__ import annotations
 import functools
 import hashlib
 import hmac
+import math
+import string
 
 PREFIX = "sbm1"
 JOIN_PREFIX = "sbj1"
@@ -151,6 +153,62 @@ def replica_credential(operator_token: str) -> str:
 def is_replica(operator_token: str, credential: str) -> bool:
     """Whether `credential` is the replica credential (compared in constant time)."""
     return hmac.compare_digest(credential.encode(), replica_credential(operator_token).encode())
+
+
+MIN_TOKEN_BITS = 128
+"""The entropy, by `token_bits`' estimate, an operator or viewer token needs."""
+MIN_DISTINCT_CHARS = 8
+
+_BASE64 = frozenset(string.ascii_letters + string.digits + "+/-_=")
+_CLASSES = (string.ascii_lowercase, string.ascii_uppercase, string.digits, string.punctuation)
+
+
+def token_bits(token: str) -> float:
+    """An estimate of `token`'s entropy: its length times log2 of the alphabet
+    of the characters it uses (16 for hex; 64 for mixed-case base64 or
+    base64url; else the sum of the classes it touches: lower case 26, upper case 26, digits 10, punctuation 32). It
+    cannot see words or reuse: it bounds what a random token of that shape
+    holds."""
+    if token and all(c in string.hexdigits for c in token) and (
+            token == token.lower() or token == token.upper()):
+        alphabet = 16
+    elif all(c in _BASE64 for c in token) and token.lower() != token != token.upper():
+        alphabet = 64  # mixed case from base64's alphabet: base64 (or base64url)
+    else:
+        alphabet = sum(len(chars) for chars in _CLASSES if any(c in chars for c in token))
+    return len(token) * math.log2(alphabet) if alphabet > 1 else 0.0
+
+
+def token_weakness(token: str) -> str | None:
+    """Why `token` is too weak to guard a coordinator, None if it is not. It
+    must be printable ASCII without spaces (it travels in a header), reach
+    `MIN_TOKEN_BITS` by `token_bits` (22 base64 or 32 hex characters), use at
+    least `MIN_DISTINCT_CHARS` distinct characters, and not be an obvious
+    sequence (two thirds or more of its neighbouring characters equal or one
+    apart: ``aaaa…``, ``abcd…``, ``0123…``, ``abcabc…``). The reason never
+    quotes the token."""
+    if any(not (33 <= ord(c) <= 126) for c in token):
+        return "it has a space, a control or a non-ASCII character"
+    bits = token_bits(token)
+    if bits < MIN_TOKEN_BITS:
+        return (f"{len(token)} characters of that alphabet hold about {bits:.0f} bits, under "
+                f"{MIN_TOKEN_BITS}")
+    if len(set(token)) < MIN_DISTINCT_CHARS:
+        return f"it has fewer than {MIN_DISTINCT_CHARS} distinct characters"
+    steps = [abs(ord(b) - ord(a)) <= 1 for a, b in zip(token, token[1:])]
+    if 3 * sum(steps) >= 2 * len(steps):
+        return "it is an obvious sequence (repeated or consecutive characters)"
+    return None
+
+
+def check_token(token: str | None, flag: str) -> None:
+    """Raises ValueError naming `flag` (``--token``) when `token` is given
+    and `token_weakness` finds it too weak, saying how to make a good one."""
+    if token and (why := token_weakness(token)) is not None:
+        raise ValueError(
+            f"{flag.lstrip('-').replace('-', '_')}: the {flag} given is too weak to guard the "
+            f"coordinator ({why}): use at least {MIN_TOKEN_BITS} random bits, e.g. "
+            "`python3 -c 'import secrets; print(secrets.token_urlsafe(32))'`")
 
 
 TLS_ROLES = ("operator", "viewer", "replica")

@@ -124,6 +124,8 @@ class CoordinatorConfig:
         host, _, port = self.listen.rpartition(":")
         if not host or not port.isdigit():
             raise ValueError(f"listen: {self.listen!r} is not HOST:PORT")
+        credentials.check_token(self.token, "--token")
+        credentials.check_token(self.viewer_token, "--viewer-token")
         if self.viewer_token and (not self.token or self.viewer_token == self.token):
             raise ValueError("viewer_token: needs a token (the operator's) that differs from it")
         if self.tls_roles and not self.tls_client_ca:

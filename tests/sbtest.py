@@ -19,6 +19,12 @@ from springback.client.polling import wait_until
 
 T = TypeVar("T")
 
+OPERATOR_TOKEN = "zL3qes3IQ19oV3_nLCrIGNxjvsbWsWp2"
+"""The operator token of tests' coordinators: random, strong enough
+(`credentials.token_weakness`; coordinators refuse weak tokens)."""
+VIEWER_TOKEN = "a8JmpOGSxbQMCihl7cRI_jzt0JcZ85Bv"
+"""The viewer token of tests' coordinators (differs from the operator's)."""
+
 
 def wait_for(predicate: Callable[[], T], timeout_s: float, what: str, interval_s: float = 0.05) -> T:
     """Polls `predicate` until it returns a truthy value; fails the test after `timeout_s`.

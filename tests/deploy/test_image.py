@@ -24,14 +24,14 @@ from pathlib import Path
 
 import pytest
 
-from sbtest import wait_for
+from sbtest import OPERATOR_TOKEN, wait_for
 
 pytestmark = [pytest.mark.soak, pytest.mark.timeout(3600)]
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE = "localhost/springback-base:bookworm"
 IMAGE = "localhost/springback:test"
-TOKEN = "image-test-token"
+TOKEN = OPERATOR_TOKEN
 
 
 def _run(*argv: str, timeout: float = 1800) -> subprocess.CompletedProcess:

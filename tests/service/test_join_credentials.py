@@ -7,7 +7,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from sbtest import wait_for
+from sbtest import OPERATOR_TOKEN, VIEWER_TOKEN, wait_for
 from springback.cli.main import main
 from springback.client.api import ApiError, Client
 from springback.client.channel import connect
@@ -19,7 +19,7 @@ from springback.v1 import worker_service_pb2_grpc as ws_grpc
 
 pytestmark = pytest.mark.timeout(90)
 
-TOKEN = "operator-token-for-joins"
+TOKEN = OPERATOR_TOKEN
 
 
 @pytest.fixture
@@ -83,7 +83,7 @@ def test_a_join_credential_joins_and_reads_its_job_only_on_either_replica(replic
 
 
 def test_only_operators_issue_join_credentials(start_coordinator, make_spec):
-    viewer = "viewer-token-for-joins"
+    viewer = VIEWER_TOKEN
     server = start_coordinator(token=TOKEN, viewer_token=viewer)
     with Client(server.address, token=TOKEN) as client:
         job = client.create_job(make_spec(max_workers=1))

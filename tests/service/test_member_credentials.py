@@ -7,7 +7,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from sbtest import wait_for
+from sbtest import OPERATOR_TOKEN, VIEWER_TOKEN, wait_for
 from springback.client.api import ApiError, Client
 from springback.client.channel import connect
 from springback.service import credentials, keys
@@ -19,7 +19,7 @@ from springback.v1 import worker_service_pb2_grpc as ws_grpc
 
 pytestmark = pytest.mark.timeout(90)
 
-TOKEN = "operator-token-for-members"
+TOKEN = OPERATOR_TOKEN
 
 
 @pytest.fixture
@@ -148,10 +148,10 @@ def test_only_the_replica_credential_tells_the_leader_of_plan_streams(
     member credential, the viewer or even the operator token is refused
     (PERMISSION_DENIED naming the replica role) and fences nobody; the same
     note with the replicas' credential does."""
-    leader = start_coordinator(token=TOKEN, viewer_token="viewer-of-notes",
+    leader = start_coordinator(token=TOKEN, viewer_token=VIEWER_TOKEN,
                                liveness_timeout_s=20.0)  # the leases outlive the test
     wait_for(leader.election.is_leader, 10, "leadership")
-    follower = start_coordinator(token=TOKEN, viewer_token="viewer-of-notes",
+    follower = start_coordinator(token=TOKEN, viewer_token=VIEWER_TOKEN,
                                  liveness_timeout_s=20.0)
     with Client(leader.address, token=TOKEN) as client:
         job = client.create_job(make_spec(min_workers=2, max_workers=2))
@@ -161,7 +161,7 @@ def test_only_the_replica_credential_tells_the_leader_of_plan_streams(
         # b's agent "vanished": its plan stream ended from the agent's side
         vanished = ws.ReportPlanStreamsRequest(replica=follower.address, notes=[ws.PlanStreamNote(
             job_id=job.id, member_id=b.member.id, stream_id="forged/1", by_client=True)])
-        for token in (a.member_credential, "viewer-of-notes", TOKEN):
+        for token in (a.member_credential, VIEWER_TOKEN, TOKEN):
             for replica in (leader, follower):
                 with connect([replica.address], token=token) as channel:
                     with pytest.raises(grpc.RpcError) as e:
@@ -217,7 +217,7 @@ def test_without_a_token_no_credential_is_issued(coordinator, make_spec):
         assert response.member_credential == ""
 
 
-VIEWER = "viewer-token-read-only"
+VIEWER = VIEWER_TOKEN
 
 
 def test_the_viewer_token_reads_jobs_and_the_dashboard_and_changes_nothing(

@@ -10,7 +10,7 @@ import urllib.request
 
 import pytest
 
-from sbtest import scrape, wait_for
+from sbtest import OPERATOR_TOKEN, scrape, wait_for
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -122,13 +122,13 @@ def test_a_non_leader_s_dashboard_lists_the_jobs_from_etcd_and_says_it_does_not_
         start_coordinator, make_spec):
     from springback.client.api import Client
 
-    leader = start_coordinator(token="t0k")
+    leader = start_coordinator(token=OPERATOR_TOKEN)
     wait_for(leader.election.is_leader, 10, "leadership")
-    follower = start_coordinator(token="t0k", metrics_listen="127.0.0.1:0")
-    with Client(leader.address, token="t0k") as client:
+    follower = start_coordinator(token=OPERATOR_TOKEN, metrics_listen="127.0.0.1:0")
+    with Client(leader.address, token=OPERATOR_TOKEN) as client:
         job = client.create_job(make_spec())
     request = urllib.request.Request(f"http://{follower.metrics_address}/",
-                                     headers={"Authorization": "Bearer t0k"})
+                                     headers={"Authorization": f"Bearer {OPERATOR_TOKEN}"})
     with urllib.request.urlopen(request, timeout=10) as response:
         page = response.read().decode()
     assert not follower.election.is_leader()

@@ -11,14 +11,14 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from sbtest import wait_for
+from sbtest import OPERATOR_TOKEN, VIEWER_TOKEN, wait_for
 from springback.client.api import ApiError, Client
 from springback.v1 import job_service_pb2 as js
 from springback.v1 import job_service_pb2_grpc as js_grpc
 
 pytestmark = pytest.mark.timeout(60)
 
-TOKEN = "s3cret-token"
+TOKEN = OPERATOR_TOKEN
 
 
 @pytest.fixture
@@ -189,7 +189,7 @@ class TestSafeDefaults:
             CoordinatorConfig(etcd="http://127.0.0.1:2379", listen=listen)
         assert str(e.value).startswith(f"listen: {listen!r}") and "--insecure" in str(e.value)
         # a token, or saying so, is accepted
-        CoordinatorConfig(etcd="http://127.0.0.1:2379", listen=listen, token="t")
+        CoordinatorConfig(etcd="http://127.0.0.1:2379", listen=listen, token=TOKEN)
         CoordinatorConfig(etcd="http://127.0.0.1:2379", listen=listen, insecure=True)
 
     @pytest.mark.parametrize("listen", ["127.0.0.1:0", "127.0.0.2:7070", "localhost:0", "[::1]:0"])
@@ -240,7 +240,7 @@ class TestSafeDefaults:
         assert not (tmp_path / "state").exists()
 
 
-VIEWER = "viewer-token-for-metrics"
+VIEWER = VIEWER_TOKEN
 
 
 class TestMetricsNeedACredential:
@@ -289,3 +289,50 @@ def coordinator_with_metrics(start_coordinator):
     server = start_coordinator(metrics_listen="127.0.0.1:0")
     wait_for(server.election.is_leader, 10, "leadership")
     return server
+
+
+WEAK_TOKENS = {
+    "short": "s3cret-token",
+    "repeated": "a" * 40,
+    "sequence": "abcdefghijklmnopqrstuvwxyz0123456789",
+    "hex sequence": "0123456789abcdef" * 2,
+    "period": "abc1" * 10,
+    "spaces": "correct horse battery staple",
+}
+
+
+class TestTokenStrength:
+    """An operator or viewer token under 128 bits (by `credentials.token_bits`'
+    estimate), or an obvious pattern, is refused at start naming its flag."""
+
+    @pytest.mark.parametrize("name", WEAK_TOKENS)
+    @pytest.mark.parametrize("field", ["token", "viewer_token"])
+    def test_a_weak_token_is_refused_naming_its_flag_and_not_quoting_it(self, name, field):
+        from springback.service.server import CoordinatorConfig
+
+        weak = WEAK_TOKENS[name]
+        config = {"token": TOKEN, field: weak}
+        with pytest.raises(ValueError) as e:
+            CoordinatorConfig(etcd="http://127.0.0.1:2379", **config)
+        flag = "--" + field.replace("_", "-")
+        assert str(e.value).startswith(f"{field}: the {flag} given is too weak"), str(e.value)
+        assert weak not in str(e.value)
+
+    def test_random_tokens_of_128_bits_are_accepted(self):
+        import base64
+        import secrets
+
+        from springback.service.server import CoordinatorConfig
+
+        for _ in range(200):
+            for token in (secrets.token_urlsafe(16), secrets.token_hex(16),
+                          base64.b64encode(secrets.token_bytes(16)).decode()):
+                CoordinatorConfig(etcd="http://127.0.0.1:2379", token=token,
+                                  viewer_token=VIEWER)
+
+    def test_the_coordinator_command_refuses_a_weak_token_with_exit_2(self, capsys):
+        from springback.cli.main import main
+
+        assert main(["coordinator", "--etcd", "http://127.0.0.1:1", "--token", "s3cret-token"]) == 2
+        err = capsys.readouterr().err
+        assert "--token given is too weak" in err and "s3cret-token" not in err

@@ -13,14 +13,14 @@ import urllib.request
 
 import pytest
 from cluster import AgentProcess, steps
-from sbtest import wait_for
+from sbtest import OPERATOR_TOKEN, wait_for
 from springback.client.metrics import COOKIE, SECURITY_HEADERS
 from springback.v1 import types_pb2 as pb
 
 pytestmark = pytest.mark.timeout(180)
 
 CHROMEDRIVER = "/usr/bin/chromedriver"
-TOKEN = "dashboard-test-token"
+TOKEN = OPERATOR_TOKEN
 SPEC = {"name": "dash", "min_workers": 1, "max_workers": 2,
         "data": {"num_samples": 240, "global_batch_size": 12, "seed": 5}, "max_steps": 400,
         "price_per_node_hour": 2.5}

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from sbtest import wait_for
+from sbtest import OPERATOR_TOKEN, wait_for
 from springback.cli.local import free_port
 from springback.worker.agent.launch import choose_mode, parse_nnodes, parse_streams, uses_session
 
@@ -59,9 +59,9 @@ class TestAgentStartUp:
                                                              make_spec):
         from springback.client.api import Client
 
-        server = start_coordinator(token="right")
+        server = start_coordinator(token=OPERATOR_TOKEN)
         wait_for(server.election.is_leader, 10, "leadership")
-        with Client(server.address, token="right") as c:
+        with Client(server.address, token=OPERATOR_TOKEN) as c:
             job = c.create_job(make_spec())
         code, out, _, started = marker_run(tmp_path, "run", "--job", job.id, "--coordinator",
                                            server.address, "--token", "wrong")

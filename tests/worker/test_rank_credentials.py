@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import pytest
 from cluster import AgentProcess, children
-from sbtest import wait_for
+from sbtest import OPERATOR_TOKEN, wait_for
 from springback.client import env as E
 from springback.client.api import Client
 from springback.v1 import types_pb2 as pb
 
 pytestmark = pytest.mark.timeout(150)
 
-TOKEN = "operator-token-not-for-ranks"
+TOKEN = OPERATOR_TOKEN
 
 
 def _environ(pid: int) -> bytes:
