@@ -14,6 +14,7 @@ import signal
 import sys
 from collections.abc import Callable
 
+from springback.worker.agent import slurm
 from springback.worker.agent.config import AgentConfig
 from springback.worker.agent.launch import (
     RankOutput,
@@ -37,8 +38,9 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--job", default=None, help="job id to join (not with --standalone)")
     p.add_argument("--nproc-per-node", "--nproc_per_node", dest="nproc_per_node", default="1",
                    help="local ranks: N, cpu, gpu or auto (as torchrun)")
-    p.add_argument("--host", default=os.environ.get("SPRINGBACK_HOST", "127.0.0.1"),
-                   help="address peers reach this node at (default 127.0.0.1)")
+    p.add_argument("--host", default=os.environ.get("SPRINGBACK_HOST"),
+                   help="address peers reach this node at (default 127.0.0.1; under Slurm "
+                        "the address the node's name resolves to, if any)")
     p.add_argument("--drain-timeout-s", type=float, default=60.0)
     p.add_argument("--max-restarts", "--max_restarts", dest="max_restarts", type=int,
                    default=10)
@@ -69,10 +71,14 @@ def _config_from_args(args: argparse.Namespace, job_id: str,
     """The AgentConfig of parsed `run` arguments; ValueError names a bad flag."""
     check_torchrun_flags(args)
     cmd = command_for(list(args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd))
+    task = slurm.detect()
+    host = args.host or (slurm.node_address(task) if task else None) or "127.0.0.1"
+    if task is not None:
+        slurm.announce(task, host)
     return AgentConfig(
         job_id=job_id, command=cmd, coordinator=coordinator,
         token=getattr(args, "token", None), nproc_per_node=parse_nproc(args.nproc_per_node),
-        host=args.host, drain_timeout_s=args.drain_timeout_s,
+        host=host, drain_timeout_s=args.drain_timeout_s,
         max_restarts=args.max_restarts, standby=args.standby, on_fenced=args.on_fenced,
         collective_timeout_s=args.collective_timeout_s, metrics_listen=args.metrics_listen,
         preemption=_notices(args),
@@ -81,7 +87,7 @@ def _config_from_args(args: argparse.Namespace, job_id: str,
                           redirects=parse_streams("--redirects", args.redirects),
                           tee=parse_streams("--tee", args.tee)),
         connect_timeout_s=args.connect_timeout_s,
-        nnodes=None if args.standalone else parse_nnodes(args.nnodes))
+        nnodes=None if args.standalone else parse_nnodes(args.nnodes), slurm=task)
 
 
 def _notices(args: argparse.Namespace) -> list[PreemptionSource]:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from springback.worker.agent.launch import RankOutput
 from springback.worker.agent.preemption import PreemptionSource
+from springback.worker.agent.slurm import SlurmTask
 
 
 @dataclass(kw_only=True)
@@ -54,6 +55,9 @@ class AgentConfig:
     """How long the start-up check may wait for a coordinator to answer."""
     nnodes: tuple[int, int] | None = None
     """torchrun's --nnodes: must equal the job's (min_workers, max_workers)."""
+    slurm: SlurmTask | None = None
+    """The Slurm task this agent is (`slurm.detect`): its joins take the
+    task's join tokens; None (outside Slurm) joins with a random token each."""
 
     def __post_init__(self) -> None:
         if not self.job_id:

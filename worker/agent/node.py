@@ -124,6 +124,7 @@ class Agent:
         self._stop_deadline: float | None = None
         self._hung: dict[int, str] = {}  # local rank -> why the watchdog killed it
         self.member: pb.Member | None = None
+        self._num_joins = 0  # a Slurm task's join tokens count them (`_join_token`)
         self._member_credential = ""  # JoinJob's, for the ranks (empty without auth)
         self.liveness_timeout_s = 5.0
 
@@ -136,13 +137,21 @@ class Agent:
                   connect_timeout_s=self.config.connect_timeout_s, nnodes=self.config.nnodes,
                   drain_reason=lambda: self._drain_reason)
 
+    def _join_token(self) -> str:
+        """One per join (its retries share it): the Slurm task's next token
+        (`slurm.SlurmTask.join_token`), else a random one."""
+        num_joins, self._num_joins = self._num_joins, self._num_joins + 1
+        if self.config.slurm is not None:
+            return self.config.slurm.join_token(num_joins)
+        return uuid.uuid4().hex
+
     def _join(self) -> None:
         """JoinJob (`join_job`: retried until the connect timeout); raises
         RpcError for a permanent error (unknown job, bad token)."""
         req = wpb.JoinJobRequest(job_id=self.config.job_id, host=self.config.host,
                                  rendezvous_port=self._rendezvous_port(),
                                  num_local_ranks=self.config.nproc_per_node,
-                                 join_token=uuid.uuid4().hex)
+                                 join_token=self._join_token())
         resp = join_job(self._join_stub, req,
                         deadline=time.monotonic() + self.config.connect_timeout_s,
                         attempt_timeout_s=RPC_TIMEOUT_S, drain_reason=lambda: self._drain_reason)

@@ -1,0 +1,166 @@
+"""`springback run` under Slurm: the task an agent learns from ``SLURM_*``
+(`worker/agent/slurm.py`), and a job over three nodes of a real Slurm
+(tests/slurmcluster.py: slurmctld and three ``slurmd -N``) that loses one node
+to an admin's ``scontrol update state=down`` and still ends exactly once.
+
+The real-Slurm test is marked ``slurm`` and left out of the default run
+(``bash deploy/local/test.sh -m slurm`` runs it)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from applied import check_applied
+from cluster import steps
+from draws import check_draws
+from fakeplans import TINY_TRAIN
+from sbtest import wait_for
+from slurmcluster import SlurmCluster, missing
+from springback.client import env as E
+from springback.service.membership import _member_id
+from springback.v1 import types_pb2 as pb
+from springback.worker.agent import slurm
+from springback.worker.train.audit import check_exactly_once
+
+NUM_SAMPLES, BATCH, MAX_STEPS = 256, 12, 60
+SPEC = {"name": "tiny-slurm", "min_workers": 2, "max_workers": 3,
+        "data": {"num_samples": NUM_SAMPLES, "global_batch_size": BATCH, "seed": 1},
+        "max_steps": MAX_STEPS}
+ENDED = (pb.JOB_STATE_SUCCEEDED, pb.JOB_STATE_FAILED, pb.JOB_STATE_CANCELLED)
+
+
+class TestSlurmTaskDetection:
+    def test_a_task_is_named_by_its_job_step_node_requeues_and_local_id(self):
+        task = slurm.detect({"SLURM_JOB_ID": "42", "SLURM_STEP_ID": "0",
+                             "SLURMD_NODENAME": "gpu-7", "SLURM_RESTART_COUNT": "2",
+                             "SLURM_LOCALID": "0", "SLURM_NTASKS_PER_NODE": "1"})
+        assert task is not None
+        assert task.join_token(0) == "slurm/42.0/gpu-7/r2/t0/j0"
+        assert task.join_token(1) == "slurm/42.0/gpu-7/r2/t0/j1"  # a rejoin after a fence
+
+    def test_a_requeued_job_is_a_new_member_and_a_restarted_task_the_same(self):
+        env = {"SLURM_JOB_ID": "42", "SLURM_STEP_ID": "0", "SLURMD_NODENAME": "gpu-7"}
+        first, again = slurm.detect(env), slurm.detect(dict(env))
+        requeued = slurm.detect({**env, "SLURM_RESTART_COUNT": "1"})
+        assert first and again and requeued
+        assert first.join_token(0) == again.join_token(0)
+        assert requeued.join_token(0) != first.join_token(0)
+
+    def test_outside_a_job_step_there_is_no_task(self):
+        assert slurm.detect({}) is None
+        assert slurm.detect({"SLURM_JOB_ID": "42"}) is None  # an salloc shell on a login node
+
+    def test_the_batch_step_and_bad_counters_still_name_a_task(self):
+        task = slurm.detect({"SLURM_JOB_ID": "42", "SLURMD_NODENAME": "n1",
+                             "SLURM_RESTART_COUNT": "x"})
+        assert task is not None and task.join_token(0) == "slurm/42.batch/n1/r0/t0/j0"
+
+    def test_a_long_or_odd_node_name_still_makes_a_valid_distinct_token(self):
+        names = ["n" * 200 + "a", "n" * 200 + "b", "nöde"]
+        tokens = {slurm.SlurmTask(job_id="1", step_id="0", node_name=n).join_token(0)
+                  for n in names}
+        assert len(tokens) == 3
+        assert all(len(t) <= slurm.MAX_JOIN_TOKEN and t.isascii() and t.isprintable()
+                   for t in tokens)
+
+    def test_a_node_name_that_does_not_resolve_leaves_the_host_to_the_default(self):
+        task = slurm.SlurmTask(job_id="1", step_id="0", node_name="no-such-node.invalid")
+        assert slurm.node_address(task) is None
+
+
+@pytest.fixture(scope="module")
+def slurm_cluster(tmp_path_factory) -> Iterator[SlurmCluster]:
+    """One Slurm for the module's tests (it starts in about a second)."""
+    why = missing()
+    if why:
+        pytest.skip(why)
+    cluster = SlurmCluster(tmp_path_factory.mktemp("slurm"))
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def _srun_agents(slurm_cluster: SlurmCluster, root: Path, job_id: str,
+                 coordinator: str) -> subprocess.Popen:
+    """One agent per Slurm node, as a user's sbatch script runs them: a lost
+    node (``--no-kill``) does not take the step down."""
+    env = dict(slurm_cluster.env, **{
+        E.AUDIT_DIR: str(root / "audit"), E.METRICS_FILE: str(root / "metrics.jsonl"),
+        "TINY_STEP_SLEEP_S": "0.1", "PYTHONUNBUFFERED": "1"})
+    env.pop("SPRINGBACK_HOST", None)
+    return subprocess.Popen(
+        ["srun", "--no-kill", f"-N{len(slurm_cluster.nodes)}", "--ntasks-per-node=1",
+         "--job-name=springback-agents", f"--output={root}/agent-%t.log",
+         sys.executable, "-m", "springback.worker.agent", "--job", job_id,
+         "--coordinator", coordinator, "--drain-timeout-s", "30",
+         "--", sys.executable, TINY_TRAIN],
+        env=env, cwd=root, stdout=open(root / "srun.log", "ab"),  # noqa: SIM115
+        stderr=subprocess.STDOUT)
+
+
+def _agent_log(root: Path, node: str) -> str:
+    """The log of the agent that ran on Slurm node `node` (it names its node)."""
+    for path in root.glob("agent-*.log"):
+        text = path.read_text(errors="replace")
+        if f" on node {node} " in text:
+            return text
+    raise AssertionError(f"no agent log names node {node}")
+
+
+@pytest.mark.slurm
+class TestUnderSlurm:
+    @pytest.mark.timeout(240)
+    def test_a_node_set_down_by_the_admin_leaves_the_others_to_finish_exactly_once(
+            self, slurm_cluster, client, coordinator_address, tmp_path):
+        created = client.create_job(SPEC)
+        srun = _srun_agents(slurm_cluster, tmp_path, created.id, coordinator_address)
+        try:
+            slurm_job = wait_for(lambda: slurm_cluster.jobs()[:1], 20, "the Slurm job")[0]
+            # Every agent joined under its Slurm task's name.
+            expected = {_member_id(created.id, slurm.SlurmTask(
+                job_id=slurm_job, step_id="0", node_name=n).join_token(0))
+                for n in slurm_cluster.nodes}
+            wait_for(lambda: any(r["world_size"] == 3 and r["step"] >= 10
+                                 for r in steps(tmp_path)), 90, "world size 3 at step 10")
+            assert set(client.get_job(created.id).status.members) == expected
+            logs = "".join(p.read_text(errors="replace") for p in tmp_path.glob("agent-*.log"))
+            assert logs.count("running under Slurm") == 3, logs
+            before = max(r["step"] for r in steps(tmp_path))
+
+            slurm_cluster.set_down("node3")  # its task gets SIGKILL at once
+
+            job = wait_for(lambda: (j := client.get_job(created.id)).status.state in ENDED
+                           and j, 120, "the job to end")
+            assert job.status.state == pb.JOB_STATE_SUCCEEDED, job.status.message
+            assert job.status.step == MAX_STEPS
+            srun.wait(timeout=60)  # every agent ended: the ranks wrote their audit
+            for node in ("node1", "node2"):  # the survivors ended as agents do
+                assert "all local ranks finished" in _agent_log(tmp_path, node)
+            after = [r for r in steps(tmp_path) if r["world_size"] == 2 and r["step"] > before]
+            assert after, "no step ran with the two survivors"
+            applied = check_applied(tmp_path / "audit", num_samples=NUM_SAMPLES,
+                                    global_batch_size=BATCH, seed=SPEC["data"]["seed"],
+                                    last_step=MAX_STEPS)
+            assert applied.ok, applied
+            draws = check_draws(tmp_path / "audit")
+            assert draws.ok, draws
+            report = check_exactly_once(str(tmp_path / "audit"), num_samples=NUM_SAMPLES,
+                                        global_batch_size=BATCH, last_step=MAX_STEPS)
+            assert report.ok, report
+        finally:
+            if srun.poll() is None:
+                srun.kill()
+                srun.wait(timeout=10)
+            try:  # the next test of the module gets three idle nodes again
+                for job in slurm_cluster.jobs():
+                    slurm_cluster.run("scancel", job)
+                if slurm_cluster.node_states().get("node3", "").startswith("down"):
+                    slurm_cluster.run("scontrol", "update", "nodename=node3", "state=resume")
+            except subprocess.SubprocessError as e:
+                print(f"Slurm not reset after the test: {e}")
