@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs everything Springback needs on Debian 12 / Python 3.11, idempotently:
-# the etcd server, python3-venv, Chromium with its WebDriver (for the dashboard's browser test) and
+# the etcd server, python3-venv, Chromium with its WebDriver (for the dashboard's browser test), Slurm
+# (for the tests against a real Slurm) and
 # when missing (apt), a virtual environment in .venv with CPU torch and the package itself (editable)
 # with its test extras. Safe to run again.
 set -euo pipefail
@@ -15,6 +16,9 @@ command -v etcd >/dev/null 2>&1 || packages+=(etcd-server)
 # Debian's own Chromium and chromedriver: tests/worker/test_dashboard.py drives them (selenium).
 [ -x /usr/bin/chromium ] || packages+=(chromium)
 [ -x /usr/bin/chromedriver ] || packages+=(chromium-driver)
+# Debian's own Slurm 22.05 (~40 s with the apt update): tests/slurmcluster.py runs slurmctld and
+# three slurmd on loopback for the `slurm` tests (auth/none: munge comes along, unused).
+command -v slurmctld >/dev/null 2>&1 || packages+=(slurmctld slurmd slurm-client)
 if [ ${#packages[@]} -gt 0 ]; then
   echo "setup: installing ${packages[*]} (apt)"
   if [ "$(id -u)" = 0 ]; then sudo=""; else sudo="sudo"; fi
