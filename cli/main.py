@@ -2,7 +2,9 @@
 
 Global options (accepted before or after the subcommand):
 ``--coordinator ADDR[,ADDR…]`` ($SPRINGBACK_COORDINATOR), ``--token``
-($SPRINGBACK_TOKEN), ``--json`` (machine-readable output, one object per
+($SPRINGBACK_TOKEN), ``--token-file`` ($SPRINGBACK_TOKEN_FILE: its first
+line; it wins over $SPRINGBACK_TOKEN, and a ``--token`` on the command line,
+which every local user sees in /proc/*/cmdline, is logged as a warning), ``--json`` (machine-readable output, one object per
 line for streams). Exit codes: 0 success, 1 the API refused or failed, 2 bad
 usage or input (the message names the field or file).
 """
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import signal
 import sys
@@ -38,6 +41,40 @@ if TYPE_CHECKING:
 
 ENV_VIEWER_TOKEN = "SPRINGBACK_VIEWER_TOKEN"
 """The coordinator's read-only token (`--viewer-token`)."""
+ENV_TOKEN_FILE = "SPRINGBACK_TOKEN_FILE"
+"""A file whose first line is the token (`--token-file`)."""
+
+log = logging.getLogger(__name__)
+
+
+def read_token_file(path: str) -> str:
+    """The first line of `path`, stripped. Raises InvalidArgument naming
+    ``token-file`` for a file that cannot be read or whose first line is empty."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            token = f.readline().strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise InvalidArgument("token-file", f"{path!r} cannot be read: "
+                              f"{getattr(e, 'strerror', None) or e}") from None
+    if not token:
+        raise InvalidArgument("token-file", f"{path!r}: its first line is empty")
+    return token
+
+
+def _resolve_token(args: argparse.Namespace, argv: Sequence[str]) -> None:
+    """Sets ``args.token`` from ``--token-file`` / $SPRINGBACK_TOKEN_FILE when
+    given (refusing it beside a ``--token`` on the command line), and warns
+    about a ``--token`` on the command line."""
+    on_command_line = any(a == "--token" or a.startswith("--token=") for a in argv)
+    if on_command_line:
+        log.warning("--token on the command line is visible to every local user "
+                    "(/proc/*/cmdline, ps): use --token-file or $%s (or $%s)",
+                    ENV_TOKEN_FILE, ENV_TOKEN)
+    token_file = getattr(args, "token_file", None)
+    if token_file:
+        if on_command_line:
+            raise InvalidArgument("token-file", "give --token or --token-file, not both")
+        args.token = read_token_file(token_file)
 
 
 def _human_job(job: pb.Job, events: list | None = None) -> str:
@@ -248,7 +285,12 @@ def _add_global(parser: argparse.ArgumentParser, suppress: bool) -> None:
     parser.add_argument("--coordinator", default=default(os.environ.get(ENV_COORDINATOR)),
                         help=f"coordinator address(es), comma-separated (${ENV_COORDINATOR})")
     parser.add_argument("--token", default=default(os.environ.get(ENV_TOKEN)),
-                        help=f"bearer token (${ENV_TOKEN})")
+                        help=f"bearer token (${ENV_TOKEN}); on the command line every local "
+                             "user can read it: prefer --token-file")
+    parser.add_argument("--token-file", metavar="FILE",
+                        default=default(os.environ.get(ENV_TOKEN_FILE) or None),
+                        help=f"file whose first line is the bearer token (${ENV_TOKEN_FILE}); "
+                             f"wins over ${ENV_TOKEN}")
     parser.add_argument("--json", action="store_true", default=default(False),
                         help="machine-readable output")
 
@@ -353,8 +395,10 @@ def _add_run_command(commands: Any, common: argparse.ArgumentParser) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     logs.configure()
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     try:
+        _resolve_token(args, argv)
         return int(args.handler(args) or 0)
     except ApiError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -336,3 +336,46 @@ class TestTokenStrength:
         assert main(["coordinator", "--etcd", "http://127.0.0.1:1", "--token", "s3cret-token"]) == 2
         err = capsys.readouterr().err
         assert "--token given is too weak" in err and "s3cret-token" not in err
+
+
+class TestTokenFile:
+    """The token from a file (``--token-file`` or $SPRINGBACK_TOKEN_FILE) keeps
+    it out of /proc/*/cmdline; a ``--token`` there is logged as a warning."""
+
+    @pytest.mark.parametrize("how", ["flag", "environment"])
+    def test_a_coordinator_takes_its_token_from_a_file(self, spawn_coordinator, tmp_path,
+                                                       monkeypatch, how):
+        path = tmp_path / "token"
+        path.write_text(TOKEN + "\n")
+        path.chmod(0o600)
+        monkeypatch.delenv("SPRINGBACK_TOKEN", raising=False)
+        if how == "environment":
+            monkeypatch.setenv("SPRINGBACK_TOKEN_FILE", str(path))
+        replica = spawn_coordinator(*(["--token-file", str(path)] if how == "flag" else []))
+        with open(f"/proc/{replica.process.pid}/cmdline", "rb") as f:
+            assert TOKEN.encode() not in f.read()
+        with Client(replica.address, token="wrong") as bad:
+            with pytest.raises(ApiError) as e:
+                bad.list_jobs()
+            assert e.value.code == grpc.StatusCode.UNAUTHENTICATED
+        with Client(replica.address, token=TOKEN) as good:
+            assert good.list_jobs() == []
+        assert "--token on the command line" not in open(replica.log_path).read()
+
+    def test_a_token_on_the_command_line_is_logged_as_a_warning(self, spawn_coordinator):
+        replica = spawn_coordinator("--token", TOKEN)
+        log = open(replica.log_path).read()
+        assert "--token on the command line is visible" in log and TOKEN not in log
+
+    def test_an_empty_or_missing_file_or_both_ways_are_refused(self, tmp_path, capsys):
+        from springback.cli.main import main
+
+        empty = tmp_path / "empty"
+        empty.write_text("\n")
+        for argv, why in (
+                (["--token-file", str(empty)], "its first line is empty"),
+                (["--token-file", str(tmp_path / "none")], "cannot be read"),
+                (["--token", TOKEN, "--token-file", str(empty)], "not both")):
+            assert main([*argv, "--coordinator", "127.0.0.1:1", "job", "list"]) == 2
+            err = capsys.readouterr().err
+            assert "token-file" in err and why in err, err
