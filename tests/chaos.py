@@ -3,10 +3,11 @@
 `Deployment` starts what a real job runs on, all on loopback: a 3-member etcd
 cluster, two `springback coordinator` replicas (each reaching every etcd
 member through its own `NetProxy`), a moto S3 server behind a `NetProxy`
-(the checkpoints' store), and node agents whose coordinator connections go
-through one `NetProxy` per replica. `Faults` injects one fault of a class by
-name and undoes what must be undone (a restarted member, a healed link), so
-a soak draws them at random::
+and an HTTP fault proxy (`s3faults.FaultyS3`: the checkpoints' store), and
+node agents whose coordinator connections go through one `NetProxy` per
+replica. `Faults` injects one fault of a class by name and undoes what
+must be undone (a restarted member, a healed link), so a soak draws them at
+random::
 
     with Deployment(tmp_path) as deployment:
         job = deployment.create_job(spec)
@@ -22,7 +23,9 @@ Faults (names in `FAULTS`), by class:
   ``drain-node`` (SIGTERM: the node drains and leaves; a new node replaces it),
   ``skewed-node`` (a node SIGKILLed and replaced by one whose wall clock runs a
   day ahead, an hour behind, and jumps between the two at later faults:
-  tests/wallclock);
+  tests/wallclock); ``crash-every-rank`` (every rank of every node SIGKILLed
+  at once while the agents live on: a correlated crash, the job restarts
+  every rank and restores from the store);
 * inside recovery: ``kill-in-recovery`` (a node SIGKILLed, then a second one
   0-1.5 s after the coordinator planned the next generation: inside its
   rendezvous, state agreement, exchange, hand-over or restore; both replaced);
@@ -39,7 +42,11 @@ Faults (names in `FAULTS`), by class:
   10 s);
 * storage: ``reset-storage`` (every S3 connection reset, twice over a few
   seconds: uploads and commits in flight fail and are retried),
-  ``slow-storage`` (S3 delayed 300 ms each way for 10 s).
+  ``slow-storage`` (S3 delayed 300 ms each way for 10 s),
+  ``storage-brownout-restore`` (every node SIGKILLed and replaced while S3
+  answers 15 % of requests 503 SlowDown, resets 5 % before and 5 % after the
+  server answered and truncates 10 % of GET bodies, until the new nodes have
+  restored and trained a step: `s3faults.FaultInjector.rate`).
 """
 
 from __future__ import annotations
@@ -52,17 +59,18 @@ import uuid
 from pathlib import Path
 
 import sockreset
-from cluster import AgentProcess, children
+from cluster import AgentProcess, children, steps
 from etcdcluster import EtcdCluster
 from netproxy import NetProxy
+from s3faults import FaultyS3
 from sbtest import CoordinatorProcess, wait_for
 from springback.cli.local import free_port
 from springback.client.api import Client
 
-FAULTS = ("kill-node", "kill-rank", "stop-node", "drain-node", "skewed-node", "kill-in-recovery",
-          "reset-rank-links", "slow-agent-links", "reset-agent-links", "refuse-agent-links",
-          "kill-replica", "term-replica", "cut-replica", "kill-etcd-member", "etcd-quorum-loss",
-          "reset-storage", "slow-storage")
+FAULTS = ("kill-node", "kill-rank", "stop-node", "drain-node", "skewed-node", "crash-every-rank",
+          "kill-in-recovery", "reset-rank-links", "slow-agent-links", "reset-agent-links",
+          "refuse-agent-links", "kill-replica", "term-replica", "cut-replica", "kill-etcd-member",
+          "etcd-quorum-loss", "reset-storage", "slow-storage", "storage-brownout-restore")
 
 WALLCLOCK_SHIM = str(Path(__file__).resolve().parent / "wallclock")
 LIVENESS_S = 3.0
@@ -90,7 +98,9 @@ class Deployment:
         self._s3 = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
         self._s3.start()
         host, port = self._s3.get_host_and_port()
-        self.storage_link = NetProxy(f"http://{host}:{port}")
+        # agents -> storage_link (TCP faults) -> storage_faults (HTTP faults) -> moto
+        self.storage_faults = FaultyS3(f"http://{host}:{port}")
+        self.storage_link = NetProxy(self.storage_faults.url)
         self.s3_env = {"SPRINGBACK_S3_ENDPOINT_URL": self.storage_link.url,
                        "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
                        "AWS_DEFAULT_REGION": "us-east-1"}
@@ -142,6 +152,7 @@ class Deployment:
         for link in [*self.agent_links, self.storage_link,
                      *(lk for links in self.etcd_links.values() for lk in links)]:
             link.close()
+        self.storage_faults.close()
         self._s3.stop()
         self.etcd.stop()
 
@@ -245,6 +256,17 @@ class Faults:
             earlier.write_text("-3600" if float(earlier.read_text()) > 0 else "86400")
         return f"{victim} replaced by a node {clock.read_text()} s off"
 
+    def _crash_every_rank(self) -> str | None:
+        if not self._full():
+            return None
+        ranks = [pid for n in self.d.live_nodes() for pid in children(self.d.agents[n].pid)]
+        for pid in ranks:  # one after another at once: a correlated crash, agents live on
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        return f"{len(ranks)} ranks"
+
     # -- networks ------------------------------------------------------------
 
     def _reset_rank_links(self) -> str | None:
@@ -333,6 +355,30 @@ class Faults:
         self._hold_for(10)
         self.d.storage_link.heal()
         return "300 ms for 10 s"
+
+    def _storage_brownout_restore(self) -> str | None:
+        if not (live := self._full()):
+            return None
+        injector = self.d.storage_faults.injector
+        before = len(injector.injected)
+        with Client(self.d.coordinator) as client:
+            for name in live:
+                self.d.agents[name].signal_node(signal.SIGKILL)
+            for name in live:
+                self.d.agents[name].wait(30)
+            generation = wait_for(lambda: client.get_job(self.job_id), 30,
+                                  "the job").status.generation
+        injector.rate(self.rng.randrange(2**32))
+        try:
+            for _ in live:
+                self.d.start_node(self.job_id)
+            # the brown-out lasts the restore: until the new nodes trained a step
+            wait_for(lambda: any(r["generation"] > generation for r in steps(self.d.root)), 240,
+                     "a step after the restore through the brown-out")
+        finally:
+            injector.clear()
+        return (f"{len(live)} nodes replaced, {len(injector.injected) - before} "
+                f"requests failed")
 
     @staticmethod
     def _hold_for(seconds: float) -> None:
