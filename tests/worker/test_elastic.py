@@ -420,6 +420,22 @@ class TestEveryRankCrashes:
             agent.wait(60)
 
 
+    @pytest.mark.parametrize("cluster", [{**TWO_CHECKPOINTED, "failures": {"max_per_step": 2}}],
+                             indirect=True)
+    def test_a_script_error_at_the_same_step_fails_the_job_naming_the_exception(
+            self, cluster, tmp_path):
+        """The script raises at step 15 every time: FAILED after max_per_step
+        generations, the message naming the progress step and the exception
+        line the rank printed (its agent reads it from the rank's output)."""
+        agents = [cluster.start(n, env={"TINY_RAISE_AT_STEP": "15"}) for n in ("a", "b")]
+        job = wait_for(lambda: (j := cluster.job()).status.state == pb.JOB_STATE_FAILED and j,
+                       90, "the job to fail")
+        assert f"at step {job.status.step} without progress" in job.status.message
+        assert "RuntimeError: tiny_train: bad batch at step 15" in job.status.message, \
+            job.status.message
+        for agent in agents:
+            agent.wait(60)
+
 class TestAgentMetrics:
     @pytest.mark.parametrize("cluster", [CHECKPOINTED], indirect=True)
     def test_the_agent_serves_its_plan_and_its_ranks_statistics(self, cluster, tmp_path):

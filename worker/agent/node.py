@@ -309,7 +309,12 @@ class Agent:
         stats = rankstats.read_all(self._publisher.directory).get(local_rank) if pid else None
         if stats is not None and stats.get("pid") == pid and stats.get("seen_generation"):
             generation = min(generation, int(stats["seen_generation"]))
-        reason = reason or f"local rank {local_rank} of {self.member.id} exited with status {code}"
+        if not reason:
+            reason = f"local rank {local_rank} of {self.member.id} exited with status {code}"
+            proc = self._local.ranks.get(local_rank)
+            error = self._rank_logs.last_error(proc) if proc is not None and proc.pid == pid else ""
+            if error:
+                reason += f": {error}"
         log.warning("%s; reporting failure", reason)
         try:
             self._stub.ReportFailure(wpb.ReportFailureRequest(

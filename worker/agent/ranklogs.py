@@ -20,6 +20,7 @@ ships what is left, once, within the store's retry budget.
 from __future__ import annotations
 
 import logging
+import re
 import subprocess
 import sys
 import threading
@@ -28,6 +29,9 @@ from collections.abc import Callable
 from typing import IO, Any
 
 log = logging.getLogger("springback.agent.logs")
+
+_RANK_PREFIX = re.compile(rb"^(?:\[[^\]\n]{1,32}\]:? ?)+")
+"""Leading tags such as torch's ``[rank0]: `` on a rank's output lines."""
 
 
 def job_logs_base(plan: Any, job_id: str) -> str | None:
@@ -69,6 +73,19 @@ class RankLogs:
         self._stop = threading.Event()
         self._shipper = threading.Thread(target=self._ship_loop, name="rank-logs", daemon=True)
         self._stores: dict[str, Any] = {}
+        self._last_error: dict[int, str] = {}  # pid -> the last traceback's exception line
+        self._reader_of: dict[int, threading.Thread] = {}
+
+    def last_error(self, proc: subprocess.Popen, wait_s: float = 0.5) -> str:
+        """The exception line ending the last Python traceback `proc` printed
+        (``ValueError: bad batch``), or ``""``; waits up to `wait_s` for its
+        output to be read to the end (the caller saw it exit). Cut to 300
+        characters: it goes into a failure report."""
+        reader = self._reader_of.get(proc.pid)
+        if reader is not None:
+            reader.join(timeout=wait_s)
+        with self._lock:
+            return self._last_error.get(proc.pid, "")[:300]
 
     def start(self) -> None:
         self._shipper.start()
@@ -78,11 +95,20 @@ class RankLogs:
         reader = threading.Thread(target=self._read, args=(proc,), name=f"rank-log-{proc.pid}",
                                   daemon=True)
         self._readers.append(reader)
+        self._reader_of[proc.pid] = reader
         reader.start()
 
     def _read(self, proc: subprocess.Popen) -> None:
         assert proc.stdout is not None
+        in_traceback = False
         for line in iter(proc.stdout.readline, b""):
+            text = _RANK_PREFIX.sub(b"", line)  # torch prefixes a rank's stderr: "[rank0]: "
+            if text.startswith(b"Traceback (most recent call last):"):
+                in_traceback = True
+            elif in_traceback and text.strip() and not text[:1].isspace():
+                in_traceback = False
+                with self._lock:
+                    self._last_error[proc.pid] = text.decode(errors="replace").strip()
             prefixed = f"[{self._label_of(proc)}] ".encode() + line
             if not prefixed.endswith(b"\n"):
                 prefixed += b"\n"
