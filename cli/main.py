@@ -29,6 +29,7 @@ from rich.text import Text
 from springback import __version__
 from springback.service import logs
 from springback.service.pacing import DEFAULT_BUDGET_PER_S
+from springback.client import env
 from springback.client.channel import ENV_COORDINATOR, ENV_TOKEN
 from springback.cli.history import add_job_commands, history_if_finished
 from springback.client.summary import job_summary
@@ -41,7 +42,7 @@ if TYPE_CHECKING:
 
 ENV_VIEWER_TOKEN = "SPRINGBACK_VIEWER_TOKEN"
 """The coordinator's read-only token (`--viewer-token`)."""
-ENV_TOKEN_FILE = "SPRINGBACK_TOKEN_FILE"
+ENV_TOKEN_FILE = env.TOKEN_FILE
 """A file whose first line is the token (`--token-file`)."""
 
 log = logging.getLogger(__name__)

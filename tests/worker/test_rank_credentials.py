@@ -35,8 +35,11 @@ def test_ranks_train_and_commit_with_their_member_credential_never_the_operator_
         job = client.create_job(make_spec(
             max_workers=1, max_steps=20,
             checkpoint={"uri": f"file://{tmp_path}/ckpt", "every_steps": 5, "keep_last": 0}))
+        token_file = tmp_path / "token"
+        token_file.write_text(TOKEN + "\n")
         agent = AgentProcess(tmp_path, "a", job.id, server.address, nproc=2, env={
             E.TOKEN: TOKEN,  # the agent's own: inherited by nothing it starts
+            E.TOKEN_FILE: str(token_file),  # nor where a file of it lies
             "TINY_STEP_SLEEP_S": "0.2"})
         try:
             wait_for(lambda: client.get_job(job.id).status.step >= 2, 60, "training")
@@ -45,6 +48,7 @@ def test_ranks_train_and_commit_with_their_member_credential_never_the_operator_
             assert len(ranks) >= 2 and all(environs), ranks
             for environ in environs:
                 assert TOKEN.encode() not in environ
+                assert str(token_file).encode() not in environ
             wait_for(lambda: client.get_job(job.id).status.state in (
                 pb.JOB_STATE_SUCCEEDED, pb.JOB_STATE_FAILED), 120, "the job to end")
         finally:

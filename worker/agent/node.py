@@ -228,10 +228,12 @@ class Agent:
             environ[E.MEMBER_ID] = self.member.id
             environ[E.CONTROL_DIR] = self._publisher.directory
         # Ranks never get the operator token (not even inherited from this
-        # agent's environment): only this member's own credential, which makes
-        # only this member's calls (service/credentials.py); a standby, started
-        # before the join, is handed it at activation (`_identity`).
+        # agent's environment, nor where its file is): only this member's own
+        # credential, which makes only this member's calls
+        # (service/credentials.py); a standby, started before the join, is
+        # handed it at activation (`_identity`).
         environ.pop(E.TOKEN, None)
+        environ.pop(E.TOKEN_FILE, None)
         if self.member is not None and self._member_credential:
             environ[E.TOKEN] = self._member_credential
         if self.config.host.startswith("127.") and "GLOO_SOCKET_IFNAME" not in environ:
