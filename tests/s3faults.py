@@ -12,12 +12,15 @@ of a real S3 server (moto), shared by the storage tests (tests/storage/conftest.
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import random
 import socket
 import threading
 import time
+import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from collections.abc import Iterator
 from typing import Any
 
 
@@ -207,3 +210,29 @@ class FaultyS3:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+@contextlib.contextmanager
+def moto_bucket(prefix: str) -> Iterator[tuple[str, str]]:
+    """A moto S3 server on loopback with a fresh bucket made directly (not
+    through any proxy): yields (bucket name, the server's URL); stopped after."""
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
+    server.start()
+    try:
+        host, port = server.get_host_and_port()
+        bucket = f"{prefix}-{uuid.uuid4().hex[:8]}"
+        boto3.client("s3", endpoint_url=f"http://{host}:{port}", region_name="us-east-1",
+                     aws_access_key_id="testing",
+                     aws_secret_access_key="testing").create_bucket(Bucket=bucket)
+        yield bucket, f"http://{host}:{port}"
+    finally:
+        server.stop()
+
+
+def agent_s3_env(endpoint: str) -> dict[str, str]:
+    """What an agent (and its ranks) needs to reach the S3 server at `endpoint`."""
+    return {"SPRINGBACK_S3_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "testing",
+            "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}

@@ -21,13 +21,12 @@ from __future__ import annotations
 import re
 import signal
 import time
-import uuid
 from pathlib import Path
 
 import pytest
 from applied import check_applied
 from cluster import AgentProcess, steps
-from s3faults import FaultyS3
+from s3faults import FaultyS3, agent_s3_env, moto_bucket
 from sbtest import wait_for
 from springback.v1 import types_pb2 as pb
 from springback.worker.train.audit import check_exactly_once
@@ -47,21 +46,8 @@ WHOLE_LOAD_RETRY = re.compile(r"transient error \w+ \S+ \(attempt \d+\), trying 
 def s3():
     """A moto S3 server, a bucket made directly, and the fault proxy in front of
     it that the agents use: (bucket URI, proxy, the agents' S3 environment)."""
-    import boto3
-    from moto.server import ThreadedMotoServer
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
-    server.start()
-    host, port = server.get_host_and_port()
-    bucket = f"brownout-{uuid.uuid4().hex[:8]}"
-    boto3.client("s3", endpoint_url=f"http://{host}:{port}", region_name="us-east-1",
-                 aws_access_key_id="testing",
-                 aws_secret_access_key="testing").create_bucket(Bucket=bucket)
-    with FaultyS3(f"http://{host}:{port}") as proxy:
-        env = {"SPRINGBACK_S3_ENDPOINT_URL": proxy.url, "AWS_ACCESS_KEY_ID": "testing",
-               "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
-        yield f"s3://{bucket}/ckpt", proxy, env
-    server.stop()
+    with moto_bucket("brownout") as (bucket, endpoint), FaultyS3(endpoint) as proxy:
+        yield f"s3://{bucket}/ckpt", proxy, agent_s3_env(proxy.url)
 
 
 def _spec(uri: str) -> dict:

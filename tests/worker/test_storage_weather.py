@@ -9,13 +9,13 @@ from __future__ import annotations
 import os
 import signal
 import time
-import uuid
 from pathlib import Path
 
 import pytest
 from applied import check_applied
 from cluster import AgentProcess, steps
 from netproxy import NetProxy
+from s3faults import agent_s3_env, moto_bucket
 from sbtest import wait_for
 from springback.storage.retry import ENV_DEADLINE_S, ENV_MAX_ATTEMPTS
 from springback.v1 import types_pb2 as pb
@@ -34,25 +34,11 @@ pytestmark = pytest.mark.timeout(240 + OUTAGE_S)
 
 
 @pytest.fixture
-def s3(tmp_path):
+def s3():
     """A moto S3 server, a bucket made directly, and a proxy in front of it
     that the agents use: (bucket URI, proxy, the agents' S3 environment)."""
-    import boto3
-    from moto.server import ThreadedMotoServer
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
-    server.start()
-    host, port = server.get_host_and_port()
-    bucket = f"weather-{uuid.uuid4().hex[:8]}"
-    boto3.client("s3", endpoint_url=f"http://{host}:{port}", region_name="us-east-1",
-                 aws_access_key_id="testing",
-                 aws_secret_access_key="testing").create_bucket(Bucket=bucket)
-    with NetProxy(f"http://{host}:{port}") as proxy:
-        env = {"SPRINGBACK_S3_ENDPOINT_URL": proxy.url, "AWS_ACCESS_KEY_ID": "testing",
-               "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
-               **QUICK_GIVE_UP}
-        yield f"s3://{bucket}/ckpt", proxy, env
-    server.stop()
+    with moto_bucket("weather") as (bucket, endpoint), NetProxy(endpoint) as proxy:
+        yield f"s3://{bucket}/ckpt", proxy, {**agent_s3_env(proxy.url), **QUICK_GIVE_UP}
 
 
 def _spec(uri: str, **failures) -> dict:
