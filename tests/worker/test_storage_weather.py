@@ -84,7 +84,6 @@ def test_a_store_down_during_the_restore_makes_the_job_wait_then_resume_by_itsel
                    OUTAGE_S + 120, "the outage to outlast two more restores")
     assert job.status.HasField("storage_unavailable_since")
     assert job.status.state == pb.JOB_STATE_RUNNING
-    failures = job.status.num_failures
     proxy.heal()
     outage_s = time.monotonic() - outage_started
 
@@ -92,7 +91,11 @@ def test_a_store_down_during_the_restore_makes_the_job_wait_then_resume_by_itsel
                    "the job to end")
     assert job.status.state == pb.JOB_STATE_SUCCEEDED, job.status.message
     assert not job.status.HasField("storage_unavailable_since")
-    assert job.status.num_failures == failures, "a storage outage counted as a failure"
+    # the ranks lived through the outage: no agent reported a rank's exit. (A
+    # peer's break may be counted: when the store comes back mid-start, one
+    # rank's restore can succeed while its peer's last read fails, and the
+    # first sees a broken start, which never counts toward max_per_step.)
+    assert not any("reporting failure" in a.log() for a in second), "a rank exited"
     assert job.status.num_restores >= 1
     resumed = [r for r in steps(tmp_path) if r["generation"] > generation]
     assert min(r["step"] for r in resumed) == committed + 1, "not resumed after the newest commit"
