@@ -12,6 +12,8 @@ import sys
 from springback.worker.train.boundary import StepBoundary, Vote
 from springback.worker.rank.rendezvous import form_group, leave_group
 
+from peerexit import exit_without_finalizing
+
 
 class Warnings(logging.Handler):
     def __init__(self) -> None:
@@ -51,4 +53,4 @@ def main(rank: int, port: int) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(int(sys.argv[1]), int(sys.argv[2])))
+    exit_without_finalizing(main(int(sys.argv[1]), int(sys.argv[2])))

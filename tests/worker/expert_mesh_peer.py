@@ -13,6 +13,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from springback.worker import expert_mesh
 from springback.worker.state.mesh import MeshLayout, build_mesh
 
+from peerexit import exit_without_finalizing
+
 LAYOUTS = {"hsdp-ep2": MeshLayout(replicate=2, shard=2, ep=2),
            "tp2-ep2": MeshLayout(shard=2, tp=2, ep=2),
            "hsdp-ep1": MeshLayout(replicate=2, shard=2)}
@@ -45,4 +47,4 @@ def main(rank: int, world: int, store_path: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]))
+    exit_without_finalizing(main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]))

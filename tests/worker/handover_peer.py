@@ -27,6 +27,8 @@ from springback.v1 import types_pb2 as pb
 from springback.worker.rank.context import RankContext
 from springback.worker.train.agreement import StateAgreement
 
+from peerexit import exit_without_finalizing
+
 RANK, WORLD, STORE = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 VICTIM = int(sys.argv[4]) if len(sys.argv) > 4 else -1
 JOINER = WORLD - 1
@@ -97,8 +99,7 @@ def main() -> None:
         result["error"] = str(e).splitlines()[0]
     result.update(step=ctx.state_step, digest=digest(ctx.state), sent=sent[0])
     print("RESULT " + json.dumps(result))
-    sys.stdout.flush()
-    os._exit(0)  # no teardown of a group a peer may have left (pytorch/pytorch#38228)
+    exit_without_finalizing(0)  # also: no teardown of a group a peer may have left
 
 
 main()

@@ -24,6 +24,8 @@ from springback.v1 import types_pb2 as pb
 from springback.worker.state.mesh import MeshLayout, build_mesh
 from springback.worker.train.checkpointing import restore_from_checkpoint
 
+from peerexit import exit_without_finalizing
+
 LAYOUTS = {  # name -> (replicate, shard, tp)
     "tp2-shard2": (1, 2, 2),
     "shard4": (1, 4, 1),
@@ -68,4 +70,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_without_finalizing(main())

@@ -13,6 +13,8 @@ import torch.distributed as dist
 
 from springback.worker.rank.rendezvous import form_group, leave_group, lost_peer_rank
 
+from peerexit import exit_without_finalizing
+
 
 def main(rank: int, port: int) -> int:
     store = form_group(job_id="leave", generation=1, rank=rank, world_size=2,
@@ -40,4 +42,4 @@ def main(rank: int, port: int) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(int(sys.argv[1]), int(sys.argv[2])))
+    exit_without_finalizing(main(int(sys.argv[1]), int(sys.argv[2])))

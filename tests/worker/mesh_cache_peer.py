@@ -11,6 +11,8 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 from springback.worker.rank.rendezvous import form_group, leave_group
 
+from peerexit import exit_without_finalizing
+
 
 def main(port: int) -> int:
     own = []
@@ -27,4 +29,4 @@ def main(port: int) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(int(sys.argv[1])))
+    exit_without_finalizing(main(int(sys.argv[1])))

@@ -31,6 +31,8 @@ from springback.worker.rank.context import RankContext
 from springback.worker.state.peercopy import GenerationCopies
 from springback.worker.state.sharded import ShardedModel
 
+from peerexit import exit_without_finalizing
+
 
 def build(mesh):  # noqa: ANN001, ANN201
     from torch.distributed.fsdp import fully_shard
@@ -99,12 +101,4 @@ def main(rank: int, root: str) -> None:
 
 if __name__ == "__main__":
     main(int(sys.argv[1]), sys.argv[2])
-    # The result is written. Leave without finalizing the interpreter: a gloo
-    # worker thread may still be dropping the last reference to a tensor of
-    # the gather just done (FSDP's), which takes the GIL; CPython ends a thread
-    # that takes it during finalization mid-destructor and the C++ runtime
-    # aborts ("terminate called without an active exception", exit -6:
-    # pytorch/pytorch#38228).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_without_finalizing(0)

@@ -29,6 +29,8 @@ from springback.v1 import types_pb2 as pb
 from springback.worker.state.mesh import MeshLayout, build_mesh
 from springback.worker.train.checkpointing import GenerationCheckpoints, restore_from_checkpoint
 
+from peerexit import exit_without_finalizing
+
 
 def plan_of(pp: int, dp: int, uri: str) -> pb.Plan:
     plan = pb.Plan(job_id="job-pp", generation=1, world_size=pp * dp, layout=pb.ParallelLayout(
@@ -78,4 +80,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_without_finalizing(main())

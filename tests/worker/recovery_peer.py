@@ -101,6 +101,8 @@ from springback.worker.rank.rendezvous import forget_meshes, leave_group
 from springback.worker.state.mesh import MeshLayout, build_mesh
 from springback.worker.state.sharded import ShardedModel
 
+from peerexit import exit_without_finalizing
+
 RANK, ROOT, SCENARIO = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 FULL = StateDictOptions(full_state_dict=True)
 result: dict[str, Any] = {"generations": [], "trained": {}}
@@ -706,8 +708,4 @@ if __name__ == "__main__":
      "fill": fill}[SCENARIO]()
     with open(os.path.join(ROOT, f"result-{RANK}.json"), "w", encoding="utf-8") as f:
         json.dump(result, f)
-    # Leave without finalizing the interpreter (see meta_build_peer.py:
-    # pytorch/pytorch#38228).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_without_finalizing(0)

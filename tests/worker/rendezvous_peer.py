@@ -8,6 +8,8 @@ import torch.distributed as dist
 
 from springback.worker.rank.rendezvous import RendezvousAborted, form_group, leave_group
 
+from peerexit import exit_without_finalizing
+
 
 def main(rank: int, port: int, fail_first: bool) -> int:
     common = {"job_id": "rdzv", "master_addr": "127.0.0.1", "master_port": port,
@@ -31,4 +33,4 @@ def main(rank: int, port: int, fail_first: bool) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1"))
+    exit_without_finalizing(main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1"))
