@@ -16,6 +16,12 @@ class StateLostPolicy(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     STATE_LOST_POLICY_RESTART: _ClassVar[StateLostPolicy]
     STATE_LOST_POLICY_FAIL: _ClassVar[StateLostPolicy]
 
+class StopAction(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    STOP_ACTION_UNSPECIFIED: _ClassVar[StopAction]
+    STOP_ACTION_PAUSE: _ClassVar[StopAction]
+    STOP_ACTION_FAIL: _ClassVar[StopAction]
+
 class JobState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     JOB_STATE_UNSPECIFIED: _ClassVar[JobState]
@@ -43,6 +49,9 @@ class PlanAction(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
 STATE_LOST_POLICY_UNSPECIFIED: StateLostPolicy
 STATE_LOST_POLICY_RESTART: StateLostPolicy
 STATE_LOST_POLICY_FAIL: StateLostPolicy
+STOP_ACTION_UNSPECIFIED: StopAction
+STOP_ACTION_PAUSE: StopAction
+STOP_ACTION_FAIL: StopAction
 JOB_STATE_UNSPECIFIED: JobState
 JOB_STATE_PENDING: JobState
 JOB_STATE_RUNNING: JobState
@@ -143,7 +152,7 @@ class FailurePolicy(_message.Message):
     def __init__(self, max_per_step: _Optional[int] = ..., window_s: _Optional[int] = ..., plan_wait_s: _Optional[int] = ..., on_state_lost: _Optional[_Union[StateLostPolicy, str]] = ..., storage_outage_s: _Optional[int] = ...) -> None: ...
 
 class JobSpec(_message.Message):
-    __slots__ = ("name", "min_workers", "max_workers", "layout", "data", "checkpoint", "max_steps", "failures", "peer_copies", "price_per_node_hour")
+    __slots__ = ("name", "min_workers", "max_workers", "layout", "data", "checkpoint", "max_steps", "failures", "peer_copies", "price_per_node_hour", "controls")
     NAME_FIELD_NUMBER: _ClassVar[int]
     MIN_WORKERS_FIELD_NUMBER: _ClassVar[int]
     MAX_WORKERS_FIELD_NUMBER: _ClassVar[int]
@@ -154,6 +163,7 @@ class JobSpec(_message.Message):
     FAILURES_FIELD_NUMBER: _ClassVar[int]
     PEER_COPIES_FIELD_NUMBER: _ClassVar[int]
     PRICE_PER_NODE_HOUR_FIELD_NUMBER: _ClassVar[int]
+    CONTROLS_FIELD_NUMBER: _ClassVar[int]
     name: str
     min_workers: int
     max_workers: int
@@ -164,7 +174,28 @@ class JobSpec(_message.Message):
     failures: FailurePolicy
     peer_copies: PeerCopySpec
     price_per_node_hour: float
-    def __init__(self, name: _Optional[str] = ..., min_workers: _Optional[int] = ..., max_workers: _Optional[int] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., data: _Optional[_Union[DataSpec, _Mapping]] = ..., checkpoint: _Optional[_Union[CheckpointSpec, _Mapping]] = ..., max_steps: _Optional[int] = ..., failures: _Optional[_Union[FailurePolicy, _Mapping]] = ..., peer_copies: _Optional[_Union[PeerCopySpec, _Mapping]] = ..., price_per_node_hour: _Optional[float] = ...) -> None: ...
+    controls: ControlsSpec
+    def __init__(self, name: _Optional[str] = ..., min_workers: _Optional[int] = ..., max_workers: _Optional[int] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., data: _Optional[_Union[DataSpec, _Mapping]] = ..., checkpoint: _Optional[_Union[CheckpointSpec, _Mapping]] = ..., max_steps: _Optional[int] = ..., failures: _Optional[_Union[FailurePolicy, _Mapping]] = ..., peer_copies: _Optional[_Union[PeerCopySpec, _Mapping]] = ..., price_per_node_hour: _Optional[float] = ..., controls: _Optional[_Union[ControlsSpec, _Mapping]] = ...) -> None: ...
+
+class ControlsSpec(_message.Message):
+    __slots__ = ("stop",)
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    stop: StopRules
+    def __init__(self, stop: _Optional[_Union[StopRules, _Mapping]] = ...) -> None: ...
+
+class StopRules(_message.Message):
+    __slots__ = ("goodput_floor", "window_s", "cost_per_step_ceiling", "no_progress_s", "action")
+    GOODPUT_FLOOR_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_S_FIELD_NUMBER: _ClassVar[int]
+    COST_PER_STEP_CEILING_FIELD_NUMBER: _ClassVar[int]
+    NO_PROGRESS_S_FIELD_NUMBER: _ClassVar[int]
+    ACTION_FIELD_NUMBER: _ClassVar[int]
+    goodput_floor: float
+    window_s: int
+    cost_per_step_ceiling: float
+    no_progress_s: int
+    action: StopAction
+    def __init__(self, goodput_floor: _Optional[float] = ..., window_s: _Optional[int] = ..., cost_per_step_ceiling: _Optional[float] = ..., no_progress_s: _Optional[int] = ..., action: _Optional[_Union[StopAction, str]] = ...) -> None: ...
 
 class DataCursor(_message.Message):
     __slots__ = ("epoch", "offset")
