@@ -41,6 +41,12 @@ DEFAULT_KEEP_LAST = 3
 An explicit 0 (and 0 in a `JobSpec` message, where absent and 0 are one) keeps
 every checkpoint: the rule is `service.commits.retained`'s, the only one."""
 
+DEFAULT_STOP_WINDOW_S = 300
+"""controls.stop.window_s when a windowed stop rule (goodput floor, cost
+ceiling) is set and the window is not: five minutes, long enough that one
+recovery of a healthy job (seconds to a minute) does not cross a floor by
+itself (docs/controls.md)."""
+
 DEFAULT_PEER_COPY_EVERY_STEPS = 10
 """peer_copies.every_steps (K) when the spec has none. A copy costs one host
 memory copy of the rank's shards plus their transfer to another node, both
@@ -95,6 +101,12 @@ _SCHEMA: dict[str, Any] = {
     ),
     "peer_copies": ({"every_steps": (int, False)}, False),
     "price_per_node_hour": (float, False),
+    "controls": (
+        {"stop": ({"goodput_floor": (float, False), "window_s": (int, False),
+                   "cost_per_step_ceiling": (float, False), "no_progress_s": (int, False),
+                   "action": (("pause", "fail"), False)}, False)},
+        False,
+    ),
 }
 
 
@@ -162,7 +174,29 @@ def spec_from_dict(value: Mapping[str, Any]) -> types_pb2.JobSpec:
             setattr(message, key, item)
         except (ValueError, TypeError) as e:  # out of the field's integer range
             raise InvalidArgument(where, f"{item!r} is out of range ({e})") from e
+    _stop_rules_from_dict((value.get("controls") or {}).get("stop") or {}, spec.controls.stop)
     return validate(spec)
+
+
+def _stop_rules_from_dict(value: Mapping[str, Any], out: types_pb2.StopRules) -> None:
+    """``controls.stop`` of a spec file (already type-checked by `_check`)
+    into `out`. An explicit 0 is refused here (in a message 0 is "off" or
+    "default", which a file says by leaving the key out)."""
+    for key in ("goodput_floor", "window_s", "cost_per_step_ceiling", "no_progress_s"):
+        item = value.get(key)
+        if item is None:
+            continue
+        if item == 0:
+            left_out = (f"for the default, {DEFAULT_STOP_WINDOW_S} s" if key == "window_s"
+                        else "to turn the rule off")
+            raise InvalidArgument(f"controls.stop.{key}",
+                                  f"must be positive (leave it out {left_out})")
+        try:
+            setattr(out, key, item)
+        except (ValueError, TypeError) as e:  # out of the field's integer range
+            raise InvalidArgument(f"controls.stop.{key}", f"{item!r} is out of range ({e})") from e
+    if value.get("action") is not None:
+        out.action = types_pb2.StopAction.Value(f"STOP_ACTION_{value['action'].upper()}")
 
 
 def load_spec_file(path: str) -> types_pb2.JobSpec:
@@ -247,7 +281,32 @@ def validate(spec: types_pb2.JobSpec) -> types_pb2.JobSpec:
     if not out.price_per_node_hour >= 0 or math.isinf(out.price_per_node_hour):
         raise InvalidArgument("price_per_node_hour",
                               f"must be a finite number >= 0, got {out.price_per_node_hour}")
+    _validate_stop_rules(out)
     return out
+
+
+def _validate_stop_rules(out: types_pb2.JobSpec) -> None:
+    """``controls.stop`` (`service.stoprules`): every rule off by default;
+    with a windowed rule on, the window defaults to `DEFAULT_STOP_WINDOW_S`;
+    with any rule on, the action defaults to pause."""
+    stop = out.controls.stop
+    floor, ceiling = stop.goodput_floor, stop.cost_per_step_ceiling
+    if not 0 <= floor <= 1:
+        raise InvalidArgument("controls.stop.goodput_floor",
+                              f"must be a share above 0 and at most 1 (80 % is 0.8), got {floor}")
+    if not ceiling >= 0 or math.isinf(ceiling):
+        raise InvalidArgument("controls.stop.cost_per_step_ceiling",
+                              f"must be a finite number > 0, got {ceiling}")
+    if ceiling and not out.price_per_node_hour:
+        raise InvalidArgument("controls.stop.cost_per_step_ceiling",
+                              "needs price_per_node_hour (the job has no cost figure without it)")
+    if floor or ceiling:
+        stop.window_s = stop.window_s or DEFAULT_STOP_WINDOW_S
+    elif stop.window_s:
+        raise InvalidArgument("controls.stop.window_s", "is only meaningful with "
+                              "controls.stop.goodput_floor or cost_per_step_ceiling")
+    if (floor or ceiling or stop.no_progress_s) and not stop.action:
+        stop.action = types_pb2.STOP_ACTION_PAUSE
 
 
 def _validate_auto_interval(out: types_pb2.JobSpec) -> None:

@@ -114,3 +114,37 @@ def test_arbitrary_input_is_accepted_or_rejected_cleanly(value):
 def test_a_pipeline_keeps_its_stage_count_unless_the_spec_lets_it_shrink():
     assert spec_from_dict({**GOOD, "layout": {"pp": 4}}).layout.min_pp == 4
     assert spec_from_dict({**GOOD, "layout": {"pp": 4, "min_pp": 2}}).layout.min_pp == 2
+
+
+class TestStopRules:
+    @pytest.mark.parametrize(
+        ("stop", "field", "said"),
+        [
+            ({"goodput_floor": 80}, "controls.stop.goodput_floor", "80 % is 0.8"),
+            ({"goodput_floor": -0.1}, "controls.stop.goodput_floor", "must not be negative"),
+            ({"goodput_floor": 0}, "controls.stop.goodput_floor", "turn the rule off"),
+            ({"goodput_floor": "high"}, "controls.stop.goodput_floor", "must be a number"),
+            ({"goodput_floor": 0.8, "window_s": 0}, "controls.stop.window_s", "must be positive"),
+            ({"goodput_floor": 0.8, "window_s": -5}, "controls.stop.window_s", "negative"),
+            ({"window_s": 60}, "controls.stop.window_s", "only meaningful"),
+            ({"no_progress_s": 60, "action": "retry"}, "controls.stop.action", "pause, fail"),
+            ({"cost_per_step_ceiling": 0.5}, "controls.stop.cost_per_step_ceiling",
+             "price_per_node_hour"),
+            ({"after": 3}, "controls.stop.after", "unknown key"),
+        ],
+    )
+    def test_a_bad_stop_rule_names_its_field(self, stop, field, said):
+        with pytest.raises(InvalidArgument) as e:
+            spec_from_dict({**GOOD, "controls": {"stop": stop}})
+        assert e.value.field == field and said in str(e.value)
+
+    def test_every_rule_is_off_unless_the_spec_sets_it(self):
+        assert spec_from_dict(GOOD).controls.stop == pb.StopRules()
+
+    def test_a_goodput_floor_watches_five_minutes_and_pauses_unless_told_otherwise(self):
+        stop = spec_from_dict({**GOOD, "controls": {"stop": {"goodput_floor": 0.8}}}).controls.stop
+        assert (stop.window_s, stop.action) == (300, pb.STOP_ACTION_PAUSE)
+        stop = spec_from_dict({**GOOD, "price_per_node_hour": 2.0, "controls": {"stop": {
+            "cost_per_step_ceiling": 0.01, "no_progress_s": 60, "window_s": 30,
+            "action": "fail"}}}).controls.stop
+        assert (stop.window_s, stop.no_progress_s, stop.action) == (30, 60, pb.STOP_ACTION_FAIL)
