@@ -42,6 +42,15 @@ MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 DEFAULT_TIMEOUT_S = 10.0
 """Deadline for a unary call when the caller has no better bound."""
 
+LOCAL_READ = ("x-springback-local-read", "1")
+"""Call metadata asking that a read be answered by whichever replica it
+reaches, from that replica's own etcd read, instead of being forwarded to
+the leader (only ``GetJob`` honours it, see `service.interceptors`). The
+answer may be slightly stale: a job's step lags the leader's by up to its
+progress flush interval; spec and state are etcd's. Agents' start-up check
+sends it, so a join storm's reads spread over the replicas and are answered
+while the leader is busy or being elected."""
+
 # Calls that are safe to repeat: reads, and writes whose repetition converges to
 # the same state (heartbeats, leaving twice, setting the same scale).
 _IDEMPOTENT = {

@@ -37,7 +37,13 @@
   that cannot reach etcd refuses them at once, see `liveness`). Plan streams
   are not forwarded either: every replica serves them from its own etcd
   watch (`planstreams`), so agents spread over the replicas and a failover
-  drops only the streams of the replica that went away. These are asyncio
+  drops only the streams of the replica that went away. A ``GetJob`` that
+  carries `channel.LOCAL_READ` (the agents' start-up check) is not forwarded
+  either: the replica answers it from its own etcd read, which may lag the
+  leader's in-memory step (never the job's spec or state, which only etcd
+  holds), so a join storm's start-up reads cost the leader nothing and are
+  answered while it is being elected; authorization is the same
+  (`BearerAuth` runs first). These are asyncio
   interceptors (the server is `grpc.aio`); forwarding handlers are plain
   functions, run on the server's worker threads.
 * `CallCounter`: counts calls per method for the metrics endpoint; only
@@ -62,7 +68,7 @@ from typing import Any, NoReturn
 import grpc
 from google.protobuf.message import DecodeError
 
-from springback.client.channel import DEFAULT_TIMEOUT_S, connect
+from springback.client.channel import DEFAULT_TIMEOUT_S, LOCAL_READ, connect
 from springback.client.errors import SpringbackError, grpc_code
 from springback.client.polling import wait_until
 from springback.service import credentials
@@ -81,6 +87,8 @@ _SERVED_BY_ANY_REPLICA = frozenset({
     "/springback.v1.WorkerService/Heartbeat",
     "/springback.v1.WorkerService/WatchPlans",
 })
+_LOCAL_READS = frozenset({"/springback.v1.JobService/GetJob"})
+"""Reads a replica answers itself when the call carries `LOCAL_READ`."""
 
 
 def _check_join(request: ws.JoinJobRequest) -> None:
@@ -362,6 +370,8 @@ class LeaderForwarding(grpc.aio.ServerInterceptor):
                 or self._election.is_leader()):
             return await continuation(details)
         metadata = dict(details.invocation_metadata or ())
+        if method in _LOCAL_READS and metadata.get(LOCAL_READ[0]) == LOCAL_READ[1]:
+            return await continuation(details)
         if FORWARDED in metadata:
             return await continuation(details)  # the servicer answers NotLeader (UNAVAILABLE)
         outgoing = [(k, v) for k, v in metadata.items() if k in _PASSED_METADATA]

@@ -28,7 +28,7 @@ from typing import Any
 
 import grpc
 
-from springback.client.channel import Backoff
+from springback.client.channel import LOCAL_READ, Backoff
 from springback.v1 import job_service_pb2 as js
 from springback.v1 import job_service_pb2_grpc as js_grpc
 from springback.v1 import types_pb2 as pb
@@ -38,7 +38,16 @@ from springback.v1 import worker_service_pb2_grpc as wgrpc
 log = logging.getLogger("springback.agent")
 
 ATTEMPT_TIMEOUT_S = 2.0
-_RETRIED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+"""The start-up check's first GetJob deadline; each retry's doubles, up to
+`MAX_ATTEMPT_TIMEOUT_S` (an answer that takes 3 s in a storm is waited for,
+not abandoned and asked again)."""
+MAX_ATTEMPT_TIMEOUT_S = 16.0
+CHECK_BACKOFF_BASE_S = 0.25
+CHECK_BACKOFF_CAP_S = 4.0
+"""The start-up check's waits between attempts: full jitter, uniform in
+[0, min(cap, base x 2**n)] (`Backoff`)."""
+CHECK_LOG_EVERY = 4
+"""The start-up check logs its first failure and then one line per this many."""
 _TERMINAL = (pb.JOB_STATE_SUCCEEDED, pb.JOB_STATE_FAILED, pb.JOB_STATE_CANCELLED)
 
 
@@ -92,15 +101,27 @@ class StartupRefused(Exception):
 def check_job(channel: grpc.Channel, *, job_id: str, target: str, connect_timeout_s: float,
               nnodes: tuple[int, int] | None,
               drain_reason: Callable[[], str | None]) -> pb.Job:
-    """GetJob with a deadline of `connect_timeout_s` overall; returns the job.
+    """GetJob within `connect_timeout_s` overall; returns the job.
 
-    NOT_FOUND, UNAUTHENTICATED and any other refusal raise StartupRefused at
-    once (the message carries the status); UNAVAILABLE is retried every
-    `ATTEMPT_TIMEOUT_S` with a log line per attempt, then StartupRefused
-    naming `target`. A terminal job raises JobFinished, a drain requested
-    meanwhile DrainedBeforeJoin. Read-only: safe to repeat."""
+    The read carries `LOCAL_READ`: whichever replica it reaches answers from
+    its own etcd read, without a forward to the leader, so the job may be a
+    little stale (its step); its state and spec, all this check reads, are
+    etcd's. `RETRIED_JOIN_CODES` (no replica reachable, an answer later
+    than the attempt's deadline, a dropped connection, a full replica) are
+    retried after a jittered wait (`CHECK_BACKOFF_BASE_S` doubling up to
+    `CHECK_BACKOFF_CAP_S`), each attempt's deadline doubling from
+    `ATTEMPT_TIMEOUT_S` up to `MAX_ATTEMPT_TIMEOUT_S`, neither past the
+    connect timeout; one log line per `CHECK_LOG_EVERY` failures. Past the
+    connect timeout: StartupRefused naming `target` and the last status.
+    NOT_FOUND, UNAUTHENTICATED, PERMISSION_DENIED and any other refusal
+    raise StartupRefused at once (the message carries the status). A
+    terminal job raises JobFinished, a drain requested before an attempt
+    DrainedBeforeJoin. Read-only: safe to repeat."""
     stub = js_grpc.JobServiceStub(channel)
     deadline = time.monotonic() + connect_timeout_s
+    backoff = Backoff(base_s=CHECK_BACKOFF_BASE_S, cap_s=CHECK_BACKOFF_CAP_S)
+    attempt_timeout_s = ATTEMPT_TIMEOUT_S
+    num_failures = 0
     while True:
         reason = drain_reason()
         if reason is not None:
@@ -108,20 +129,26 @@ def check_job(channel: grpc.Channel, *, job_id: str, target: str, connect_timeou
         left = deadline - time.monotonic()
         try:
             job = stub.GetJob(js.GetJobRequest(job_id=job_id),
-                              timeout=max(min(left, ATTEMPT_TIMEOUT_S), 0.1),
-                              wait_for_ready=True).job
+                              timeout=max(min(left, attempt_timeout_s), 0.1),
+                              metadata=(LOCAL_READ,), wait_for_ready=True).job
             break
         except grpc.RpcError as e:
-            if e.code() not in _RETRIED:
+            if e.code() not in RETRIED_JOIN_CODES:
                 raise StartupRefused(f"job {job_id!r} at {target}: {e.code().name}: "
                                      f"{e.details()}") from None
-            if time.monotonic() >= deadline:
+            num_failures += 1
+            left = deadline - time.monotonic()
+            if left <= 0:
                 raise StartupRefused(
                     f"no coordinator answered at {target} within {connect_timeout_s:.0f}s "
-                    f"({e.code().name}: {e.details()}); is it running? "
-                    "(--coordinator / SPRINGBACK_COORDINATOR)") from None
-            log.warning("coordinator %s not answering (%s); retrying for %.0fs more",
-                        target, e.code().name, max(deadline - time.monotonic(), 0))
+                    f"({num_failures} attempts, the last {e.code().name}: {e.details()}); "
+                    "is it running? (--coordinator / SPRINGBACK_COORDINATOR; a join storm "
+                    "may need a longer --connect-timeout-s)") from None
+            if num_failures % CHECK_LOG_EVERY == 1:
+                log.warning("coordinator %s not answering (%s, %d attempts); retrying for "
+                            "%.0fs more", target, e.code().name, num_failures, left)
+            attempt_timeout_s = min(2 * attempt_timeout_s, MAX_ATTEMPT_TIMEOUT_S)
+            time.sleep(min(backoff.next_s(), left))  # jittered: a storm's agents spread out
     if job.status.state in _TERMINAL:
         raise JobFinished(f"job {job.id} is {pb.JobState.Name(job.status.state)}: "
                           "nothing to join")
