@@ -30,6 +30,7 @@ from springback.service.replan import timestamp_now  # noqa: F401 (used by membe
 from springback.service.writer import FencedWriter
 from springback.service.election import Election
 from springback.service.history import History
+from springback.service.stoprules import StopRules
 from springback.client.errors import (
     Conflict, FailedPrecondition, NotFound, NotLeader, SpringbackError, StaleGeneration,
     StoreUnavailable,
@@ -166,6 +167,8 @@ class Coordinator:
         # job id -> what `checkpoint.every_steps: auto` is chosen from (leader
         # memory: a new leader starts again from the spec's prior)
         self._measures: dict[str, _Measures] = {}
+        # the stop rules' samples of running jobs (leader memory, `stoprules`)
+        self.stop_rules = StopRules()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="reconcile", daemon=True)
         self.num_loop_errors = 0
@@ -199,6 +202,7 @@ class Coordinator:
             self._reconcile_errors.clear()
             self._unsettled.clear()
             self._measures.clear()
+            self.stop_rules.forget()
             self.history.forget()
             self._version += 1
             self._changed.notify_all()
@@ -654,7 +658,7 @@ class Coordinator:
 
         This is how joins, expired members (lease gone), and changes a previous
         leader did not finish, turn into new generations. Reads only, unless
-        something changed.
+        something changed. Then each job's stop rules (`_apply_stop_rules`).
 
         One job's error never stops the others' replans: anything but an
         unreachable store or a lost leadership (which stop the pass) is logged
@@ -664,6 +668,7 @@ class Coordinator:
         for job in self.list_jobs():
             try:
                 self._reconcile_job(job)
+                self._apply_stop_rules(job)
             except (StoreUnavailable, NotLeader):
                 raise
             except (Conflict, NotFound) as e:
@@ -689,13 +694,16 @@ class Coordinator:
         settled = self._settled(job.id, fingerprint)
         if not settled and fingerprint[0] < job.spec.max_workers:
             return
-        alive = {m.id for m in self.members(job.id) if not m.draining}
+        members = self.members(job.id)
+        alive = {m.id for m in members if not m.draining}
         full = len(alive) >= job.spec.max_workers
         if not settled and not full:
             return
         self._unsettled.pop(job.id, None)
         plan = self.current_plan(job.id)
         planned = {m.member_id for m in plan.members} | set(plan.spares) if plan else set()
+        for gone in planned - {m.id for m in members}:
+            self.forget_member(gone)  # fenced: its credential is refused now (`revocation`)
         if plan is not None and planned == alive:
             self._fingerprints[job.id] = fingerprint
             return
@@ -708,6 +716,34 @@ class Coordinator:
             ) if part
         ) or "initial plan"
         self.change(job.id, reason)
+
+    def _apply_stop_rules(self, job: pb.Job) -> None:
+        """Pauses or fails `job` (its spec's ``controls.stop.action``) when one
+        of its stop rules is crossed (`stoprules`), in one change whose reason
+        names the rule and its figures. The change lands only if the job
+        still runs when it is written: a job paused, failed or waiting
+        meanwhile is left as it is (nothing written). A `Conflict` after
+        `CHANGE_ATTEMPTS` is the caller's; the rule is evaluated again a
+        check later."""
+        now = time.time()
+        if not self.stop_rules.due(job, now):
+            return
+        said = self.stop_rules.verdict(job, self.history.events(job.id), now)
+        if said is None:
+            return
+        fail = job.spec.controls.stop.action == pb.STOP_ACTION_FAIL
+        reason = f"controls.stop: {said}: {'failed' if fail else 'paused'}"
+
+        def stop(current: pb.Job) -> None:
+            self.require_state(current, (pb.JOB_STATE_RUNNING,), "stop")
+            current.status.state = pb.JOB_STATE_FAILED if fail else pb.JOB_STATE_PAUSED
+
+        try:
+            self.change_with_retry(job.id, reason, stop)
+        except FailedPrecondition as e:
+            log.info("job %s: stop rule not applied: %s", job.id, e)
+            return
+        log.warning("job %s: %s", job.id, reason)
 
     def flush_progress(self) -> None:
         """Writes reported progress of jobs that changed since their last write."""

@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 # Reason texts of the coordinator's callers (membership, job control, the
 # reconcile loop), most specific first.
 _KINDS: list[tuple[str, js.ChangeKind]] = [
+    ("controls.stop: ", js.CHANGE_KIND_CONTROL),
     ("reported a failure", js.CHANGE_KIND_RANK_FAILURE),
     ("(liveness timeout)", js.CHANGE_KIND_NODE_LOST),
     (" (peers: ", js.CHANGE_KIND_NODE_LOST),

@@ -1,0 +1,74 @@
+"""Stop rules (spec ``controls.stop``, service/stoprules.py) end to end: real
+etcd, a real coordinator, a real node agent training tiny_train.py."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+from cluster import AgentProcess
+from sbtest import wait_for
+from springback.v1 import job_service_pb2 as js
+from springback.v1 import types_pb2 as pb
+
+SPEC = {"name": "stops", "data": {"num_samples": 256, "global_batch_size": 12, "seed": 1},
+        "max_steps": 100_000}
+
+
+@pytest.fixture
+def run_job(tmp_path, client, coordinator_address):
+    """``run_job(spec, **agent_kw)``: the job created and one agent started on it."""
+    agents: list[AgentProcess] = []
+
+    def run(spec: dict, **agent_kw) -> str:
+        job_id = client.create_job(spec).id
+        agents.append(AgentProcess(tmp_path, "a", job_id, coordinator_address, **agent_kw))
+        return job_id
+
+    yield run
+    for agent in agents:  # the whole node: a hung rank would outlive its agent
+        agent.signal_node(signal.SIGKILL)
+        agent.wait(30)
+
+
+def _ended_or_paused(client, job_id: str) -> pb.Job | None:
+    job = client.get_job(job_id)
+    return job if job.status.state not in (pb.JOB_STATE_PENDING, pb.JOB_STATE_RUNNING) else None
+
+
+class TestStopRules:
+    @pytest.mark.timeout(90)
+    def test_a_goodput_floor_a_healthy_job_cannot_reach_pauses_it_naming_the_figures(
+            self, tmp_path, client, run_job):
+        # Every step checkpoints: its stalls keep goodput below 100 %.
+        spec = {**SPEC, "checkpoint": {"uri": f"file://{tmp_path}/ckpt", "every_steps": 1},
+                "controls": {"stop": {"goodput_floor": 1.0, "window_s": 2}}}
+        job_id = run_job(spec)
+        job = wait_for(lambda: _ended_or_paused(client, job_id), 60, "the job to stop")
+        assert job.status.state == pb.JOB_STATE_PAUSED, job.status.message
+        assert job.status.step > 0
+        said = job.status.message
+        assert said.startswith("controls.stop: goodput ") and said.endswith(": paused"), said
+        assert " % over the last 2 s is below the floor 100.0 % " \
+               "(controls.stop.goodput_floor)" in said, said
+        _, events = client.list_job_events(job_id)
+        assert events[-1].kind == js.CHANGE_KIND_CONTROL and events[-1].reason == said
+        assert events[-1].action == pb.PLAN_ACTION_WAIT
+
+    @pytest.mark.timeout(90)
+    def test_a_job_whose_script_stops_stepping_fails_after_no_progress_for_t(
+            self, tmp_path, client, run_job):
+        spec = {**SPEC, "controls": {"stop": {"no_progress_s": 3, "action": "fail"}}}
+        # The only rank hangs at step 5 (its agent lives on): no step after it.
+        job_id = run_job(spec, env={"TINY_CRASH_AT_STEP": "5", "TINY_CRASH_RANK": "0",
+                                    "TINY_CRASH_IN": "hang",
+                                    "TINY_CRASH_MARKER": str(tmp_path / "hang")})
+        job = wait_for(lambda: _ended_or_paused(client, job_id), 60, "the job to stop")
+        assert job.status.state == pb.JOB_STATE_FAILED, job.status.message
+        step, said = job.status.step, job.status.message
+        assert 0 < step < 5
+        assert said.startswith("controls.stop: no step completed for ") and \
+            f"(since step {step}), the limit is 3 s (controls.stop.no_progress_s): failed" in said
+        assert (tmp_path / "hang").exists()  # the hang was the script's, not a slow start
+        _, events = client.list_job_events(job_id)
+        assert events[-1].reason == said
