@@ -196,7 +196,8 @@ def _stop_rules_from_dict(value: Mapping[str, Any], out: types_pb2.StopRules) ->
         except (ValueError, TypeError) as e:  # out of the field's integer range
             raise InvalidArgument(f"controls.stop.{key}", f"{item!r} is out of range ({e})") from e
     if value.get("action") is not None:
-        out.action = types_pb2.StopAction.Value(f"STOP_ACTION_{value['action'].upper()}")
+        out.action = (types_pb2.STOP_ACTION_FAIL if value["action"] == "fail"
+                      else types_pb2.STOP_ACTION_PAUSE)
 
 
 def load_spec_file(path: str) -> types_pb2.JobSpec:
