@@ -200,10 +200,13 @@ def main() -> None:
     print(f"state: {gib:.3f} GiB (model + AdamW), gloo on loopback, median of {args.reps}")
     print(f"raw gloo send, 1 holder:            {raw:7.3f} s  {gib / raw:6.2f} GiB/s")
     best = {}
+    differs: list[str] = []  # a run whose received state is not the trained one, bit for bit
     for key in sorted(k for k in res if k.startswith("sb_")):
         _, holders, chunk = key.split("_")
         t = med(res[key])
         ok = "bit-identical" if res[f"ok_{holders}_{chunk}"] == trained else "DIFFERS"
+        if ok == "DIFFERS":
+            differs.append(f"springback, {holders} holder(s), {float(chunk):g} MiB chunks")
         print(f"springback, {holders} holder(s), {float(chunk):g} MiB chunks: {t:7.3f} s  "
               f"{gib / t:6.2f} GiB/s  {raw / t:5.2f}x raw gloo  ({ok})")
         best[int(holders)] = min(best.get(int(holders), t), t)
@@ -213,13 +216,17 @@ def main() -> None:
     if not args.no_torchft:
         ft = torchft_side(args)
         for name, times in ft["times"].items():
-            print(f"torchft {name:27s} {med(times):7.3f} s  {gib / med(times):6.2f} GiB/s "
-                  f"({'bit-identical' if ft['digest'][name] == trained else 'DIFFERS'})")
+            ok = "bit-identical" if ft["digest"][name] == trained else "DIFFERS"
+            if ok == "DIFFERS":
+                differs.append(f"torchft {name}")
+            print(f"torchft {name:27s} {med(times):7.3f} s  {gib / med(times):6.2f} GiB/s ({ok})")
         fastest = min(med(t) for t in ft["times"].values())
         print(f"torchft's fastest / springback 1 holder:  {fastest / best[1]:5.2f}x  "
               "(target >= 2)")
         print(f"torchft's fastest / springback's fastest: {fastest / min(best.values()):5.2f}x")
     print("load average:", " ".join(open("/proc/loadavg").read().split()[:3]))
+    if differs:  # a fast wrong answer is a failure, not a figure
+        raise SystemExit(f"received state differs from the trained state: {', '.join(differs)}")
 
 
 if __name__ == "__main__":

@@ -139,7 +139,7 @@ def test_pipeline_node_loss_then_join_refill_the_stages_in_memory_bit_identical(
     # stage had a live replica
     assert job.status.num_state_losses == 0 and job.status.steps_redone == 0, job.status
     assert job.status.num_restores == 0 and not job.status.last_checkpoint.uri, job.status
-    assert "restoring checkpoint" not in logs and "state lost" not in logs, logs
+    assert "restoring checkpoint" not in logs, logs  # num_state_losses above: no state lost
     assert_stages_bit_identical(cluster.root, world=2)  # after the loss
     assert_stages_bit_identical(cluster.root, world=4)  # after the join
     # every generation split the 4 layers over pp = 2 by the rank's pp coordinate
