@@ -694,13 +694,16 @@ class Coordinator:
         settled = self._settled(job.id, fingerprint)
         if not settled and fingerprint[0] < job.spec.max_workers:
             return
-        alive = {m.id for m in self.members(job.id) if not m.draining}
+        members = self.members(job.id)
+        alive = {m.id for m in members if not m.draining}
         full = len(alive) >= job.spec.max_workers
         if not settled and not full:
             return
         self._unsettled.pop(job.id, None)
         plan = self.current_plan(job.id)
         planned = {m.member_id for m in plan.members} | set(plan.spares) if plan else set()
+        for gone in planned - {m.id for m in members}:
+            self.forget_member(gone)  # fenced: its credential is refused now (`revocation`)
         if plan is not None and planned == alive:
             self._fingerprints[job.id] = fingerprint
             return

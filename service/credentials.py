@@ -4,13 +4,21 @@ The coordinator's operator token opens every call. A member (a node agent
 that joined, and the ranks it starts) needs only its own member's calls, so
 `JoinJob` hands it a credential of its own::
 
-    sbm1.<job id>.<member id>.<HMAC-SHA256 of "<job id>/<member id>">
+    sbm2.<job id>.<member id>.<lease>.<HMAC-SHA256 of "<job id>/<member id>/<lease>">
+
+where ``<lease>`` is the id (hex) of the etcd lease the member's key was
+registered with: the member's *incarnation*. The credential opens calls only
+while that lease is still the one its member's key is bound to
+(`revocation`): once the member is fenced (its lease expired) or left, or its
+id was registered afresh, the credential is refused UNAUTHENTICATED and the
+agent must join again, which brings a fresh credential. It carries no expiry
+of its own: it lives exactly as long as its member.
 
 keyed by a key derived from the operator token (`derive_key`: HKDF-SHA256,
 one key per kind of credential, so a MAC of one kind never verifies as
 another's, whatever the ids), so every replica (they share
-the token) issues and checks the same credentials with nothing stored: no
-etcd key to steal, nothing to replicate. `BearerAuth` (interceptors.py)
+the token) issues and checks the same credentials; the only state a check
+reads is the member's own key, which exists anyway. `BearerAuth` (interceptors.py)
 lets such a credential make only `MEMBER_METHODS`, and only with the
 ``job_id`` and ``member_id`` it names; anything else is PERMISSION_DENIED,
 naming the role that would be needed. Changing the operator token revokes
@@ -47,8 +55,9 @@ import hashlib
 import hmac
 import math
 import string
+from typing import NamedTuple
 
-PREFIX = "sbm1"
+PREFIX = "sbm2"
 JOIN_PREFIX = "sbj1"
 REPLICA_PREFIX = "sbr1"
 
@@ -93,30 +102,48 @@ def derive_key(operator_token: str, kind: str) -> bytes:
     return hkdf_sha256(operator_token.encode(), HKDF_SALT, f"springback/{kind}".encode())
 
 
-def _mac(operator_token: str, job_id: str, member_id: str) -> str:
-    return hmac.new(derive_key(operator_token, "member"), f"{job_id}/{member_id}".encode(),
-                    hashlib.sha256).hexdigest()
+class MemberCredential(NamedTuple):
+    """What a valid member credential names."""
+
+    job_id: str
+    member_id: str
+    lease_id: int
+    """The etcd lease the member was registered with (its incarnation)."""
 
 
-def issue(operator_token: str, job_id: str, member_id: str) -> str:
-    """The credential of member `member_id` of job `job_id`. Raises ValueError
-    for an id with a ``.`` (ids are ``[a-z0-9-]``) or an empty one."""
+def _mac(operator_token: str, job_id: str, member_id: str, lease_id: int) -> str:
+    return hmac.new(derive_key(operator_token, "member"),
+                    f"{job_id}/{member_id}/{lease_id:x}".encode(), hashlib.sha256).hexdigest()
+
+
+def issue(operator_token: str, job_id: str, member_id: str, lease_id: int) -> str:
+    """The credential of member `member_id` of job `job_id`, registered with
+    etcd lease `lease_id`. Raises ValueError for an id with a ``.`` (ids are
+    ``[a-z0-9-]``), an empty one, or a lease id that is not positive."""
     for field, value in (("job_id", job_id), ("member_id", member_id)):
         if not value or "." in value:
             raise ValueError(f"{field} {value!r} cannot be bound in a member credential")
-    return f"{PREFIX}.{job_id}.{member_id}.{_mac(operator_token, job_id, member_id)}"
+    if lease_id <= 0:
+        raise ValueError(f"lease_id {lease_id} is not an etcd lease id")
+    return (f"{PREFIX}.{job_id}.{member_id}.{lease_id:x}."
+            f"{_mac(operator_token, job_id, member_id, lease_id)}")
 
 
-def member_of(operator_token: str, credential: str) -> tuple[str, str] | None:
-    """(job id, member id) of a valid member credential, None for anything
-    else (not one, or forged: compared in constant time)."""
+def member_of(operator_token: str, credential: str) -> MemberCredential | None:
+    """What a valid member credential names, None for anything else (not
+    one, or forged: compared in constant time). Whether its member is still
+    that incarnation is `revocation`'s to check."""
     parts = credential.split(".")
-    if len(parts) != 4 or parts[0] != PREFIX or not parts[1] or not parts[2]:
+    if len(parts) != 5 or parts[0] != PREFIX or not parts[1] or not parts[2]:
         return None
-    _, job_id, member_id, mac = parts
-    if not hmac.compare_digest(mac.encode(), _mac(operator_token, job_id, member_id).encode()):
+    _, job_id, member_id, lease, mac = parts
+    if not lease or len(lease) > 16 or any(c not in "0123456789abcdef" for c in lease):
         return None
-    return job_id, member_id
+    lease_id = int(lease, 16)
+    if not hmac.compare_digest(mac.encode(),
+                               _mac(operator_token, job_id, member_id, lease_id).encode()):
+        return None
+    return MemberCredential(job_id, member_id, lease_id)
 
 
 def _join_mac(operator_token: str, job_id: str) -> str:

@@ -10,8 +10,9 @@
   `credentials.REPLICA_METHODS`; a member credential (issued by `JoinJob`)
   opens only `MEMBER_METHODS`, and only for the job and member it names (the
   request is read to check, also a raw one about to be forwarded to the
-  leader, which checks it again); a job's join credential only
-  `credentials.JOIN_METHODS` of that job. With ``tls_roles`` (``--tls-roles``), a
+  leader, which checks it again), and only while that member has not been
+  fenced (`revocation`: UNAUTHENTICATED, "join again", before the handler);
+  a job's join credential only `credentials.JOIN_METHODS` of that job. With ``tls_roles`` (``--tls-roles``), a
   call without a bearer token takes the role its client certificate's CN or
   SAN maps to; an unmapped certificate has none. Anything else is
   PERMISSION_DENIED naming the role that would be needed, before the handler
@@ -74,6 +75,7 @@ from springback.client.polling import wait_until
 from springback.service import credentials
 from springback.service.election import Election
 from springback.service.membership import validate_join
+from springback.service.revocation import Revocation
 from springback.v1 import job_service_pb2 as js
 from springback.v1 import worker_service_pb2 as ws
 
@@ -175,8 +177,10 @@ class BearerAuth(grpc.aio.ServerInterceptor):
     """Roles from the bearer token or, with `tls_roles`, the client
     certificate (see the module docstring). Failure semantics: a refused call
     never reaches its handler, so it changes nothing; UNAUTHENTICATED for no
-    or a wrong token (and no certificate roles), PERMISSION_DENIED naming the
-    role needed (and the certificate subject, for an unmapped one)."""
+    or a wrong token (and no certificate roles) or the member credential of a
+    fenced member, UNAVAILABLE when checking that needed etcd and etcd did not
+    answer, PERMISSION_DENIED naming the role needed (and the certificate
+    subject, for an unmapped one)."""
 
     def __init__(self, token: str | None, viewer_token: str | None = None,
                  tls_roles: dict[tuple[str, str], str] | None = None) -> None:
@@ -188,6 +192,9 @@ class BearerAuth(grpc.aio.ServerInterceptor):
         self._replica = (f"Bearer {credentials.replica_credential(token)}".encode()
                          if token else None)
         self._tls_roles = tls_roles or {}
+        self.revocation: Revocation | None = None
+        """Set by the server once its coordinator exists: member credentials
+        of fenced members are then refused (`revocation`)."""
 
     def _bearer_role(self, sent: bytes) -> str:
         # every token compared, in constant time each: no early exit on a match
@@ -218,10 +225,18 @@ class BearerAuth(grpc.aio.ServerInterceptor):
             if method not in credentials.MEMBER_METHODS:
                 return _deny(grpc.StatusCode.PERMISSION_DENIED,
                              f"{method} needs {_needed(method)}; this is the member credential "
-                             f"of member {member[1]!r} of job {member[0]!r}, which makes only "
-                             "that member's own calls")
+                             f"of member {member.member_id!r} of job {member.job_id!r}, which "
+                             "makes only that member's own calls")
+            if self.revocation is not None:
+                try:
+                    why = await self.revocation.refusal(member)
+                except SpringbackError as e:  # StoreUnavailable: retry another replica
+                    return _deny(grpc_code(e), str(e))
+                if why is not None:
+                    return _deny(grpc.StatusCode.UNAUTHENTICATED, why)
             handler = await continuation(details)
-            return None if handler is None else _bound(handler, method, *member)
+            return None if handler is None else _bound(handler, method, member.job_id,
+                                                       member.member_id)
         joining = (credentials.job_joined_by(self._token, sent.removeprefix("Bearer "))
                    if self._token else None)
         if joining is not None:

@@ -99,8 +99,10 @@ class Membership:
         return self.coordinator.liveness_timeout_s
 
     def join(self, job_id: str, host: str, rendezvous_port: int, num_local_ranks: int,
-             join_token: str = "") -> pb.Member:
-        """Registers a member (one fenced etcd transaction); the leader's
+             join_token: str = "") -> tuple[pb.Member, int]:
+        """Registers a member (one fenced etcd transaction) and returns it with
+        the id of the etcd lease its key is bound to (its incarnation, which
+        its credential names: `revocation`); the leader's
         reconcile loop plans it (admitted, or a spare) once the joins around it
         have settled (`Coordinator._settled`): a join storm is one generation.
         The servicer waits for that plan before it answers (`PlanStreams.until_planned`).
@@ -146,6 +148,7 @@ class Membership:
         lease = store.grant_lease(max(2, math.ceil(self.liveness_timeout_s)))
         if coordinator.writer.create(key, member.SerializeToString(), lease=lease, fence=fence):
             coordinator.remember_lease(member.id, lease.id)
+            lease_id = lease.id
         else:
             store.revoke_lease(lease.id)
             coordinator.election.fence()  # NotLeader if that is why the create failed
@@ -153,12 +156,13 @@ class Membership:
             found = self._registered(key, member) if join_token else None
             if found is None:
                 raise FailedPrecondition(f"member id {member.id} collided; join again")
-            member = found
+            member, lease_id = found
         coordinator.kick()  # the reconcile loop plans it, with the joins around it
-        return member
+        return member, lease_id
 
-    def _registered(self, key: str, wanted: pb.Member) -> pb.Member | None:
-        """The member already registered under `key` by the same join, if any."""
+    def _registered(self, key: str, wanted: pb.Member) -> tuple[pb.Member, int] | None:
+        """The member already registered under `key` by the same join, and its
+        lease, if any."""
         entry = self.coordinator.store.get(key, pb.Member)
         if entry is None:
             return None
@@ -169,7 +173,7 @@ class Membership:
                 "join_token", f"already used by member {found.id} ({found.host}:"
                 f"{found.rendezvous_port}, {found.num_local_ranks} ranks); use a new token per join")
         self.coordinator.remember_lease(found.id, entry.lease_id)
-        return found
+        return found, entry.lease_id
 
     def leave(self, job_id: str, member_id: str, reason: str) -> None:
         """Removes the member and replans. Idempotent: leaving twice is fine."""

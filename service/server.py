@@ -53,6 +53,7 @@ from springback.service.interceptors import BearerAuth, CallCounter, LeaderForwa
 from springback.service.liveness import EtcdReachability
 from springback.service.planboard import PlanBoard
 from springback.service.planstreams import PlanStreams
+from springback.service.revocation import Revocation
 from springback.service.servicers import JobServicer, WorkerServicer
 from springback.service.store import EtcdSecurity, Store, parse_endpoints
 from springback.service.streamnotes import StreamNotes
@@ -318,7 +319,10 @@ class CoordinatorServer:
             tls_roles = (credentials.parse_tls_roles((read_file(config.tls_roles) or b"").decode(),
                                                      config.tls_roles)
                          if config.tls_roles else None)
-            interceptors.append(BearerAuth(config.token, config.viewer_token, tls_roles))
+            auth = BearerAuth(config.token, config.viewer_token, tls_roles)
+            interceptors.append(auth)
+        else:
+            auth = None
         interceptors += [self.counter, self._forwarding]
         self._loop = _Loop()
         self._server = self._loop.run(self._make_server(interceptors))
@@ -333,6 +337,8 @@ class CoordinatorServer:
         self.board = PlanBoard(self.store, self._loop.loop)
         self.liveness = EtcdReachability(config.etcd, on_change=lambda _: self._update_health(),
                                           security=config.etcd_security)
+        if auth is not None:
+            auth.revocation = Revocation(self.coordinator, self.liveness.store)
         self.plan_streams = PlanStreams(self.store, self.board, self.liveness)
         self.renewer = LeaseRenewer(config.etcd, security=config.etcd_security)
         heartbeats = Heartbeats(self.coordinator, self.board, self.renewer, self.liveness,

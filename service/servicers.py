@@ -198,8 +198,8 @@ class WorkerServicer(ws_grpc.WorkerServiceServicer):
                  plan_streams: PlanStreams | None = None,
                  heartbeats: Heartbeats | None = None,
                  stream_notes: StreamNotes | None = None,
-                 issue_credential: Callable[[str, str], str] | None = None) -> None:
-        """`issue_credential(job_id, member_id)`: the member credential
+                 issue_credential: Callable[[str, str, int], str] | None = None) -> None:
+        """`issue_credential(job_id, member_id, lease_id)`: the member credential
         `JoinJob` hands out (`credentials.issue` with the coordinator's token;
         None without a token: no credential)."""
         self.coordinator = coordinator
@@ -221,7 +221,7 @@ class WorkerServicer(ws_grpc.WorkerServiceServicer):
         its plan stream brings the plan. In a join storm (more than
         `JOIN_PLAN_WAITERS` joins waiting here) it answers once registered."""
         try:
-            member = await asyncio.to_thread(
+            member, lease_id = await asyncio.to_thread(
                 self.membership.join, request.job_id, request.host, request.rendezvous_port,
                 request.num_local_ranks, request.join_token)
         except SpringbackError as e:
@@ -239,7 +239,7 @@ class WorkerServicer(ws_grpc.WorkerServiceServicer):
         return ws.JoinJobResponse(
             member=member, liveness_timeout=_duration(timeout),
             heartbeat_interval=_duration(interval),
-            member_credential=(self.issue_credential(request.job_id, member.id)
+            member_credential=(self.issue_credential(request.job_id, member.id, lease_id)
                                if self.issue_credential is not None else ""),
         )
 

@@ -83,7 +83,7 @@ def test_a_member_of_one_job_can_do_nothing_to_another_job_on_either_replica(
         job_b = client.create_job(make_spec(max_workers=1, checkpoint={"uri": "file:///tmp/creds"}))
         a = _join(follower.address, job_a.id, 5201)  # issued through the follower
         b = _join(leader.address, job_b.id, 5202)
-        assert credentials.member_of(TOKEN, a.member_credential) == (job_a.id, a.member.id)
+        assert credentials.member_of(TOKEN, a.member_credential)[:2] == (job_a.id, a.member.id)
         plan_b = _running(leader, job_b.id)
         _running(leader, job_a.id)
         before = _snapshot(leader.store, job_b.id)
@@ -193,10 +193,12 @@ def test_a_forged_or_stale_credential_is_unauthenticated(replicas, make_spec):
     with Client(leader.address, token=TOKEN) as client:
         job = client.create_job(make_spec(max_workers=1))
         a = _join(leader.address, job.id, 5203)
-        mac = a.member_credential.rsplit(".", 1)[1]
+        lease, mac = a.member_credential.rsplit(".", 2)[1:]
         forged = [
-            f"{credentials.PREFIX}.{job.id}.m-someone-else.{mac}",  # another member, A's MAC
-            credentials.issue("another-operator-token", job.id, a.member.id),  # other key
+            f"{credentials.PREFIX}.{job.id}.m-someone-else.{lease}.{mac}",  # another member
+            f"{credentials.PREFIX}.{job.id}.{a.member.id}.{int(lease, 16) + 1:x}.{mac}",  # lease
+            credentials.issue("another-operator-token", job.id, a.member.id,
+                              int(lease, 16)),  # other key
             a.member_credential[:-1] + ("0" if a.member_credential[-1] != "0" else "1"),
         ]
         for token in forged:

@@ -1,7 +1,9 @@
 """The agent's two streams to the coordinator while it is a member: the
 heartbeat (its etcd lease, renewed at the coordinator's cadence) and the plan
-stream. NOT_FOUND from either means the member expired: ``fenced`` is set and
-the stream ends; any other error is retried with jittered backoff (a
+stream. NOT_FOUND from either means the member expired, UNAUTHENTICATED that
+its member credential was revoked (the member was fenced, or the operator
+token changed): ``fenced`` is set and the stream ends, and the agent joins
+again; any other error is retried with jittered backoff (a
 failover is no thundering herd) until the member is no longer `alive`."""
 
 from __future__ import annotations
@@ -18,6 +20,9 @@ from springback.v1 import types_pb2 as pb
 from springback.v1 import worker_service_pb2 as wpb
 
 log = logging.getLogger("springback.agent")
+
+FENCED_CODES = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAUTHENTICATED)
+"""Answers to a member's own calls that mean it is no member any more."""
 
 
 class MemberLink:
@@ -45,8 +50,8 @@ class MemberLink:
                 if told > 0:
                     interval_s = wait_s = told
             except grpc.RpcError as e:
-                if e.code() == grpc.StatusCode.NOT_FOUND:
-                    log.warning("member %s expired: fenced", self._member_id)
+                if e.code() in FENCED_CODES:
+                    log.warning("member %s fenced: %s", self._member_id, e.details())
                     self._fenced.set()
                     return
                 log.warning("heartbeat failed: %s", e.code().name)
@@ -66,7 +71,7 @@ class MemberLink:
                     on_plan(resp.plan)
                     backoff.reset()
             except grpc.RpcError as e:
-                if e.code() == grpc.StatusCode.NOT_FOUND:
+                if e.code() in FENCED_CODES:
                     self._fenced.set()
                     return
                 if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED:

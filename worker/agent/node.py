@@ -25,7 +25,8 @@ Failure semantics:
   ``--drain-timeout-s`` are killed; the member leaves anyway.
 * Heartbeat or plan stream answering NOT_FOUND means the member expired (the
   node was stopped or partitioned longer than the liveness timeout) and is
-  *fenced*: its ranks are killed at once, and the agent joins again as a new
+  *fenced*; UNAUTHENTICATED, that the coordinator revoked its member credential
+  for that reason (or the operator token changed), the same: its ranks are killed at once, and the agent joins again as a new
   member (``--on-fenced rejoin``, the default) or exits with status 3.
 * Ranks get the parent-death signal SIGKILL, so an agent killed with SIGKILL
   takes its ranks with it and its peers see the failure at once.

@@ -17,8 +17,9 @@ and retried with the next report.
 is not replaced by later step reports: it is sent first and retried every
 `START_RETRY_S` until the coordinator takes it or fences it, because the
 coordinator learns from it which members hold state and how far training
-rewound. A FAILED_PRECONDITION or NOT_FOUND reply means this rank's
-generation is no longer current (it was fenced or a new plan exists): the
+rewound. A FAILED_PRECONDITION, NOT_FOUND or UNAUTHENTICATED (the member
+credential revoked) reply means this rank's generation is no longer current
+(it was fenced or a new plan exists): the
 report is dropped, a start report is not retried, and the training loop learns
 of the next plan from its agent (the plan channel), not from here.
 """
@@ -225,7 +226,8 @@ class StepReporter:
                     self.accepted = (req.generation, req.step)
             except grpc.RpcError as e:
                 fenced = e.code() in (grpc.StatusCode.FAILED_PRECONDITION,
-                                      grpc.StatusCode.NOT_FOUND)
+                                      grpc.StatusCode.NOT_FOUND,
+                                      grpc.StatusCode.UNAUTHENTICATED)
                 retry = req.generation_start and not fenced
                 self.num_failures += 1
                 log.warning("ReportStep(step=%d, generation=%d%s) failed: %s %s", req.step,
