@@ -8,9 +8,11 @@ updated on hot paths. `serve` runs a daemon HTTP server on ``HOST:PORT``
 (port 0 picks a free one, optionally over TLS) answering ``GET /metrics``
 with `prometheus_client.generate_latest`, plus any extra read-only pages (the
 coordinator's dashboard), all behind an optional bearer token; a browser trades
-the token for a session (`Sessions`) once, and its cookie holds only the
-session id; ``POST /logout`` ends it (`LOGOUT_FORM`, added to the pages a
-session opened). Every response carries `SECURITY_HEADERS`.
+the token for a session (`Sessions`) once, by ``POST /login`` (`login_page`:
+never in an address, where it would land in logs and history; refused over
+plain HTTP from a non-loopback peer), and its cookie holds only the session
+id; ``POST /logout`` ends it (`LOGOUT_FORM`, added to the pages a session
+opened). Every response carries `SECURITY_HEADERS`.
 
 Failure semantics: a callback or collector that raises is logged and its
 family left out of that scrape (counted in ``springback_metrics_collect_errors_total``);
@@ -20,8 +22,10 @@ a scrape never fails because one source did.
 from __future__ import annotations
 
 import hmac
+import html
 import http.cookies
 import http.server
+import ipaddress
 import logging
 import re
 import secrets
@@ -44,6 +48,8 @@ SESSION_TTL_S = 12 * 3600.0
 """How long a dashboard session lasts after the login that made it."""
 MAX_SESSIONS = 10_000
 """Sessions kept at most (the oldest goes first): logins cannot grow memory."""
+LOGIN = "/login"
+"""``POST`` here (form fields ``token`` and ``next``) opens a session."""
 LOGOUT = "/logout"
 """``POST`` here ends the cookie's session (a GET changes nothing: 405)."""
 LOGOUT_FORM = (b"<form id='logout' method='post' action='/logout' style='float:right'>"
@@ -63,6 +69,8 @@ SECURITY_HEADERS = {
     "Referrer-Policy": "no-referrer",
 }
 """Sent with every response of `serve`."""
+MAX_FORM_BYTES = 65536
+"""The largest login or logout body read; a longer one is refused."""
 Page = Callable[[str], tuple[int, str, bytes]]
 """A page handler: request path (with query) -> (status, content type, body)."""
 
@@ -166,6 +174,24 @@ class Sessions:
             return self._sessions.pop(session_id, None) is not None
 
 
+def login_page(next_path: str, why: str) -> bytes:
+    """The login form (HTML, no script): it POSTs the token to `LOGIN`, then
+    the browser is sent on to `next_path`; `why` is said above it."""
+    return (b"<!doctype html><html><head><meta charset='utf-8'><title>Springback: log in"
+            b"</title></head><body><h1>Springback: log in</h1><p id='why'>"
+            + html.escape(why).encode() + b"</p><form id='login' method='post' action='"
+            + LOGIN.encode() + b"'><input type='hidden' name='next' value='"
+            + html.escape(next_path, quote=True).encode() + b"'><label>Token <input "
+            b"type='password' name='token' autocomplete='current-password' autofocus>"
+            b"</label> <button type='submit'>Log in</button></form></body></html>")
+
+
+def _local_path(given: str) -> str:
+    """`given` if it is a path on this server, else ``/`` (no open redirect)."""
+    ok = given.startswith("/") and not given.startswith("//") and "\\" not in given
+    return given if ok and given.isprintable() else "/"
+
+
 class _Server(http.server.ThreadingHTTPServer):
     """The HTTP server of `serve`; its handler reads what to serve from here."""
 
@@ -202,6 +228,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 return
             self._reply(200, CONTENT_TYPE_LATEST, self.server.registry.render())
             return
+        if path == LOGIN and self.server.tokens:
+            self._reply(200, "text/html; charset=utf-8", login_page("/", "Log in."))
+            return
         if path == LOGOUT:  # a link or an <img> must not end a session
             self._reply(405, "text/plain", b"log out with POST /logout\n", {"Allow": "POST"})
             return
@@ -222,14 +251,23 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self._reply(status, content_type, body)
 
     def do_POST(self) -> None:  # noqa: N802 (http.server naming)
-        """``POST /logout``: ends the cookie's session here, clears the cookie
-        and redirects to ``/`` (which asks for a login again); without a live
-        session it only clears the cookie. Any other POST is 405."""
+        """``POST /login`` (`_login`), or ``POST /logout``: ends the cookie's
+        session here, clears the cookie and redirects to ``/`` (which asks for
+        a login again); without a live session it only clears the cookie. Any
+        other POST is 405; a body over `MAX_FORM_BYTES` is 413."""
         given = self.headers.get("Content-Length", "0")
         length = int(given) if given.isdigit() else -1
-        if 0 < length <= 65536:
-            self.rfile.read(length)  # the form's (empty) body, off the connection
-        if self.path.split("?")[0] != LOGOUT or not 0 <= length <= 65536:
+        if not 0 <= length <= MAX_FORM_BYTES:
+            self._reply(413, "text/plain", b"Content-Length: not a number, or over 64 KiB\n",
+                        {"Connection": "close"})
+            self.close_connection = True
+            return
+        body = self.rfile.read(length) if length else b""  # off the connection either way
+        path = self.path.split("?")[0]
+        if path == LOGIN and self.server.tokens:
+            self._login(body)
+            return
+        if path != LOGOUT:
             self._reply(405, "text/plain", b"the dashboard is read-only\n", {"Allow": "GET"})
             return
         cookies = http.cookies.SimpleCookie(self.headers.get("Cookie", ""))
@@ -241,33 +279,59 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         return (f"{COOKIE}={value}; HttpOnly; SameSite=Strict; Path=/; Max-Age={max_age}"
                 + ("; Secure" if self.server.secure else ""))
 
+    def _role_of(self, given: str) -> str | None:
+        # every token compared, in constant time each: no early exit
+        matches = [role for token, role in self.server.tokens
+                   if hmac.compare_digest(given.encode(), token.encode())]
+        return matches[0] if matches else None
+
+    def _login(self, body: bytes) -> None:
+        """``POST /login`` of the form `login_page` shows: a right ``token``
+        opens a session, sets its cookie and redirects (303) to ``next`` (a
+        path on this server); a wrong or missing one is 401 with the form
+        again. Refused (403, no session, the token not compared) over plain
+        HTTP from a peer that is not loopback: the token would have crossed
+        the network in clear."""
+        peer = ipaddress.ip_address(self.client_address[0].split("%")[0])
+        peer = getattr(peer, "ipv4_mapped", None) or peer
+        if not self.server.secure and not peer.is_loopback:
+            self._reply(403, "text/plain",
+                        f"token: login over plain HTTP from {peer} refused: the token would "
+                        "cross the network in clear; serve the dashboard over HTTPS "
+                        "(--metrics-tls-cert and --metrics-tls-key) or reach it through a "
+                        "loopback tunnel (ssh -L, kubectl port-forward)\n".encode())
+            return
+        form = urllib.parse.parse_qs(body.decode("utf-8", errors="replace"))
+        next_path = _local_path(form.get("next", ["/"])[0])
+        role = self._role_of(form.get("token", [""])[0])
+        if role is None:
+            self._reply(401, "text/html; charset=utf-8",
+                        login_page(next_path, "token: missing or wrong; try again."))
+            return
+        cookie = self._cookie(self.server.sessions.open(role), int(self.server.sessions.ttl_s))
+        self._reply(303, "text/plain", b"", {"Location": next_path, "Set-Cookie": cookie})
+
     def _authorized(self, tokens: tuple[tuple[str, str], ...]) -> bool:
         """True for a request carrying one of the tokens, or the cookie of a
-        live session; otherwise replies (401, or for ``?token=`` the redirect
-        that opens a session and sets its cookie) and returns False."""
-        def role_of(given: str) -> str | None:
-            # every token compared, in constant time each: no early exit
-            matches = [role for token, role in tokens
-                       if hmac.compare_digest(given.encode(), token.encode())]
-            return matches[0] if matches else None
-
+        live session; otherwise replies and returns False: 400 for a token in
+        the address (``?token=``: it would land in logs and history), else
+        401 with the login form (`login_page`)."""
         split = urllib.parse.urlsplit(self.path)
-        given = urllib.parse.parse_qs(split.query).get("token", [""])[0]
-        if given and (role := role_of(given)) is not None:
-            cookie = self._cookie(self.server.sessions.open(role), int(self.server.sessions.ttl_s))
-            self._reply(303, "text/plain", b"", {"Location": split.path, "Set-Cookie": cookie})
+        if "token" in urllib.parse.parse_qs(split.query):
+            self._reply(400, "text/plain",
+                        b"token: not accepted in the address (it lands in logs and browser "
+                        b"history): log in with the form at " + LOGIN.encode() + b" (a POST)\n")
             return False
         cookies = http.cookies.SimpleCookie(self.headers.get("Cookie", ""))
         bearer = self.headers.get("Authorization", "").removeprefix("Bearer ")
-        if bearer and role_of(bearer) is not None:
+        if bearer and self._role_of(bearer) is not None:
             return True
         if COOKIE in cookies and self.server.sessions.role(cookies[COOKIE].value):
             self._session = True
             return True
-        self._reply(401, "text/plain",
-                    b"missing or wrong bearer token, or the session ended "
-                    b"(browsers: open the page with ?token=...)\n",
-                    {"WWW-Authenticate": "Bearer"})
+        self._reply(401, "text/html; charset=utf-8",
+                    login_page(_local_path(self.path), "Missing or wrong bearer token, or the "
+                               "session ended: log in."), {"WWW-Authenticate": "Bearer"})
         return False
 
     def _reply(self, status: int, content_type: str, body: bytes,
@@ -296,11 +360,13 @@ def serve(registry: Registry, listen: str, *, pages: dict[str, Page] | None = No
     `token` is set (without one, as on a node agent's listener, they are
     open): ``Authorization: Bearer <token>`` (Prometheus:
     ``authorization: {credentials_file: ...}``), or for a browser the session cookie
-    that opening any page with ``?token=<token>`` sets: the token opens a
-    server-side session (`Sessions`) and the cookie holds only its random id
-    (HttpOnly, SameSite=Strict, Path=/, Secure over TLS; the reply redirects
-    to the page without the token in its address). Anything else, an
-    expired session too, gets 401. ``POST /logout`` ends the cookie's
+    that ``POST /login`` sets (the form of `login_page`, shown with every 401
+    and at ``GET /login``): the token opens a server-side session (`Sessions`)
+    and the cookie holds only its random id (HttpOnly, SameSite=Strict,
+    Path=/, Secure over TLS). The login is refused (403) over plain HTTP
+    from a peer that is not loopback, and a token in an address
+    (``?token=``) is 400: it would land in logs and history. Anything else,
+    an expired session too, gets 401. ``POST /logout`` ends the cookie's
     session and clears the cookie (a GET of it is 405: logging out needs
     the POST of `LOGOUT_FORM`, which HTML pages served to a session get at
     the top of their body). `viewer_token`, when given, opens the

@@ -9,6 +9,7 @@ import re
 import os
 import shutil
 import urllib.error
+import urllib.parse
 import urllib.request
 
 import pytest
@@ -47,6 +48,19 @@ def browser(tmp_path):
     driver.quit()
 
 
+LOGIN_FORM = urllib.parse.urlencode({"token": TOKEN, "next": "/"}).encode()
+
+
+def browser_login(browser, base: str) -> None:  # noqa: ANN001
+    """Logs in as a person would: the 401 page's form, the token typed, submitted."""
+    from selenium.webdriver.common.by import By
+
+    browser.get(f"{base}/")
+    browser.find_element(By.CSS_SELECTOR, "#login input[name=token]").send_keys(TOKEN)
+    browser.find_element(By.CSS_SELECTOR, "#login button").click()
+    wait_for(lambda: browser.find_elements(By.ID, "logout"), 10, "the page after the login")
+
+
 @pytest.fixture
 def running_job(tmp_path, start_coordinator):
     """A coordinator with a token and a dashboard, and a job that is training
@@ -80,7 +94,7 @@ def test_the_dashboard_shows_a_running_job_its_generations_and_plots(browser, ru
     assert refused.value.code == 401
 
     assert set(SECURITY_HEADERS.items()) <= set(refused.value.headers.items())
-    browser.get(f"{base}/?token={TOKEN}")  # opens a session, sets its cookie, redirects to /
+    browser_login(browser, base)  # opens a session, sets its cookie, redirects to /
     assert browser.current_url == f"{base}/"
     check_the_session_cookie(browser, base)
     assert browser.find_element(By.TAG_NAME, "h1").text == "Springback jobs"
@@ -164,7 +178,7 @@ def test_over_tls_the_session_cookie_is_secure(tmp_path):
         opener = urllib.request.build_opener(urllib.request.HTTPSHandler(context=trust),
                                              NoRedirect)
         with pytest.raises(urllib.error.HTTPError) as login:
-            opener.open(f"{base}/?token={TOKEN}", timeout=10)
+            opener.open(f"{base}/login", data=LOGIN_FORM, timeout=10)
         assert login.value.code == 303
         cookie = login.value.headers["Set-Cookie"]
         assert "; Secure" in cookie and "HttpOnly" in cookie and TOKEN not in cookie, cookie
@@ -199,12 +213,12 @@ def dashboard():
 
 
 def _call(url: str, *, method: str = "GET", cookie: str | None = None,
-          bearer: str | None = None) -> tuple[int, dict, bytes]:
+          bearer: str | None = None, data: bytes = b"") -> tuple[int, dict, bytes]:
     headers = {"Cookie": f"{COOKIE}={cookie}"} if cookie else {}
     if bearer:
         headers["Authorization"] = f"Bearer {bearer}"
-    data = b"" if method == "POST" else None
-    request = urllib.request.Request(url, data=data, method=method, headers=headers)
+    request = urllib.request.Request(url, data=data if method == "POST" else None,
+                                     method=method, headers=headers)
     try:
         with urllib.request.build_opener(NoRedirect).open(request, timeout=10) as reply:
             return reply.status, reply.headers, reply.read()
@@ -213,8 +227,8 @@ def _call(url: str, *, method: str = "GET", cookie: str | None = None,
 
 
 def _login(base: str) -> str:
-    code, headers, _ = _call(f"{base}/?token={TOKEN}")
-    assert code == 303
+    code, headers, _ = _call(f"{base}/login", method="POST", data=LOGIN_FORM)
+    assert code == 303 and headers["Location"] == "/"
     return headers["Set-Cookie"].split(";")[0].removeprefix(f"{COOKIE}=")
 
 
@@ -246,7 +260,7 @@ def test_logout_ends_the_session_on_the_server_and_clears_the_cookie(dashboard):
 def test_the_logout_control_works_in_a_browser_under_the_csp(browser, dashboard):
     from selenium.webdriver.common.by import By
 
-    browser.get(f"{dashboard}/?token={TOKEN}")
+    browser_login(browser, dashboard)
     assert browser.find_element(By.TAG_NAME, "h1").text == "page"
     (cookie,) = browser.get_cookies()
     browser.find_element(By.CSS_SELECTOR, "#logout button").click()
