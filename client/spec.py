@@ -47,6 +47,14 @@ ceiling) is set and the window is not: five minutes, long enough that one
 recovery of a healthy job (seconds to a minute) does not cross a floor by
 itself (docs/controls.md)."""
 
+DEFAULT_BAD_STEP_MAX_IN_WINDOW = 3
+"""controls.bad_step.max_in_window when the policy is enabled and the key is
+left out: three skipped steps in the window pause the job."""
+
+DEFAULT_BAD_STEP_WINDOW_STEPS = 100
+"""controls.bad_step.window_steps when the policy is enabled and the key is
+left out."""
+
 DEFAULT_PEER_COPY_EVERY_STEPS = 10
 """peer_copies.every_steps (K) when the spec has none. A copy costs one host
 memory copy of the rank's shards plus their transfer to another node, both
@@ -104,7 +112,9 @@ _SCHEMA: dict[str, Any] = {
     "controls": (
         {"stop": ({"goodput_floor": (float, False), "window_s": (int, False),
                    "cost_per_step_ceiling": (float, False), "no_progress_s": (int, False),
-                   "action": (("pause", "fail"), False)}, False)},
+                   "action": (("pause", "fail"), False)}, False),
+         "bad_step": ({"enabled": (bool, False), "max_in_window": (int, False),
+                       "window_steps": (int, False)}, False)},
         False,
     ),
 }
@@ -140,6 +150,8 @@ def _check(value: Mapping[str, Any], schema: dict[str, Any], path: str) -> None:
             raise InvalidArgument(where, f"must be a number, got {item!r}")
         elif kind is float and not item >= 0:
             raise InvalidArgument(where, f"must not be negative, got {item}")
+        elif kind is bool and not isinstance(item, bool):
+            raise InvalidArgument(where, f"must be true or false, got {item!r}")
         elif kind is str and not isinstance(item, str):
             raise InvalidArgument(where, f"must be a string, got {item!r}")
         elif isinstance(kind, tuple) and item not in kind:
@@ -175,7 +187,27 @@ def spec_from_dict(value: Mapping[str, Any]) -> types_pb2.JobSpec:
         except (ValueError, TypeError) as e:  # out of the field's integer range
             raise InvalidArgument(where, f"{item!r} is out of range ({e})") from e
     _stop_rules_from_dict((value.get("controls") or {}).get("stop") or {}, spec.controls.stop)
+    _bad_step_from_dict((value.get("controls") or {}).get("bad_step") or {},
+                        spec.controls.bad_step)
     return validate(spec)
+
+
+def _bad_step_from_dict(value: Mapping[str, Any], out: types_pb2.BadStepPolicy) -> None:
+    """``controls.bad_step`` of a spec file (type-checked by `_check`) into
+    `out`; an explicit 0 is refused (leave the key out for the default)."""
+    out.enabled = bool(value.get("enabled", False))
+    for key in ("max_in_window", "window_steps"):
+        item = value.get(key)
+        if item is None:
+            continue
+        if item == 0:
+            raise InvalidArgument(f"controls.bad_step.{key}",
+                                  "must be positive (leave it out for the default)")
+        try:
+            setattr(out, key, item)
+        except (ValueError, TypeError) as e:  # out of the field's integer range
+            raise InvalidArgument(f"controls.bad_step.{key}",
+                                  f"{item!r} is out of range ({e})") from e
 
 
 def _stop_rules_from_dict(value: Mapping[str, Any], out: types_pb2.StopRules) -> None:
@@ -283,7 +315,27 @@ def validate(spec: types_pb2.JobSpec) -> types_pb2.JobSpec:
         raise InvalidArgument("price_per_node_hour",
                               f"must be a finite number >= 0, got {out.price_per_node_hour}")
     _validate_stop_rules(out)
+    _validate_bad_step(out)
     return out
+
+
+def _validate_bad_step(out: types_pb2.JobSpec) -> None:
+    """``controls.bad_step`` (`worker.train.badstep`): off unless enabled;
+    enabled, the window and the limit take their defaults, and the limit
+    must fit in the window."""
+    bad = out.controls.bad_step
+    if not bad.enabled:
+        for key in ("max_in_window", "window_steps"):
+            if getattr(bad, key):
+                raise InvalidArgument(f"controls.bad_step.{key}",
+                                      "is only meaningful with controls.bad_step.enabled: true")
+        return
+    bad.max_in_window = bad.max_in_window or DEFAULT_BAD_STEP_MAX_IN_WINDOW
+    bad.window_steps = bad.window_steps or DEFAULT_BAD_STEP_WINDOW_STEPS
+    if bad.max_in_window > bad.window_steps:
+        raise InvalidArgument("controls.bad_step.max_in_window",
+                              f"{bad.max_in_window} bad steps can never fall in a window of "
+                              f"{bad.window_steps} steps (controls.bad_step.window_steps)")
 
 
 def _validate_stop_rules(out: types_pb2.JobSpec) -> None:

@@ -148,3 +148,37 @@ class TestStopRules:
             "cost_per_step_ceiling": 0.01, "no_progress_s": 60, "window_s": 30,
             "action": "fail"}}}).controls.stop
         assert (stop.window_s, stop.no_progress_s, stop.action) == (30, 60, pb.STOP_ACTION_FAIL)
+
+
+class TestBadStepPolicy:
+    @pytest.mark.parametrize(
+        ("bad_step", "field", "said"),
+        [
+            ({"enabled": "yes"}, "controls.bad_step.enabled", "true or false"),
+            ({"enabled": True, "max_in_window": 0}, "controls.bad_step.max_in_window",
+             "must be positive"),
+            ({"enabled": True, "window_steps": -3}, "controls.bad_step.window_steps", "negative"),
+            ({"enabled": True, "window_steps": 2.5}, "controls.bad_step.window_steps",
+             "must be an integer"),
+            ({"enabled": True, "max_in_window": 5, "window_steps": 4},
+             "controls.bad_step.max_in_window", "window of 4 steps"),
+            ({"window_steps": 50}, "controls.bad_step.window_steps", "only meaningful"),
+            ({"enabled": True, "max_in_window": 2**40}, "controls.bad_step.max_in_window",
+             "out of range"),
+            ({"enabled": True, "k": 3}, "controls.bad_step.k", "unknown key"),
+        ],
+    )
+    @pytest.mark.timeout(10)
+    def test_a_bad_policy_names_its_field(self, bad_step, field, said):
+        with pytest.raises(InvalidArgument) as e:
+            spec_from_dict({**GOOD, "controls": {"bad_step": bad_step}})
+        assert e.value.field == field and said in str(e.value)
+
+    @pytest.mark.timeout(10)
+    def test_the_policy_is_off_unless_enabled_and_then_pauses_after_three_in_a_hundred(self):
+        assert spec_from_dict(GOOD).controls.bad_step == pb.BadStepPolicy()
+        bad = spec_from_dict({**GOOD, "controls": {"bad_step": {"enabled": True}}}).controls.bad_step
+        assert (bad.enabled, bad.max_in_window, bad.window_steps) == (True, 3, 100)
+        bad = spec_from_dict({**GOOD, "controls": {"bad_step": {
+            "enabled": True, "max_in_window": 2, "window_steps": 5}}}).controls.bad_step
+        assert (bad.max_in_window, bad.window_steps) == (2, 5)

@@ -178,10 +178,22 @@ class JobSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., min_workers: _Optional[int] = ..., max_workers: _Optional[int] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., data: _Optional[_Union[DataSpec, _Mapping]] = ..., checkpoint: _Optional[_Union[CheckpointSpec, _Mapping]] = ..., max_steps: _Optional[int] = ..., failures: _Optional[_Union[FailurePolicy, _Mapping]] = ..., peer_copies: _Optional[_Union[PeerCopySpec, _Mapping]] = ..., price_per_node_hour: _Optional[float] = ..., controls: _Optional[_Union[ControlsSpec, _Mapping]] = ...) -> None: ...
 
 class ControlsSpec(_message.Message):
-    __slots__ = ("stop",)
+    __slots__ = ("stop", "bad_step")
     STOP_FIELD_NUMBER: _ClassVar[int]
+    BAD_STEP_FIELD_NUMBER: _ClassVar[int]
     stop: StopRules
-    def __init__(self, stop: _Optional[_Union[StopRules, _Mapping]] = ...) -> None: ...
+    bad_step: BadStepPolicy
+    def __init__(self, stop: _Optional[_Union[StopRules, _Mapping]] = ..., bad_step: _Optional[_Union[BadStepPolicy, _Mapping]] = ...) -> None: ...
+
+class BadStepPolicy(_message.Message):
+    __slots__ = ("enabled", "max_in_window", "window_steps")
+    ENABLED_FIELD_NUMBER: _ClassVar[int]
+    MAX_IN_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_STEPS_FIELD_NUMBER: _ClassVar[int]
+    enabled: bool
+    max_in_window: int
+    window_steps: int
+    def __init__(self, enabled: _Optional[bool] = ..., max_in_window: _Optional[int] = ..., window_steps: _Optional[int] = ...) -> None: ...
 
 class StopRules(_message.Message):
     __slots__ = ("goodput_floor", "window_s", "cost_per_step_ceiling", "no_progress_s", "action")

@@ -143,7 +143,7 @@ class ReportStepResponse(_message.Message):
     def __init__(self, generation: _Optional[int] = ...) -> None: ...
 
 class ReportFailureRequest(_message.Message):
-    __slots__ = ("job_id", "member_id", "generation", "reason", "state_kept", "lost_peer", "lost_rank", "job_fatal", "storage_unavailable")
+    __slots__ = ("job_id", "member_id", "generation", "reason", "state_kept", "lost_peer", "lost_rank", "job_fatal", "storage_unavailable", "job_pause")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
@@ -153,6 +153,7 @@ class ReportFailureRequest(_message.Message):
     LOST_RANK_FIELD_NUMBER: _ClassVar[int]
     JOB_FATAL_FIELD_NUMBER: _ClassVar[int]
     STORAGE_UNAVAILABLE_FIELD_NUMBER: _ClassVar[int]
+    JOB_PAUSE_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     member_id: str
     generation: int
@@ -162,7 +163,8 @@ class ReportFailureRequest(_message.Message):
     lost_rank: int
     job_fatal: bool
     storage_unavailable: bool
-    def __init__(self, job_id: _Optional[str] = ..., member_id: _Optional[str] = ..., generation: _Optional[int] = ..., reason: _Optional[str] = ..., state_kept: _Optional[bool] = ..., lost_peer: _Optional[bool] = ..., lost_rank: _Optional[int] = ..., job_fatal: _Optional[bool] = ..., storage_unavailable: _Optional[bool] = ...) -> None: ...
+    job_pause: bool
+    def __init__(self, job_id: _Optional[str] = ..., member_id: _Optional[str] = ..., generation: _Optional[int] = ..., reason: _Optional[str] = ..., state_kept: _Optional[bool] = ..., lost_peer: _Optional[bool] = ..., lost_rank: _Optional[int] = ..., job_fatal: _Optional[bool] = ..., storage_unavailable: _Optional[bool] = ..., job_pause: _Optional[bool] = ...) -> None: ...
 
 class ReportFailureResponse(_message.Message):
     __slots__ = ("generation",)
