@@ -38,7 +38,7 @@ global batch and --step-sleep-s as the DDP form):
   first in old node-rank order: when they are the same shard coordinate of
   both replicas the other shard's holder is the spare, no source, and the
   ranks roll back to peer copies (from scratch before any exist); otherwise
-  the state is resharded in memory (README, the sharded paragraph).
+  the state is resharded in memory (docs/benchmarks.md, the sharded paragraph).
 * torchft: bench/_torchft_hsdp_train.py (torchtitan's integration: FSDP2
   inside a replica group, the reduce-scattered gradients averaged across
   groups by an all-reduce hook over the Manager's ManagedProcessGroup); one
