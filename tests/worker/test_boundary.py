@@ -38,9 +38,11 @@ def test_ranks_agree_on_the_newest_generation_without_waiting_for_the_vote():
         assert r["first"] is None and r["after"] is None
         # MAX of the generation seen; the loss shares summed; any rank's flag
         assert r["step1"] == {"step": 1, "newest_generation": 7, "loss": 6.0,
-                              "draining": True, "last_holder": False, "ended_t": 1.0}
+                              "draining": True, "last_holder": False, "ended_t": 1.0,
+                              "bad": True}
         assert r["step2"] == {"step": 2, "newest_generation": 5, "loss": -6.0,
-                              "draining": False, "last_holder": True, "ended_t": 2.0}
+                              "draining": False, "last_holder": True, "ended_t": 2.0,
+                              "bad": False}
     # the step loop does not wait for the all-reduce: the prompt ranks' vote of
     # step 1 returned while the last rank was still 1.5 s away from its own
     assert results[0]["vote_s"] < 0.75 and results[1]["vote_s"] < 0.75, results
@@ -68,10 +70,11 @@ def test_votes_carried_in_ddp_s_all_reduce_agree_alike_and_train_the_same_model(
     for r in results:
         assert r["same"], "the carrying DDP trained a different model"
         # the vote of step k is read at the end of step k + 1 (the last at settle)
-        agreed = [a and (a["step"], a["newest_generation"], a["loss"], a["draining"])
+        agreed = [a and (a["step"], a["newest_generation"], a["loss"], a["draining"], a["bad"])
                   for a in r["agreed"]]
-        assert agreed == [None, (1, 5, 6.0, False), (2, 6, 9.0, False), (3, 5, 12.0, False),
-                          (4, 5, 15.0, True), (5, 5, 18.0, False)]
+        assert agreed == [None, (1, 5, 6.0, False, False), (2, 6, 9.0, False, True),
+                          (3, 5, 12.0, False, False), (4, 5, 15.0, True, False),
+                          (5, 5, 18.0, False, False)]
         # step 3 ran no backward: step 2's vote, which step 3's all-reduce would
         # have carried, was all-reduced by itself at step 3's boundary, and the
         # last one at settle; every other vote rode DDP's all-reduce

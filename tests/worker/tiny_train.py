@@ -27,6 +27,11 @@ the "replicate" group of the script's own `gen.mesh`, after the sleep, which it
 announces ("step N sleeping"): a peer killed meanwhile is seen on that
 subgroup's sockets first. TINY_LOG=info logs the library's info lines with timestamps
 (the hand-written-plan tests: a failure shows each rank's generations).
+TINY_NAN_STEPS=5,7 makes the loss that global rank TINY_NAN_RANK (default 1)
+hands to `gen.check_step` NaN at those steps (its gradients stay finite: only
+the step vote tells the other ranks); TINY_DIGESTS=1 appends each rank's state
+digest after every step to ``digests-r<rank>-p<pid>.jsonl`` in the audit
+directory.
 """
 
 import faulthandler
@@ -44,6 +49,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from draws import record_draw
 from springback.worker import Session
 from springback.client.env import AUDIT_DIR
+from springback.worker.train.audit import state_digest
 
 NUM_SAMPLES, GLOBAL_BATCH = 256, 12  # standalone fallbacks; a job's spec overrides them
 MAX_COUNTED = 8192  # sample indices the counter covers (jobs of the tests are smaller)
@@ -113,6 +119,9 @@ def main() -> int:
     raise_at = int(os.environ.get("TINY_RAISE_AT_STEP", "0"))
     say_steps = os.environ.get("TINY_PRINT_STEPS") == "1"
     mesh_reduce = os.environ.get("TINY_MESH_REDUCE") == "1"
+    nan_steps = {int(s) for s in os.environ.get("TINY_NAN_STEPS", "").split(",") if s}
+    nan_rank = int(os.environ.get("TINY_NAN_RANK", "1"))
+    digests = os.environ.get("TINY_DIGESTS") == "1"
     for gen in session.generations():
         with gen:
             assert gen.stream.num_samples <= MAX_COUNTED
@@ -136,11 +145,20 @@ def main() -> int:
                 if crashing:  # in backward: after the local gradients, inside DDP's all-reduce
                     model.linear.weight.register_hook(lambda g: crash.now(gen.rank))
                 loss.backward()
-                opt.step()
-                counter_opt.step()
+                checked = per_sample.mean().item() if len(per_sample) else 0.0
+                if batch.step in nan_steps and gen.rank == nan_rank:
+                    checked = float("nan")
+                if gen.check_step(checked):  # always True unless controls.bad_step is on
+                    opt.step()
+                    counter_opt.step()
                 opt.zero_grad()
                 counter_opt.zero_grad()
-                gen.report(loss=per_sample.mean().item() if len(per_sample) else 0.0)
+                if digests:
+                    path = os.path.join(os.environ[AUDIT_DIR],
+                                        f"digests-r{gen.rank}-p{os.getpid()}.jsonl")
+                    with open(path, "a", encoding="utf-8") as f:
+                        f.write(json.dumps({"step": batch.step,
+                                            "digest": state_digest(session.state)}) + "\n")
                 if say_steps:
                     print(f"trained step {batch.step} in generation {gen.generation}", flush=True)
                 if mesh_reduce:

@@ -7,8 +7,11 @@ data-parallel coordinate: its TP and PP peers take the same batch, which
 the check counts once. A step may be started by one
 generation and, if that generation broke before any rank finished it, run again
 by the next; the step's outcome is the one of the *latest* generation that ran
-it. `check_exactly_once` applies that rule and verifies that the kept records
-cover each epoch's indices exactly once.
+it. A step the ranks agreed not to apply (the bad-step policy,
+`Generation.check_step`) gets a second record, ``"skipped": true``: its
+samples were consumed but not trained on. `check_exactly_once` applies that
+rule and verifies that the kept records cover each epoch's indices exactly
+once, naming the skipped steps (their samples are skipped, not lost).
 """
 
 from __future__ import annotations
@@ -56,6 +59,14 @@ class AuditLog:
         self._file.write(line + "\n")
         self._file.flush()
 
+    def skipped(self, step: int) -> None:
+        """Records that the ranks agreed not to apply `step` (its batch,
+        recorded before, was consumed but not trained on)."""
+        self._file.write(json.dumps({"generation": self._generation, "rank": self._rank,
+                                     "dp_rank": self._dp_rank, "step": step,
+                                     "skipped": True}) + "\n")
+        self._file.flush()
+
     def close(self) -> None:
         self._file.close()
 
@@ -70,6 +81,9 @@ class AuditReport:
     duplicates: list[tuple[int, int]] = field(default_factory=list)
     missing: list[tuple[int, int]] = field(default_factory=list)
     missing_steps: list[int] = field(default_factory=list)
+    skipped_steps: list[int] = field(default_factory=list)
+    """Steps whose batch was consumed but not applied (a bad step): their
+    samples count as taken once, and are named here instead of trained."""
 
     @property
     def ok(self) -> bool:
@@ -102,6 +116,7 @@ def check_exactly_once(directory: str, *, num_samples: int, global_batch_size: i
     seen: dict[tuple[int, int], int] = defaultdict(int)
     missing_steps: list[int] = []
     generations: set[int] = set()
+    skipped_steps: list[int] = []
     total = 0
     for step in range(1, last_step + 1):
         runs = by_step.get(step)
@@ -112,7 +127,11 @@ def check_exactly_once(directory: str, *, num_samples: int, global_batch_size: i
         generations.add(owner)
         samples: list[tuple[int, int]] = []
         by_dp_rank: dict[int, list[tuple[int, int]]] = {}
+        if any(rec.get("skipped") for rec in runs[owner]):
+            skipped_steps.append(step)
         for rec in runs[owner]:
+            if rec.get("skipped"):
+                continue
             taken = [tuple(s) for s in rec["samples"]]
             first = by_dp_rank.setdefault(rec.get("dp_rank", rec["rank"]), taken)
             if first is taken or first != taken:  # the dp rank's first record, or a peer's other batch
@@ -127,7 +146,8 @@ def check_exactly_once(directory: str, *, num_samples: int, global_batch_size: i
     missing = [(e, i) for e in range(full_epochs) for i in range(num_samples)
                if (e, i) not in seen]
     return AuditReport(steps=last_step, generations=sorted(generations), samples=total,
-                       duplicates=duplicates, missing=missing, missing_steps=missing_steps)
+                       duplicates=duplicates, missing=missing, missing_steps=missing_steps,
+                       skipped_steps=skipped_steps)
 
 
 def state_digest(state: dict[str, Any]) -> str:

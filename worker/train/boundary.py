@@ -4,7 +4,9 @@ overlapped with the next step's compute.
 
 At the end of every step each rank contributes a `Vote`: the newest
 generation it has seen, whether its node is draining, whether its agent was
-told that no survivor will hold the state, and its share of the step's loss.
+told that no survivor will hold the state, whether its step was bad (a
+non-finite loss or gradient: `Generation.check_step`), and its share of the
+step's loss.
 The contributions are combined with one MAX all-reduce (the loss shares sit in
 one slot per rank, every other slot is -inf, so the MAX of the slots is each
 rank's share and their sum the step's loss). MAX of the generation seen is the
@@ -31,7 +33,10 @@ share; zero in every other rank's slot): each slot's sum is the one rank's
 value, exact, and every rank takes the MAX of the generation slots itself.
 Votes are carried only in float32/float64 CPU buckets; on CUDA (NCCL) reading
 the vote back would make the step loop wait for the device, so the vote keeps
-its own all-reduce on the group's gloo side. A step whose backward did not
+its own all-reduce on the group's gloo side. A step checked by
+`Generation.check_step` (the bad-step policy) sends its vote there, in an
+all-reduce of its own waited for at once (`vote_now`): every rank must know
+before its optimizer step whether any rank's step was bad. A step whose backward did not
 all-reduce (``no_sync``, an evaluation step) leaves its vote pending, and the
 next boundary all-reduces it by itself, on every rank alike (DDP runs the
 same buckets on every rank, or hangs).
@@ -53,7 +58,8 @@ import torch.distributed as dist
 
 from springback.worker.rank.rendezvous import handed_to_gloo
 
-_FIXED = 3  # generation seen, draining, last holder; then one loss slot per rank
+_FIXED = 4  # generation seen, draining, last holder, bad; then one loss slot per rank
+_CARRIED = 5  # rows of per-rank slots a carried vote adds: the fixed four and the loss
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +72,7 @@ class Vote:
     draining: bool
     last_holder: bool
     ended_t: float  # wall-clock time the step ended on this rank
+    bad: bool = False  # this rank's loss or gradient was not finite
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +85,7 @@ class Agreed:
     draining: bool
     last_holder: bool
     ended_t: float  # this rank's own end of that step
+    bad: bool = False  # some rank's loss or gradient was not finite: not applied
 
 
 class StepBoundary:
@@ -92,6 +100,7 @@ class StepBoundary:
         self._in_flight: tuple[Vote, torch.Tensor, dist.Work] | None = None
         self._pending: Vote | None = None  # for the next DDP all-reduce to carry
         self._carried: tuple[Vote, torch.Tensor, torch.futures.Future, int] | None = None
+        self._ready: Agreed | None = None  # agreed by `vote_now`, not collected yet
 
     def vote(self, vote: Vote) -> Agreed | None:
         """Sends this step's vote on its way (pending for the next step's DDP
@@ -107,6 +116,17 @@ class StepBoundary:
             self._in_flight = self._start(vote)
         return previous
 
+    def vote_now(self, vote: Vote) -> tuple[Agreed | None, Agreed]:
+        """Sends this step's vote in an all-reduce of its own and waits for
+        it (up to the collective timeout): returns the previous step's
+        agreement (None at the generation's first step) and this one's. The
+        next `vote`, `vote_now` or `settle` returns this one's again, as the
+        previous step's; do not `vote` this step again. Raises what the
+        collective raised."""
+        previous = self._collect()
+        self._ready = _wait(*self._start(vote))
+        return previous, self._ready
+
     def settle(self) -> Agreed | None:
         """Waits for the last vote (up to the collective timeout; all-reduced
         now if it is still pending) and returns its agreement; None when
@@ -116,7 +136,7 @@ class StepBoundary:
     def abandon(self) -> None:
         """Forgets the vote in flight or pending without waiting (before the
         group is torn down; `leave_group` waits for gloo to release its tensor)."""
-        self._in_flight = self._pending = self._carried = None
+        self._in_flight = self._pending = self._carried = self._ready = None
 
     def carry(self, grads: torch.Tensor) -> torch.futures.Future[torch.Tensor] | None:
         """The last gradient bucket's all-reduce, with the pending vote
@@ -128,13 +148,14 @@ class StepBoundary:
             return None
         vote, self._pending = self._pending, None
         n = grads.numel()
-        packed = torch.zeros(n + 4 * self.world_size, dtype=grads.dtype)
+        packed = torch.zeros(n + _CARRIED * self.world_size, dtype=grads.dtype)
         packed[:n] = grads.reshape(-1)
-        slots = packed[n:].view(4, self.world_size)
+        slots = packed[n:].view(_CARRIED, self.world_size)
         slots[0, self.rank] = vote.generation_seen
         slots[1, self.rank] = float(vote.draining)
         slots[2, self.rank] = float(vote.last_holder)
-        slots[3, self.rank] = vote.loss_share
+        slots[3, self.rank] = float(vote.bad)
+        slots[4, self.rank] = vote.loss_share
         future = dist.all_reduce(packed, group=self.ddp_group, async_op=True).get_future()
         handed_to_gloo(packed)
         self._carried = (vote, packed, future, n)
@@ -147,6 +168,7 @@ class StepBoundary:
         t[0] = float(vote.generation_seen)
         t[1] = 1.0 if vote.draining else 0.0
         t[2] = 1.0 if vote.last_holder else 0.0
+        t[3] = 1.0 if vote.bad else 0.0
         t[_FIXED + self.rank] = vote.loss_share
         work = dist.all_reduce(t, op=dist.ReduceOp.MAX, async_op=True)
         handed_to_gloo(t)
@@ -156,14 +178,18 @@ class StepBoundary:
         """The agreement of the vote sent last (carried, in flight, or still
         pending: all-reduced now), and nothing left behind."""
         carried, in_flight, pending = self._carried, self._in_flight, self._pending
+        ready, self._ready = self._ready, None
         self._carried = self._in_flight = self._pending = None
+        if ready is not None:
+            return ready
         if carried is not None:
             vote, packed, future, n = carried
             future.wait()
-            generation, draining, last_holder, loss = packed[n:].view(4, -1).tolist()
+            generation, draining, last_holder, bad, loss = packed[n:].view(_CARRIED, -1).tolist()
             return Agreed(step=vote.step, newest_generation=int(max(generation)),
                           loss=float(sum(loss)), draining=max(draining) > 0,
-                          last_holder=max(last_holder) > 0, ended_t=vote.ended_t)
+                          last_holder=max(last_holder) > 0, ended_t=vote.ended_t,
+                          bad=max(bad) > 0)
         if in_flight is None and pending is not None:
             in_flight = self._start(pending)  # no DDP all-reduce carried it this step
         return None if in_flight is None else _wait(*in_flight)
@@ -193,6 +219,7 @@ carry_votes_hook.__annotations__ = {"boundary": StepBoundary, "bucket": dist.Gra
 
 def _wait(vote: Vote, t: torch.Tensor, work: dist.Work) -> Agreed:
     work.wait()
-    generation, draining, last_holder, *losses = t.tolist()
+    generation, draining, last_holder, bad, *losses = t.tolist()
     return Agreed(step=vote.step, newest_generation=int(generation), loss=float(sum(losses)),
-                  draining=draining > 0, last_holder=last_holder > 0, ended_t=vote.ended_t)
+                  draining=draining > 0, last_holder=last_holder > 0, ended_t=vote.ended_t,
+                  bad=bad > 0)

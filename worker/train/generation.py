@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
+import math
 import os
 import time
 from collections.abc import Iterator
@@ -21,6 +22,7 @@ from springback.v1 import types_pb2 as pb
 from springback.worker import eventlog
 from springback.worker.rank import rngstate
 from springback.worker.train.audit import AuditLog, state_digest
+from springback.worker.train.badstep import BadStepLimit, BadSteps, locally_bad
 from springback.worker.train.boundary import Agreed, StepBoundary, Vote, carry_votes_hook
 from springback.worker.train.peerloss import lost_peer
 from springback.worker.train.steptimes import StepTimes
@@ -92,6 +94,11 @@ class Generation:
         self._boundary = StepBoundary(rank, self.world_size)
         self._copies: GenerationCopies | None = None  # the sharded form's peer copies
         self._loss = float("nan")
+        self._batch: Batch | None = None  # the step running now
+        self._checked: tuple[Agreed | None] | None = None
+        """Set by `check_step`: the previous step's agreement, which it
+        collected (this step's vote is then already agreed)."""
+        self._bad_steps = BadSteps()  # the session's, set by Session._start
         self._audit = (AuditLog(ctx.env.audit_dir, self.generation, rank, self.dp_rank)
                        if ctx.env.audit_dir else None)
         self._checkpoints = None
@@ -117,6 +124,7 @@ class Generation:
             if self._audit is not None:
                 self._audit.record(batch)
             self._loss = float("nan")
+            self._batch, self._checked = batch, None
             yield batch
             s.state_step = step
             s.rng = rngstate.capture()  # the boundary's, carried into a next generation
@@ -187,11 +195,70 @@ class Generation:
         other ranks' reports are ignored."""
         self._loss = float(loss)
 
+    def check_step(self, loss: float | None) -> bool:
+        """The bad-step check (spec ``controls.bad_step``,
+        `worker/train/badstep.py`): call it after backward and before the
+        optimizer step, on every rank, and step the optimizer only when it
+        returns True; zero the gradients either way. It also reports `loss`
+        as `report` does (None on a rank that computes no loss).
+
+        With the policy off it only reports the loss and returns True (no
+        collective). With it on, it is collective: this step's vote is
+        all-reduced now with this rank's verdict (its loss or a gradient of
+        a registered module not finite), and every rank gets the same
+        answer: False when any rank's step was bad. A False step is
+        recorded as skipped (the audit; rank 0's step event). When the
+        skipped steps reach ``max_in_window`` within ``window_steps``, rank
+        0 asks the coordinator to pause the job, naming them (the ranks go
+        on until the pause comes); with no coordinator every rank raises
+        `BadStepLimit`. Raises what the vote's all-reduce raises (a peer
+        lost: ``with gen:`` ends the generation as for any step); calling it
+        twice in one step is a RuntimeError."""
+        if self._batch is None or self._checked is not None:
+            raise RuntimeError("Generation.check_step: call it once per step, inside "
+                               "the loop over gen.batches()")
+        self._loss = float("nan") if loss is None else float(loss)
+        policy = self.plan.spec.controls.bad_step
+        if not policy.enabled:
+            return True
+        modules = [v for v in self.ctx.state.values() if isinstance(v, torch.nn.Module)]
+        vote = self._vote(self._batch, bad=locally_bad(loss, modules))
+        previous, agreed = self._boundary.vote_now(vote)
+        self._checked = (previous,)
+        if not agreed.bad:
+            return True
+        step = self._batch.step
+        log.warning("step %d is not applied: a rank's loss or gradient is not finite "
+                    "(controls.bad_step)", step)
+        if self._audit is not None:
+            self._audit.skipped(step)
+        if self.rank == 0:
+            eventlog.append({"event": "bad_step", "t": time.time(),
+                             "generation": self.generation, "step": step})
+        reason = self._bad_steps.record(step, policy)
+        if reason is not None:
+            self._pause(reason)
+        return False
+
+    def _pause(self, reason: str) -> None:
+        """Too many bad steps: rank 0 reports the pause (once taken, never
+        again); without a coordinator every rank raises `BadStepLimit`."""
+        s = self.ctx
+        if s.reporter is None:
+            raise BadStepLimit(reason)
+        if self.rank == 0 and not self._bad_steps.reported:
+            log.error("%s", reason)
+            self._bad_steps.reported = s.reporter.report_pause(self.plan, reason)
+
     def _end_step(self, batch: Batch) -> bool:
         """The agreed step boundary (`boundary.StepBoundary`): this step's vote
-        goes out, the previous step's agreed vote decides, the same on every
-        rank. Returns True when the ranks must leave for a newer plan (or stop)."""
-        agreed = self._boundary.vote(self._vote(batch))
+        goes out (unless `check_step` sent it), the previous step's agreed
+        vote decides, the same on every rank. Returns True when the ranks
+        must leave for a newer plan (or stop)."""
+        if self._checked is not None:
+            agreed = self._checked[0]
+        else:
+            agreed = self._boundary.vote(self._vote(batch))
         if self._copies is not None:
             self._copies.after_step(batch.step)
         newer = agreed is not None and agreed.newest_generation > self.generation
@@ -228,7 +295,7 @@ class Generation:
             self._record_state("switch")
         return newer
 
-    def _vote(self, batch: Batch) -> Vote:
+    def _vote(self, batch: Batch, *, bad: bool = False) -> Vote:
         """This rank's contribution to the agreement at the end of `batch`'s step."""
         s = self.ctx
         latest = s.latest()
@@ -242,7 +309,7 @@ class Generation:
                     loss_share=share / batch.global_batch_size,
                     draining=channel is not None and channel.draining(),
                     last_holder=channel is not None and channel.last_holder(),
-                    ended_t=time.time())
+                    ended_t=time.time(), bad=bad)
 
     def _settle_last_vote(self) -> None:
         """Leaving the generation without a broken collective (the user's own

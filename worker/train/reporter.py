@@ -182,6 +182,21 @@ class StepReporter:
             return False
         return True
 
+    def report_pause(self, plan: pb.Plan, reason: str) -> bool:
+        """Asks the coordinator to pause the job by its own policy (the
+        ranks agreed: too many bad steps, `badstep.BadSteps`), `reason` as
+        its message; the member keeps its state. Never raises: one call with
+        a `LOST_PEER_TIMEOUT_S` deadline; False when it was not taken (the
+        caller asks again at the next bad step)."""
+        try:
+            self._stub.ReportFailure(wpb.ReportFailureRequest(
+                job_id=plan.job_id, member_id=self._member_id, generation=plan.generation,
+                reason=reason, state_kept=True, job_pause=True), timeout=LOST_PEER_TIMEOUT_S)
+        except grpc.RpcError as e:
+            log.warning("pause report not taken: %s %s", e.code().name, e.details())
+            return False
+        return True
+
     def close(self) -> None:
         self.flush()
         with self._cond:

@@ -8,8 +8,10 @@ model and optimizer stay in memory, and only the process group is rebuilt.
         with gen:                            # a dead peer ends the generation quietly
             ddp = DDP(model, process_group=gen.group)
             for batch in gen.batches():      # stops at a step boundary on a new plan
-                loss = ...; loss.backward(); opt.step(); opt.zero_grad()
-                gen.report(loss=loss.item())
+                loss = ...; loss.backward()
+                if gen.check_step(loss.item()):  # False: a bad step (controls.bad_step)
+                    opt.step()
+                opt.zero_grad()
 
 Failure semantics:
 
@@ -48,6 +50,11 @@ Failure semantics:
 * Every registered module's and optimizer's gradients are cleared when a
   generation starts: a step that broke mid-backward is run again from zero
   gradients, so its samples are applied once.
+* A step whose loss or gradient is not finite on any rank is skipped on
+  every rank when the job's ``controls.bad_step`` is enabled and the loop
+  asks `Generation.check_step` before its optimizer step
+  (`worker/train/badstep.py`): the state is left as it was, the batch is
+  recorded as skipped, and too many such steps in the window pause the job.
 * Do the optimizer step last in the loop body: a failure after it would leave
   this rank's state one step ahead of the step it claims.
 """
@@ -80,6 +87,7 @@ from springback.worker.rank.rendezvous import (
 from springback.worker.rank.device import group_backend, rank_device
 from springback.worker.train.generation import Generation
 from springback.worker.train.agreement import StateAgreement
+from springback.worker.train.badstep import BadSteps
 from springback.worker.rank.context import DEFAULT_PLAN_WAIT_S, RankContext
 from springback.worker.state.sharded import BuildFn, ShardedModel
 
@@ -153,6 +161,7 @@ class Session:
         self._storage_refusals = 0  # generations in a row the store refused to start
         self._storage_refused: tuple[int, str] | None = None  # (rank, error) of the last start
         self._standalone_store: dist.TCPStore | None = None
+        self._bad_steps = BadSteps()  # the bad-step window spans generations
         self.ctx = RankContext(env=self.env, state=self.state, device=self.device,
                                wait_s=plan_wait_s or DEFAULT_PLAN_WAIT_S)
         if self.env.control_dir:
@@ -328,6 +337,7 @@ class Session:
         gen = Generation(self.ctx, plan, rank)
         gen._store, gen._mesh = store, outcome.mesh
         gen._copies = self._agreement.copies_for(plan, rank)
+        gen._bad_steps = self._bad_steps
         t2 = time.monotonic()
         startup_s = 0.0
         if not self._started_once:  # this process's start-up: its creation to this generation

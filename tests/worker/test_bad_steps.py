@@ -1,0 +1,80 @@
+"""The bad-step policy (spec ``controls.bad_step``, worker/train/badstep.py) on
+two real gloo ranks of tiny_train.py driven by hand-written plans: the step
+vote carries one rank's non-finite loss to every rank."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from fakeplans import FakeJob
+
+from springback.worker.train.audit import check_exactly_once
+from springback.worker.train.sampler import SampleStream
+
+MEMBERS = ["a", "b"]
+
+
+def _job(tmp_path: Path, max_steps: int) -> FakeJob:
+    job = FakeJob(tmp_path, max_steps=max_steps)
+    policy = job.spec.controls.bad_step
+    policy.enabled, policy.max_in_window, policy.window_steps = True, 3, 10
+    return job
+
+
+def _digests(audit_dir: str, rank: int) -> dict[int, str]:
+    path = next(Path(audit_dir).glob(f"digests-r{rank}-p*.jsonl"))
+    return {r["step"]: r["digest"] for r in map(json.loads, path.read_text().splitlines())}
+
+
+class TestBadSteps:
+    @pytest.mark.timeout(120)
+    def test_a_nan_on_one_rank_is_applied_by_no_rank_and_its_batch_is_named_skipped(
+            self, tmp_path):
+        job = _job(tmp_path, max_steps=10)
+        try:
+            for m in MEMBERS:
+                job.spawn(m, {"TINY_NAN_STEPS": "5", "TINY_NAN_RANK": "1", "TINY_DIGESTS": "1"})
+            job.publish(MEMBERS)
+            job.finish(MEMBERS)
+        finally:
+            job.close()
+        digests = [_digests(job.audit_dir, r) for r in range(2)]
+        assert digests[0] == digests[1] and sorted(digests[0]) == list(range(1, 11))
+        d = digests[0]
+        assert d[5] == d[4], "step 5 changed the state"  # SHA-256 of the model's tensors
+        assert len({d[s] for s in (4, 6, 7, 8, 9, 10)}) == 6, "training did not go on"
+        report = check_exactly_once(job.audit_dir, num_samples=256, global_batch_size=12,
+                                    last_step=10)
+        assert report.ok and report.skipped_steps == [5], report
+        # the sample counter (tiny_train.py): step 5's samples never reached
+        # the optimizer, every other step's exactly once
+        stream = SampleStream(num_samples=256, global_batch_size=12)
+        skipped = set(stream.batch(5, 1, 0).indices.tolist())
+        for path in Path(job.audit_dir).glob("applied-p*.json"):
+            counter = json.loads(path.read_text())["counter"]
+            for step in range(1, 11):
+                for i in stream.batch(step, 1, 0).indices.tolist():
+                    assert round(counter[i]) == (0 if i in skipped else 1), (step, i)
+        for m in MEMBERS:  # rank 0's loss was finite: it learned of step 5 from the vote
+            assert "step 5 is not applied" in job.log_tail(m, 200_000), job.log_tail(m)
+
+    @pytest.mark.timeout(120)
+    def test_too_many_bad_steps_in_the_window_stop_every_rank_naming_the_steps(self, tmp_path):
+        job = _job(tmp_path, max_steps=20)
+        try:
+            for m in MEMBERS:
+                job.spawn(m, {"TINY_NAN_STEPS": "3,4,9", "TINY_NAN_RANK": "0"})
+            job.publish(MEMBERS)
+            codes = [job.procs[m].wait(timeout=100) for m in MEMBERS]
+        finally:
+            job.close()
+        assert codes == [1, 1], [job.log_tail(m) for m in MEMBERS]
+        for m in MEMBERS:  # no coordinator to pause the job: every rank stops with the reason
+            said = job.log_tail(m)
+            assert "BadStepLimit: controls.bad_step: 3 steps with a non-finite loss or " \
+                   "gradient within the last 10 steps (steps 3, 4, 9; " in said, said
+        report = check_exactly_once(job.audit_dir, num_samples=256, global_batch_size=12,
+                                    last_step=8)
+        assert report.ok and report.skipped_steps == [3, 4], report
