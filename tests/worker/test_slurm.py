@@ -1,7 +1,9 @@
 """`springback run` under Slurm: the task an agent learns from ``SLURM_*``
 (`worker/agent/slurm.py`), and a job over three nodes of a real Slurm
 (tests/slurmcluster.py: slurmctld and three ``slurmd -N``) that loses one node
-to an admin's ``scontrol update state=down`` and still ends exactly once.
+to an admin's ``scontrol update state=down``, or has one node's step signalled
+with SIGTERM (a cancel's or a preemption's first signal, which reaches the
+ranks too), and still ends exactly once.
 
 The real-Slurm test is marked ``slurm`` and left out of the default run
 (``bash deploy/local/test.sh -m slurm`` runs it)."""
@@ -86,22 +88,73 @@ def slurm_cluster(tmp_path_factory) -> Iterator[SlurmCluster]:
         cluster.stop()
 
 
-def _srun_agents(slurm_cluster: SlurmCluster, root: Path, job_id: str,
-                 coordinator: str) -> subprocess.Popen:
+def _srun_agents(slurm_cluster: SlurmCluster, root: Path, job_id: str, coordinator: str,
+                 node: str | None = None) -> subprocess.Popen:
     """One agent per Slurm node, as a user's sbatch script runs them: a lost
-    node (``--no-kill``) does not take the step down."""
+    node (``--no-kill``) does not take the step down. With `node`, one Slurm
+    job of one step on that node only (so it can be signalled alone)."""
     env = dict(slurm_cluster.env, **{
         E.AUDIT_DIR: str(root / "audit"), E.METRICS_FILE: str(root / "metrics.jsonl"),
         "TINY_STEP_SLEEP_S": "0.1", "PYTHONUNBUFFERED": "1"})
     env.pop("SPRINGBACK_HOST", None)
+    where = [f"-N{len(slurm_cluster.nodes)}"] if node is None else ["-N1", f"-w{node}"]
     return subprocess.Popen(
-        ["srun", "--no-kill", f"-N{len(slurm_cluster.nodes)}", "--ntasks-per-node=1",
-         "--job-name=springback-agents", f"--output={root}/agent-%t.log",
+        ["srun", "--no-kill", *where, "--ntasks-per-node=1",
+         "--job-name=springback-agents", f"--output={root}/agent-{node or '%t'}.log",
          sys.executable, "-m", "springback.worker.agent", "--job", job_id,
          "--coordinator", coordinator, "--drain-timeout-s", "30",
          "--", sys.executable, TINY_TRAIN],
-        env=env, cwd=root, stdout=open(root / "srun.log", "ab"),  # noqa: SIM115
+        env=env, cwd=root, stdout=open(root / f"srun-{node or 'all'}.log", "ab"),  # noqa: SIM115
         stderr=subprocess.STDOUT)
+
+
+def _audit(root: Path) -> None:
+    """The exactly-once audits of a job that ran `MAX_STEPS` steps."""
+    applied = check_applied(root / "audit", num_samples=NUM_SAMPLES, global_batch_size=BATCH,
+                            seed=SPEC["data"]["seed"], last_step=MAX_STEPS)
+    assert applied.ok, applied
+    draws = check_draws(root / "audit")
+    assert draws.ok, draws
+    report = check_exactly_once(str(root / "audit"), num_samples=NUM_SAMPLES,
+                                global_batch_size=BATCH, last_step=MAX_STEPS)
+    assert report.ok, report
+
+
+class TestRanksUnderSlurm:
+    @pytest.mark.timeout(60)
+    def test_a_rank_ignores_sigterm_yet_dies_with_its_agent(self):
+        """Slurm's SIGTERM reaches every process of the step: a rank started
+        with ``ignore_sigterm`` survives it, and still dies by the parent-death
+        SIGKILL when its agent is SIGKILLed (never an orphan)."""
+        rank = ("import os,signal,sys; os.kill(os.getpid(), signal.SIGTERM); "
+                "print('survived', flush=True); sys.stdin.read()")
+        agent = subprocess.Popen(
+            [sys.executable, "-c",
+             "import subprocess,sys; from springback.worker.agent.ranks import with_parent_death;"
+             f"c = subprocess.Popen(with_parent_death([sys.executable, '-c', {rank!r}],"
+             " ignore_sigterm=True)); print(c.pid, flush=True); c.wait()"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        try:
+            assert agent.stdout is not None
+            lines = {agent.stdout.readline().strip() for _ in range(2)}
+            assert "survived" in lines, lines  # a SIGTERM did not end it
+            rank_pid = int(next(line for line in lines if line.isdigit()))
+            agent.kill()
+            agent.wait(timeout=10)
+            wait_for(lambda: not _alive(rank_pid), 20, "the orphaned rank to die")
+        finally:
+            if agent.poll() is None:
+                agent.kill()
+                agent.wait(timeout=10)
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie does not)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def _agent_log(root: Path, node: str) -> str:
@@ -144,15 +197,7 @@ class TestUnderSlurm:
                 assert "all local ranks finished" in _agent_log(tmp_path, node)
             after = [r for r in steps(tmp_path) if r["world_size"] == 2 and r["step"] > before]
             assert after, "no step ran with the two survivors"
-            applied = check_applied(tmp_path / "audit", num_samples=NUM_SAMPLES,
-                                    global_batch_size=BATCH, seed=SPEC["data"]["seed"],
-                                    last_step=MAX_STEPS)
-            assert applied.ok, applied
-            draws = check_draws(tmp_path / "audit")
-            assert draws.ok, draws
-            report = check_exactly_once(str(tmp_path / "audit"), num_samples=NUM_SAMPLES,
-                                        global_batch_size=BATCH, last_step=MAX_STEPS)
-            assert report.ok, report
+            _audit(tmp_path)
         finally:
             if srun.poll() is None:
                 srun.kill()
@@ -162,5 +207,55 @@ class TestUnderSlurm:
                     slurm_cluster.run("scancel", job)
                 if slurm_cluster.node_states().get("node3", "").startswith("down"):
                     slurm_cluster.run("scontrol", "update", "nodename=node3", "state=resume")
+            except subprocess.SubprocessError as e:
+                print(f"Slurm not reset after the test: {e}")
+
+    @pytest.mark.timeout(240)
+    def test_a_node_whose_step_slurm_signals_drains_and_the_others_finish_exactly_once(
+            self, slurm_cluster, client, coordinator_address, tmp_path):
+        """``scancel --signal=TERM JOB.STEP`` (what a preemption or a cancel
+        sends first) reaches the agent and its ranks alike: the agent drains
+        (its reason names Slurm, the step, the node and the signal), its ranks
+        leave at a step boundary instead of dying of the SIGTERM (no failure
+        reported), and the other two nodes finish the job exactly once."""
+        created = client.create_job(SPEC)
+        sruns = {n: _srun_agents(slurm_cluster, tmp_path, created.id, coordinator_address, n)
+                 for n in slurm_cluster.nodes}
+        try:
+            wait_for(lambda: any(r["world_size"] == 3 and r["step"] >= 10
+                                 for r in steps(tmp_path)), 90, "world size 3 at step 10")
+            on_node = dict(reversed(line.split()) for line in slurm_cluster.run(
+                "squeue", "-h", "-o", "%i %N").splitlines() if line.strip())
+            before = max(r["step"] for r in steps(tmp_path))
+
+            slurm_cluster.run("scancel", "--signal=TERM", f"{on_node['node3']}.0")
+
+            job = wait_for(lambda: (j := client.get_job(created.id)).status.state in ENDED
+                           and j, 120, "the job to end")
+            assert job.status.state == pb.JOB_STATE_SUCCEEDED, job.status.message
+            assert job.status.step == MAX_STEPS
+            assert job.status.num_failures == 0  # the drained ranks did not crash
+            _, events = client.list_job_events(created.id)
+            reason = (f"draining: Slurm sent SIGTERM to job {on_node['node3']} step 0 "
+                      "on node node3")
+            assert any(reason in e.reason for e in events), [e.reason for e in events]
+            for srun in sruns.values():  # every agent ended: the ranks wrote their audit
+                srun.wait(timeout=60)
+            assert sruns["node3"].returncode == 0  # a drain, not a failure
+            drained = _agent_log(tmp_path, "node3")
+            assert "every local rank left at a step boundary" in drained, drained
+            for node in ("node1", "node2"):
+                assert "all local ranks finished" in _agent_log(tmp_path, node)
+            after = [r for r in steps(tmp_path) if r["world_size"] == 2 and r["step"] > before]
+            assert after, "no step ran with the two survivors"
+            _audit(tmp_path)
+        finally:
+            for srun in sruns.values():
+                if srun.poll() is None:
+                    srun.kill()
+                    srun.wait(timeout=10)
+            try:  # the next test of the module gets three idle nodes again
+                for slurm_job in slurm_cluster.jobs():
+                    slurm_cluster.run("scancel", slurm_job)
             except subprocess.SubprocessError as e:
                 print(f"Slurm not reset after the test: {e}")

@@ -110,7 +110,8 @@ def _run_agent(config: AgentConfig, drained_exit_code: int = EXIT_OK) -> int:
     log.info("mode %s: %s", config.mode, " ".join(config.command))
 
     def on_signal(signum: int, _frame: object) -> None:
-        agent.request_drain(f"signal {signal.Signals(signum).name}")
+        agent.request_drain(slurm.signal_reason(config.slurm, signum) if config.slurm
+                            else f"signal {signal.Signals(signum).name}")
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)

@@ -22,7 +22,10 @@ Failure semantics:
 * SIGTERM, SIGINT or a preemption notice start a *drain*: DrainMember (the
   coordinator leaves this member out of the next plan), the ranks finish their
   step and exit when they see that plan, then LeaveJob. Ranks still running at
-  ``--drain-timeout-s`` are killed; the member leaves anyway.
+  ``--drain-timeout-s`` are killed; the member leaves anyway. Under Slurm,
+  whose SIGTERM (``scancel``, a preemption) reaches the ranks too, library-mode
+  ranks ignore SIGTERM (`ranks.py`), so the drain reaches them intact; the drain's
+  reason names the Slurm job, step, node and signal (`slurm.signal_reason`).
 * Heartbeat or plan stream answering NOT_FOUND means the member expired (the
   node was stopped or partitioned longer than the liveness timeout) and is
   *fenced*; UNAUTHENTICATED, that the coordinator revoked its member credential
@@ -118,7 +121,9 @@ class Agent:
         self._local = LocalRanks(config.command, self._workdir, keep_spare=config.standby,
                                  output=config.output, rank_logs=self._rank_logs.attach,
                                  pass_fds=(self._rendezvous.fd,)
-                                 if isinstance(self._rendezvous, StoreSocket) else ())
+                                 if isinstance(self._rendezvous, StoreSocket) else (),
+                                 ignore_sigterm=config.slurm is not None
+                                 and config.mode == "library")
         self._restart = RestartRanks(self) if config.mode == "restart" else None
         self._ran = False  # a RUN plan included this member: its ranks may hold state
         self._num_restarts = 0
@@ -478,6 +483,14 @@ class Agent:
                 timeout_s=deadline - time.monotonic()):
             log.warning("drain deadline of %.0fs passed: killing ranks",
                         self.config.drain_timeout_s)
+        if self._restart is None:  # library mode: a rank's own exit is its step boundary
+            codes = {lr: p.poll() for lr, p in self._local.ranks.items()}
+            if all(c == 0 for c in codes.values()):
+                log.info("drain: every local rank left at a step boundary (exit status 0)")
+            else:  # a signal (Slurm's SIGKILL, a script's own SIGTERM handler) or a crash
+                log.warning("drain: local ranks that did not leave cleanly "
+                            "(exit status; None: still running, killed now): %s",
+                            {lr: c for lr, c in codes.items() if c != 0})
         self._kill_ranks()
         self._leave(reason)
         log.info("drained")

@@ -17,8 +17,15 @@ it at normal priority, no later than a cold start would.
 
 Processes are started through a small exec launcher that sets the
 parent-death signal: when the agent dies (even by SIGKILL) its ranks die with
-it, and their peers see the failure at once. Failure semantics of each call
-are in its docstring; nothing here talks to the coordinator.
+it, and their peers see the failure at once. Under Slurm the launcher also
+makes the ranks ignore SIGTERM (`LocalRanks` with ``ignore_sigterm``): Slurm
+signals every process of a job step on ``scancel`` or a preemption, and a
+rank must not die of it mid-step while its agent drains the node (the agent
+owns the reaction: the ranks leave at the step boundary of the plan without
+them). SIGKILL (Slurm's, after ``KillWait`` / ``GraceTime``; the agent's at
+``--drain-timeout-s``) and the parent-death signal still end them. A script
+that installs its own SIGTERM handler replaces the ignore. Failure semantics
+of each call are in its docstring; nothing here talks to the coordinator.
 """
 
 from __future__ import annotations
@@ -45,22 +52,29 @@ NOTE_EVERY_S = 30.0
 # preexec_fn: preexec_fn runs Python in a fork() of a process with live gRPC
 # threads, and gRPC's fork handlers abort the child now and then (SIGABRT).
 # The snippet sets the parent-death signal, checks the agent did not die in
-# between, and execs the rank command.
+# between, applies the options of argv[2] (comma-separated: idle scheduling,
+# SIGTERM ignored; an ignored signal stays ignored across exec) and execs the
+# rank command.
 _PDEATH_LAUNCHER = (
     "import ctypes,os,signal,sys\n"
     "ctypes.CDLL('libc.so.6').prctl(1, signal.SIGKILL)\n"
     "if os.getppid() != int(sys.argv[1]): sys.exit(1)\n"
-    "if sys.argv[2] == 'idle': os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))\n"
+    "opts = sys.argv[2].split(',')\n"
+    "if 'idle' in opts: os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))\n"
+    "if 'noterm' in opts: signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
     "os.execvp(sys.argv[3], sys.argv[3:])\n"
 )
 
 
-def with_parent_death(command: list[str], *, idle: bool = False) -> list[str]:
+def with_parent_death(command: list[str], *, idle: bool = False,
+                      ignore_sigterm: bool = False) -> list[str]:
     """`command` behind the launcher that ties its life to this process's;
     with `idle`, it also runs at the idle scheduling class (threads it starts
-    inherit it) until `to_normal_priority`."""
+    inherit it) until `to_normal_priority`; with `ignore_sigterm`, it starts
+    with SIGTERM ignored (SIGKILL and the parent-death signal still end it)."""
+    opts = ["idle" if idle else "normal"] + (["noterm"] if ignore_sigterm else [])
     return [sys.executable, "-S", "-c", _PDEATH_LAUNCHER, str(os.getpid()),
-            "idle" if idle else "normal", *command]
+            ",".join(opts), *command]
 
 
 _CAP_SYS_NICE = 23
@@ -131,13 +145,16 @@ class LocalRanks:
     def __init__(self, command: list[str], workdir: str, *, keep_spare: bool,
                  output: RankOutput | None = None,
                  rank_logs: Callable[[subprocess.Popen], None] | None = None,
-                 pass_fds: tuple[int, ...] = ()) -> None:
+                 pass_fds: tuple[int, ...] = (), ignore_sigterm: bool = False) -> None:
         """`output` places ranks' output in files (--log-dir/--redirects/--tee);
         `rank_logs`, when given, receives every other started process with its
         stdout and stderr merged into a pipe it must drain
         (`ranklogs.RankLogs.attach`: rank-prefixed echo and shipping);
-        `pass_fds` are inherited by every process (the node's store socket)."""
+        `pass_fds` are inherited by every process (the node's store socket);
+        `ignore_sigterm` starts every process with SIGTERM ignored (under
+        Slurm, whose SIGTERM reaches every process of the step: module docstring)."""
         self.command = command
+        self.ignore_sigterm = ignore_sigterm
         self.rank_logs = rank_logs
         self.workdir = workdir
         self.keep_spare = keep_spare
@@ -151,7 +168,7 @@ class LocalRanks:
     def _launch(self, environ: dict[str, str], local_rank: int = 0, *,
                 idle: bool = False) -> subprocess.Popen:
         self._num_started += 1
-        argv = with_parent_death(self.command, idle=idle)
+        argv = with_parent_death(self.command, idle=idle, ignore_sigterm=self.ignore_sigterm)
         if self.rank_logs is not None and not self.output.to_files(local_rank):
             proc = subprocess.Popen(argv, env=environ, start_new_session=True,
                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

@@ -16,10 +16,15 @@ task (`SlurmTask`) it
   (`node_address`) when neither ``--host`` nor ``SPRINGBACK_HOST`` names one;
 * logs one line saying it runs under Slurm, as which task.
 
-SIGTERM is already a drain in every agent (`command._run_agent`): Slurm's
-SIGTERM on ``scancel`` or on a preemption (``PreemptMode=REQUEUE`` /
-``CANCEL``, then SIGKILL after ``GraceTime``) makes the agent drain its node
-(DrainMember, a drain checkpoint when no survivor holds the state, LeaveJob).
+SIGTERM is a drain in every agent (`command._run_agent`): Slurm's SIGTERM
+on ``scancel`` or on a preemption (``PreemptMode=REQUEUE`` / ``CANCEL``,
+then SIGKILL after ``GraceTime``) makes the agent drain its node
+(DrainMember, a drain checkpoint when no survivor holds the state, LeaveJob),
+with a reason naming Slurm, the job step, the node and the signal
+(`signal_reason`: the job's events show it). Slurm signals every process of
+the step, the ranks too: under Slurm they ignore SIGTERM (`ranks.py`), so
+they finish their step and leave at the boundary of the plan without this
+node instead of dying mid-step; Slurm's SIGKILL still ends them.
 A node set DOWN or lost takes its task with SIGKILL: with ``srun --no-kill``
 the other tasks run on and the coordinator replans around the lost member.
 Telling a preemption apart from a node failure in the job's events, and
@@ -32,6 +37,7 @@ import hashlib
 import ipaddress
 import logging
 import os
+import signal
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -135,6 +141,15 @@ def node_address(task: SlurmTask) -> str | None:
     except (OSError, UnicodeError):
         return None
     return None if ipaddress.ip_address(address).is_loopback else address
+
+
+def signal_reason(task: SlurmTask, signum: int) -> str:
+    """The drain reason of signal `signum` reaching the agent of `task`: what
+    the operator reads in the job's events (``MEMBER draining: REASON``)."""
+    name = signal.Signals(signum).name
+    why = " (scancel, preemption or --signal)" if signum == signal.SIGTERM else ""
+    return (f"Slurm sent {name} to job {task.job_id} step {task.step_id} on node "
+            f"{task.node_name}{why}")
 
 
 def announce(task: SlurmTask, host: str) -> None:
