@@ -67,6 +67,23 @@ def cluster(request, tmp_path, client, coordinator_address):
             assert job.status.state == pb.JOB_STATE_SUCCEEDED, job.status.message
             return job
 
+        def damage_commits(self, min_step: int) -> list[Path]:
+            """Waits for a commit at `min_step` or later, then overwrites the DCP
+            data of every checkpoint committed so far with zeros of the same size:
+            a restore of any of them now fails its checksums (a fallback, then a
+            state loss or a failed job), so a test that says "no checkpoint
+            read" fails when one happens, whatever the product's own counters
+            say. Returns the files damaged."""
+            wait_for(lambda: self.job().status.last_checkpoint.step >= min_step, 60,
+                     f"a commit at step {min_step} or later")
+            damaged = []
+            for manifest in (tmp_path / "ckpt" / created.id).glob("*/manifest.json"):
+                for shard in manifest.parent.glob("*.distcp"):
+                    shard.write_bytes(b"\0" * shard.stat().st_size)
+                    damaged.append(shard)
+            assert damaged, "no committed checkpoint to damage"
+            return damaged
+
         def audit(self):
             """Asserts exactly once, from the sampler's records *and* from what the
             finished ranks' optimizers applied (their sample counters, written

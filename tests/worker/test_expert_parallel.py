@@ -63,7 +63,8 @@ def test_expert_parallel_node_loss_then_join_reshard_the_experts_in_memory_bit_i
     moe = {"script": MOE_TRAIN, "nproc": 2, "env": {"TINY_STEP_SLEEP_S": "0.2"}}
     a = cluster.start("a", **moe)
     b = cluster.start("b", **moe)
-    cluster.wait_world(4, min_step=12, timeout_s=150)  # past the first commit (step 10)
+    cluster.wait_world(4, min_step=12, timeout_s=150)
+    cluster.damage_commits(min_step=10)  # a restore would fail: memory must serve
     b.signal_node(signal.SIGKILL)
     cluster.wait_world(2, min_step=max(r["step"] for r in steps(cluster.root)) + 2,
                        timeout_s=90)

@@ -63,6 +63,7 @@ def test_hsdp_join_2_to_4_then_node_loss_4_to_2_reshard_in_memory_bit_identical(
     b = cluster.start("b", **fsdp)  # joins while a trains on: 2 -> 4 ranks
     cluster.wait_world(4, min_step=max(r["step"] for r in steps(cluster.root)) + 3,
                        timeout_s=120)
+    cluster.damage_commits(min_step=10)  # a restore would fail: memory must serve
     b.signal_node(signal.SIGKILL)  # a whole replica of replicate=2 x shard=2
     cluster.wait_world(2, min_step=max(r["step"] for r in steps(cluster.root)) + 2,
                        timeout_s=90)
@@ -94,6 +95,7 @@ def test_tensor_parallel_under_fsdp_join_then_node_loss_reshard_in_memory_bit_id
     b = cluster.start("b", **fsdp)
     cluster.wait_world(4, min_step=max(r["step"] for r in steps(cluster.root)) + 3,
                        timeout_s=120)
+    cluster.damage_commits(min_step=10)  # a restore would fail: memory must serve
     b.signal_node(signal.SIGKILL)
     cluster.wait_world(2, min_step=max(r["step"] for r in steps(cluster.root)) + 2,
                        timeout_s=90)
