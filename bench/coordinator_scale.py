@@ -28,6 +28,7 @@ from springback.service import keys
 from springback.service.planner import Progress, make_plan
 from springback.service.server import CoordinatorServer
 from springback.client.spec import spec_from_dict
+from springback.v1 import job_service_pb2 as js
 from springback.v1 import types_pb2 as pb
 from springback.v1 import worker_service_pb2 as ws
 from springback.v1 import worker_service_pb2_grpc as ws_grpc
@@ -65,7 +66,7 @@ def run(server: CoordinatorServer, args: argparse.Namespace) -> None:
                       rendezvous_port=29500, num_local_ranks=1)
         store.put(keys.member(job.id, m.id), m, lease=lease)
         members.append(m)
-    coordinator.change(job.id, "bench: initial plan")
+    coordinator.change(job.id, "bench: initial plan", kind=js.CHANGE_KIND_START)
     # Measure one replan at a time: the reconcile loop would notice each
     # deletion below too and replan concurrently (on 2 cores, sharing the GIL).
     coordinator.stop()
@@ -89,7 +90,7 @@ def run(server: CoordinatorServer, args: argparse.Namespace) -> None:
         victim = members[r]
         store.delete(keys.member(job.id, victim.id))
         t = time.perf_counter()
-        coordinator.change(job.id, f"bench: lost {victim.id}")
+        coordinator.change(job.id, f"bench: lost {victim.id}", kind=js.CHANGE_KIND_NODE_LOST)
         replan_s.append(time.perf_counter() - t)
     plan = coordinator.current_plan(job.id)
     assert plan.world_size == args.members - args.repeats, plan.world_size

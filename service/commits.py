@@ -37,6 +37,7 @@ from springback.service import fencing, keys
 from springback.service.coordinator import Coordinator, timestamp_now
 from springback.client.jobdir import outside_job_directory
 from springback.client.errors import Conflict, FailedPrecondition, InvalidArgument, NotFound
+from springback.v1 import job_service_pb2 as js
 from springback.v1 import types_pb2 as pb
 
 
@@ -122,7 +123,8 @@ class Commits:
 
         what = "replaced" if same is not None else "committed"
         coordinator.change(job_id, f"checkpoint at step {ref.step} {what}", record,
-                           extra_ops=lambda: ops, extra_compare=compare)
+                           kind=js.CHANGE_KIND_OTHER, extra_ops=lambda: ops,
+                           extra_compare=compare)
         kept = [c for c in others if c.step in keep] + [committed]
         return sorted(kept, key=lambda c: c.step)
 
@@ -135,4 +137,5 @@ class Commits:
             job.status.checkpoint_error = error[:1000]
 
         fencing.change_as_member(self.coordinator, job_id, member_id, generation,
-                                 f"checkpoint error: {error[:200]}", record)
+                                 f"checkpoint error: {error[:200]}", record,
+                                 kind=js.CHANGE_KIND_OTHER)

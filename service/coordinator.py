@@ -159,7 +159,7 @@ class Coordinator:
         self._lease_of: dict[str, int] = {}  # member id -> lease id
         self._member_checked: dict[str, float] = {}  # member id -> when found registered
         # (job id, member id) -> why it went, noted before its lease is revoked
-        self._departures: dict[tuple[str, str], str] = {}
+        self._departures: dict[tuple[str, str], tuple[str, js.ChangeKind]] = {}
         # job id -> members' (count, newest revision) when last found in line with the plan
         self._fingerprints: dict[str, tuple[int, int]] = {}
         # job id -> the reconcile error last logged for it (logged once, counted always)
@@ -293,6 +293,7 @@ class Coordinator:
         reason: str,
         mutate: JobMutation | None = None,
         *,
+        kind: js.ChangeKind,
         stateless: Collection[str] = (),
         draining: Collection[str] = (),
         force_generation: bool = False,
@@ -301,6 +302,13 @@ class Coordinator:
     ) -> pb.Job:
         """Applies `mutate` to the job, replans (`replan`), and writes both in
         one fenced transaction (`writer`).
+
+        `kind` is what the change is (a failure, a join, an operator's act),
+        given by the caller beside the human-readable `reason`: a generation
+        made records it, folded with the kinds of the departures it plans
+        (`history.change_kind`), and it alone decides whether the change
+        counts as a failure. Text in `reason`, or said by `mutate`, never
+        changes it.
 
         A new generation is written when the plan's signature changes (or when
         forced: a rank crashed, an operator restore). `stateless` members lost
@@ -329,8 +337,9 @@ class Coordinator:
                 reason = said
         progress = self._progress.get(job_id)  # after mutate: a start sets it
         previous = plan_entry.value if plan_entry else None
-        reason = self._naming_departures(job_id, previous, members, reason)
-        failure = change_kind(reason, job.status.state) in FAILURE_CHANGES
+        reason, departed = self._naming_departures(job_id, previous, members, reason)
+        kind = change_kind({kind, *departed}, job.status.state)
+        failure = kind in FAILURE_CHANGES
         decision = replan.replan(replan.Inputs(
             observed=self._observed(job, failure),
             job=job, previous=previous,
@@ -341,7 +350,7 @@ class Coordinator:
         ))
         self.last_replan_s = decision.planning_s
         history_ops = self.history.on_change(job, decision.plan if decision.new_generation else None,
-                                             interval=decision.interval)
+                                             kind, interval=decision.interval)
         txn = self.writer.txn
         compare = [
             txn.mod(keys.job(job_id)) == job_entry.mod_revision,
@@ -396,31 +405,38 @@ class Coordinator:
                      pb.PlanAction.Name(plan.action), plan.world_size, reason)
         self._notify(job_id, reason)
 
-    def note_departure(self, job_id: str, member_id: str, why: str) -> None:
+    def note_departure(self, job_id: str, member_id: str, why: str,
+                       kind: js.ChangeKind) -> None:
         """Records why a member goes (\"lost m-1 (peers: ...)\", \"m-1 left: ...\")
-        before its caller revokes its lease: whichever change then replans
-        without it (that caller's own, or a progress flush, a start report or
-        the reconcile loop that read the membership first) names it so."""
+        and as what `kind` of change, before its caller revokes its lease:
+        whichever change then replans without it (that caller's own, or a
+        progress flush, a start report or the reconcile loop that read the
+        membership first) names it so and records its kind."""
         with self._lock:
-            self._departures[(job_id, member_id)] = why
+            self._departures[(job_id, member_id)] = (why, kind)
 
     def _naming_departures(self, job_id: str, previous: pb.Plan | None,
-                           members: list[pb.Member], reason: str) -> str:
+                           members: list[pb.Member], reason: str
+                           ) -> tuple[str, list[js.ChangeKind]]:
         """`reason`, preceded by the members of `previous` (active or spare)
         that are no longer registered and that `reason` does not name, each
         with its noted departure or, when none was noted (its lease expired),
-        \"lost ... (liveness timeout)\". A generation's reason, and the change
-        kind counted from it, thus say what changed the membership, whichever
-        writer happened to land that change first."""
+        \"lost ... (liveness timeout)\"; and the kinds of every such departure
+        (named in `reason` or not: its text does not decide a kind). A
+        generation's reason and kind thus say what changed the membership,
+        whichever writer happened to land that change first."""
         if previous is None:
-            return reason
+            return reason, []
         live = {m.id for m in members}
         planned = [m.member_id for m in previous.members] + list(previous.spares)
-        gone = [m for m in planned if m not in live and m not in reason]
+        gone = [m for m in planned if m not in live]
         with self._lock:
-            notes = [self._departures.get((job_id, m), f"lost {m} (liveness timeout)")
-                     for m in gone]
-        return "; ".join([*notes, reason]) if notes else reason
+            noted = {m: self._departures.get((job_id, m), (f"lost {m} (liveness timeout)",
+                                                           js.CHANGE_KIND_NODE_LOST))
+                     for m in gone}
+        notes = [why for m, (why, _) in noted.items() if m not in reason]
+        kinds = [kind for _, kind in noted.values()]
+        return ("; ".join([*notes, reason]) if notes else reason), kinds
 
     def _signature_of(self, job_id: str, plan: pb.Plan) -> tuple:
         view = self._plans.get(job_id)
@@ -435,13 +451,13 @@ class Coordinator:
             self._changed.notify_all()
 
     def change_with_retry(self, job_id: str, reason: str, mutate: JobMutation | None = None,
-                          **kwargs) -> pb.Job:  # noqa: ANN003
+                          *, kind: js.ChangeKind, **kwargs) -> pb.Job:  # noqa: ANN003
         """`change`, retried on `Conflict` (`CHANGE_ATTEMPTS` attempts, a short
         jittered pause between them so that writers that collided spread out);
         then `Conflict` (nothing written)."""
         for attempt in range(CHANGE_ATTEMPTS):
             try:
-                return self.change(job_id, reason, mutate, **kwargs)
+                return self.change(job_id, reason, mutate, kind=kind, **kwargs)
             except Conflict:
                 if attempt == CHANGE_ATTEMPTS - 1:
                     raise
@@ -502,7 +518,8 @@ class Coordinator:
         if progress.step >= max_steps and self.get_job(job_id).status.state == pb.JOB_STATE_RUNNING:
             def succeed(job: pb.Job) -> None:
                 job.status.state = pb.JOB_STATE_SUCCEEDED
-            self.change_with_retry(job_id, f"reached max_steps {max_steps}", succeed)
+            self.change_with_retry(job_id, f"reached max_steps {max_steps}", succeed,
+                                   kind=js.CHANGE_KIND_FINISH)
         return self.current_generation(job_id)
 
     def record_generation_start(self, job_id: str, member_id: str, generation: int,
@@ -577,7 +594,7 @@ class Coordinator:
                 self._progress[job_id] = progress
             return said
 
-        self.change_with_retry(job_id, reason, started)
+        self.change_with_retry(job_id, reason, started, kind=js.CHANGE_KIND_OTHER)
         if rolled_back[0]:
             with self._changed:
                 self._measures.setdefault(job_id, _Measures()).rollbacks += 1
@@ -715,7 +732,10 @@ class Coordinator:
                 f"admitted {_named(joined)}" if joined else "",
             ) if part
         ) or "initial plan"
-        self.change(job.id, reason)
+        # a loss and a join in one pass: the loss wins (`history.KIND_PRECEDENCE`)
+        kind = (js.CHANGE_KIND_NODE_LOST if lost else js.CHANGE_KIND_JOIN if joined
+                else js.CHANGE_KIND_START)
+        self.change(job.id, reason, kind=kind)
 
     def _apply_stop_rules(self, job: pb.Job) -> None:
         """Pauses or fails `job` (its spec's ``controls.stop.action``) when one
@@ -739,7 +759,7 @@ class Coordinator:
             current.status.state = pb.JOB_STATE_FAILED if fail else pb.JOB_STATE_PAUSED
 
         try:
-            self.change_with_retry(job.id, reason, stop)
+            self.change_with_retry(job.id, reason, stop, kind=js.CHANGE_KIND_CONTROL)
         except FailedPrecondition as e:
             log.info("job %s: stop rule not applied: %s", job.id, e)
             return
@@ -749,7 +769,8 @@ class Coordinator:
         """Writes reported progress of jobs that changed since their last write."""
         for job_id in list(self._dirty):
             try:
-                self.change(job_id, self._events.get(job_id, "progress"))
+                self.change(job_id, self._events.get(job_id, "progress"),
+                            kind=js.CHANGE_KIND_OTHER)
             except (Conflict, NotFound) as e:
                 log.info("flush %s: %s", job_id, e)
 

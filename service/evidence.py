@@ -67,6 +67,7 @@ from springback.client import plans
 from springback.service import fencing, keys
 from springback.service.coordinator import Coordinator
 from springback.client.errors import FailedPrecondition, SpringbackError
+from springback.v1 import job_service_pb2 as js
 from springback.v1 import types_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -203,9 +204,9 @@ class PeerLossEvidence:
                 return
             coordinator.forget_member(member_id)
             reason = f"lost {member_id} (peers: {why})"
-            coordinator.note_departure(job_id, member_id, reason)
+            coordinator.note_departure(job_id, member_id, reason, js.CHANGE_KIND_NODE_LOST)
             coordinator.store.revoke_lease(entry.lease_id)
             self.num_fenced += 1
-            coordinator.change_with_retry(job_id, reason)
+            coordinator.change_with_retry(job_id, reason, kind=js.CHANGE_KIND_NODE_LOST)
         except SpringbackError as e:  # etcd down, leadership lost: the lease decides
             log.warning("fencing %s of job %s on peer evidence: %s", member_id, job_id, e)

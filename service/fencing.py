@@ -18,6 +18,7 @@ from typing import Any
 from springback.service import keys
 from springback.service.coordinator import Coordinator, JobMutation
 from springback.client.errors import Conflict, FailedPrecondition, NotFound, StaleGeneration
+from springback.v1 import job_service_pb2 as js
 from springback.v1 import types_pb2 as pb
 
 ATTEMPTS = 3
@@ -67,7 +68,8 @@ def _fence(coordinator: Coordinator, job_id: str, member_id: str, generation: in
 
 
 def change_as_member(coordinator: Coordinator, job_id: str, member_id: str, generation: int,
-                     reason: str, mutate: JobMutation | None = None, *, older: bool = False,
+                     reason: str, mutate: JobMutation | None = None, *, kind: js.ChangeKind,
+                     older: bool = False,
                      replan_if_current: bool = False, **kwargs: Any) -> pb.Job:
     """`Coordinator.change` on behalf of a member's report, fenced by `report_fence`
     (`older` as there) in the same transaction; retried from fresh reads on
@@ -84,7 +86,8 @@ def change_as_member(coordinator: Coordinator, job_id: str, member_id: str, gene
         if replan_if_current:
             kwargs["force_generation"] = current == generation
         try:
-            return coordinator.change(job_id, reason, mutate, extra_compare=fence, **kwargs)
+            return coordinator.change(job_id, reason, mutate, kind=kind, extra_compare=fence,
+                                      **kwargs)
         except Conflict:
             if attempt == ATTEMPTS - 1:
                 raise

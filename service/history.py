@@ -5,7 +5,9 @@ for every job write: it stamps ``Job.started_at`` / ``finished_at`` the first
 time the job runs / ends, and for a new generation returns the put of its
 `GenerationEvent` (``/springback/v1/history/{job}/{generation}``), which joins
 the same fenced transaction as the plan, so a record exists exactly for the
-generations that were issued. Step reports (`on_progress`) touch memory only;
+generations that were issued. A record's kind is the `ChangeKind` its change's
+caller passed (`change_kind`), never read from its reason, whose text may quote
+what a member said. Step reports (`on_progress`) touch memory only;
 the first step of a generation fills in its recovery time, written once by
 `flush` (from the leader's reconcile loop). So history costs one write per
 generation plus one when it first steps, never one per step.
@@ -22,7 +24,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import cast
 
 from etcd3.utils import prefix_range_end
@@ -36,26 +38,23 @@ from springback.v1 import types_pb2 as pb
 
 log = logging.getLogger(__name__)
 
-# Reason texts of the coordinator's callers (membership, job control, the
-# reconcile loop), most specific first.
-_KINDS: list[tuple[str, js.ChangeKind]] = [
-    ("controls.stop: ", js.CHANGE_KIND_CONTROL),
-    ("reported a failure", js.CHANGE_KIND_RANK_FAILURE),
-    ("(liveness timeout)", js.CHANGE_KIND_NODE_LOST),
-    (" (peers: ", js.CHANGE_KIND_NODE_LOST),
-    (" draining: ", js.CHANGE_KIND_DRAIN),
-    (" left: ", js.CHANGE_KIND_LEAVE),
-    (" joined ", js.CHANGE_KIND_JOIN),
-    ("admitted ", js.CHANGE_KIND_JOIN),
-    ("reached max_steps", js.CHANGE_KIND_FINISH),
-    ("cancelled", js.CHANGE_KIND_FINISH),
-    ("scaled to", js.CHANGE_KIND_OPERATOR),
-    ("paused", js.CHANGE_KIND_OPERATOR),
-    ("resumed", js.CHANGE_KIND_OPERATOR),
-    ("restore from checkpoint", js.CHANGE_KIND_OPERATOR),
-    ("created", js.CHANGE_KIND_START),
-    ("initial plan", js.CHANGE_KIND_START),
-]
+KIND_PRECEDENCE: tuple[js.ChangeKind, ...] = (
+    js.CHANGE_KIND_CONTROL,
+    js.CHANGE_KIND_RANK_FAILURE,
+    js.CHANGE_KIND_NODE_LOST,
+    js.CHANGE_KIND_DRAIN,
+    js.CHANGE_KIND_LEAVE,
+    js.CHANGE_KIND_JOIN,
+    js.CHANGE_KIND_FINISH,
+    js.CHANGE_KIND_OPERATOR,
+    js.CHANGE_KIND_START,
+    js.CHANGE_KIND_OTHER,
+)
+"""Which kind a generation made for several changes at once records, first
+wins: a change's own kind and the departures folded into it (a member lost
+while a report was planned, a loss and a join in one reconcile pass). A
+failure outranks a planned departure, which outranks a join, so the failure
+counting and the checkpoint interval see the worst thing that happened."""
 
 FAILURE_KINDS = {
     js.CHANGE_KIND_NODE_LOST: "node_lost",
@@ -65,11 +64,14 @@ FAILURE_KINDS = {
 """Change kinds counted as failures (`springback_job_failures_total{kind}`)."""
 
 
-def change_kind(reason: str, state: int) -> js.ChangeKind:
-    """The `ChangeKind` of a generation made for `reason` with the job in `state`."""
+def change_kind(kinds: Collection[js.ChangeKind], state: int) -> js.ChangeKind:
+    """The `ChangeKind` recorded for a generation made for the changes of
+    `kinds` (given by their callers, never read from a reason's text) with
+    the job in `state`: `CHANGE_KIND_FINISH` once the job ended, else the
+    first of `KIND_PRECEDENCE` among `kinds`, `CHANGE_KIND_OTHER` for none."""
     if planner.is_terminal(state):
         return js.CHANGE_KIND_FINISH
-    return next((kind for text, kind in _KINDS if text in reason), js.CHANGE_KIND_OTHER)
+    return next((kind for kind in KIND_PRECEDENCE if kind in kinds), js.CHANGE_KIND_OTHER)
 
 
 class History:
@@ -95,11 +97,12 @@ class History:
             self._started.clear()
             self._unflushed.clear()
 
-    def on_change(self, job: pb.Job, plan: pb.Plan | None,
+    def on_change(self, job: pb.Job, plan: pb.Plan | None, kind: js.ChangeKind,
                   interval: pb.CheckpointInterval | None = None) -> list:
         """Stamps `job`'s timestamps; for a new generation (`plan` not None),
-        returns the transaction ops that record it (with `interval`, the auto
-        checkpoint interval chosen for it and its figures). Where its state really
+        returns the transaction ops that record it as a change of `kind` (see
+        `change_kind`), with `interval`, the auto checkpoint interval chosen
+        for it and its figures. Where its state really
         came from, and the steps redone, arrive with its start (`on_start`)."""
         now = time.time()
         status = job.status
@@ -111,7 +114,7 @@ class History:
             return []
         event = js.GenerationEvent(
             generation=plan.generation, reason=plan.reason or status.message,
-            kind=change_kind(status.message, status.state), action=plan.action,
+            kind=kind, action=plan.action,
             world_size=plan.world_size, members=[m.member_id for m in plan.members],
             restore=plan.restore.kind, start_step=plan.step, spares=list(plan.spares),
         )

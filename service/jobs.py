@@ -13,6 +13,7 @@ from springback.client import spec as specs
 from springback.service import keys
 from springback.service.coordinator import Coordinator, timestamp_now
 from springback.client.errors import Conflict, InvalidArgument, NotFound
+from springback.v1 import job_service_pb2 as js
 from springback.v1 import types_pb2 as pb
 
 _LIVE = (pb.JOB_STATE_PENDING, pb.JOB_STATE_RUNNING)
@@ -36,7 +37,7 @@ class JobControl:
             # Either the id exists or this replica no longer leads (the fence).
             raise Conflict(f"job {job.id} not created: the id exists or this replica lost "
                            "leadership; retry")
-        return self.coordinator.change_with_retry(job.id, "created")
+        return self.coordinator.change_with_retry(job.id, "created", kind=js.CHANGE_KIND_START)
 
     def scale(self, job_id: str, min_workers: int, max_workers: int) -> pb.Job:
         def mutate(job: pb.Job) -> None:
@@ -52,11 +53,12 @@ class JobControl:
             job.spec.CopyFrom(specs.validate(scaled))
 
         return self.coordinator.change_with_retry(
-            job_id, f"scaled to min {min_workers}, max {max_workers}", mutate
-        )
+            job_id, f"scaled to min {min_workers}, max {max_workers}", mutate,
+            kind=js.CHANGE_KIND_OPERATOR)
 
     def _transition(self, job_id: str, action: str, allowed: tuple[int, ...],
-                    done: tuple[int, ...], target: pb.JobState, event: str) -> pb.Job:
+                    done: tuple[int, ...], target: pb.JobState, event: str,
+                    kind: js.ChangeKind) -> pb.Job:
         """Moves a job in `allowed` states to `target`; a job already in a `done`
         state is left as it is (the call is idempotent)."""
         def mutate(job: pb.Job) -> None:
@@ -65,19 +67,19 @@ class JobControl:
             self.coordinator.require_state(job, allowed, action)
             job.status.state = target
 
-        return self.coordinator.change_with_retry(job_id, event, mutate)
+        return self.coordinator.change_with_retry(job_id, event, mutate, kind=kind)
 
     def pause(self, job_id: str) -> pb.Job:
         return self._transition(job_id, "pause", _LIVE, (pb.JOB_STATE_PAUSED,),
-                                pb.JOB_STATE_PAUSED, "paused")
+                                pb.JOB_STATE_PAUSED, "paused", js.CHANGE_KIND_OPERATOR)
 
     def resume(self, job_id: str) -> pb.Job:
         return self._transition(job_id, "resume", (pb.JOB_STATE_PAUSED,), _LIVE,
-                                pb.JOB_STATE_PENDING, "resumed")
+                                pb.JOB_STATE_PENDING, "resumed", js.CHANGE_KIND_OPERATOR)
 
     def cancel(self, job_id: str) -> pb.Job:
         return self._transition(job_id, "cancel", _NOT_TERMINAL, (pb.JOB_STATE_CANCELLED,),
-                                pb.JOB_STATE_CANCELLED, "cancelled")
+                                pb.JOB_STATE_CANCELLED, "cancelled", js.CHANGE_KIND_FINISH)
 
     def restore(self, job_id: str, step: int) -> pb.Job:
         """Makes the next generation restore the committed checkpoint at `step`.
@@ -97,5 +99,5 @@ class JobControl:
 
         return self.coordinator.change_with_retry(
             job_id, f"restore from checkpoint at step {chosen.step} requested", mutate,
-            force_generation=True,
+            kind=js.CHANGE_KIND_OPERATOR, force_generation=True,
         )

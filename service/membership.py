@@ -35,6 +35,7 @@ from springback.service.failures import (
 )
 from springback.service.liveness import EtcdReachability
 from springback.service.store import Store
+from springback.v1 import job_service_pb2 as js
 from springback.v1 import types_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -184,9 +185,9 @@ class Membership:
         if entry is None:
             return
         left = f"{member_id} left: {reason or 'no reason given'}"
-        coordinator.note_departure(job_id, member_id, left)
+        coordinator.note_departure(job_id, member_id, left, js.CHANGE_KIND_LEAVE)
         coordinator.store.revoke_lease(entry.lease_id)  # deletes the key with it
-        coordinator.change_with_retry(job_id, left)
+        coordinator.change_with_retry(job_id, left, kind=js.CHANGE_KIND_LEAVE)
 
     def drain(self, job_id: str, member_id: str, reason: str) -> bool:
         """Announces that a member is leaving soon (preemption, SIGTERM).
@@ -219,7 +220,7 @@ class Membership:
 
         coordinator.change_with_retry(
             job_id, f"{member_id} draining: {reason or 'no reason given'}",
-            extra_ops=mark_draining, draining={member_id},
+            kind=js.CHANGE_KIND_DRAIN, extra_ops=mark_draining, draining={member_id},
         )
         return False
 
@@ -293,8 +294,11 @@ class Membership:
             message = f"generation {generation} broke on {member_id} (state kept): {what}"
         else:
             message = f"{member_id} reported a failure: {what}"
+        # A break that kept the state is no rank's failure (a peer's, counted
+        # on its own report, or a link's); an ended job records FINISH.
+        kind = js.CHANGE_KIND_OTHER if state_kept else js.CHANGE_KIND_RANK_FAILURE
         job = fencing.change_as_member(
-            coordinator, job_id, member_id, generation, message, count, older=True,
+            coordinator, job_id, member_id, generation, message, count, kind=kind, older=True,
             stateless=() if state_kept else {member_id}, replan_if_current=True)
         return job.status.generation
 
@@ -323,6 +327,7 @@ class Membership:
 
         job = fencing.change_as_member(
             self.coordinator, job_id, member_id, generation, "storage unavailable",
-            wait_for_storage, older=True, stateless=(), replan_if_current=True)
+            wait_for_storage, kind=js.CHANGE_KIND_OTHER, older=True, stateless=(),
+            replan_if_current=True)
         log.warning("job %s: %s", job_id, said[0])
         return job.status.generation

@@ -127,9 +127,10 @@ class TestGenerations:
         self, coordinator, client, workers, make_spec
     ):
         """A fence revokes a member's lease, then replans; a progress write that
-        reads the membership in between makes that generation. Its reason (and
-        the failure kind counted from it) still names the lost member and the
-        evidence, and a member whose lease just expired is named as such."""
+        reads the membership in between makes that generation. Its reason still
+        names the lost member and the evidence, a member whose lease just
+        expired is named as such, and its kind is the departures' (a loss),
+        not the progress write's own."""
         from springback.v1 import job_service_pb2 as js
 
         job = client.create_job(make_spec(min_workers=1, max_workers=3))
@@ -137,10 +138,12 @@ class TestGenerations:
         wait_for(lambda: plan_of(coordinator, job.id).world_size == 3, 10, "a plan with three")
         leader = coordinator.coordinator
         leader.settle_s = leader.max_settle_s = 600.0  # the reconcile loop stays out of it
-        leader.note_departure(job.id, b, f"lost {b} (peers: connections reset by ranks 0)")
+        leader.note_departure(job.id, b, f"lost {b} (peers: connections reset by ranks 0)",
+                              js.CHANGE_KIND_NODE_LOST)
         for gone in (b, c):  # b fenced on evidence, c's lease expired
             leader.store.revoke_lease(leader.lease_of(job.id, gone))
-        leader.change_with_retry(job.id, "progress")  # the writer that lands first
+        leader.change_with_retry(job.id, "progress",  # the writer that lands first
+                                 kind=js.CHANGE_KIND_OTHER)
         _, events = client.list_job_events(job.id)
         newest = events[-1]
         assert list(newest.members) == [a], events

@@ -122,10 +122,11 @@ class TestHistoryRecords:
             plan = pb.Plan(generation=4, action=pb.PLAN_ACTION_RUN, step=30, world_size=2,
                            restore=pb.RestoreSource(kind=pb.RESTORE_KIND_CHECKPOINT))
             history = History(store, lambda: [])
-            (op,) = history.on_change(job, plan)
+            (op,) = history.on_change(job, plan, js.CHANGE_KIND_RANK_FAILURE)
             assert op.key in ("/springback/v1/history/j/000000000004",
                               b"/springback/v1/history/j/000000000004")
             planned = js.GenerationEvent.FromString(op.value)
+            assert planned.kind == js.CHANGE_KIND_RANK_FAILURE and planned.reason == "x"
             assert planned.steps_redone == 0 and planned.start_step == 30  # only expected
             assert job.started_at.seconds > 0 and not job.finished_at.seconds
             assert store.transaction([], [op])  # what the coordinator's change writes
@@ -139,12 +140,24 @@ class TestHistoryRecords:
         finally:
             store.close()
 
-    @pytest.mark.parametrize("reason, kind", [
-        ("m-1 reported a failure: local rank 1 exited with status 3", js.CHANGE_KIND_RANK_FAILURE),
-        ("lost m-2 (liveness timeout)", js.CHANGE_KIND_NODE_LOST),
-        ("m-3 draining: signal SIGTERM", js.CHANGE_KIND_DRAIN),
-        ("m-4 joined (127.0.0.1, 1 ranks)", js.CHANGE_KIND_JOIN),
-        ("scaled to min 1, max 3", js.CHANGE_KIND_OPERATOR),
+    @pytest.mark.timeout(5)
+    @pytest.mark.parametrize("kinds, state, recorded", [
+        ({js.CHANGE_KIND_RANK_FAILURE}, pb.JOB_STATE_RUNNING, js.CHANGE_KIND_RANK_FAILURE),
+        # a departure folded into a change: the worse of the two is recorded
+        ({js.CHANGE_KIND_OTHER, js.CHANGE_KIND_NODE_LOST}, pb.JOB_STATE_RUNNING,
+         js.CHANGE_KIND_NODE_LOST),
+        ({js.CHANGE_KIND_JOIN, js.CHANGE_KIND_NODE_LOST}, pb.JOB_STATE_PENDING,
+         js.CHANGE_KIND_NODE_LOST),
+        ({js.CHANGE_KIND_RANK_FAILURE, js.CHANGE_KIND_NODE_LOST}, pb.JOB_STATE_RUNNING,
+         js.CHANGE_KIND_RANK_FAILURE),
+        ({js.CHANGE_KIND_DRAIN, js.CHANGE_KIND_LEAVE}, pb.JOB_STATE_RUNNING,
+         js.CHANGE_KIND_DRAIN),
+        ({js.CHANGE_KIND_CONTROL, js.CHANGE_KIND_LEAVE}, pb.JOB_STATE_PAUSED,
+         js.CHANGE_KIND_CONTROL),
+        # an ended job records its end, whatever ended it
+        ({js.CHANGE_KIND_RANK_FAILURE}, pb.JOB_STATE_FAILED, js.CHANGE_KIND_FINISH),
+        (set(), pb.JOB_STATE_RUNNING, js.CHANGE_KIND_OTHER),
     ])
-    def test_reasons_map_to_change_kinds(self, reason, kind):
-        assert change_kind(reason, pb.JOB_STATE_RUNNING) == kind
+    def test_a_generation_records_the_first_of_its_changes_kinds_in_precedence(
+            self, kinds, state, recorded):
+        assert change_kind(kinds, state) == recorded
