@@ -26,7 +26,7 @@ from springback.service.coordinator import Coordinator
 from springback.client.errors import (
     FailedPrecondition, InvalidArgument, SpringbackError, grpc_code,
 )
-from springback.service import streamnotes
+from springback.service import rankpause, streamnotes
 from springback.service.evidence import PeerLossEvidence
 from springback.service.streamnotes import StreamNotes
 from springback.service.heartbeats import Heartbeats
@@ -318,6 +318,11 @@ class WorkerServicer(ws_grpc.WorkerServiceServicer):
         if request.lost_peer:  # a peer's process is gone, not ours
             generation = self.evidence.reset_reported(
                 request.job_id, request.member_id, request.generation, request.lost_rank)
+            return ws.ReportFailureResponse(generation=generation)
+        if request.job_pause:  # the ranks' own policy (controls.bad_step)
+            generation = rankpause.pause_for_ranks(
+                self.coordinator, request.job_id, request.member_id, request.generation,
+                member_text(request.reason))
             return ws.ReportFailureResponse(generation=generation)
         generation = self.membership.report_failure(
             request.job_id, request.member_id, request.generation, member_text(request.reason),

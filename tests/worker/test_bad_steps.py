@@ -1,14 +1,21 @@
 """The bad-step policy (spec ``controls.bad_step``, worker/train/badstep.py) on
-two real gloo ranks of tiny_train.py driven by hand-written plans: the step
-vote carries one rank's non-finite loss to every rank."""
+two real gloo ranks of tiny_train.py: driven by hand-written plans (the step
+vote carries one rank's non-finite loss to every rank), and end to end with
+real etcd, a real coordinator and a real agent (the pause)."""
 
 from __future__ import annotations
 
 import json
+import signal
 from pathlib import Path
 
 import pytest
+from cluster import AgentProcess
 from fakeplans import FakeJob
+from sbtest import wait_for
+
+from springback.v1 import job_service_pb2 as js
+from springback.v1 import types_pb2 as pb
 
 from springback.worker.train.audit import check_exactly_once
 from springback.worker.train.sampler import SampleStream
@@ -78,3 +85,33 @@ class TestBadSteps:
         report = check_exactly_once(job.audit_dir, num_samples=256, global_batch_size=12,
                                     last_step=8)
         assert report.ok and report.skipped_steps == [3, 4], report
+
+
+class TestBadStepsEndToEnd:
+    """Real etcd, a real coordinator and a real node agent with two ranks."""
+
+    @pytest.mark.timeout(120)
+    def test_a_persistent_nan_pauses_the_job_naming_the_steps(self, tmp_path, client,
+                                                              coordinator_address):
+        spec = {"name": "nan", "data": {"num_samples": 256, "global_batch_size": 12},
+                "max_steps": 100_000,
+                "controls": {"bad_step": {"enabled": True, "max_in_window": 3,
+                                          "window_steps": 10}}}
+        job_id = client.create_job(spec).id
+        agent = AgentProcess(tmp_path, "a", job_id, coordinator_address, nproc=2,
+                             env={"TINY_NAN_FROM_STEP": "6",
+                                  "TINY_NAN_RANK": "1", "TINY_STEP_SLEEP_S": "0.05"})
+        try:
+            job = wait_for(lambda: (lambda j: j if j.status.state not in (
+                pb.JOB_STATE_PENDING, pb.JOB_STATE_RUNNING) else None)(client.get_job(job_id)),
+                90, "the job to pause")
+        finally:
+            agent.signal_node(signal.SIGKILL)
+            agent.wait(30)
+        said = job.status.message
+        assert job.status.state == pb.JOB_STATE_PAUSED, said
+        assert said == ("controls.bad_step: 3 steps with a non-finite loss or gradient within "
+                        "the last 10 steps (steps 6, 7, 8; none applied, their batches "
+                        "skipped), the limit is 3 (controls.bad_step.max_in_window): paused"), said
+        _, events = client.list_job_events(job_id)
+        assert events[-1].kind == js.CHANGE_KIND_CONTROL and events[-1].reason == said

@@ -29,9 +29,9 @@ subgroup's sockets first. TINY_LOG=info logs the library's info lines with times
 (the hand-written-plan tests: a failure shows each rank's generations).
 TINY_NAN_STEPS=5,7 makes the loss that global rank TINY_NAN_RANK (default 1)
 hands to `gen.check_step` NaN at those steps (its gradients stay finite: only
-the step vote tells the other ranks); TINY_DIGESTS=1 appends each rank's state
-digest after every step to ``digests-r<rank>-p<pid>.jsonl`` in the audit
-directory.
+the step vote tells the other ranks), TINY_NAN_FROM_STEP=N at every step
+from N; TINY_DIGESTS=1 appends each rank's state digest after every step to
+``digests-r<rank>-p<pid>.jsonl`` in the audit directory.
 """
 
 import faulthandler
@@ -120,6 +120,7 @@ def main() -> int:
     say_steps = os.environ.get("TINY_PRINT_STEPS") == "1"
     mesh_reduce = os.environ.get("TINY_MESH_REDUCE") == "1"
     nan_steps = {int(s) for s in os.environ.get("TINY_NAN_STEPS", "").split(",") if s}
+    nan_from = int(os.environ.get("TINY_NAN_FROM_STEP", "0"))
     nan_rank = int(os.environ.get("TINY_NAN_RANK", "1"))
     digests = os.environ.get("TINY_DIGESTS") == "1"
     for gen in session.generations():
@@ -146,7 +147,8 @@ def main() -> int:
                     model.linear.weight.register_hook(lambda g: crash.now(gen.rank))
                 loss.backward()
                 checked = per_sample.mean().item() if len(per_sample) else 0.0
-                if batch.step in nan_steps and gen.rank == nan_rank:
+                if gen.rank == nan_rank and (batch.step in nan_steps
+                                             or 0 < nan_from <= batch.step):
                     checked = float("nan")
                 if gen.check_step(checked):  # always True unless controls.bad_step is on
                     opt.step()
