@@ -10,6 +10,7 @@ import signal
 from pathlib import Path
 
 import pytest
+import torch
 from cluster import AgentProcess
 from fakeplans import FakeJob
 from sbtest import wait_for
@@ -18,6 +19,7 @@ from springback.v1 import job_service_pb2 as js
 from springback.v1 import types_pb2 as pb
 
 from springback.worker.train.audit import check_exactly_once
+from springback.worker.train.badstep import locally_bad
 from springback.worker.train.sampler import SampleStream
 
 MEMBERS = ["a", "b"]
@@ -33,6 +35,18 @@ def _job(tmp_path: Path, max_steps: int) -> FakeJob:
 def _digests(audit_dir: str, rank: int) -> dict[int, str]:
     path = next(Path(audit_dir).glob(f"digests-r{rank}-p*.jsonl"))
     return {r["step"]: r["digest"] for r in map(json.loads, path.read_text().splitlines())}
+
+
+class TestLocalVerdict:
+    @pytest.mark.timeout(10)
+    def test_a_rank_judges_its_loss_and_every_gradient_its_modules_hold(self):
+        model = torch.nn.Linear(2, 1)
+        assert not locally_bad(1.0, [model])  # no gradient yet
+        model(torch.ones(1, 2)).sum().backward()
+        assert not locally_bad(1.0, [model]) and not locally_bad(None, [model])
+        assert locally_bad(float("inf"), [model])
+        model.bias.grad[0] = float("nan")
+        assert locally_bad(1.0, [model]) and locally_bad(None, [model])
 
 
 class TestBadSteps:

@@ -37,12 +37,15 @@ class BadStepLimit(Exception):
 
 def locally_bad(loss: float | None, modules: Iterable[torch.nn.Module]) -> bool:
     """Whether this rank's `loss` (None: this rank computes none, e.g. an
-    earlier pipeline stage) or any gradient its `modules` hold is NaN or
-    infinite. One pass over the gradients, one device sync."""
+    earlier pipeline stage) or any gradient its `modules` hold (a sharded
+    one: this rank's shard) is NaN or infinite. One pass over the
+    gradients, one device sync."""
     if loss is not None and not math.isfinite(loss):
         return True
-    checks = [torch.isfinite(p.grad).all() for m in modules for p in m.parameters()
-              if p.grad is not None]
+    grads = [p.grad for m in modules for p in m.parameters() if p.grad is not None]
+    # a DTensor's gradient: this rank's shard (its peers check theirs)
+    checks = [torch.isfinite(g.to_local() if hasattr(g, "to_local") else g).all()
+              for g in grads]
     return bool(checks) and not bool(torch.stack(checks).all())
 
 
