@@ -29,7 +29,7 @@ from etcd3.etcdrpc import auth_pb2
 from springback.client.polling import wait_until
 from springback.client.errors import StoreUnavailable
 from springback.service import keys
-from springback.service.store import EtcdSecurity, Store
+from springback.service.store import EtcdSecurity, Store, StoreDenied
 
 ENV_ETCD = "SPRINGBACK_ETCD"
 """Path of the etcd binary (default: `etcd` on PATH)."""
@@ -207,6 +207,8 @@ class EtcdServer:
             try:
                 store.get("/springback/v1/ping")
                 return True
+            except StoreDenied:  # it serves; its auth is on and we have no user yet
+                return True
             except StoreUnavailable:
                 return False
 
@@ -219,8 +221,13 @@ class EtcdServer:
 
     def enable_auth(self) -> None:
         """Creates users ``root`` and `USER` (role `USER`: readwrite on
-        `KEY_PREFIX` only) and enables etcd's auth, once (a restart keeps it;
-        for a cluster, on one member). Raises `grpc.RpcError` when etcd refuses."""
+        `KEY_PREFIX` only) and enables etcd's auth, once (for a cluster, on
+        one member). Idempotent, also across processes on the same data: when
+        etcd's auth is already on and `USER` signs in with our password,
+        nothing is changed; a start interrupted half-way through is completed
+        (what exists is kept, `USER` gets our password). Raises RuntimeError
+        when auth is on but our password is refused (the data was made with
+        other credentials), `grpc.RpcError` when etcd refuses otherwise."""
         assert self.tls is not None and self.tls.password is not None, "needs tls with a password"
         if self.auth_enabled:
             return
@@ -229,20 +236,44 @@ class EtcdServer:
         channel = grpc.secure_channel(f"{self.host}:{self.client_port}", security.channel_credentials())
         try:
             auth = etcdrpc.AuthStub(channel)
-            auth.UserAdd(etcdrpc.AuthUserAddRequest(name="root", password=self.root_password), timeout=5)
+            if self._auth_is_on(auth):
+                self.auth_enabled = True
+                return
+            _unless_exists(auth.UserAdd, etcdrpc.AuthUserAddRequest(name="root", password=self.root_password))
             auth.UserGrantRole(etcdrpc.AuthUserGrantRoleRequest(user="root", role="root"), timeout=5)
-            auth.RoleAdd(etcdrpc.AuthRoleAddRequest(name=USER), timeout=5)
+            _unless_exists(auth.RoleAdd, etcdrpc.AuthRoleAddRequest(name=USER))
             prefix = KEY_PREFIX.encode()
             auth.RoleGrantPermission(etcdrpc.AuthRoleGrantPermissionRequest(
                 name=USER, perm=auth_pb2.Permission(permType=auth_pb2.Permission.READWRITE, key=prefix,
                                                     range_end=prefix[:-1] + bytes([prefix[-1] + 1]))),
                 timeout=5)
-            auth.UserAdd(etcdrpc.AuthUserAddRequest(name=USER, password=self.tls.password), timeout=5)
+            if not _unless_exists(auth.UserAdd,
+                                  etcdrpc.AuthUserAddRequest(name=USER, password=self.tls.password)):
+                auth.UserChangePassword(etcdrpc.AuthUserChangePasswordRequest(
+                    name=USER, password=self.tls.password), timeout=5)
             auth.UserGrantRole(etcdrpc.AuthUserGrantRoleRequest(user=USER, role=USER), timeout=5)
             auth.AuthEnable(etcdrpc.AuthEnableRequest(), timeout=5)
         finally:
             channel.close()
         self.auth_enabled = True
+
+    def _auth_is_on(self, auth: etcdrpc.AuthStub) -> bool:
+        """Whether etcd's auth is on, with `USER` signing in with our password;
+        RuntimeError when it is on and refuses that password."""
+        assert self.tls is not None and self.tls.password is not None
+        try:
+            auth.Authenticate(etcdrpc.AuthenticateRequest(name=USER, password=self.tls.password),
+                              timeout=5)
+            return True
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.FAILED_PRECONDITION and "not enabled" in (e.details() or ""):
+                return False
+            if e.code() == grpc.StatusCode.INVALID_ARGUMENT:  # wrong user or password
+                raise RuntimeError(
+                    f"etcd in {self.data_dir} has its auth on, and refuses user {USER!r} with the "
+                    f"password given ({e.details()}): its data was made with other credentials"
+                ) from None
+            raise
 
     def _tail(self, since: int = 0) -> str:
         try:
@@ -265,3 +296,15 @@ class EtcdServer:
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
+
+
+def _unless_exists(call, request) -> bool:  # noqa: ANN001 (an etcd Auth RPC and its request)
+    """``call(request)``; False, not an error, when etcd says the user or role
+    already exists (a start interrupted after making it)."""
+    try:
+        call(request, timeout=5)
+        return True
+    except grpc.RpcError as e:
+        if e.code() == grpc.StatusCode.FAILED_PRECONDITION and "already exists" in (e.details() or ""):
+            return False
+        raise

@@ -45,6 +45,9 @@ ENV_VIEWER_TOKEN = "SPRINGBACK_VIEWER_TOKEN"
 ENV_TOKEN_FILE = env.TOKEN_FILE
 """A file whose first line is the token (`--token-file`)."""
 
+ETCD_CREDENTIALS_DIR = "etcd-credentials"
+"""`springback up`'s etcd credentials, under its --state-dir (0700, files 0600)."""
+
 log = logging.getLogger(__name__)
 
 
@@ -249,25 +252,32 @@ def _serve_until_signal(stop: Callable[[], None]) -> None:
 
 
 def _up_command(args: argparse.Namespace) -> int:
+    """etcd on loopback behind TLS, client certificates and etcd's auth (user
+    ``springback``, keys under ``/springback/`` only; credentials made at the
+    first start in ``STATE_DIR/etcd-credentials``, reused after: see
+    `springback.cli.etcd_credentials`), and a coordinator on it."""
+    from springback.cli.etcd_credentials import local_credentials
     from springback.cli.local import EtcdServer
     from springback.service.server import CoordinatorConfig, CoordinatorServer
 
-    def config(endpoint: str) -> CoordinatorConfig:
+    def config(endpoint: str, security: EtcdSecurity | None = None) -> CoordinatorConfig:
         return CoordinatorConfig(
-            etcd=endpoint, listen=args.listen, token=args.token, insecure=args.insecure,
-            viewer_token=args.viewer_token,
+            etcd=endpoint, etcd_security=security, listen=args.listen, token=args.token,
+            insecure=args.insecure, viewer_token=args.viewer_token,
             liveness_timeout_s=args.liveness_timeout_s, metrics_listen=args.metrics_listen)
 
     config("http://127.0.0.1:0")  # bad settings are refused before etcd starts
-    etcd = EtcdServer(os.path.join(args.state_dir, "etcd"), client_port=args.etcd_port)
+    credentials = os.path.join(args.state_dir, ETCD_CREDENTIALS_DIR)
+    etcd = EtcdServer(os.path.join(args.state_dir, "etcd"), client_port=args.etcd_port,
+                      tls=local_credentials(credentials))
     etcd.start()
-    server = CoordinatorServer(config(etcd.endpoint))
+    server = CoordinatorServer(config(etcd.endpoint, etcd.client_security))
     server.start()
     if not server.wait_for_leadership(timeout_s=15):
         server.stop()
         etcd.stop()
         raise RuntimeError("the local coordinator did not become leader within 15 s")
-    print(f"etcd        {etcd.endpoint} (data in {etcd.data_dir})")
+    print(f"etcd        {etcd.endpoint} (data in {etcd.data_dir}, credentials in {credentials})")
     print(f"coordinator {server.address}")
     if server.metrics_address:
         print(f"metrics     http://{server.metrics_address}/metrics")

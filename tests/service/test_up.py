@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import signal
+import stat
 import subprocess
 import sys
+from collections.abc import Iterator
 
+import etcd3
+import grpc
 import pytest
 
 from sbtest import scrape
@@ -101,3 +107,109 @@ def test_etcd_on_picked_ports_starts_again_when_one_was_taken_meanwhile(tmp_path
         squatter.listen()
         with pytest.raises(RuntimeError, match="address already in use"):
             chosen.start()
+
+
+@contextlib.contextmanager
+def _running_up(state_dir) -> Iterator[tuple[int, str, str]]:
+    """`springback up` in `state_dir`: (etcd port, credentials dir, coordinator address)."""
+    up = subprocess.Popen(
+        [sys.executable, "-m", "springback.cli", "up", "--state-dir", str(state_dir),
+         "--etcd-port", str(free_port()), "--listen", "127.0.0.1:0"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        lines = [up.stdout.readline().strip() for _ in range(3)]
+        etcd = re.fullmatch(r"etcd +https://127\.0\.0\.1:(\d+) \(data in .*, credentials in (.*)\)",
+                            lines[0])
+        assert etcd, lines
+        yield int(etcd.group(1)), etcd.group(2), lines[2].split("=", 1)[1]
+    finally:
+        up.send_signal(signal.SIGTERM)
+        assert up.wait(timeout=30) == 0
+
+
+class TestUpsEtcdTakesOnlyItsCredentials:
+    """The local etcd is on https:// with client certificates and etcd's auth:
+    another local process cannot rewrite a job's spec through it (issue 44)."""
+
+    def test_a_client_without_the_certificate_or_the_password_is_refused(self, tmp_path, make_spec):
+        with _running_up(tmp_path) as (port, credentials, address):
+            with Client(address) as client:
+                job = client.create_job(make_spec())
+                assert client.get_job(job.id).id == job.id
+            key = f"/springback/v1/jobs/{job.id}/spec"
+            ca = os.path.join(credentials, "ca.pem")
+            cert = {"cert_cert": os.path.join(credentials, "client.pem"),
+                    "cert_key": os.path.join(credentials, "client-key.pem")}
+            # no client certificate: the TLS handshake fails (plain text too)
+            for tls in ({}, {"ca_cert": ca}):
+                with etcd3.client("127.0.0.1", port, timeout=3, **tls) as plain:
+                    with pytest.raises(etcd3.exceptions.ConnectionFailedError):
+                        plain.put(key, "max_steps: 1")
+            # the certificate without user springback's password: etcd's auth refuses
+            with etcd3.client("127.0.0.1", port, timeout=3, ca_cert=ca, **cert) as no_user:
+                for attempt in (lambda: no_user.put(key, "max_steps: 1"), lambda: no_user.get(key)):
+                    with pytest.raises(grpc.RpcError) as refused:
+                        attempt()
+                    assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            with Client(address) as client:
+                assert client.get_job(job.id).spec.max_steps == job.spec.max_steps
+
+    def test_credentials_are_private_and_a_second_start_reuses_them(self, tmp_path, make_spec):
+        with _running_up(tmp_path) as (_, credentials, address):
+            with Client(address) as client:
+                job = client.create_job(make_spec())
+        assert stat.S_IMODE(os.stat(credentials).st_mode) == 0o700
+        names = sorted(os.listdir(credentials))
+        assert names == ["ca.pem", "client-key.pem", "client.pem", "password",
+                         "server-key.pem", "server.pem"]
+        first = {}
+        for name in names:
+            path = os.path.join(credentials, name)
+            assert stat.S_IMODE(os.stat(path).st_mode) == 0o600, name
+            first[name] = open(path, "rb").read()
+        with _running_up(tmp_path) as (_, again, address):
+            assert again == credentials
+            with Client(address) as client:
+                assert client.get_job(job.id).id == job.id
+        assert {name: open(os.path.join(credentials, name), "rb").read() for name in names} == first
+
+    def test_credentials_others_can_read_are_refused_naming_the_state_dir(self, tmp_path):
+        from springback.cli.etcd_credentials import local_credentials
+
+        local_credentials(str(tmp_path / "etcd-credentials"))
+        os.chmod(tmp_path / "etcd-credentials" / "password", 0o644)
+        done = subprocess.run(
+            [sys.executable, "-m", "springback.cli", "up", "--state-dir", str(tmp_path),
+             "--etcd-port", str(free_port()), "--listen", "127.0.0.1:0"],
+            capture_output=True, text=True, timeout=30)
+        assert done.returncode == 2, (done.stdout, done.stderr)
+        assert "state-dir: " in done.stderr and "has mode 644" in done.stderr, done.stderr
+        assert not (tmp_path / "etcd").exists()  # no etcd was started
+
+    def test_a_plain_etcd_from_before_is_taken_over_and_other_credentials_are_refused(self, tmp_path):
+        from springback.cli.local import EtcdServer
+        from springback.service.store import Store
+
+        before = EtcdServer(str(tmp_path / "etcd"))  # the plain http etcd of an older `up`
+        before.start()
+        store = Store(before.endpoint)
+        store.put("/springback/v1/kept", b"yes")
+        store.close()
+        before.stop()
+        with _running_up(tmp_path) as (port, credentials, _):
+            with open(os.path.join(credentials, "password")) as f:
+                password = f.readline().strip()
+            with etcd3.client("127.0.0.1", port, timeout=3, user="springback", password=password,
+                              ca_cert=os.path.join(credentials, "ca.pem"),
+                              cert_cert=os.path.join(credentials, "client.pem"),
+                              cert_key=os.path.join(credentials, "client-key.pem")) as owner:
+                assert owner.get("/springback/v1/kept")[0] == b"yes"
+        with open(os.path.join(credentials, "password"), "w") as f:
+            f.write("not-the-password\n")
+        done = subprocess.run(
+            [sys.executable, "-m", "springback.cli", "up", "--state-dir", str(tmp_path),
+             "--etcd-port", str(free_port()), "--listen", "127.0.0.1:0"],
+            capture_output=True, text=True, timeout=30)
+        assert done.returncode == 2, (done.stdout, done.stderr)
+        assert "made with other credentials" in done.stderr, done.stderr
