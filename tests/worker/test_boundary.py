@@ -13,6 +13,7 @@ import torch.distributed as dist
 PEER = str(Path(__file__).with_name("boundary_peer.py"))
 BROKEN_VOTE_PEER = str(Path(__file__).with_name("broken_vote_peer.py"))
 DDP_VOTE_PEER = str(Path(__file__).with_name("ddp_vote_peer.py"))
+STEP_VOTE_PEER = str(Path(__file__).with_name("step_vote_peer.py"))
 
 
 def run_peers(script: str, world: int) -> list[str]:
@@ -81,3 +82,23 @@ def test_votes_carried_in_ddp_s_all_reduce_agree_alike_and_train_the_same_model(
         assert r["own_all_reduces"] == [2, 5]
         # leaving while the wrapper lives: gloo let go of every carried tensor
         assert not [w for w in r["warnings"] if "gloo still holds" in w], r["warnings"]
+
+
+@pytest.mark.timeout(90)
+def test_a_pipeline_s_votes_ride_its_optimizer_steps_and_no_rank_steps_past_a_dead_peer():
+    out = run_peers(STEP_VOTE_PEER, 2)[0]  # rank 1 dies before step 6, printing nothing
+    r = json.loads(out.strip().splitlines()[-1])
+    # the vote of step k is read at the end of step k + 1 (the last at settle)
+    agreed = [a and (a["step"], a["newest_generation"], a["loss"], a["draining"], a["bad"])
+              for a in r["agreed"]]
+    assert agreed == [None, (1, 5, 3.0, False, False), (2, 6, 5.0, False, True),
+                      (3, 5, 7.0, False, False), (4, 5, 9.0, True, False),
+                      (5, 5, 11.0, False, False)]
+    # one all-reduce a step: the optimizer step's wait for the world, which
+    # carries the previous step's vote (step 3 stepped no optimizer: its
+    # boundary all-reduced step 2's vote by itself), and the last at settle
+    assert r["all_reduces"] == [1, 1, 1, 1, 1, 1]
+    # rank 1 died before its optimizer step of step 6: rank 0's raised in
+    # the pre-hook and applied nothing
+    assert r["failed"], "rank 0's optimizer step did not fail"
+    assert r["kept"], "rank 0 applied a step that rank 1 never reached"

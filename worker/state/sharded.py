@@ -32,9 +32,10 @@ stage: the source rank's settings are set on all). The script makes its
 filled with its own stage's keys only, from the stage's live dp replicas
 (plain parameters declared `replicated`, or DTensors); `unfilled` judges a
 fill on every rank's model keys, so the stages decide alike. Each stage's
-optimizer step first waits for every rank to reach it (a one-element
-all-reduce, `every_stage_reached_the_step`), so no stage applies a step
-that another stage broke in.
+optimizer step first waits for every rank to reach it (an optimizer step
+pre-hook that `Generation` registers: an all-reduce over the world that
+carries the previous step's vote, `worker/train/boundary.py`), so no stage
+applies a step that another stage broke in.
 
 `build` is called at the start of every generation on that generation's mesh
 (each generation has a new process group, and FSDP2 modules are bound to
@@ -274,8 +275,6 @@ class ShardedModel:
     def _adopt(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         self.model, self.optimizer = model, optimizer
         self._params = dict(model.named_parameters())
-        if self.mesh is not None and self.mesh["pp"].size() > 1:
-            optimizer.register_step_pre_hook(every_stage_reached_the_step)
 
     def _materialise(self, device: torch.device, from_checkpoint: bool) -> bool:
         """Gives the meta-built model uninitialised memory on `device`; False
@@ -349,23 +348,6 @@ def _rebind(optimizer: torch.optim.Optimizer, before: dict[int, str],
         return
     for ps in groups:
         ps[:] = [after[before[id(p)]] for p in ps]
-
-
-def every_stage_reached_the_step(*_: Any) -> None:
-    """The optimizer step pre-hook of a pipeline stage (pp > 1): a one-element
-    all-reduce over the generation's world, so a stage applies a step only
-    once every rank's backward of it is done. Without it a stage whose dp
-    ranks finished reducing their gradients steps while another stage broke
-    on a dead peer, and the survivors hold stages of different steps (their
-    agreed step is the one before). Raises what a failed collective raises
-    (the generation ends, this stage's step not applied)."""
-    import torch.distributed as dist
-
-    from springback.worker.rank.rendezvous import handed_to_gloo
-
-    reached = torch.ones(1)
-    dist.all_reduce(reached)
-    handed_to_gloo(reached)
 
 
 def _model_key(key: str) -> str:

@@ -1,6 +1,7 @@
 """The step-boundary agreement: each step's vote travels in the next step's
-DDP gradient all-reduce, or in one small MAX all-reduce of its own,
-overlapped with the next step's compute.
+DDP gradient all-reduce, or in a pipeline's next optimizer step's wait for
+the world, or in one small MAX all-reduce of its own, overlapped with the
+next step's compute.
 
 At the end of every step each rank contributes a `Vote`: the newest
 generation it has seen, whether its node is draining, whether its agent was
@@ -41,10 +42,27 @@ all-reduce (``no_sync``, an evaluation step) leaves its vote pending, and the
 next boundary all-reduces it by itself, on every rank alike (DDP runs the
 same buckets on every rank, or hangs).
 
+Carried by a pipeline's optimizer step (`Generation` with pp > 1): before a
+stage applies a step, every rank must have reached that step (its backward
+and its dp gradient reduction done), or a stage whose dp ranks finished
+stepped while another stage broke on a dead peer, and the survivors held
+stages of different steps. That takes an all-reduce over the world at every
+optimizer step, waited for before the step is applied (`reach`, an
+optimizer step pre-hook), and the step's vote rides it: the vote of step k,
+sent after step k's optimizer step, stays pending until step k+1's pre-hook
+all-reduces it (the agreement is read at the end of step k+1, as above), so
+a pipeline's step makes one collective of the boundary's, not two. The
+order keeps the guarantee: no rank returns from step k+1's pre-hook before
+every rank has entered it, whatever vote rides along (the generation's first
+step, and a step whose vote `vote_now` already agreed, all-reduce an empty
+vote). A step whose optimizer did not step leaves its vote to the next
+boundary, which all-reduces it by itself.
+
 Failure semantics: a peer that died makes `wait` raise what the collective
 raises (a connection reset at once, a timeout after the group's collective
-timeout), at the boundary of the step after the one the vote belongs to;
-``with gen:`` takes it for a membership change. `abandon` drops a vote in
+timeout), at the boundary of the step after the one the vote belongs to (a
+pipeline: in the next optimizer step's pre-hook, which then applies
+nothing); ``with gen:`` takes it for a membership change. `abandon` drops a vote in
 flight without waiting (the group is being torn down).
 """
 
@@ -97,20 +115,23 @@ class StepBoundary:
         self.ddp_group: dist.ProcessGroup | None = None
         """Set by `Generation.ddp`: votes wait for the next all-reduce of the DDP
         wrapper over this group to carry them (`carry`)."""
+        self.carried_by_step = False
+        """Set by `Generation` for a pipeline: votes wait for the next optimizer
+        step's pre-hook all-reduce to carry them (`reach`)."""
         self._in_flight: tuple[Vote, torch.Tensor, dist.Work] | None = None
-        self._pending: Vote | None = None  # for the next DDP all-reduce to carry
+        self._pending: Vote | None = None  # for the next DDP all-reduce or `reach` to carry
         self._carried: tuple[Vote, torch.Tensor, torch.futures.Future, int] | None = None
         self._ready: Agreed | None = None  # agreed by `vote_now`, not collected yet
 
     def vote(self, vote: Vote) -> Agreed | None:
         """Sends this step's vote on its way (pending for the next step's DDP
-        all-reduce, or in an all-reduce of its own) and returns the previous
-        step's agreement (None at the generation's first step). Blocks only
-        if the previous vote's all-reduce has not finished yet, or when no
-        DDP all-reduce carried it (then it is all-reduced now); raises what
+        all-reduce or optimizer step, or in an all-reduce of its own) and
+        returns the previous step's agreement (None at the generation's first
+        step). Blocks only if the previous vote's all-reduce has not finished
+        yet, or when nothing carried it (then it is all-reduced now); raises what
         the collective raised."""
         previous = self._collect()
-        if self.ddp_group is not None:
+        if self.ddp_group is not None or self.carried_by_step:
             self._pending = vote
         else:
             self._in_flight = self._start(vote)
@@ -126,6 +147,22 @@ class StepBoundary:
         previous = self._collect()
         self._ready = _wait(*self._start(vote))
         return previous, self._ready
+
+    def reach(self) -> None:
+        """A pipeline stage's optimizer step pre-hook: an all-reduce over the
+        generation's world, waited for before the step is applied (up to the
+        collective timeout), carrying the pending vote (the previous step's;
+        an empty one when there is none). Returns once every rank has reached
+        its optimizer step; the next `vote`, `vote_now` or `settle` returns
+        the carried vote's agreement. Raises what the collective raised (a
+        peer lost before reaching the step: the optimizer applies nothing)."""
+        vote, self._pending = self._pending, None
+        if vote is not None:
+            self._ready = _wait(*self._start(vote))
+            return
+        t = torch.full((_FIXED + self.world_size,), -math.inf, dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        handed_to_gloo(t)
 
     def settle(self) -> Agreed | None:
         """Waits for the last vote (up to the collective timeout; all-reduced

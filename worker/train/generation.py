@@ -40,6 +40,7 @@ from springback.worker.state.peercopy import GenerationCopies
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
+    from torch.utils.hooks import RemovableHandle
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +93,14 @@ class Generation:
         self._mesh: DeviceMesh | None = None
         self._store: dist.Store | None = None  # the generation's rendezvous store
         self._boundary = StepBoundary(rank, self.world_size)
+        self._step_hook: RemovableHandle | None = None
+        if self.layout.pp > 1 and "optimizer" in ctx.state:
+            # no stage applies a step another stage did not reach: each
+            # optimizer step waits for the world, and the previous step's
+            # vote rides that all-reduce (`StepBoundary.reach`)
+            self._boundary.carried_by_step = True
+            self._step_hook = self.optimizer.register_step_pre_hook(
+                lambda *_: self._boundary.reach())
         self._copies: GenerationCopies | None = None  # the sharded form's peer copies
         self._loss = float("nan")
         self._batch: Batch | None = None  # the step running now
@@ -402,6 +411,10 @@ class Generation:
         leave_group()
 
     def _abandon_in_flight(self) -> None:
+        """Drops the vote and peer copies in flight, and a pipeline's step
+        pre-hook (its all-reduce is over this generation's group)."""
+        if self._step_hook is not None:
+            self._step_hook.remove()
         self._boundary.abandon()
         if self._copies is not None:
             self._copies.abandon()
