@@ -9,9 +9,10 @@ twice.
 What is durable (etcd): jobs (spec + status), members (lease-bound), the
 current plan per job, committed checkpoints. What is in memory only: per-step
 progress (flushed to etcd at most every ``progress_flush_s`` and with every
-other write, so steps cost no etcd writes) and the waiters of watch streams.
-A leader that dies loses at most ``progress_flush_s`` of *reported progress*,
-never a job, member, generation or commit.
+other write, so steps cost no etcd writes), the rest of each job's
+`jobstate.JobState`, and the waiters of watch streams. A leader that dies
+loses at most ``progress_flush_s`` of *reported progress*, never a job,
+member, generation or commit.
 """
 
 from __future__ import annotations
@@ -20,16 +21,15 @@ import logging
 import random
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Collection, Iterator
-from typing import NamedTuple
 
 from springback.service import ckptinterval, keys, planner, replan
 from springback.service.history import change_kind
 from springback.service.replan import timestamp_now  # noqa: F401 (used by membership, jobs, commits)
 from springback.service.writer import FencedWriter
 from springback.service.election import Election
-from springback.service.history import History
+from springback.service.history import History, delete_job
+from springback.service.jobstate import JobState, Measures, PlanView, Unsettled
 from springback.service.stoprules import StopRules
 from springback.client.errors import (
     Conflict, FailedPrecondition, NotFound, NotLeader, SpringbackError, StaleGeneration,
@@ -72,44 +72,6 @@ status and the history event, all in one etcd transaction."""
 MEMBER_CHECK_S = 1.0
 """A step reporter's registration is read from etcd at most this often (a
 report every step would otherwise be an etcd read every step)."""
-SERIES_POINTS = 2000
-"""Newest (time, step, loss) points kept per job for the dashboard's loss curve."""
-
-
-class _Unsettled(NamedTuple):
-    first_seen: float  # monotonic: the first change not yet planned
-    fingerprint: tuple[int, int]  # members' (count, newest revision) last seen
-    last_change: float  # monotonic: when that fingerprint was first seen
-
-
-class _PlanView(NamedTuple):
-    """What the leader keeps of a job's current plan (it writes every plan)."""
-
-    generation: int
-    signature: tuple  # planner.signature: action and rank assignment
-    members: frozenset[str]  # active member ids
-
-
-class _Measures:
-    """The leader's measurements of one job, for `ckptinterval` (0.0: none yet)."""
-
-    def __init__(self) -> None:
-        self.failures = 0  # generations made for a node loss or a rank failure
-        self.rollbacks = 0  # generation starts that redid or lost steps
-        self.cost_s = 0.0  # rank 0's newest checkpoint stall
-        self.step_s = 0.0  # seconds per step, a moving average of report gaps
-        self.last: tuple[int, int, float] | None = None  # (generation, step, when) reported
-
-    def step_reported(self, generation: int, step: int, stall_s: float, now: float) -> None:
-        if stall_s > 0:
-            self.cost_s = stall_s
-        last = self.last
-        if last is not None and last[0] == generation and step > last[1]:
-            gap = (now - last[2]) / (step - last[1])
-            self.step_s = gap if self.step_s <= 0 else 0.7 * self.step_s + 0.3 * gap
-        self.last = (generation, step, now)
-
-
 FAILURE_CHANGES = (js.CHANGE_KIND_NODE_LOST, js.CHANGE_KIND_RANK_FAILURE)
 """`ChangeKind`s that count as failures for
 the auto checkpoint interval's MTBF (a drain is planned, not a failure)."""
@@ -144,29 +106,13 @@ class Coordinator:
         self.settle_s = settle_s
         self.max_settle_s = max_settle_s
         self._kick = threading.Event()
-        self._unsettled: dict[str, _Unsettled] = {}  # job id -> membership change not yet planned
         self._lock = threading.RLock()
         self._changed = threading.Condition(self._lock)
         self._version = 0  # bumped on every change; watchers wait on it
-        self._events: dict[str, str] = {}  # job id -> last change, in words
-        self._progress: dict[str, planner.Progress] = {}
-        # job id -> (time, step, loss) of its newest reported steps, for the
-        # dashboard's live loss curve (leader memory, SERIES_POINTS at most)
-        self._series: dict[str, deque[tuple[float, int, float]]] = {}
-        self._dirty: set[str] = set()  # jobs whose progress is not yet in etcd
-        self._plans: dict[str, _PlanView] = {}  # job id -> what matters of its current plan
-        self._max_steps: dict[str, int] = {}  # job id -> spec.max_steps (fixed at submission)
-        self._lease_of: dict[str, int] = {}  # member id -> lease id
-        self._member_checked: dict[str, float] = {}  # member id -> when found registered
-        # (job id, member id) -> why it went, noted before its lease is revoked
-        self._departures: dict[tuple[str, str], tuple[str, js.ChangeKind]] = {}
-        # job id -> members' (count, newest revision) when last found in line with the plan
-        self._fingerprints: dict[str, tuple[int, int]] = {}
-        # job id -> the reconcile error last logged for it (logged once, counted always)
-        self._reconcile_errors: dict[str, str] = {}
-        # job id -> what `checkpoint.every_steps: auto` is chosen from (leader
-        # memory: a new leader starts again from the spec's prior)
-        self._measures: dict[str, _Measures] = {}
+        self._jobs: dict[str, JobState] = {}  # job id -> what this leader keeps of it
+        # member id -> lease id, and when found registered (member ids name no job)
+        self._lease_of: dict[str, int] = {}
+        self._member_checked: dict[str, float] = {}
         # the stop rules' samples of running jobs (leader memory, `stoprules`)
         self.stop_rules = StopRules()
         self._stop = threading.Event()
@@ -189,23 +135,44 @@ class Coordinator:
         self._thread.join(timeout=5)
 
     def leadership_changed(self) -> None:
-        """Drops leader-only caches and wakes every watcher (they re-check leadership)."""
+        """Drops what the leader keeps in memory (every job's `JobState`, the
+        member leases, stop rules' samples, history not yet flushed; see
+        `jobstate`) and wakes every watcher (they re-check leadership)."""
         with self._changed:
-            self._progress.clear()
-            self._series.clear()
-            self._dirty.clear()
-            self._plans.clear()
-            self._max_steps.clear()
+            self._forget(None)
             self._lease_of.clear()
             self._member_checked.clear()
-            self._fingerprints.clear()
-            self._reconcile_errors.clear()
-            self._unsettled.clear()
-            self._measures.clear()
-            self.stop_rules.forget()
-            self.history.forget()
             self._version += 1
             self._changed.notify_all()
+
+    def _forget(self, job_id: str | None) -> None:
+        """Drops the in-memory state of job `job_id`, or of every job (None):
+        its `JobState`, its stop rules' samples and its history not yet flushed."""
+        with self._lock:
+            if job_id is None:
+                self._jobs.clear()
+            else:
+                self._jobs.pop(job_id, None)
+            self.stop_rules.forget(job_id)
+            self.history.forget(job_id)
+
+    def _job(self, job_id: str) -> JobState:
+        """The job's `JobState`, made empty on first use."""
+        with self._lock:
+            state = self._jobs.get(job_id)
+            if state is None:
+                state = self._jobs[job_id] = JobState()
+            return state
+
+    def delete_job(self, job_id: str) -> pb.Job:
+        """Deletes a terminal job (`history.delete_job`: one fenced
+        transaction; NOT_FOUND, FAILED_PRECONDITION for a live job or a
+        concurrent change, nothing deleted) and then drops its in-memory
+        state. Raises `NotLeader` unless this replica leads."""
+        self.require_leader()
+        job = delete_job(self.store, self.election.fence, job_id)
+        self._forget(job_id)
+        return job
 
     def require_leader(self) -> None:
         if not self.election.is_leader():
@@ -220,7 +187,8 @@ class Coordinator:
         return entry
 
     def _with_progress(self, job: pb.Job) -> pb.Job:
-        progress = self._progress.get(job.id)
+        state = self._jobs.get(job.id)
+        progress = state.progress if state else None
         if progress is not None and progress.step >= job.status.step:
             job.status.step = progress.step
             job.status.samples_consumed = progress.samples_consumed
@@ -254,19 +222,19 @@ class Coordinator:
         if not self.election.is_leader():
             plan = self.current_plan(job_id)
             return plan.generation if plan else 0
-        view = self._plans.get(job_id)
+        view = self._job(job_id).plan
         if view is None:
             view = self._remember(job_id, self.current_plan(job_id))
         return view.generation
 
-    def _remember(self, job_id: str, plan: pb.Plan | None) -> _PlanView:
+    def _remember(self, job_id: str, plan: pb.Plan | None) -> PlanView:
         signature = planner.signature(plan)
-        view = _PlanView(
+        view = PlanView(
             generation=plan.generation if plan else 0,
             signature=signature,
             members=frozenset(member[0] for member in signature[1]) if plan else frozenset(),
         )
-        self._plans[job_id] = view
+        self._job(job_id).plan = view
         return view
 
     def series(self, job_id: str) -> list[tuple[float, int, float]]:
@@ -275,7 +243,8 @@ class Coordinator:
         the newest `SERIES_POINTS` (2,000); leader memory, so empty on other
         replicas and restarted by a new leader."""
         with self._lock:
-            return list(self._series.get(job_id, ()))
+            state = self._jobs.get(job_id)
+            return list(state.series) if state else []
 
     def members(self, job_id: str) -> list[pb.Member]:
         """Live members (join_order filled from etcd), caching their lease ids."""
@@ -335,7 +304,7 @@ class Coordinator:
             said = mutate(job)
             if isinstance(said, str):  # what the mutation found decides what is said
                 reason = said
-        progress = self._progress.get(job_id)  # after mutate: a start sets it
+        progress = self._job(job_id).progress  # after mutate: a start sets it
         previous = plan_entry.value if plan_entry else None
         reason, departed = self._naming_departures(job_id, previous, members, reason)
         kind = change_kind({kind, *departed}, job.status.state)
@@ -368,14 +337,15 @@ class Coordinator:
         self._applied(job_id, decision, progress, reason)
         if failure and decision.new_generation:
             with self._changed:
-                self._measures.setdefault(job_id, _Measures()).failures += 1
+                self._job(job_id).measures.failures += 1
         return job
 
     def _observed(self, job: pb.Job, failure: bool) -> ckptinterval.Observed:
         """What the auto checkpoint interval of `job`'s next plan is chosen
         from; `failure`: the change being planned is itself a failure."""
         with self._changed:
-            m = self._measures.get(job.id) or _Measures()
+            state = self._jobs.get(job.id)
+            m = state.measures if state else Measures()
             started = job.started_at.ToNanoseconds() / 1e9 if job.started_at.seconds else 0.0
             return ckptinterval.Observed(
                 running_s=max(time.time() - started, 0.0) if started else 0.0,
@@ -387,19 +357,20 @@ class Coordinator:
         """Caches what a landed change wrote, then wakes the watchers."""
         plan = decision.plan
         with self._changed:
-            if self._progress.get(job_id) is progress:
-                self._dirty.discard(job_id)  # a report that came meanwhile stays dirty
+            state = self._job(job_id)
+            if state.progress is progress:
+                state.dirty = False  # a report that came meanwhile stays dirty
             if decision.new_generation:
                 self.num_generations += 1
-                view = self._plans.get(job_id)
+                view = state.plan
                 if view is None or view.generation < plan.generation:
-                    self._plans[job_id] = _PlanView(
+                    state.plan = PlanView(
                         plan.generation, decision.signature,
                         frozenset(member[0] for member in decision.signature[1]))
             if decision.plan_write is not None:  # departures it planned are told
                 kept = {m.member_id for m in plan.members} | set(plan.spares)
-                for key in [k for k in self._departures if k[0] == job_id and k[1] not in kept]:
-                    del self._departures[key]
+                for member_id in [m for m in state.departures if m not in kept]:
+                    del state.departures[member_id]
         if decision.new_generation:
             log.info("job %s generation %d (%s): world %d, %s", job_id, plan.generation,
                      pb.PlanAction.Name(plan.action), plan.world_size, reason)
@@ -413,7 +384,7 @@ class Coordinator:
         progress flush, a start report or the reconcile loop that read the
         membership first) names it so and records its kind."""
         with self._lock:
-            self._departures[(job_id, member_id)] = (why, kind)
+            self._job(job_id).departures[member_id] = (why, kind)
 
     def _naming_departures(self, job_id: str, previous: pb.Plan | None,
                            members: list[pb.Member], reason: str
@@ -431,15 +402,16 @@ class Coordinator:
         planned = [m.member_id for m in previous.members] + list(previous.spares)
         gone = [m for m in planned if m not in live]
         with self._lock:
-            noted = {m: self._departures.get((job_id, m), (f"lost {m} (liveness timeout)",
-                                                           js.CHANGE_KIND_NODE_LOST))
+            departures = self._job(job_id).departures
+            noted = {m: departures.get(m, (f"lost {m} (liveness timeout)",
+                                           js.CHANGE_KIND_NODE_LOST))
                      for m in gone}
         notes = [why for m, (why, _) in noted.items() if m not in reason]
         kinds = [kind for _, kind in noted.values()]
         return ("; ".join([*notes, reason]) if notes else reason), kinds
 
     def _signature_of(self, job_id: str, plan: pb.Plan) -> tuple:
-        view = self._plans.get(job_id)
+        view = self._job(job_id).plan
         if view is None or view.generation != plan.generation:
             view = self._remember(job_id, plan)
         return view.signature
@@ -447,7 +419,7 @@ class Coordinator:
     def _notify(self, job_id: str, event: str) -> None:
         with self._changed:
             self._version += 1
-            self._events[job_id] = event
+            self._job(job_id).event = event
             self._changed.notify_all()
 
     def change_with_retry(self, job_id: str, reason: str, mutate: JobMutation | None = None,
@@ -498,23 +470,24 @@ class Coordinator:
             self._member_checked[member_id] = now
         with self._changed:
             self.check_generation(job_id, generation)
-            if member_id not in self._plans[job_id].members:
+            state = self._job(job_id)
+            if state.plan is None or member_id not in state.plan.members:
                 raise StaleGeneration(job_id, generation, self.current_generation(job_id))
-            previous = self._progress.get(job_id)
+            previous = state.progress
             if previous is None or progress.step >= previous.step:
                 if previous is None or progress.step > previous.step:
-                    self._series.setdefault(job_id, deque(maxlen=SERIES_POINTS)).append(
-                        (time.time(), progress.step, progress.loss))
-                self._progress[job_id] = progress
-                self._dirty.add(job_id)
-                measures = self._measures.setdefault(job_id, _Measures())
+                    state.series.append((time.time(), progress.step, progress.loss))
+                state.progress = progress
+                state.dirty = True
+                measures = state.measures
                 measures.step_reported(generation, progress.step, checkpoint_stall_s, now)
                 self.history.on_progress(job_id, generation, stall_total_s=stall_total_s,
                                          step_s=measures.step_s, step_quantiles=step_quantiles)
                 self._notify(job_id, f"step {progress.step}")
-        max_steps = self._max_steps.get(job_id)
+        state = self._job(job_id)
+        max_steps = state.max_steps
         if max_steps is None:
-            max_steps = self._max_steps[job_id] = self._job_entry(job_id).value.spec.max_steps
+            max_steps = state.max_steps = self._job_entry(job_id).value.spec.max_steps
         if progress.step >= max_steps and self.get_job(job_id).status.state == pb.JOB_STATE_RUNNING:
             def succeed(job: pb.Job) -> None:
                 job.status.state = pb.JOB_STATE_SUCCEEDED
@@ -547,9 +520,10 @@ class Coordinator:
         self.require_leader()
         with self._changed:
             self.check_generation(job_id, generation)
-            if member_id not in self._plans[job_id].members:
+            view = self._job(job_id).plan
+            if view is None or member_id not in view.members:
                 raise StaleGeneration(job_id, generation, self.current_generation(job_id))
-            holders = sorted(self._plans[job_id].members)
+            holders = sorted(view.members)
         self.history.note_start(job_id, generation)
         reason = f"generation {generation} started at step {progress.step} (state from " \
                  f"{pb.RestoreKind.Name(restored_from).removeprefix('RESTORE_KIND_').lower()})"
@@ -591,13 +565,13 @@ class Coordinator:
             status.state_holders.extend(holders)
             status.holders_step = progress.step
             with self._changed:  # reports of the new generation count from here
-                self._progress[job_id] = progress
+                self._job(job_id).progress = progress
             return said
 
         self.change_with_retry(job_id, reason, started, kind=js.CHANGE_KIND_OTHER)
         if rolled_back[0]:
             with self._changed:
-                self._measures.setdefault(job_id, _Measures()).rollbacks += 1
+                self._job(job_id).measures.rollbacks += 1
 
     # -- watching -----------------------------------------------------------------
 
@@ -616,7 +590,8 @@ class Coordinator:
                     self._changed.wait(poll_s)
                     continue
                 seen = self._version
-                event = self._events.get(job_id, "")
+                state = self._jobs.get(job_id)
+                event = state.event if state and state.event is not None else ""
             job = self.get_job(job_id)
             yield job, event
             if planner.is_terminal(job.status.state):
@@ -631,7 +606,9 @@ class Coordinator:
     def _loop(self) -> None:
         last_flush = time.monotonic()
         while not self._stop.is_set():
-            self._kick.wait(min(self.reconcile_interval_s, self.settle_s) if self._unsettled
+            with self._lock:
+                unsettled = any(state.unsettled for state in self._jobs.values())
+            self._kick.wait(min(self.reconcile_interval_s, self.settle_s) if unsettled
                             else self.reconcile_interval_s)
             self._stop.wait(RECONCILE_MIN_GAP_S)  # the kicks of a burst: one pass
             self._kick.clear()
@@ -658,15 +635,16 @@ class Coordinator:
         not pause (`STORM_SETTLE_S_PER_MEMBER`; `fingerprint[0]` counts them).
         `reconcile` skips the wait for a job that is full."""
         now = time.monotonic()
-        unsettled = self._unsettled.get(job_id)
+        state = self._job(job_id)
+        unsettled = state.unsettled
         if unsettled is None or unsettled.fingerprint != fingerprint:
             first = unsettled.first_seen if unsettled else now
-            unsettled = self._unsettled[job_id] = _Unsettled(first, fingerprint, now)
+            unsettled = state.unsettled = Unsettled(first, fingerprint, now)
         longest = max(self.max_settle_s, fingerprint[0] * STORM_SETTLE_S_PER_MEMBER)
         if (now - unsettled.last_change < self.settle_s
                 and now - unsettled.first_seen < longest):
             return False
-        del self._unsettled[job_id]
+        state.unsettled = None
         return True
 
     def reconcile(self) -> None:
@@ -693,8 +671,9 @@ class Coordinator:
             except Exception as e:  # one job's bug: log it, count it, replan the others
                 self.num_loop_errors += 1
                 said = f"{type(e).__name__}: {e}"
-                if self._reconcile_errors.get(job.id) != said:  # once, not every pass
-                    self._reconcile_errors[job.id] = said
+                state = self._job(job.id)
+                if state.reconcile_error != said:  # once, not every pass
+                    state.reconcile_error = said
                     log.exception("reconcile %s failed", job.id)
 
     def _reconcile_job(self, job: pb.Job) -> None:
@@ -702,7 +681,8 @@ class Coordinator:
         if planner.is_terminal(job.status.state):
             return
         fingerprint = self.store.fingerprint(keys.members(job.id))
-        if self._fingerprints.get(job.id) == fingerprint:
+        state = self._job(job.id)
+        if state.fingerprint == fingerprint:
             return  # no member joined, left, expired or drained
         # More may come: one generation for the whole burst. Unless the job
         # is full: more joins could only be spares, so waiting gains nothing.
@@ -716,13 +696,13 @@ class Coordinator:
         full = len(alive) >= job.spec.max_workers
         if not settled and not full:
             return
-        self._unsettled.pop(job.id, None)
+        state.unsettled = None
         plan = self.current_plan(job.id)
         planned = {m.member_id for m in plan.members} | set(plan.spares) if plan else set()
         for gone in planned - {m.id for m in members}:
             self.forget_member(gone)  # fenced: its credential is refused now (`revocation`)
         if plan is not None and planned == alive:
-            self._fingerprints[job.id] = fingerprint
+            state.fingerprint = fingerprint
             return
         lost = sorted(planned - alive)
         joined = sorted(alive - planned)
@@ -767,10 +747,12 @@ class Coordinator:
 
     def flush_progress(self) -> None:
         """Writes reported progress of jobs that changed since their last write."""
-        for job_id in list(self._dirty):
+        with self._lock:
+            dirty = [(job_id, "progress" if state.event is None else state.event)
+                     for job_id, state in self._jobs.items() if state.dirty]
+        for job_id, event in dirty:
             try:
-                self.change(job_id, self._events.get(job_id, "progress"),
-                            kind=js.CHANGE_KIND_OTHER)
+                self.change(job_id, event, kind=js.CHANGE_KIND_OTHER)
             except (Conflict, NotFound) as e:
                 log.info("flush %s: %s", job_id, e)
 

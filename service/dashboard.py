@@ -51,7 +51,8 @@ from springback.service import planner
 from springback.client import badput
 from springback.client.metrics import Page
 from springback.client.summary import event_summary, job_summary
-from springback.service.coordinator import SERIES_POINTS, Coordinator
+from springback.service.coordinator import Coordinator
+from springback.service.jobstate import SERIES_POINTS
 from springback.client.errors import NotFound
 from springback.service.jobmetrics import goodput, recovery_times
 from springback.v1 import types_pb2 as pb

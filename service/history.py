@@ -88,14 +88,22 @@ class History:
         # (job, generation) -> record to write again, with its recovery time
         self._unflushed: dict[tuple[str, int], js.GenerationEvent] = {}
 
-    def forget(self) -> None:
-        """Drops what this replica remembers (on a leadership change)."""
+    def forget(self, job_id: str | None = None) -> None:
+        """Drops what this replica remembers of job `job_id` (deleted), or of
+        every job (None: on a leadership change): step times and records not
+        yet flushed are lost (see the module docstring)."""
         with self._lock:
-            self._last_step_at.clear()
-            self._awaiting.clear()
-            self._running.clear()
-            self._started.clear()
-            self._unflushed.clear()
+            if job_id is None:
+                self._last_step_at.clear()
+                self._awaiting.clear()
+                self._running.clear()
+                self._started.clear()
+                self._unflushed.clear()
+                return
+            for per_job in (self._last_step_at, self._awaiting, self._running, self._started):
+                per_job.pop(job_id, None)
+            for key in [k for k in self._unflushed if k[0] == job_id]:
+                del self._unflushed[key]
 
     def on_change(self, job: pb.Job, plan: pb.Plan | None, kind: js.ChangeKind,
                   interval: pb.CheckpointInterval | None = None) -> list:

@@ -30,7 +30,6 @@ from springback.service import rankpause, streamnotes
 from springback.service.evidence import PeerLossEvidence
 from springback.service.streamnotes import StreamNotes
 from springback.service.heartbeats import Heartbeats
-from springback.service.history import delete_job
 from springback.service.interceptors import in_thread
 from springback.service.jobs import JobControl
 from springback.service.liveness import EtcdReachability
@@ -180,10 +179,7 @@ class JobServicer(js_grpc.JobServiceServicer):
     @_handle
     def DeleteJob(self, request: js.DeleteJobRequest,
                   context: grpc.ServicerContext) -> js.DeleteJobResponse:
-        self.coordinator.require_leader()
-        store = self.coordinator.store
-        return js.DeleteJobResponse(
-            job=delete_job(store, self.coordinator.election.fence, request.job_id))
+        return js.DeleteJobResponse(job=self.coordinator.delete_job(request.job_id))
 
 
 def _duration(seconds: float) -> Duration:

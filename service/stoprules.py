@@ -78,10 +78,15 @@ class StopRules:
         self._watches: dict[str, _Watch] = {}
         self._checked: dict[str, float] = {}  # job id -> when its rules were last evaluated
 
-    def forget(self) -> None:
-        """Drops every sample (on a leadership change)."""
-        self._watches.clear()
-        self._checked.clear()
+    def forget(self, job_id: str | None = None) -> None:
+        """Drops the samples of job `job_id` (deleted), or of every job (None:
+        on a leadership change)."""
+        if job_id is None:
+            self._watches.clear()
+            self._checked.clear()
+        else:
+            self._watches.pop(job_id, None)
+            self._checked.pop(job_id, None)
 
     def due(self, job: pb.Job, now: float) -> bool:
         """Whether `job`'s rules should be evaluated now (on, and not
