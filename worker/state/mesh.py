@@ -97,6 +97,12 @@ class MeshLayout:
         return out
 
     @property
+    def holds_pieces(self) -> bool:
+        """Whether ranks hold different pieces of the state (pipeline stages,
+        FSDP shards, TP slices or expert groups), not only whole replicas."""
+        return max(self.pp, self.shard, self.tp, self.ep) > 1
+
+    @property
     def dp(self) -> int:
         """Data-parallel size: ranks that train on different samples."""
         return self.replicate * self.shard

@@ -149,9 +149,10 @@ class StepBoundary:
         return previous, self._ready
 
     def reach(self) -> None:
-        """A pipeline stage's optimizer step pre-hook: an all-reduce over the
-        generation's world, waited for before the step is applied (up to the
-        collective timeout), carrying the pending vote (the previous step's;
+        """The optimizer step pre-hook of a layout whose ranks hold different
+        pieces of the state (pipeline stages, shards, TP slices, expert
+        groups): an all-reduce over the generation's world, waited for before
+        the step is applied (up to the collective timeout), carrying the pending vote (the previous step's;
         an empty one when there is none). Returns once every rank has reached
         its optimizer step; the next `vote`, `vote_now` or `settle` returns
         the carried vote's agreement. Raises what the collective raised (a

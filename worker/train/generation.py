@@ -94,10 +94,14 @@ class Generation:
         self._store: dist.Store | None = None  # the generation's rendezvous store
         self._boundary = StepBoundary(rank, self.world_size)
         self._step_hook: RemovableHandle | None = None
-        if self.layout.pp > 1 and "optimizer" in ctx.state:
-            # no stage applies a step another stage did not reach: each
-            # optimizer step waits for the world, and the previous step's
-            # vote rides that all-reduce (`StepBoundary.reach`)
+        if self.layout.holds_pieces and "optimizer" in ctx.state:
+            # no rank applies a step a rank holding another piece of the state
+            # did not reach: each optimizer step waits for the world, and the
+            # previous step's vote rides that all-reduce (`StepBoundary.reach`).
+            # Without it, a node lost during a step's last gradient collective
+            # could leave one survivor's piece a step ahead of its neighbour's
+            # (one finished the collective, the other did not): no step would
+            # then be held whole and the job would restore a checkpoint.
             self._boundary.carried_by_step = True
             self._step_hook = self.optimizer.register_step_pre_hook(
                 lambda *_: self._boundary.reach())
