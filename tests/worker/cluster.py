@@ -30,6 +30,11 @@ def children(pid: int) -> list[int]:
     return out
 
 
+FAST_FORWARD = "fast-forward"
+"""The file, in a cluster's root, whose presence ends the scripts' step
+sleeps (tests/worker/pace.py)."""
+
+
 class AgentProcess:
     def __init__(self, root: Path, name: str, job_id: str, coordinator: str, *extra: str,
                  env: dict[str, str] | None = None, nproc: int = 1,
@@ -38,7 +43,8 @@ class AgentProcess:
         self.log_path = root / f"agent-{name}.log"
         environ = dict(os.environ, **{
             E.AUDIT_DIR: str(root / "audit"), E.METRICS_FILE: str(root / "metrics.jsonl"),
-            "TINY_STEP_SLEEP_S": "0.1", "PYTHONUNBUFFERED": "1", **(env or {})})
+            "TINY_STEP_SLEEP_S": "0.1", "TINY_FAST_FORWARD_FILE": str(root / FAST_FORWARD),
+            "PYTHONUNBUFFERED": "1", **(env or {})})
         self.process = subprocess.Popen(
             [sys.executable, "-m", "springback.worker.agent", "--job", job_id,
              "--coordinator", coordinator, "--nproc-per-node", str(nproc),

@@ -31,7 +31,6 @@ import hashlib
 import json
 import os
 import sys
-import time
 
 import torch
 from torch.distributed.checkpoint.state_dict import (
@@ -42,6 +41,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import fully_shard
 
 from draws import record_draw
+from pace import StepPace
 from springback.worker import Session
 from springback.client.env import AUDIT_DIR
 
@@ -161,7 +161,7 @@ def main() -> int:
     applied = AppliedSteps()
     session = Session(build=build, state={"applied": applied}, num_samples=NUM_COUNTED,
                       global_batch_size=12, max_steps=40)
-    sleep_s = float(os.environ.get("TINY_STEP_SLEEP_S", "0"))
+    pace = StepPace()
     counter = None
     for gen in session.generations():
         with gen:
@@ -187,8 +187,7 @@ def main() -> int:
                 counter.weight.grad = None
                 applied.count = batch.step
                 gen.report(loss=per_sample.mean().item() if len(per_sample) else 0.0)
-                if sleep_s:
-                    time.sleep(sleep_s)
+                pace.wait()
             record(gen, "end", session.step)  # a clean end: every rank is here
             if session.step >= gen.max_steps:
                 record_applied(gen, session.step)

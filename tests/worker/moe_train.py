@@ -36,7 +36,6 @@ Environment knobs: TINY_STEP_SLEEP_S slows each step.
 import json
 import os
 import sys
-import time
 
 import torch
 import torch.distributed as dist
@@ -45,6 +44,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from draws import record_draw
 from fsdp_train import NUM_COUNTED, AppliedSteps, features, record, record_applied
+from pace import StepPace
 from springback.client.env import AUDIT_DIR
 from springback.worker import Session, expert_mesh
 
@@ -197,7 +197,7 @@ def main() -> int:
     applied = AppliedSteps()
     session = Session(build=build, state={"applied": applied}, num_samples=NUM_COUNTED,
                       global_batch_size=12, max_steps=40)
-    sleep_s = float(os.environ.get("TINY_STEP_SLEEP_S", "0"))
+    pace = StepPace()
     for gen in session.generations():
         with gen:
             model, opt = gen.model, gen.optimizer
@@ -213,8 +213,7 @@ def main() -> int:
                                         batch.global_batch_size)
                 applied.count = batch.step
                 gen.report(loss=per_sample.mean().item() if len(per_sample) else 0.0)
-                if sleep_s:
-                    time.sleep(sleep_s)
+                pace.wait()
             record(gen, "end", session.step)  # a clean end: every rank is here
             if session.step >= gen.max_steps:
                 record_applied(gen, session.step)

@@ -38,7 +38,6 @@ Environment knobs: TINY_STEP_SLEEP_S slows each step.
 import json
 import os
 import sys
-import time
 
 import torch
 import torch.distributed as dist
@@ -50,6 +49,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from draws import record_draw
 from fsdp_train import NUM_COUNTED, AppliedSteps, features
 from pp_train import Net, dp_sum, key_digests, stage_of, write_digests
+from pace import StepPace
 from springback.client.env import AUDIT_DIR
 from springback.worker import Session
 
@@ -191,7 +191,7 @@ def main() -> int:
     applied = AppliedSteps()
     session = Session(build=build, state={"applied": applied}, num_samples=NUM_COUNTED,
                       global_batch_size=12, max_steps=40, replicated=["counter.weight"])
-    sleep_s = float(os.environ.get("TINY_STEP_SLEEP_S", "0"))
+    pace = StepPace()
     for gen in session.generations():
         with gen:
             model, opt, mesh = gen.model, gen.optimizer, gen.mesh
@@ -208,8 +208,7 @@ def main() -> int:
                 applied.count = batch.step
                 record_own(gen, batch.step)
                 gen.report(loss=loss)
-                if sleep_s:
-                    time.sleep(sleep_s)
+                pace.wait()
             state = record(gen, "end", session.step)  # a clean end: every rank is here
             if session.step >= gen.max_steps:
                 record_applied(gen, state, session.step)

@@ -37,7 +37,6 @@ import hashlib
 import json
 import os
 import sys
-import time
 
 import torch
 import torch.distributed as dist
@@ -45,6 +44,7 @@ from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
 from draws import record_draw
 from fsdp_train import NUM_COUNTED, AppliedSteps, features
+from pace import StepPace
 from springback.client.env import AUDIT_DIR
 from springback.worker import Session, stage_layers
 
@@ -225,7 +225,7 @@ def main() -> int:
     applied = AppliedSteps()
     session = Session(build=build, state={"applied": applied}, num_samples=NUM_COUNTED,
                       global_batch_size=12, max_steps=40, replicated=REPLICATED)
-    sleep_s = float(os.environ.get("TINY_STEP_SLEEP_S", "0"))
+    pace = StepPace()
     for gen in session.generations():
         with gen:
             model, opt, mesh = gen.model, gen.optimizer, gen.mesh
@@ -242,8 +242,7 @@ def main() -> int:
                 applied.count = batch.step
                 record_own(gen, batch.step)
                 gen.report(loss=loss / batch.global_batch_size)
-                if sleep_s:
-                    time.sleep(sleep_s)
+                pace.wait()
             state = record(gen, "end", session.step)  # a clean end: every rank is here
             if session.step >= gen.max_steps:
                 record_applied(gen, state, session.step)

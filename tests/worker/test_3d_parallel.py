@@ -72,6 +72,7 @@ def test_fsdp_tp_pp_node_loss_then_join_keep_the_state_in_memory_bit_identical(c
     e = cluster.start("e", **node)  # with the spare b: 4 -> 8 ranks
     cluster.wait_world(8, min_step=max(r["step"] for r in steps(cluster.root)) + 2,
                        timeout_s=120)
+    cluster.fast_forward()  # the last fault is past: no more slow steps
     job = cluster.wait_succeeded(timeout_s=120)
     for agent in (a, b, c, e):
         assert agent.wait(30) == 0, agent.log()
@@ -129,6 +130,7 @@ def test_fsdp_tp_pp_with_shards_across_nodes_a_spare_takes_a_lost_shard_from_its
     e = cluster.start("e", **node)  # a spare: max_workers is 4
     wait_for(lambda: len(cluster.job().status.spares) == 1, 90, "e to be a spare")
     d.signal_node(signal.SIGKILL)
+    cluster.fast_forward()  # the last fault is past: no more slow steps
     job = cluster.wait_succeeded(timeout_s=180)
     for agent in (a, b, c, e):
         assert agent.wait(30) == 0, agent.log()

@@ -16,7 +16,7 @@ import sockreset
 from applied import check_applied
 from draws import check_draws
 from metadata_server import MetadataServer
-from cluster import AgentProcess, children, steps
+from cluster import FAST_FORWARD, AgentProcess, children, steps
 from fakeplans import assert_replicas_identical
 from sbtest import scrape, wait_for
 from springback.cli.local import free_port
@@ -66,6 +66,12 @@ def cluster(request, tmp_path, client, coordinator_address):
                            "the job to end")
             assert job.status.state == pb.JOB_STATE_SUCCEEDED, job.status.message
             return job
+
+        def fast_forward(self) -> None:
+            """The test has seen its last fault: from their next step on the
+            scripts stop sleeping (tests/worker/pace.py), so the steps left
+            until max_steps are not spent waiting."""
+            (tmp_path / FAST_FORWARD).touch()
 
         def damage_commits(self, min_step: int) -> list[Path]:
             """Waits for a commit at `min_step` or later, then overwrites the DCP

@@ -48,6 +48,7 @@ def lose_an_active_node_after_a_commit(cluster) -> tuple[int, int]:  # noqa: ANN
 @pytest.mark.parametrize("cluster", [COPIES], indirect=True)
 def test_a_lost_fsdp_node_is_recovered_from_its_peer_copy_without_reading_a_checkpoint(cluster):
     committed, killed_at = lose_an_active_node_after_a_commit(cluster)
+    cluster.fast_forward()  # the last fault is past: no more slow steps
     job = cluster.wait_succeeded(timeout_s=150)
     assert job.status.num_restores == 0, job.status  # no checkpoint read ...
     for agent in cluster.agents:
@@ -71,6 +72,7 @@ def test_a_lost_fsdp_node_is_recovered_from_its_peer_copy_without_reading_a_chec
                          indirect=True)
 def test_without_peer_copies_the_same_loss_restores_the_newest_commit(cluster):
     committed, _ = lose_an_active_node_after_a_commit(cluster)
+    cluster.fast_forward()  # the last fault is past: no more slow steps
     job = cluster.wait_succeeded(timeout_s=150)
     assert job.status.num_restores >= 1, job.status
     cluster.audit()

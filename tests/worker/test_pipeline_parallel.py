@@ -131,6 +131,7 @@ def test_pipeline_node_loss_then_join_refill_the_stages_in_memory_bit_identical(
     e = cluster.start("e", **pp)  # with the spare b: 2 -> 4 ranks
     cluster.wait_world(4, min_step=max(r["step"] for r in steps(cluster.root)) + 3,
                        timeout_s=120)
+    cluster.fast_forward()  # the last fault is past: no more slow steps
     job = cluster.wait_succeeded(timeout_s=150)
     for agent in (a, b, c, e):
         assert agent.wait(30) == 0, agent.log()
@@ -167,6 +168,7 @@ def test_a_lost_stage_without_a_replica_comes_back_from_its_peer_copy_on_a_spare
     cluster.wait_world(2, min_step=8, timeout_s=150)
     c = cluster.start("c", **pp)  # a spare: max_workers is 2
     b.signal_node(signal.SIGKILL)
+    cluster.fast_forward()  # the last fault is past: no more slow steps
     job = cluster.wait_succeeded(timeout_s=180)
     for agent in (a, c):
         assert agent.wait(30) == 0, agent.log()
@@ -208,6 +210,7 @@ def test_a_pipeline_re_partitions_over_the_surviving_stages_and_grows_back(clust
     agents.append(cluster.start("e", **pp))
     cluster.wait_world(4, min_step=max(r["step"] for r in steps(cluster.root)) + 2,
                        timeout_s=120)
+    cluster.fast_forward()  # the last fault is past: no more slow steps
     job = cluster.wait_succeeded(timeout_s=180)
     live = [agents[i] for i in (0, 1, 3, 4)]
     for agent in live:

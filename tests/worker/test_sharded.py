@@ -70,6 +70,7 @@ def test_hsdp_join_2_to_4_then_node_loss_4_to_2_reshard_in_memory_bit_identical(
     # the survivors' resets, on the mesh's own groups too, name the lost ranks:
     # they report them as evidence (service/evidence.py), not left to the liveness timeout
     assert "reported lost peer rank" in a.log(), a.log()
+    cluster.fast_forward()  # the last fault is past: no more slow steps
     job = cluster.wait_succeeded(timeout_s=120)
     assert a.wait(30) == 0, a.log()
     # from memory: no checkpoint read, no step redone (the other replica held every row)
@@ -99,6 +100,7 @@ def test_tensor_parallel_under_fsdp_join_then_node_loss_reshard_in_memory_bit_id
     b.signal_node(signal.SIGKILL)
     cluster.wait_world(2, min_step=max(r["step"] for r in steps(cluster.root)) + 2,
                        timeout_s=90)
+    cluster.fast_forward()  # the last fault is past: no more slow steps
     job = cluster.wait_succeeded(timeout_s=120)
     assert a.wait(30) == 0, a.log()
     assert job.status.num_restores == 0 and job.status.steps_redone == 0, job.status
@@ -149,6 +151,7 @@ def test_fsdp_across_nodes_losing_a_shard_and_its_copy_restores_the_newest_commi
     active = set(cluster.job().status.members)
     for victim in [a for a in agents if member_id(a) in active]:
         victim.signal_node(signal.SIGKILL)
+    cluster.fast_forward()  # the last fault is past: no more slow steps
     job = cluster.wait_succeeded(timeout_s=150)
     assert job.status.num_restores >= 1, job.status
     restarts = [r for r in digests(cluster.root) if r["when"] == "start" and r["step"] > 0]

@@ -1,0 +1,32 @@
+"""How the test training scripts pace their steps.
+
+``TINY_STEP_SLEEP_S`` slows each step so that a test's faults and joins land
+mid-training. Once a test has seen its last fault, the slow steps left until
+``max_steps`` are only waiting: the test creates the file named by
+``TINY_FAST_FORWARD_FILE`` (the cluster fixture's ``fast_forward()``) and from
+the next step on the scripts stop sleeping. Nothing else changes: the same
+steps, samples and checkpoints, only sooner."""
+
+from __future__ import annotations
+
+import os
+import time
+
+
+class StepPace:
+    """Reads the knobs once; `wait()` once a step."""
+
+    def __init__(self) -> None:
+        self.sleep_s = float(os.environ.get("TINY_STEP_SLEEP_S", "0"))
+        self.fast_forward_file = os.environ.get("TINY_FAST_FORWARD_FILE", "")
+        self.fast = False
+
+    def wait(self) -> None:
+        """Sleeps the step's pause, unless the test has asked to fast-forward
+        (then never again: the file is not read after it appears)."""
+        if not self.sleep_s or self.fast:
+            return
+        if self.fast_forward_file and os.path.exists(self.fast_forward_file):
+            self.fast = True
+            return
+        time.sleep(self.sleep_s)
