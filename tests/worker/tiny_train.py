@@ -41,12 +41,12 @@ import os
 import signal
 import sys
 import threading
-import time
 
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from draws import record_draw
+from pace import StepPace
 from springback.worker import Session
 from springback.client.env import AUDIT_DIR
 from springback.worker.train.audit import state_digest
@@ -114,7 +114,7 @@ def main() -> int:
     counter_opt = torch.optim.SGD([model.counter], lr=GLOBAL_BATCH)  # stateless; lr set per job
     session = Session(model=model, optimizer=opt, num_samples=NUM_SAMPLES,
                       global_batch_size=GLOBAL_BATCH, max_steps=40)
-    sleep_s = float(os.environ.get("TINY_STEP_SLEEP_S", "0"))
+    pace = StepPace()
     crash = Crash()
     raise_at = int(os.environ.get("TINY_RAISE_AT_STEP", "0"))
     say_steps = os.environ.get("TINY_PRINT_STEPS") == "1"
@@ -166,8 +166,7 @@ def main() -> int:
                 if mesh_reduce:
                     print(f"tiny_train: step {batch.step} sleeping before the mesh all-reduce",
                           flush=True)
-                if sleep_s:
-                    time.sleep(sleep_s)
+                pace.wait()
                 if mesh_reduce:
                     torch.distributed.all_reduce(torch.ones(1),
                                                  group=gen.mesh.get_group("replicate"))
