@@ -69,7 +69,7 @@ def run(server: CoordinatorServer, args: argparse.Namespace) -> None:
     coordinator.change(job.id, "bench: initial plan", kind=js.CHANGE_KIND_START)
     # Measure one replan at a time: the reconcile loop would notice each
     # deletion below too and replan concurrently (on 2 cores, sharing the GIL).
-    coordinator.stop()
+    server.reconciler.stop()
 
     # Pure planner.
     previous = coordinator.current_plan(job.id)

@@ -1,10 +1,11 @@
 """The coordinator's transport-free logic: jobs, generations, fencing, commits.
 
 Only the leader replica runs this logic (non-leaders forward RPCs, see
-`server`; plan streams and heartbeats are served by every replica); every write is an etcd transaction guarded by the leader's fencing
-token and by compare-and-swap on the keys it read, so two replicas that both
-believe they lead cannot both write, and a generation number is never issued
-twice.
+`server`; plan streams and heartbeats are served by every replica; the
+reconcile loop that drives it is `reconcile.Reconciler`); every write is an
+etcd transaction guarded by the leader's fencing token and by
+compare-and-swap on the keys it read, so two replicas that both believe they
+lead cannot both write, and a generation number is never issued twice.
 
 What is durable (etcd): jobs (spec + status), members (lease-bound), the
 current plan per job, committed checkpoints. What is in memory only: per-step
@@ -29,11 +30,10 @@ from springback.service.replan import timestamp_now  # noqa: F401 (used by membe
 from springback.service.writer import FencedWriter
 from springback.service.election import Election
 from springback.service.history import History, delete_job
-from springback.service.jobstate import JobState, Measures, PlanView, Unsettled
+from springback.service.jobstate import JobState, Measures, PlanView
 from springback.service.stoprules import StopRules
 from springback.client.errors import (
-    Conflict, FailedPrecondition, NotFound, NotLeader, SpringbackError, StaleGeneration,
-    StoreUnavailable,
+    Conflict, FailedPrecondition, NotFound, NotLeader, StaleGeneration,
 )
 from springback.service.store import Store
 from springback.v1 import job_service_pb2 as js
@@ -48,40 +48,12 @@ the caller's (what it found decides what is said)."""
 CHANGE_ATTEMPTS = 5
 """Rounds of `change_with_retry`: changes of one job race in etcd, not on a lock."""
 
-
-SETTLE_S = 0.3
-"""Membership unchanged this long: the reconcile loop replans (see `Coordinator._settled`)."""
-MAX_SETTLE_S = 2.0
-"""Longest a membership change waits for the burst around it to end, at
-small scale; see `STORM_SETTLE_S_PER_MEMBER`."""
-STORM_SETTLE_S_PER_MEMBER = 0.001
-"""Under a burst that does not end (a join storm), the longest wait grows by
-this much per member: a generation costs every replica O(members) (the plan
-read, planned, written, and a slice sent to each member's stream), so
-generations at most every ``members x 1 ms`` keep a storm of N joins to a few
-generations (10 s apart at 10,000 members) instead of one every
-`MAX_SETTLE_S`, each of which re-sent N slices while the joins queued. A
-burst that pauses for `SETTLE_S` is planned at once, whatever its size."""
-RECONCILE_MIN_GAP_S = 0.05
-"""Kicks (one per join) closer than this are one reconcile pass: a storm of
-joins does not re-read every job per join."""
-NAMED_IN_REASON = 20
-"""Members a reconcile's reason names per kind (admitted, lost); more are
-counted ("and 9,980 more"): a reason is stored in the plan, the job's
-status and the history event, all in one etcd transaction."""
 MEMBER_CHECK_S = 1.0
 """A step reporter's registration is read from etcd at most this often (a
 report every step would otherwise be an etcd read every step)."""
 FAILURE_CHANGES = (js.CHANGE_KIND_NODE_LOST, js.CHANGE_KIND_RANK_FAILURE)
 """`ChangeKind`s that count as failures for
 the auto checkpoint interval's MTBF (a drain is planned, not a failure)."""
-
-
-def _named(member_ids: list[str]) -> str:
-    """The first `NAMED_IN_REASON` of `member_ids`, and how many more."""
-    named = ", ".join(member_ids[:NAMED_IN_REASON])
-    more = len(member_ids) - NAMED_IN_REASON
-    return f"{named} and {more:,} more" if more > 0 else named
 
 
 class Coordinator:
@@ -94,18 +66,13 @@ class Coordinator:
         *,
         liveness_timeout_s: float = 5.0,
         progress_flush_s: float = 5.0,
-        reconcile_interval_s: float = 0.2,
-        settle_s: float = SETTLE_S,
-        max_settle_s: float = MAX_SETTLE_S,
     ) -> None:
         self.store = store
         self.election = election
         self.liveness_timeout_s = liveness_timeout_s
         self.progress_flush_s = progress_flush_s
-        self.reconcile_interval_s = reconcile_interval_s
-        self.settle_s = settle_s
-        self.max_settle_s = max_settle_s
-        self._kick = threading.Event()
+        # set by `kick`: the reconcile loop (`reconcile.Reconciler`) runs a pass now
+        self.kicked = threading.Event()
         self._lock = threading.RLock()
         self._changed = threading.Condition(self._lock)
         self._version = 0  # bumped on every change; watchers wait on it
@@ -115,24 +82,12 @@ class Coordinator:
         self._member_checked: dict[str, float] = {}
         # the stop rules' samples of running jobs (leader memory, `stoprules`)
         self.stop_rules = StopRules()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="reconcile", daemon=True)
-        self.num_loop_errors = 0
         self.num_generations = 0
         self.last_replan_s = 0.0
         self.writer = FencedWriter(store, election.fence)
         self.history = History(store, election.fence)
 
-    # -- lifecycle ------------------------------------------------------------
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._kick.set()
-        self.leadership_changed()
-        self._thread.join(timeout=5)
+    # -- what the leader keeps in memory ------------------------------------------
 
     def leadership_changed(self) -> None:
         """Drops what the leader keeps in memory (every job's `JobState`, the
@@ -156,13 +111,18 @@ class Coordinator:
             self.stop_rules.forget(job_id)
             self.history.forget(job_id)
 
-    def _job(self, job_id: str) -> JobState:
-        """The job's `JobState`, made empty on first use."""
+    def job_state(self, job_id: str) -> JobState:
+        """The job's `JobState` in this leader's memory, made empty on first use."""
         with self._lock:
             state = self._jobs.get(job_id)
             if state is None:
                 state = self._jobs[job_id] = JobState()
             return state
+
+    def settling(self) -> bool:
+        """Whether a job's membership change waits to settle (`reconcile`)."""
+        with self._lock:
+            return any(state.unsettled for state in self._jobs.values())
 
     def delete_job(self, job_id: str) -> pb.Job:
         """Deletes a terminal job (`history.delete_job`: one fenced
@@ -222,7 +182,7 @@ class Coordinator:
         if not self.election.is_leader():
             plan = self.current_plan(job_id)
             return plan.generation if plan else 0
-        view = self._job(job_id).plan
+        view = self.job_state(job_id).plan
         if view is None:
             view = self._remember(job_id, self.current_plan(job_id))
         return view.generation
@@ -234,7 +194,7 @@ class Coordinator:
             signature=signature,
             members=frozenset(member[0] for member in signature[1]) if plan else frozenset(),
         )
-        self._job(job_id).plan = view
+        self.job_state(job_id).plan = view
         return view
 
     def series(self, job_id: str) -> list[tuple[float, int, float]]:
@@ -304,7 +264,7 @@ class Coordinator:
             said = mutate(job)
             if isinstance(said, str):  # what the mutation found decides what is said
                 reason = said
-        progress = self._job(job_id).progress  # after mutate: a start sets it
+        progress = self.job_state(job_id).progress  # after mutate: a start sets it
         previous = plan_entry.value if plan_entry else None
         reason, departed = self._naming_departures(job_id, previous, members, reason)
         kind = change_kind({kind, *departed}, job.status.state)
@@ -337,7 +297,7 @@ class Coordinator:
         self._applied(job_id, decision, progress, reason)
         if failure and decision.new_generation:
             with self._changed:
-                self._job(job_id).measures.failures += 1
+                self.job_state(job_id).measures.failures += 1
         return job
 
     def _observed(self, job: pb.Job, failure: bool) -> ckptinterval.Observed:
@@ -357,7 +317,7 @@ class Coordinator:
         """Caches what a landed change wrote, then wakes the watchers."""
         plan = decision.plan
         with self._changed:
-            state = self._job(job_id)
+            state = self.job_state(job_id)
             if state.progress is progress:
                 state.dirty = False  # a report that came meanwhile stays dirty
             if decision.new_generation:
@@ -384,7 +344,7 @@ class Coordinator:
         progress flush, a start report or the reconcile loop that read the
         membership first) names it so and records its kind."""
         with self._lock:
-            self._job(job_id).departures[member_id] = (why, kind)
+            self.job_state(job_id).departures[member_id] = (why, kind)
 
     def _naming_departures(self, job_id: str, previous: pb.Plan | None,
                            members: list[pb.Member], reason: str
@@ -402,7 +362,7 @@ class Coordinator:
         planned = [m.member_id for m in previous.members] + list(previous.spares)
         gone = [m for m in planned if m not in live]
         with self._lock:
-            departures = self._job(job_id).departures
+            departures = self.job_state(job_id).departures
             noted = {m: departures.get(m, (f"lost {m} (liveness timeout)",
                                            js.CHANGE_KIND_NODE_LOST))
                      for m in gone}
@@ -411,7 +371,7 @@ class Coordinator:
         return ("; ".join([*notes, reason]) if notes else reason), kinds
 
     def _signature_of(self, job_id: str, plan: pb.Plan) -> tuple:
-        view = self._job(job_id).plan
+        view = self.job_state(job_id).plan
         if view is None or view.generation != plan.generation:
             view = self._remember(job_id, plan)
         return view.signature
@@ -419,7 +379,7 @@ class Coordinator:
     def _notify(self, job_id: str, event: str) -> None:
         with self._changed:
             self._version += 1
-            self._job(job_id).event = event
+            self.job_state(job_id).event = event
             self._changed.notify_all()
 
     def change_with_retry(self, job_id: str, reason: str, mutate: JobMutation | None = None,
@@ -470,7 +430,7 @@ class Coordinator:
             self._member_checked[member_id] = now
         with self._changed:
             self.check_generation(job_id, generation)
-            state = self._job(job_id)
+            state = self.job_state(job_id)
             if state.plan is None or member_id not in state.plan.members:
                 raise StaleGeneration(job_id, generation, self.current_generation(job_id))
             previous = state.progress
@@ -484,7 +444,7 @@ class Coordinator:
                 self.history.on_progress(job_id, generation, stall_total_s=stall_total_s,
                                          step_s=measures.step_s, step_quantiles=step_quantiles)
                 self._notify(job_id, f"step {progress.step}")
-        state = self._job(job_id)
+        state = self.job_state(job_id)
         max_steps = state.max_steps
         if max_steps is None:
             max_steps = state.max_steps = self._job_entry(job_id).value.spec.max_steps
@@ -520,7 +480,7 @@ class Coordinator:
         self.require_leader()
         with self._changed:
             self.check_generation(job_id, generation)
-            view = self._job(job_id).plan
+            view = self.job_state(job_id).plan
             if view is None or member_id not in view.members:
                 raise StaleGeneration(job_id, generation, self.current_generation(job_id))
             holders = sorted(view.members)
@@ -565,13 +525,13 @@ class Coordinator:
             status.state_holders.extend(holders)
             status.holders_step = progress.step
             with self._changed:  # reports of the new generation count from here
-                self._job(job_id).progress = progress
+                self.job_state(job_id).progress = progress
             return said
 
         self.change_with_retry(job_id, reason, started, kind=js.CHANGE_KIND_OTHER)
         if rolled_back[0]:
             with self._changed:
-                self._job(job_id).measures.rollbacks += 1
+                self.job_state(job_id).measures.rollbacks += 1
 
     # -- watching -----------------------------------------------------------------
 
@@ -597,153 +557,11 @@ class Coordinator:
             if planner.is_terminal(job.status.state):
                 return
 
-    # -- background loop ------------------------------------------------------------
+    # -- asked by the reconcile loop -------------------------------------------------
 
     def kick(self) -> None:
         """Runs the reconcile loop now (a member registered); never blocks."""
-        self._kick.set()
-
-    def _loop(self) -> None:
-        last_flush = time.monotonic()
-        while not self._stop.is_set():
-            with self._lock:
-                unsettled = any(state.unsettled for state in self._jobs.values())
-            self._kick.wait(min(self.reconcile_interval_s, self.settle_s) if unsettled
-                            else self.reconcile_interval_s)
-            self._stop.wait(RECONCILE_MIN_GAP_S)  # the kicks of a burst: one pass
-            self._kick.clear()
-            if self._stop.is_set() or not self.election.is_leader():
-                continue
-            try:
-                self.reconcile()
-                self.history.flush()
-                if time.monotonic() - last_flush >= self.progress_flush_s:
-                    self.flush_progress()
-                    last_flush = time.monotonic()
-            except SpringbackError as e:
-                self.num_loop_errors += 1
-                log.warning("reconcile: %s", e)
-            except Exception:  # a bug: log it, count it, keep serving
-                self.num_loop_errors += 1
-                log.exception("reconcile failed")
-
-    def _settled(self, job_id: str, fingerprint: tuple[int, int]) -> bool:
-        """Whether a job's changed membership has settled: unchanged for
-        ``settle_s``, or ``max_settle_s`` since the first change not yet planned
-        (a join storm or a failure burst becomes one generation, not one per
-        event), a wait that grows with the members under a burst that does
-        not pause (`STORM_SETTLE_S_PER_MEMBER`; `fingerprint[0]` counts them).
-        `reconcile` skips the wait for a job that is full."""
-        now = time.monotonic()
-        state = self._job(job_id)
-        unsettled = state.unsettled
-        if unsettled is None or unsettled.fingerprint != fingerprint:
-            first = unsettled.first_seen if unsettled else now
-            unsettled = state.unsettled = Unsettled(first, fingerprint, now)
-        longest = max(self.max_settle_s, fingerprint[0] * STORM_SETTLE_S_PER_MEMBER)
-        if (now - unsettled.last_change < self.settle_s
-                and now - unsettled.first_seen < longest):
-            return False
-        state.unsettled = None
-        return True
-
-    def reconcile(self) -> None:
-        """Replans every live job whose members no longer match its plan, once
-        its membership has settled (`_settled`).
-
-        This is how joins, expired members (lease gone), and changes a previous
-        leader did not finish, turn into new generations. Reads only, unless
-        something changed. Then each job's stop rules (`_apply_stop_rules`).
-
-        One job's error never stops the others' replans: anything but an
-        unreachable store or a lost leadership (which stop the pass) is logged
-        with the job's id, counted in ``num_loop_errors``, and the pass goes
-        on; the job is tried again next pass.
-        """
-        for job in self.list_jobs():
-            try:
-                self._reconcile_job(job)
-                self._apply_stop_rules(job)
-            except (StoreUnavailable, NotLeader):
-                raise
-            except (Conflict, NotFound) as e:
-                log.info("reconcile %s: %s", job.id, e)
-            except Exception as e:  # one job's bug: log it, count it, replan the others
-                self.num_loop_errors += 1
-                said = f"{type(e).__name__}: {e}"
-                state = self._job(job.id)
-                if state.reconcile_error != said:  # once, not every pass
-                    state.reconcile_error = said
-                    log.exception("reconcile %s failed", job.id)
-
-    def _reconcile_job(self, job: pb.Job) -> None:
-        """`reconcile` for one job."""
-        if planner.is_terminal(job.status.state):
-            return
-        fingerprint = self.store.fingerprint(keys.members(job.id))
-        state = self._job(job.id)
-        if state.fingerprint == fingerprint:
-            return  # no member joined, left, expired or drained
-        # More may come: one generation for the whole burst. Unless the job
-        # is full: more joins could only be spares, so waiting gains nothing.
-        # The members are read only then: fewer keys than max_workers
-        # (fingerprint[0]) cannot be full, and a storm re-read them per pass.
-        settled = self._settled(job.id, fingerprint)
-        if not settled and fingerprint[0] < job.spec.max_workers:
-            return
-        members = self.members(job.id)
-        alive = {m.id for m in members if not m.draining}
-        full = len(alive) >= job.spec.max_workers
-        if not settled and not full:
-            return
-        state.unsettled = None
-        plan = self.current_plan(job.id)
-        planned = {m.member_id for m in plan.members} | set(plan.spares) if plan else set()
-        for gone in planned - {m.id for m in members}:
-            self.forget_member(gone)  # fenced: its credential is refused now (`revocation`)
-        if plan is not None and planned == alive:
-            state.fingerprint = fingerprint
-            return
-        lost = sorted(planned - alive)
-        joined = sorted(alive - planned)
-        reason = "; ".join(
-            part for part in (
-                f"lost {_named(lost)} (liveness timeout)" if lost else "",
-                f"admitted {_named(joined)}" if joined else "",
-            ) if part
-        ) or "initial plan"
-        # a loss and a join in one pass: the loss wins (`history.KIND_PRECEDENCE`)
-        kind = (js.CHANGE_KIND_NODE_LOST if lost else js.CHANGE_KIND_JOIN if joined
-                else js.CHANGE_KIND_START)
-        self.change(job.id, reason, kind=kind)
-
-    def _apply_stop_rules(self, job: pb.Job) -> None:
-        """Pauses or fails `job` (its spec's ``controls.stop.action``) when one
-        of its stop rules is crossed (`stoprules`), in one change whose reason
-        names the rule and its figures. The change lands only if the job
-        still runs when it is written: a job paused, failed or waiting
-        meanwhile is left as it is (nothing written). A `Conflict` after
-        `CHANGE_ATTEMPTS` is the caller's; the rule is evaluated again a
-        check later."""
-        now = time.time()
-        if not self.stop_rules.due(job, now):
-            return
-        said = self.stop_rules.verdict(job, self.history.events(job.id), now)
-        if said is None:
-            return
-        fail = job.spec.controls.stop.action == pb.STOP_ACTION_FAIL
-        reason = f"controls.stop: {said}: {'failed' if fail else 'paused'}"
-
-        def stop(current: pb.Job) -> None:
-            self.require_state(current, (pb.JOB_STATE_RUNNING,), "stop")
-            current.status.state = pb.JOB_STATE_FAILED if fail else pb.JOB_STATE_PAUSED
-
-        try:
-            self.change_with_retry(job.id, reason, stop, kind=js.CHANGE_KIND_CONTROL)
-        except FailedPrecondition as e:
-            log.info("job %s: stop rule not applied: %s", job.id, e)
-            return
-        log.warning("job %s: %s", job.id, reason)
+        self.kicked.set()
 
     def flush_progress(self) -> None:
         """Writes reported progress of jobs that changed since their last write."""

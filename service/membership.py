@@ -105,7 +105,7 @@ class Membership:
         the id of the etcd lease its key is bound to (its incarnation, which
         its credential names: `revocation`); the leader's
         reconcile loop plans it (admitted, or a spare) once the joins around it
-        have settled (`Coordinator._settled`): a join storm is one generation.
+        have settled (`Reconciler.settled`): a join storm is one generation.
         The servicer waits for that plan before it answers (`PlanStreams.until_planned`).
 
         With a `join_token` the call is idempotent: the member id is derived

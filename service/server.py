@@ -53,6 +53,7 @@ from springback.service.interceptors import BearerAuth, CallCounter, LeaderForwa
 from springback.service.liveness import EtcdReachability
 from springback.service.planboard import PlanBoard
 from springback.service.planstreams import PlanStreams
+from springback.service.reconcile import Reconciler
 from springback.service.revocation import Revocation
 from springback.service.servicers import JobServicer, WorkerServicer
 from springback.service.store import EtcdSecurity, Store, parse_endpoints
@@ -334,6 +335,7 @@ class CoordinatorServer:
             self.store, self.election, liveness_timeout_s=config.liveness_timeout_s,
             progress_flush_s=config.progress_flush_s,
         )
+        self.reconciler = Reconciler(self.coordinator)
         self.board = PlanBoard(self.store, self._loop.loop)
         self.liveness = EtcdReachability(config.etcd, on_change=lambda _: self._update_health(),
                                           security=config.etcd_security)
@@ -426,7 +428,7 @@ class CoordinatorServer:
         registry.add("springback_coordinator_replan_seconds", "gauge",
                      "duration of the last planning step (planner only)", lambda: c.last_replan_s)
         registry.add("springback_coordinator_loop_errors_total", "counter",
-                     "failed reconcile iterations", lambda: c.num_loop_errors)
+                     "failed reconcile iterations", lambda: self.reconciler.num_loop_errors)
         registry.add("springback_coordinator_etcd_reachable", "gauge",
                      "1 while this replica reaches etcd (it serves liveness only then)",
                      lambda: float(self.liveness.reachable))
@@ -442,7 +444,7 @@ class CoordinatorServer:
         self._loop.run(self._server.start())
         self.board.start()
         self.election.start()
-        self.coordinator.start()
+        self.reconciler.start()
         self.liveness.start()
         self._update_health()
         if self.config.metrics_listen:
@@ -477,7 +479,8 @@ class CoordinatorServer:
         self._stopped = True
         self._draining = True
         self._update_health()
-        self.coordinator.stop()
+        self.reconciler.stop()
+        self.coordinator.leadership_changed()  # wakes the watchers: they end
         self.election.resign()
         if self.config.drain_s:
             log.info("draining for %.1f s before stopping", self.config.drain_s)

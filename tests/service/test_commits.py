@@ -99,7 +99,7 @@ class TestFencedMembers:
     ):
         # Reconcile off: the expiry is not yet a new generation, as in the
         # window between a lease expiry and the leader's next reconcile pass.
-        coordinator.coordinator.reconcile_interval_s = 3600
+        coordinator.reconciler.interval_s = 3600
         job = client.create_job(make_spec(max_workers=1, checkpoint={"uri": "file:///tmp/c4"}))
         a = join(workers, job.id, 9505)
         generation = generation_of(coordinator, job.id)

@@ -87,7 +87,7 @@ class TestABadJoinFieldIsRefusedByName:
             lone = workers.JoinJob(join_request(other.id, port=9703), timeout=10).member
         wait_for(lambda: planned(leader, job.id, second.id), 5, "the job's next member planned")
         wait_for(lambda: planned(leader, other.id, lone.id), 5, "the second job planned")
-        assert leader.coordinator.num_loop_errors == 0
+        assert leader.reconciler.num_loop_errors == 0
 
 
 class TestTheMembersCap:
@@ -198,7 +198,7 @@ class TestAPlannerError:
         wait_for(lambda: coordinator.store.get(keys.plan(other.id)).mod_revision > later, 5,
                  "the other job replanned again")
         assert coordinator.store.get(keys.job(broken.id)).mod_revision == revision
-        assert coordinator.coordinator.num_loop_errors == 0
+        assert coordinator.reconciler.num_loop_errors == 0
 
 
 class TestAnUnreadableMemberRecord:
@@ -213,7 +213,7 @@ class TestAnUnreadableMemberRecord:
         broken = client.create_job(make_spec(name="aaa", max_workers=1))
         other = client.create_job(make_spec(name="zzz", max_workers=1))
         coordinator.store.put(keys.member(broken.id, "m-garbage"), b"\xff\xfe not a member")
-        wait_for(lambda: coordinator.coordinator.num_loop_errors >= 1, 20,
+        wait_for(lambda: coordinator.reconciler.num_loop_errors >= 1, 20,
                  "the broken job's reconcile to fail")
         lone = workers.JoinJob(join_request(other.id), timeout=10).member
         wait_for(lambda: planned(coordinator, other.id, lone.id), 10, "the other job planned")

@@ -137,7 +137,8 @@ class TestGenerations:
         a, b, c = (join(workers, job.id, port) for port in (8011, 8012, 8013))
         wait_for(lambda: plan_of(coordinator, job.id).world_size == 3, 10, "a plan with three")
         leader = coordinator.coordinator
-        leader.settle_s = leader.max_settle_s = 600.0  # the reconcile loop stays out of it
+        # the reconcile loop stays out of it
+        coordinator.reconciler.settle_s = coordinator.reconciler.max_settle_s = 600.0
         leader.note_departure(job.id, b, f"lost {b} (peers: connections reset by ranks 0)",
                               js.CHANGE_KIND_NODE_LOST)
         for gone in (b, c):  # b fenced on evidence, c's lease expired
@@ -157,7 +158,7 @@ class TestSettling:
             self, start_coordinator, make_spec):
         server = start_coordinator(liveness_timeout_s=30.0)  # no heartbeats needed here
         wait_for(server.election.is_leader, 10, "the coordinator to lead")
-        server.coordinator.settle_s = server.coordinator.max_settle_s = 600.0
+        server.reconciler.settle_s = server.reconciler.max_settle_s = 600.0
         channel = grpc.insecure_channel(server.address)
         workers = ws_grpc.WorkerServiceStub(channel)
         try:

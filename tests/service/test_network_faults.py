@@ -88,7 +88,7 @@ class TestFaultyAgentLink:
                     next(stream)
                 assert e.value.code() == grpc.StatusCode.NOT_FOUND
                 assert [c.step for c in client.list_checkpoints(job.id)] == [5]
-                # replanned once the expiry settled (Coordinator._settled)
+                # replanned once the expiry settled (Reconciler.settled)
                 wait_for(lambda: client.get_job(job.id).status.generation > generation, 10,
                          "a generation without the expired member")
             finally:
