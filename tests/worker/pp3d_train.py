@@ -101,17 +101,19 @@ def train_step(model: Net, opt: torch.optim.Optimizer, schedule: ScheduleGPipe, 
         schedule.step(x)
     else:
         schedule.step(target=y, losses=losses)
-    opt.step()
-    opt.zero_grad()
+    # every collective of the step before the optimizer applies it (see pp_train.py)
+    applied = torch.bincount(indices, minlength=NUM_COUNTED).to(torch.float64)
     if last:
-        applied = torch.bincount(indices, minlength=NUM_COUNTED).to(torch.float64)
         dp_sum(applied, mesh)  # every tp rank of a dp rank has the same indices
-        with torch.no_grad():
-            model.counter.weight.add_(applied)
     # the last stage's losses, once per dp rank (tp index 0), over every rank
     mine = sum(l.item() for l in losses) if mesh["tp"].get_local_rank() == 0 else 0.0
     total = torch.tensor([mine / dp_size(mesh)])
     dist.all_reduce(total)
+    opt.step()
+    opt.zero_grad()
+    if last:
+        with torch.no_grad():
+            model.counter.weight.add_(applied)
     return total.item()
 
 

@@ -133,15 +133,19 @@ def train_step(model: Net, opt: torch.optim.Optimizer, schedule: ScheduleGPipe, 
     for p in model.parameters():
         if p.grad is not None:
             dp_sum(p.grad, mesh)
+    # every collective of the step before the optimizer applies it: a peer lost
+    # during one leaves no rank with a step half applied (the Session's
+    # pre-hook of `opt.step()` is then the last collective before any change)
+    applied = torch.bincount(indices, minlength=NUM_COUNTED).to(torch.float64)
+    if last:
+        dp_sum(applied, mesh)
+    total = torch.tensor([float(sum(l.item() for l in losses))])
+    dist.all_reduce(total)  # the last stage's losses over every dp rank
     opt.step()
     opt.zero_grad()
     if last:
-        applied = torch.bincount(indices, minlength=NUM_COUNTED).to(torch.float64)
-        dp_sum(applied, mesh)
         with torch.no_grad():
             model.counter.weight.add_(applied)
-    total = torch.tensor([float(sum(l.item() for l in losses))])
-    dist.all_reduce(total)  # the last stage's losses over every dp rank
     return total.item()
 
 
