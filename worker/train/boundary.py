@@ -1,7 +1,7 @@
 """The step-boundary agreement: each step's vote travels in the next step's
-DDP gradient all-reduce, or in a pipeline's next optimizer step's wait for
-the world, or in one small MAX all-reduce of its own, overlapped with the
-next step's compute.
+DDP gradient all-reduce, or in a sharded layout's next optimizer step's
+wait for the world, or in one small MAX all-reduce of its own, overlapped
+with the next step's compute.
 
 At the end of every step each rank contributes a `Vote`: the newest
 generation it has seen, whether its node is draining, whether its agent was
@@ -42,16 +42,17 @@ all-reduce (``no_sync``, an evaluation step) leaves its vote pending, and the
 next boundary all-reduces it by itself, on every rank alike (DDP runs the
 same buckets on every rank, or hangs).
 
-Carried by a pipeline's optimizer step (`Generation` with pp > 1): before a
-stage applies a step, every rank must have reached that step (its backward
-and its dp gradient reduction done), or a stage whose dp ranks finished
-stepped while another stage broke on a dead peer, and the survivors held
-stages of different steps. That takes an all-reduce over the world at every
+Carried by the optimizer step of a layout whose ranks hold different pieces
+of the state (`Generation` with pp, shard, tp or ep > 1: `MeshLayout.holds_pieces`):
+before a rank applies a step, every rank must have reached that step (its
+backward and its gradient reductions done), or a piece whose ranks finished
+stepped while another broke on a dead peer, and the survivors held pieces of
+different steps. That takes an all-reduce over the world at every
 optimizer step, waited for before the step is applied (`reach`, an
 optimizer step pre-hook), and the step's vote rides it: the vote of step k,
 sent after step k's optimizer step, stays pending until step k+1's pre-hook
 all-reduces it (the agreement is read at the end of step k+1, as above), so
-a pipeline's step makes one collective of the boundary's, not two. The
+such a step makes one collective of the boundary's, not two. The
 order keeps the guarantee: no rank returns from step k+1's pre-hook before
 every rank has entered it, whatever vote rides along (the generation's first
 step, and a step whose vote `vote_now` already agreed, all-reduce an empty
@@ -61,7 +62,7 @@ boundary, which all-reduces it by itself.
 Failure semantics: a peer that died makes `wait` raise what the collective
 raises (a connection reset at once, a timeout after the group's collective
 timeout), at the boundary of the step after the one the vote belongs to (a
-pipeline: in the next optimizer step's pre-hook, which then applies
+sharded layout: in the next optimizer step's pre-hook, which then applies
 nothing); ``with gen:`` takes it for a membership change. `abandon` drops a vote in
 flight without waiting (the group is being torn down).
 """
@@ -116,8 +117,8 @@ class StepBoundary:
         """Set by `Generation.ddp`: votes wait for the next all-reduce of the DDP
         wrapper over this group to carry them (`carry`)."""
         self.carried_by_step = False
-        """Set by `Generation` for a pipeline: votes wait for the next optimizer
-        step's pre-hook all-reduce to carry them (`reach`)."""
+        """Set by `Generation` for a layout holding pieces: votes wait for the
+        next optimizer step's pre-hook all-reduce to carry them (`reach`)."""
         self._in_flight: tuple[Vote, torch.Tensor, dist.Work] | None = None
         self._pending: Vote | None = None  # for the next DDP all-reduce or `reach` to carry
         self._carried: tuple[Vote, torch.Tensor, torch.futures.Future, int] | None = None
@@ -152,10 +153,10 @@ class StepBoundary:
         """The optimizer step pre-hook of a layout whose ranks hold different
         pieces of the state (pipeline stages, shards, TP slices, expert
         groups): an all-reduce over the generation's world, waited for before
-        the step is applied (up to the collective timeout), carrying the pending vote (the previous step's;
-        an empty one when there is none). Returns once every rank has reached
-        its optimizer step; the next `vote`, `vote_now` or `settle` returns
-        the carried vote's agreement. Raises what the collective raised (a
+        the step is applied (up to the collective timeout), carrying the
+        pending vote (the previous step's; an empty one when there is none).
+        Returns once every rank has reached its optimizer step; the next
+        `vote`, `vote_now` or `settle` returns the carried vote's agreement. Raises what the collective raised (a
         peer lost before reaching the step: the optimizer applies nothing)."""
         vote, self._pending = self._pending, None
         if vote is not None:

@@ -415,8 +415,8 @@ class Generation:
         leave_group()
 
     def _abandon_in_flight(self) -> None:
-        """Drops the vote and peer copies in flight, and a pipeline's step
-        pre-hook (its all-reduce is over this generation's group)."""
+        """Drops the vote and peer copies in flight, and a sharded layout's
+        optimizer step pre-hook (its all-reduce is over this generation's group)."""
         if self._step_hook is not None:
             self._step_hook.remove()
         self._boundary.abandon()
