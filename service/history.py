@@ -42,6 +42,7 @@ KIND_PRECEDENCE: tuple[js.ChangeKind, ...] = (
     js.CHANGE_KIND_CONTROL,
     js.CHANGE_KIND_RANK_FAILURE,
     js.CHANGE_KIND_NODE_LOST,
+    js.CHANGE_KIND_PREEMPTED,
     js.CHANGE_KIND_DRAIN,
     js.CHANGE_KIND_LEAVE,
     js.CHANGE_KIND_JOIN,
@@ -54,12 +55,14 @@ KIND_PRECEDENCE: tuple[js.ChangeKind, ...] = (
 wins: a change's own kind and the departures folded into it (a member lost
 while a report was planned, a loss and a join in one reconcile pass). A
 failure outranks a planned departure, which outranks a join, so the failure
-counting and the checkpoint interval see the worst thing that happened."""
+counting and the checkpoint interval see the worst thing that happened; a
+preemption outranks a plain drain or leave (it says why the node went)."""
 
 FAILURE_KINDS = {
     js.CHANGE_KIND_NODE_LOST: "node_lost",
     js.CHANGE_KIND_RANK_FAILURE: "rank_failure",
     js.CHANGE_KIND_DRAIN: "drain",
+    js.CHANGE_KIND_PREEMPTED: "preempted",
 }
 """Change kinds counted as failures (`springback_job_failures_total{kind}`)."""
 

@@ -176,8 +176,10 @@ class Membership:
         self.coordinator.remember_lease(found.id, entry.lease_id)
         return found, entry.lease_id
 
-    def leave(self, job_id: str, member_id: str, reason: str) -> None:
-        """Removes the member and replans. Idempotent: leaving twice is fine."""
+    def leave(self, job_id: str, member_id: str, reason: str, preempted: bool = False) -> None:
+        """Removes the member and replans, recorded as a leave, or as a
+        preemption when `preempted` (the end of a preempted member's drain).
+        Idempotent: leaving twice is fine."""
         coordinator = self.coordinator
         coordinator.require_leader()
         entry = coordinator.store.get(keys.member(job_id, member_id))
@@ -185,18 +187,22 @@ class Membership:
         if entry is None:
             return
         left = f"{member_id} left: {reason or 'no reason given'}"
-        coordinator.note_departure(job_id, member_id, left, js.CHANGE_KIND_LEAVE)
+        kind = js.CHANGE_KIND_PREEMPTED if preempted else js.CHANGE_KIND_LEAVE
+        coordinator.note_departure(job_id, member_id, left, kind)
         coordinator.store.revoke_lease(entry.lease_id)  # deletes the key with it
-        coordinator.change_with_retry(job_id, left, kind=js.CHANGE_KIND_LEAVE)
+        coordinator.change_with_retry(job_id, left, kind=kind)
 
-    def drain(self, job_id: str, member_id: str, reason: str) -> bool:
+    def drain(self, job_id: str, member_id: str, reason: str, preempted: bool = False) -> bool:
         """Announces that a member is leaving soon (preemption, SIGTERM).
 
         When other members will still hold the state, or this one holds none
         (its ranks never proved any), the member is marked draining and a
         generation without it is made at once: returns False (no checkpoint
         needed). When it is the last proven holder, nothing changes and True
-        is returned: the member must checkpoint, then leave.
+        is returned: the member must checkpoint, then leave. The generation
+        is recorded as a drain, or as a preemption when `preempted` (the
+        scheduler takes the node back; the member says so, its reason's text
+        never decides it).
         """
         coordinator = self.coordinator
         coordinator.require_leader()
@@ -220,7 +226,8 @@ class Membership:
 
         coordinator.change_with_retry(
             job_id, f"{member_id} draining: {reason or 'no reason given'}",
-            kind=js.CHANGE_KIND_DRAIN, extra_ops=mark_draining, draining={member_id},
+            kind=js.CHANGE_KIND_PREEMPTED if preempted else js.CHANGE_KIND_DRAIN,
+            extra_ops=mark_draining, draining={member_id},
         )
         return False
 

@@ -255,14 +255,16 @@ class WorkerServicer(ws_grpc.WorkerServiceServicer):
 
     @_handle
     def LeaveJob(self, request: ws.LeaveJobRequest, context: grpc.ServicerContext) -> ws.LeaveJobResponse:
-        self.membership.leave(request.job_id, request.member_id, member_text(request.reason))
+        self.membership.leave(request.job_id, request.member_id, member_text(request.reason),
+                              preempted=request.preempted)
         return ws.LeaveJobResponse()
 
     @_handle
     def DrainMember(self, request: ws.DrainMemberRequest,
                     context: grpc.ServicerContext) -> ws.DrainMemberResponse:
         checkpoint = self.membership.drain(request.job_id, request.member_id,
-                                           member_text(request.reason))
+                                           member_text(request.reason),
+                                           preempted=request.preempted)
         return ws.DrainMemberResponse(checkpoint=checkpoint)
 
     async def WatchPlans(self, request: ws.WatchPlansRequest,

@@ -87,3 +87,20 @@ class TestAMembersWordsDoNotDecideTheKind:
         left = _newest(client, job_id)
         assert left.generation > drained.generation and a not in left.members, left
         assert left.kind == js.CHANGE_KIND_LEAVE, left
+
+    def test_a_preempted_drain_and_leave_record_a_preemption_not_a_failure(
+            self, coordinator, client, workers, make_spec):
+        """What an agent sends when Slurm's SIGTERM (or a preemption notice)
+        drains it: the kind comes from the flag, whatever the reason says."""
+        job_id, a, b, generation = _running(coordinator, client, workers, make_spec, 9331)
+        workers.DrainMember(ws.DrainMemberRequest(
+            job_id=job_id, member_id=b, reason="lost m-9 (liveness timeout)", preempted=True),
+            timeout=10)
+        drained = _newest(client, job_id, generation + 1)
+        assert drained.kind == js.CHANGE_KIND_PREEMPTED, drained
+        assert drained.checkpoint_interval.failures == 0, drained  # planned, not a failure
+        workers.LeaveJob(ws.LeaveJobRequest(
+            job_id=job_id, member_id=a, reason="drained", preempted=True), timeout=10)
+        left = _newest(client, job_id)
+        assert left.generation > drained.generation and a not in left.members, left
+        assert left.kind == js.CHANGE_KIND_PREEMPTED, left

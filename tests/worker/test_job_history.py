@@ -152,6 +152,11 @@ class TestHistoryRecords:
          js.CHANGE_KIND_RANK_FAILURE),
         ({js.CHANGE_KIND_DRAIN, js.CHANGE_KIND_LEAVE}, pb.JOB_STATE_RUNNING,
          js.CHANGE_KIND_DRAIN),
+        # a preemption says why the node went; a lost node is still the worse
+        ({js.CHANGE_KIND_DRAIN, js.CHANGE_KIND_PREEMPTED, js.CHANGE_KIND_LEAVE},
+         pb.JOB_STATE_RUNNING, js.CHANGE_KIND_PREEMPTED),
+        ({js.CHANGE_KIND_PREEMPTED, js.CHANGE_KIND_NODE_LOST}, pb.JOB_STATE_RUNNING,
+         js.CHANGE_KIND_NODE_LOST),
         ({js.CHANGE_KIND_CONTROL, js.CHANGE_KIND_LEAVE}, pb.JOB_STATE_PAUSED,
          js.CHANGE_KIND_CONTROL),
         # an ended job records its end, whatever ended it

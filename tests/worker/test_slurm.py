@@ -1,15 +1,17 @@
 """`springback run` under Slurm: the task an agent learns from ``SLURM_*``
 (`worker/agent/slurm.py`), and a job over three nodes of a real Slurm
 (tests/slurmcluster.py: slurmctld and three ``slurmd -N``) that loses one node
-to an admin's ``scontrol update state=down``, or has one node's step signalled
-with SIGTERM (a cancel's or a preemption's first signal, which reaches the
-ranks too), and still ends exactly once.
+to an admin's ``scontrol update state=down`` (``node_lost`` in the job's
+events), or has one node's step signalled with SIGTERM (a cancel's or a
+preemption's first signal, which reaches the ranks too: ``preempted``), and
+still ends exactly once.
 
 The real-Slurm test is marked ``slurm`` and left out of the default run
 (``bash deploy/local/test.sh -m slurm`` runs it)."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -108,6 +110,19 @@ def _srun_agents(slurm_cluster: SlurmCluster, root: Path, job_id: str, coordinat
         stderr=subprocess.STDOUT)
 
 
+def _departure(coordinator: str, job_id: str, member: str) -> tuple[str, str]:
+    """The kind and reason of the generation that left `member` out after it
+    had trained, as ``springback job events --json`` prints them."""
+    out = subprocess.run([sys.executable, "-m", "springback.cli", "--coordinator", coordinator,
+                          "--json", "job", "events", job_id],
+                         capture_output=True, text=True, timeout=60, check=False)
+    assert out.returncode == 0, out.stderr
+    generations = json.loads(out.stdout)["generations"]
+    was_in = next(i for i, g in enumerate(generations) if member in g["members"])
+    left = next(g for g in generations[was_in:] if member not in g["members"])
+    return left["kind"], left["reason"]
+
+
 def _audit(root: Path) -> None:
     """The exactly-once audits of a job that ran `MAX_STEPS` steps."""
     applied = check_applied(root / "audit", num_samples=NUM_SAMPLES, global_batch_size=BATCH,
@@ -182,6 +197,8 @@ class TestUnderSlurm:
             wait_for(lambda: any(r["world_size"] == 3 and r["step"] >= 10
                                  for r in steps(tmp_path)), 90, "world size 3 at step 10")
             assert set(client.get_job(created.id).status.members) == expected
+            lost = _member_id(created.id, slurm.SlurmTask(
+                job_id=slurm_job, step_id="0", node_name="node3").join_token(0))
             logs = "".join(p.read_text(errors="replace") for p in tmp_path.glob("agent-*.log"))
             assert logs.count("running under Slurm") == 3, logs
             before = max(r["step"] for r in steps(tmp_path))
@@ -192,6 +209,8 @@ class TestUnderSlurm:
                            and j, 120, "the job to end")
             assert job.status.state == pb.JOB_STATE_SUCCEEDED, job.status.message
             assert job.status.step == MAX_STEPS
+            kind, reason = _departure(coordinator_address, created.id, lost)
+            assert kind == "node_lost", (kind, reason)  # a failure, not a preemption
             srun.wait(timeout=60)  # every agent ended: the ranks wrote their audit
             for node in ("node1", "node2"):  # the survivors ended as agents do
                 assert "all local ranks finished" in _agent_log(tmp_path, node)
@@ -215,7 +234,8 @@ class TestUnderSlurm:
             self, slurm_cluster, client, coordinator_address, tmp_path):
         """``scancel --signal=TERM JOB.STEP`` (what a preemption or a cancel
         sends first) reaches the agent and its ranks alike: the agent drains
-        (its reason names Slurm, the step, the node and the signal), its ranks
+        (its reason names Slurm, the step, the node and the signal; the job's
+        events record the departure as ``preempted``), its ranks
         leave at a step boundary instead of dying of the SIGTERM (no failure
         reported), and the other two nodes finish the job exactly once."""
         created = client.create_job(SPEC)
@@ -239,6 +259,10 @@ class TestUnderSlurm:
             reason = (f"draining: Slurm sent SIGTERM to job {on_node['node3']} step 0 "
                       "on node node3")
             assert any(reason in e.reason for e in events), [e.reason for e in events]
+            drained_member = _member_id(created.id, slurm.SlurmTask(
+                job_id=on_node["node3"], step_id="0", node_name="node3").join_token(0))
+            kind, why = _departure(coordinator_address, created.id, drained_member)
+            assert kind == "preempted" and reason in why, (kind, why)
             for srun in sruns.values():  # every agent ended: the ranks wrote their audit
                 srun.wait(timeout=60)
             assert sruns["node3"].returncode == 0  # a drain, not a failure

@@ -110,8 +110,11 @@ def _run_agent(config: AgentConfig, drained_exit_code: int = EXIT_OK) -> int:
     log.info("mode %s: %s", config.mode, " ".join(config.command))
 
     def on_signal(signum: int, _frame: object) -> None:
+        # Under Slurm a SIGTERM is the scheduler taking the node (a preemption,
+        # scancel, the time limit); elsewhere, or a SIGINT, an operator's drain.
         agent.request_drain(slurm.signal_reason(config.slurm, signum) if config.slurm
-                            else f"signal {signal.Signals(signum).name}")
+                            else f"signal {signal.Signals(signum).name}",
+                            preempted=config.slurm is not None and signum == signal.SIGTERM)
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)

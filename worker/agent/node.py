@@ -26,6 +26,8 @@ Failure semantics:
   whose SIGTERM (``scancel``, a preemption) reaches the ranks too, library-mode
   ranks ignore SIGTERM (`ranks.py`), so the drain reaches them intact; the drain's
   reason names the Slurm job, step, node and signal (`slurm.signal_reason`).
+  Slurm's SIGTERM and a preemption notice mark the drain *preempted*
+  (DrainMember and LeaveJob say so): the job's events record ``preempted``.
 * Heartbeat or plan stream answering NOT_FOUND means the member expired (the
   node was stopped or partitioned longer than the liveness timeout) and is
   *fenced*; UNAUTHENTICATED, that the coordinator revoked its member credential
@@ -109,6 +111,7 @@ class Agent:
             RendezvousStore() if config.mode == "restart" else StoreSocket())
         self._workdir = tempfile.mkdtemp(prefix=f"springback-agent-{config.job_id}-")
         self._drain_reason: str | None = None
+        self._drain_preempted = False  # the scheduler takes the node back (see request_drain)
         self._lock = threading.Lock()
         self._plan: pb.Plan | None = None
         self._fenced = threading.Event()
@@ -333,9 +336,13 @@ class Agent:
 
     # -- main loop -------------------------------------------------------------
 
-    def request_drain(self, reason: str) -> None:
-        """Starts a drain (idempotent; safe from a signal handler)."""
+    def request_drain(self, reason: str, *, preempted: bool = False) -> None:
+        """Starts a drain (idempotent: the first request wins; safe from a
+        signal handler). `preempted`: the scheduler is taking the node back
+        (Slurm's SIGTERM, a preemption notice), so the job's events record
+        the member's departure as ``preempted`` rather than ``drain``."""
         if self._drain_reason is None:
+            self._drain_preempted = preempted
             self._drain_reason = reason
 
     def run(self) -> int:
@@ -392,7 +399,7 @@ class Agent:
                 for source in self.config.preemption:
                     reason = source.poll()
                     if reason:
-                        self.request_drain(reason)
+                        self.request_drain(reason, preempted=True)
                         break
             if self._drain_reason is not None:
                 return self._drain()
@@ -458,7 +465,7 @@ class Agent:
         if not self._ran:
             log.warning("this node never trained: stopping its ranks at once")
             self._kill_ranks()
-            self._leave(reason)
+            self._leave(reason, preempted=self._drain_preempted)
             return EXIT_OK
         deadline = time.monotonic() + self.config.drain_timeout_s
         # Before DrainMember: the plan that leaves this node out may arrive at
@@ -467,8 +474,8 @@ class Agent:
         self._publisher.request_drain()
         try:
             resp = self._stub.DrainMember(wpb.DrainMemberRequest(
-                job_id=self.config.job_id, member_id=self.member.id, reason=reason),
-                timeout=RPC_TIMEOUT_S)
+                job_id=self.config.job_id, member_id=self.member.id, reason=reason,
+                preempted=self._drain_preempted), timeout=RPC_TIMEOUT_S)
             if resp.checkpoint:
                 log.warning("coordinator asks for a drain checkpoint (no survivor holds "
                             "the state); the ranks write it, then stop")
@@ -492,15 +499,16 @@ class Agent:
                             "(exit status; None: still running, killed now): %s",
                             {lr: c for lr, c in codes.items() if c != 0})
         self._kill_ranks()
-        self._leave(reason)
+        self._leave(reason, preempted=self._drain_preempted)
         log.info("drained")
         return EXIT_OK
 
-    def _leave(self, reason: str) -> None:
+    def _leave(self, reason: str, *, preempted: bool = False) -> None:
         assert self.member is not None
         try:
             self._stub.LeaveJob(wpb.LeaveJobRequest(job_id=self.config.job_id,
-                                                    member_id=self.member.id, reason=reason),
+                                                    member_id=self.member.id, reason=reason,
+                                                    preempted=preempted),
                                 timeout=RPC_TIMEOUT_S)
         except grpc.RpcError as e:
             log.warning("LeaveJob failed (%s): the member expires by itself", e.code().name)

@@ -21,14 +21,16 @@ on ``scancel`` or on a preemption (``PreemptMode=REQUEUE`` / ``CANCEL``,
 then SIGKILL after ``GraceTime``) makes the agent drain its node
 (DrainMember, a drain checkpoint when no survivor holds the state, LeaveJob),
 with a reason naming Slurm, the job step, the node and the signal
-(`signal_reason`: the job's events show it). Slurm signals every process of
+(`signal_reason`: the job's events show it), marked *preempted*: the
+coordinator records the departure as ``preempted``, not ``drain`` (a SIGINT
+stays a drain). Slurm signals every process of
 the step, the ranks too: under Slurm they ignore SIGTERM (`ranks.py`), so
 they finish their step and leave at the boundary of the plan without this
 node instead of dying mid-step; Slurm's SIGKILL still ends them.
 A node set DOWN or lost takes its task with SIGKILL: with ``srun --no-kill``
-the other tasks run on and the coordinator replans around the lost member.
-Telling a preemption apart from a node failure in the job's events, and
-keeping the job at size, are not built yet (docs/slurm.md).
+the other tasks run on and the coordinator replans around the lost member,
+recorded as ``node_lost``. Keeping the job at size is not built yet
+(docs/slurm.md).
 """
 
 from __future__ import annotations

@@ -25,6 +25,7 @@ class ChangeKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CHANGE_KIND_FINISH: _ClassVar[ChangeKind]
     CHANGE_KIND_OTHER: _ClassVar[ChangeKind]
     CHANGE_KIND_CONTROL: _ClassVar[ChangeKind]
+    CHANGE_KIND_PREEMPTED: _ClassVar[ChangeKind]
 CHANGE_KIND_UNSPECIFIED: ChangeKind
 CHANGE_KIND_START: ChangeKind
 CHANGE_KIND_JOIN: ChangeKind
@@ -36,6 +37,7 @@ CHANGE_KIND_OPERATOR: ChangeKind
 CHANGE_KIND_FINISH: ChangeKind
 CHANGE_KIND_OTHER: ChangeKind
 CHANGE_KIND_CONTROL: ChangeKind
+CHANGE_KIND_PREEMPTED: ChangeKind
 
 class GenerationEvent(_message.Message):
     __slots__ = ("generation", "created_at", "reason", "kind", "action", "world_size", "members", "restore", "start_step", "steps_redone", "recovery", "first_step_at", "state_lost", "steps_lost", "checkpoint_interval", "started_at", "last_step_at", "startup_s", "rendezvous_s", "transfer_s", "checkpoint_stall_s", "step_s", "spares", "step_p50_s", "step_p90_s", "step_p99_s")

@@ -26,7 +26,7 @@ from google.protobuf import duration_pb2 as google_dot_protobuf_dot_duration__pb
 from springback.v1 import types_pb2 as springback_dot_v1_dot_types__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"springback/v1/worker_service.proto\x12\rspringback.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x19springback/v1/types.proto\"t\n\x0eJoinJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04host\x18\x02 \x01(\t\x12\x17\n\x0frendezvous_port\x18\x03 \x01(\r\x12\x17\n\x0fnum_local_ranks\x18\x04 \x01(\r\x12\x12\n\njoin_token\x18\x05 \x01(\t\"\xbf\x01\n\x0fJoinJobResponse\x12%\n\x06member\x18\x01 \x01(\x0b\x32\x15.springback.v1.Member\x12\x33\n\x10liveness_timeout\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x35\n\x12heartbeat_interval\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x19\n\x11member_credential\x18\x04 \x01(\t\"5\n\x10HeartbeatRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tmember_id\x18\x02 \x01(\t\"^\n\x11HeartbeatResponse\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x35\n\x12heartbeat_interval\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\"D\n\x0fLeaveJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tmember_id\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\x12\n\x10LeaveJobResponse\"G\n\x12\x44rainMemberRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tmember_id\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\")\n\x13\x44rainMemberResponse\x12\x12\n\ncheckpoint\x18\x01 \x01(\x08\"6\n\x11WatchPlansRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tmember_id\x18\x02 \x01(\t\"7\n\x12WatchPlansResponse\x12!\n\x04plan\x18\x01 \x01(\x0b\x32\x13.springback.v1.Plan\"\xc3\x03\n\x11ReportStepRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tmember_id\x18\x02 \x01(\t\x12\x12\n\ngeneration\x18\x03 \x01(\x04\x12\x0c\n\x04step\x18\x04 \x01(\x04\x12\x18\n\x10samples_consumed\x18\x05 \x01(\x04\x12\x0c\n\x04loss\x18\x06 \x01(\x01\x12)\n\x06\x63ursor\x18\x07 \x01(\x0b\x32\x19.springback.v1.DataCursor\x12\x18\n\x10generation_start\x18\x14 \x01(\x08\x12\x31\n\rrestored_from\x18\x15 \x01(\x0e\x32\x1a.springback.v1.RestoreKind\x12\x12\n\nstate_lost\x18\x16 \x01(\t\x12\x1a\n\x12\x63heckpoint_stall_s\x18\x1e \x01(\x01\x12\x11\n\tstartup_s\x18\x1f \x01(\x01\x12\x14\n\x0crendezvous_s\x18  \x01(\x01\x12\x12\n\ntransfer_s\x18! \x01(\x01\x12 \n\x18\x63heckpoint_stall_total_s\x18\" \x01(\x01\x12\x12\n\nstep_p50_s\x18# \x01(\x01\x12\x12\n\nstep_p90_s\x18$ \x01(\x01\x12\x12\n\nstep_p99_s\x18% \x01(\x01\"(\n\x12ReportStepResponse\x12\x12\n\ngeneration\x18\x01 \x01(\x04\"\xe0\x01\n\x14ReportFailureRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tmember_id\x18\x02 \x01(\t\x12\x12\n\ngeneration\x18\x03 \x01(\x04\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x12\n\nstate_kept\x18< \x01(\x08\x12\x11\n\tlost_peer\x18+ \x01(\x08\x12\x11\n\tlost_rank\x18) \x01(\r\x12\x11\n\tjob_fatal\x18* \x01(\x08\x12\x1b\n\x13storage_unavailable\x18, \x01(\x08\x12\x11\n\tjob_pause\x18- \x01(\x08J\x04\x08(\x10)\"+\n\x15ReportFailureResponse\x12\x12\n\ngeneration\x18\x01 \x01(\x04\"\x82\x01\n\x17\x43ommitCheckpointRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tmember_id\x18\x02 \x01(\t\x12\x12\n\ngeneration\x18\x03 \x01(\x04\x12\x30\n\ncheckpoint\x18\x04 \x01(\x0b\x32\x1c.springback.v1.CheckpointRef\"Y\n\x18\x43ommitCheckpointResponse\x12.\n\x08retained\x18\x02 \x03(\x0b\x32\x1c.springback.v1.CheckpointRefJ\x04\x08\x01\x10\x02R\x07retired\"d\n\x1cReportCheckpointErrorRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tmember_id\x18\x02 \x01(\t\x12\x12\n\ngeneration\x18\x03 \x01(\x04\x12\r\n\x05\x65rror\x18\x04 \x01(\t\"\x1f\n\x1dReportCheckpointErrorResponse\"i\n\x0ePlanStreamNote\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tmember_id\x18\x02 \x01(\t\x12\x11\n\tstream_id\x18\x03 \x01(\t\x12\x0e\n\x06opened\x18\x04 \x01(\x08\x12\x11\n\tby_client\x18\x05 \x01(\x08\"Y\n\x18ReportPlanStreamsRequest\x12\x0f\n\x07replica\x18\x01 \x01(\t\x12,\n\x05notes\x18\x02 \x03(\x0b\x32\x1d.springback.v1.PlanStreamNote\"\x1b\n\x19ReportPlanStreamsResponse2\x91\x07\n\rWorkerService\x12H\n\x07JoinJob\x12\x1d.springback.v1.JoinJobRequest\x1a\x1e.springback.v1.JoinJobResponse\x12N\n\tHeartbeat\x12\x1f.springback.v1.HeartbeatRequest\x1a .springback.v1.HeartbeatResponse\x12K\n\x08LeaveJob\x12\x1e.springback.v1.LeaveJobRequest\x1a\x1f.springback.v1.LeaveJobResponse\x12T\n\x0b\x44rainMember\x12!.springback.v1.DrainMemberRequest\x1a\".springback.v1.DrainMemberResponse\x12S\n\nWatchPlans\x12 .springback.v1.WatchPlansRequest\x1a!.springback.v1.WatchPlansResponse0\x01\x12Q\n\nReportStep\x12 .springback.v1.ReportStepRequest\x1a!.springback.v1.ReportStepResponse\x12Z\n\rReportFailure\x12#.springback.v1.ReportFailureRequest\x1a$.springback.v1.ReportFailureResponse\x12\x63\n\x10\x43ommitCheckpoint\x12&.springback.v1.CommitCheckpointRequest\x1a\'.springback.v1.CommitCheckpointResponse\x12r\n\x15ReportCheckpointError\x12+.springback.v1.ReportCheckpointErrorRequest\x1a,.springback.v1.ReportCheckpointErrorResponse\x12\x66\n\x11ReportPlanStreams\x12\'.springback.v1.ReportPlanStreamsRequest\x1a(.springback.v1.ReportPlanStreamsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"springback/v1/worker_service.proto\x12\rspringback.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x19springback/v1/types.proto\"t\n\x0eJoinJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04host\x18\x02 \x01(\t\x12\x17\n\x0frendezvous_port\x18\x03 \x01(\r\x12\x17\n\x0fnum_local_ranks\x18\x04 \x01(\r\x12\x12\n\njoin_token\x18\x05 \x01(\t\"\xbf\x01\n\x0fJoinJobResponse\x12%\n\x06member\x18\x01 \x01(\x0b\x32\x15.springback.v1.Member\x12\x33\n\x10liveness_timeout\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x35\n\x12heartbeat_interval\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x19\n\x11member_credential\x18\x04 \x01(\t\"5\n\x10HeartbeatRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tmember_id\x18\x02 \x01(\t\"^\n\x11HeartbeatResponse\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x35\n\x12heartbeat_interval\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\"W\n\x0fLeaveJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tmember_id\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x11\n\tpreempted\x18\x04 \x01(\x08\"\x12\n\x10LeaveJobResponse\"Z\n\x12\x44rainMemberRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tmember_id\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x11\n\tpreempted\x18\x04 \x01(\x08\")\n\x13\x44rainMemberResponse\x12\x12\n\ncheckpoint\x18\x01 \x01(\x08\"6\n\x11WatchPlansRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tmember_id\x18\x02 \x01(\t\"7\n\x12WatchPlansResponse\x12!\n\x04plan\x18\x01 \x01(\x0b\x32\x13.springback.v1.Plan\"\xc3\x03\n\x11ReportStepRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tmember_id\x18\x02 \x01(\t\x12\x12\n\ngeneration\x18\x03 \x01(\x04\x12\x0c\n\x04step\x18\x04 \x01(\x04\x12\x18\n\x10samples_consumed\x18\x05 \x01(\x04\x12\x0c\n\x04loss\x18\x06 \x01(\x01\x12)\n\x06\x63ursor\x18\x07 \x01(\x0b\x32\x19.springback.v1.DataCursor\x12\x18\n\x10generation_start\x18\x14 \x01(\x08\x12\x31\n\rrestored_from\x18\x15 \x01(\x0e\x32\x1a.springback.v1.RestoreKind\x12\x12\n\nstate_lost\x18\x16 \x01(\t\x12\x1a\n\x12\x63heckpoint_stall_s\x18\x1e \x01(\x01\x12\x11\n\tstartup_s\x18\x1f \x01(\x01\x12\x14\n\x0crendezvous_s\x18  \x01(\x01\x12\x12\n\ntransfer_s\x18! \x01(\x01\x12 \n\x18\x63heckpoint_stall_total_s\x18\" \x01(\x01\x12\x12\n\nstep_p50_s\x18# \x01(\x01\x12\x12\n\nstep_p90_s\x18$ \x01(\x01\x12\x12\n\nstep_p99_s\x18% \x01(\x01\"(\n\x12ReportStepResponse\x12\x12\n\ngeneration\x18\x01 \x01(\x04\"\xe0\x01\n\x14ReportFailureRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tmember_id\x18\x02 \x01(\t\x12\x12\n\ngeneration\x18\x03 \x01(\x04\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x12\n\nstate_kept\x18< \x01(\x08\x12\x11\n\tlost_peer\x18+ \x01(\x08\x12\x11\n\tlost_rank\x18) \x01(\r\x12\x11\n\tjob_fatal\x18* \x01(\x08\x12\x1b\n\x13storage_unavailable\x18, \x01(\x08\x12\x11\n\tjob_pause\x18- \x01(\x08J\x04\x08(\x10)\"+\n\x15ReportFailureResponse\x12\x12\n\ngeneration\x18\x01 \x01(\x04\"\x82\x01\n\x17\x43ommitCheckpointRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tmember_id\x18\x02 \x01(\t\x12\x12\n\ngeneration\x18\x03 \x01(\x04\x12\x30\n\ncheckpoint\x18\x04 \x01(\x0b\x32\x1c.springback.v1.CheckpointRef\"Y\n\x18\x43ommitCheckpointResponse\x12.\n\x08retained\x18\x02 \x03(\x0b\x32\x1c.springback.v1.CheckpointRefJ\x04\x08\x01\x10\x02R\x07retired\"d\n\x1cReportCheckpointErrorRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tmember_id\x18\x02 \x01(\t\x12\x12\n\ngeneration\x18\x03 \x01(\x04\x12\r\n\x05\x65rror\x18\x04 \x01(\t\"\x1f\n\x1dReportCheckpointErrorResponse\"i\n\x0ePlanStreamNote\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tmember_id\x18\x02 \x01(\t\x12\x11\n\tstream_id\x18\x03 \x01(\t\x12\x0e\n\x06opened\x18\x04 \x01(\x08\x12\x11\n\tby_client\x18\x05 \x01(\x08\"Y\n\x18ReportPlanStreamsRequest\x12\x0f\n\x07replica\x18\x01 \x01(\t\x12,\n\x05notes\x18\x02 \x03(\x0b\x32\x1d.springback.v1.PlanStreamNote\"\x1b\n\x19ReportPlanStreamsResponse2\x91\x07\n\rWorkerService\x12H\n\x07JoinJob\x12\x1d.springback.v1.JoinJobRequest\x1a\x1e.springback.v1.JoinJobResponse\x12N\n\tHeartbeat\x12\x1f.springback.v1.HeartbeatRequest\x1a .springback.v1.HeartbeatResponse\x12K\n\x08LeaveJob\x12\x1e.springback.v1.LeaveJobRequest\x1a\x1f.springback.v1.LeaveJobResponse\x12T\n\x0b\x44rainMember\x12!.springback.v1.DrainMemberRequest\x1a\".springback.v1.DrainMemberResponse\x12S\n\nWatchPlans\x12 .springback.v1.WatchPlansRequest\x1a!.springback.v1.WatchPlansResponse0\x01\x12Q\n\nReportStep\x12 .springback.v1.ReportStepRequest\x1a!.springback.v1.ReportStepResponse\x12Z\n\rReportFailure\x12#.springback.v1.ReportFailureRequest\x1a$.springback.v1.ReportFailureResponse\x12\x63\n\x10\x43ommitCheckpoint\x12&.springback.v1.CommitCheckpointRequest\x1a\'.springback.v1.CommitCheckpointResponse\x12r\n\x15ReportCheckpointError\x12+.springback.v1.ReportCheckpointErrorRequest\x1a,.springback.v1.ReportCheckpointErrorResponse\x12\x66\n\x11ReportPlanStreams\x12\'.springback.v1.ReportPlanStreamsRequest\x1a(.springback.v1.ReportPlanStreamsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -42,39 +42,39 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_HEARTBEATRESPONSE']._serialized_start=479
   _globals['_HEARTBEATRESPONSE']._serialized_end=573
   _globals['_LEAVEJOBREQUEST']._serialized_start=575
-  _globals['_LEAVEJOBREQUEST']._serialized_end=643
-  _globals['_LEAVEJOBRESPONSE']._serialized_start=645
-  _globals['_LEAVEJOBRESPONSE']._serialized_end=663
-  _globals['_DRAINMEMBERREQUEST']._serialized_start=665
-  _globals['_DRAINMEMBERREQUEST']._serialized_end=736
-  _globals['_DRAINMEMBERRESPONSE']._serialized_start=738
-  _globals['_DRAINMEMBERRESPONSE']._serialized_end=779
-  _globals['_WATCHPLANSREQUEST']._serialized_start=781
-  _globals['_WATCHPLANSREQUEST']._serialized_end=835
-  _globals['_WATCHPLANSRESPONSE']._serialized_start=837
-  _globals['_WATCHPLANSRESPONSE']._serialized_end=892
-  _globals['_REPORTSTEPREQUEST']._serialized_start=895
-  _globals['_REPORTSTEPREQUEST']._serialized_end=1346
-  _globals['_REPORTSTEPRESPONSE']._serialized_start=1348
-  _globals['_REPORTSTEPRESPONSE']._serialized_end=1388
-  _globals['_REPORTFAILUREREQUEST']._serialized_start=1391
-  _globals['_REPORTFAILUREREQUEST']._serialized_end=1615
-  _globals['_REPORTFAILURERESPONSE']._serialized_start=1617
-  _globals['_REPORTFAILURERESPONSE']._serialized_end=1660
-  _globals['_COMMITCHECKPOINTREQUEST']._serialized_start=1663
-  _globals['_COMMITCHECKPOINTREQUEST']._serialized_end=1793
-  _globals['_COMMITCHECKPOINTRESPONSE']._serialized_start=1795
-  _globals['_COMMITCHECKPOINTRESPONSE']._serialized_end=1884
-  _globals['_REPORTCHECKPOINTERRORREQUEST']._serialized_start=1886
-  _globals['_REPORTCHECKPOINTERRORREQUEST']._serialized_end=1986
-  _globals['_REPORTCHECKPOINTERRORRESPONSE']._serialized_start=1988
-  _globals['_REPORTCHECKPOINTERRORRESPONSE']._serialized_end=2019
-  _globals['_PLANSTREAMNOTE']._serialized_start=2021
-  _globals['_PLANSTREAMNOTE']._serialized_end=2126
-  _globals['_REPORTPLANSTREAMSREQUEST']._serialized_start=2128
-  _globals['_REPORTPLANSTREAMSREQUEST']._serialized_end=2217
-  _globals['_REPORTPLANSTREAMSRESPONSE']._serialized_start=2219
-  _globals['_REPORTPLANSTREAMSRESPONSE']._serialized_end=2246
-  _globals['_WORKERSERVICE']._serialized_start=2249
-  _globals['_WORKERSERVICE']._serialized_end=3162
+  _globals['_LEAVEJOBREQUEST']._serialized_end=662
+  _globals['_LEAVEJOBRESPONSE']._serialized_start=664
+  _globals['_LEAVEJOBRESPONSE']._serialized_end=682
+  _globals['_DRAINMEMBERREQUEST']._serialized_start=684
+  _globals['_DRAINMEMBERREQUEST']._serialized_end=774
+  _globals['_DRAINMEMBERRESPONSE']._serialized_start=776
+  _globals['_DRAINMEMBERRESPONSE']._serialized_end=817
+  _globals['_WATCHPLANSREQUEST']._serialized_start=819
+  _globals['_WATCHPLANSREQUEST']._serialized_end=873
+  _globals['_WATCHPLANSRESPONSE']._serialized_start=875
+  _globals['_WATCHPLANSRESPONSE']._serialized_end=930
+  _globals['_REPORTSTEPREQUEST']._serialized_start=933
+  _globals['_REPORTSTEPREQUEST']._serialized_end=1384
+  _globals['_REPORTSTEPRESPONSE']._serialized_start=1386
+  _globals['_REPORTSTEPRESPONSE']._serialized_end=1426
+  _globals['_REPORTFAILUREREQUEST']._serialized_start=1429
+  _globals['_REPORTFAILUREREQUEST']._serialized_end=1653
+  _globals['_REPORTFAILURERESPONSE']._serialized_start=1655
+  _globals['_REPORTFAILURERESPONSE']._serialized_end=1698
+  _globals['_COMMITCHECKPOINTREQUEST']._serialized_start=1701
+  _globals['_COMMITCHECKPOINTREQUEST']._serialized_end=1831
+  _globals['_COMMITCHECKPOINTRESPONSE']._serialized_start=1833
+  _globals['_COMMITCHECKPOINTRESPONSE']._serialized_end=1922
+  _globals['_REPORTCHECKPOINTERRORREQUEST']._serialized_start=1924
+  _globals['_REPORTCHECKPOINTERRORREQUEST']._serialized_end=2024
+  _globals['_REPORTCHECKPOINTERRORRESPONSE']._serialized_start=2026
+  _globals['_REPORTCHECKPOINTERRORRESPONSE']._serialized_end=2057
+  _globals['_PLANSTREAMNOTE']._serialized_start=2059
+  _globals['_PLANSTREAMNOTE']._serialized_end=2164
+  _globals['_REPORTPLANSTREAMSREQUEST']._serialized_start=2166
+  _globals['_REPORTPLANSTREAMSREQUEST']._serialized_end=2255
+  _globals['_REPORTPLANSTREAMSRESPONSE']._serialized_start=2257
+  _globals['_REPORTPLANSTREAMSRESPONSE']._serialized_end=2284
+  _globals['_WORKERSERVICE']._serialized_start=2287
+  _globals['_WORKERSERVICE']._serialized_end=3200
 # @@protoc_insertion_point(module_scope)

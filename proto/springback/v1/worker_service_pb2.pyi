@@ -53,28 +53,32 @@ class HeartbeatResponse(_message.Message):
     def __init__(self, generation: _Optional[int] = ..., heartbeat_interval: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
 
 class LeaveJobRequest(_message.Message):
-    __slots__ = ("job_id", "member_id", "reason")
+    __slots__ = ("job_id", "member_id", "reason", "preempted")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTED_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     member_id: str
     reason: str
-    def __init__(self, job_id: _Optional[str] = ..., member_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+    preempted: bool
+    def __init__(self, job_id: _Optional[str] = ..., member_id: _Optional[str] = ..., reason: _Optional[str] = ..., preempted: _Optional[bool] = ...) -> None: ...
 
 class LeaveJobResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class DrainMemberRequest(_message.Message):
-    __slots__ = ("job_id", "member_id", "reason")
+    __slots__ = ("job_id", "member_id", "reason", "preempted")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTED_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     member_id: str
     reason: str
-    def __init__(self, job_id: _Optional[str] = ..., member_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+    preempted: bool
+    def __init__(self, job_id: _Optional[str] = ..., member_id: _Optional[str] = ..., reason: _Optional[str] = ..., preempted: _Optional[bool] = ...) -> None: ...
 
 class DrainMemberResponse(_message.Message):
     __slots__ = ("checkpoint",)
