@@ -10,9 +10,10 @@ exp_avg, exp_avg_sq and step are resharded with it.
 
 Every rank appends, to ``<audit>/digest-g<generation>-r<rank>.jsonl``, a
 SHA-256 of the *gathered* full model and optimizer state when a generation
-starts, before every step (the state of the step before: the optimizer
-step stays the last thing of the loop body) and when it ends cleanly, so a test can prove a reshard
-bit-identical. At the end it
+starts and when it ends cleanly, and after every step writes its own pieces
+of the state with no collective (tests/worker/pieces.py), so a test can
+prove a reshard bit-identical with the state an earlier generation held at
+that step, even one a kill interrupted before any gather. At the end it
 writes the gathered counter as ``applied-*.json`` (tests/worker/applied.py).
 
 A ``state=`` entry, `AppliedSteps`, counts the optimizer steps applied; it
@@ -27,7 +28,6 @@ Environment knobs: TINY_STEP_SLEEP_S slows each step; FSDP_BUILD_RAISE=1
 makes the build function raise (a bug in the user's code).
 """
 
-import hashlib
 import json
 import os
 import sys
@@ -42,6 +42,7 @@ from torch.distributed.fsdp import fully_shard
 
 from draws import record_draw
 from pace import StepPace
+from pieces import flat, record_pieces, state_digest
 from springback.worker import Session
 from springback.client.env import AUDIT_DIR
 
@@ -111,26 +112,8 @@ def build(mesh):  # noqa: ANN001, ANN201 - the form a user writes
 
 def digest(model: torch.nn.Module, opt: torch.optim.Optimizer) -> str:
     """Collective: SHA-256 of the gathered full state."""
-    h = hashlib.sha256()
-    for part in (get_model_state_dict(model, options=FULL),
-                 get_optimizer_state_dict(model, opt, options=FULL)):
-        for key, value in sorted(_flat(part).items()):
-            h.update(key.encode())
-            h.update(value.contiguous().numpy().tobytes() if isinstance(value, torch.Tensor)
-                     else repr(value).encode())
-    return h.hexdigest()
-
-
-def _flat(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
-        elif isinstance(v, list):
-            out.update(_flat(dict(enumerate(v)), f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
+    return state_digest({**flat(get_model_state_dict(model, options=FULL)),
+                         **flat(get_optimizer_state_dict(model, opt, options=FULL))})
 
 
 def record(gen, when: str, step: int) -> None:  # noqa: ANN001
@@ -169,7 +152,6 @@ def main() -> int:
             counter = model.counter
             record(gen, "start", session.step)
             for batch in gen.batches():
-                record(gen, "before", batch.step - 1)
                 record_draw(batch.step, gen.generation, gen.rank)
                 if applied.count != batch.step - 1:
                     raise ValueError(f"state= entry at step {applied.count}, shards at step "
@@ -186,6 +168,7 @@ def main() -> int:
                 opt.zero_grad()
                 counter.weight.grad = None
                 applied.count = batch.step
+                record_pieces(gen, batch.step)
                 gen.report(loss=per_sample.mean().item() if len(per_sample) else 0.0)
                 pace.wait()
             record(gen, "end", session.step)  # a clean end: every rank is here

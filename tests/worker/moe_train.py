@@ -20,14 +20,14 @@ so the loss is scaled by 1 / global batch size. Like fsdp_train.py it trains
 a per-sample *counter* (replicated, float64) by plain SGD with the learning
 rate equal to the global batch size (+1 per applied sample), records the
 SHA-256 of the gathered full model and optimizer state at a generation's
-start, before every step and at its clean end
-(``digest-g<generation>-r<rank>.jsonl``), checks its `AppliedSteps` entry
+start and at its clean end (``digest-g<generation>-r<rank>.jsonl``) and its
+own pieces of the state after every step (tests/worker/pieces.py), checks its `AppliedSteps` entry
 against the session's step, and writes the gathered counter as
 ``applied-*.json`` at the end; and which experts it holds at a start
 (``experts-g<generation>-r<rank>.json``).
 
 Failure semantics are the library's: a dead peer in a dispatch, a reduction
-or the digest's gathers raises what a failed collective raises, which ends
+or the digests' gathers raises what a failed collective raises, which ends
 the generation (``with gen:``) for the next plan.
 
 Environment knobs: TINY_STEP_SLEEP_S slows each step.
@@ -45,6 +45,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from draws import record_draw
 from fsdp_train import NUM_COUNTED, AppliedSteps, features, record, record_applied
 from pace import StepPace
+from pieces import record_pieces
 from springback.client.env import AUDIT_DIR
 from springback.worker import Session, expert_mesh
 
@@ -204,7 +205,6 @@ def main() -> int:
             record(gen, "start", session.step)
             record_experts(gen)
             for batch in gen.batches():
-                record(gen, "before", batch.step - 1)
                 record_draw(batch.step, gen.generation, gen.rank)
                 if applied.count != batch.step - 1:
                     raise ValueError(f"state= entry at step {applied.count}, shards at step "
@@ -212,6 +212,7 @@ def main() -> int:
                 per_sample = train_step(model, opt, torch.as_tensor(batch.indices),
                                         batch.global_batch_size)
                 applied.count = batch.step
+                record_pieces(gen, batch.step)
                 gen.report(loss=per_sample.mean().item() if len(per_sample) else 0.0)
                 pace.wait()
             record(gen, "end", session.step)  # a clean end: every rank is here

@@ -42,7 +42,7 @@ from chaos import FAULTS, Deployment, Faults
 from cluster import steps
 from fakeplans import assert_replicas_identical
 from sbtest import wait_for
-from test_sharded import digests
+from test_sharded import digests, earlier_digests
 from springback.client.api import Client
 from springback.storage import verify
 from springback.v1 import types_pb2 as pb
@@ -149,17 +149,14 @@ def test_random_faults_of_every_class_lose_and_double_nothing(form, tmp_path, mo
 
 def assert_every_start_bit_identical(root: Path) -> int:
     """Every generation start from a trained step holds, bit for bit, the
-    gathered state an earlier generation recorded at that step; returns how
-    many starts were compared. A start at a step no earlier generation
-    recorded (the fault struck in that step's boundary vote, before the next
-    step's record) has nothing to compare with: the applied-counter audit
-    covers it."""
-    records = digests(root)
-    starts = [r for r in records if r["when"] == "start" and r["step"] > 0]
+    state an earlier generation held at that step; returns how many starts
+    were compared. A start at a step whose whole state no earlier generation
+    has on record (a node killed before it wrote its pieces of that step) has
+    nothing to compare with: the applied-counter audit covers it."""
+    starts = [r for r in digests(root) if r["when"] == "start" and r["step"] > 0]
     compared = 0
     for start in starts:
-        earlier = {r["digest"] for r in records
-                   if r["step"] == start["step"] and r["generation"] < start["generation"]}
+        earlier = earlier_digests(root, start)
         if earlier:
             assert earlier == {start["digest"]}, (start, earlier)
             compared += 1
