@@ -5,8 +5,13 @@
 #
 # The steps are those of deploy/local/setup.sh (the README's install), minus
 # the test extras, the browser the tests use, and etcd (which runs in its own image): a virtual
-# environment, the pinned torch, then this package. tests/deploy checks that
-# the pin and the steps stay in step with setup.sh.
+# environment, the pinned torch, then this package, every distribution at the
+# release constraints.txt pins. tests/deploy checks that the pin and the steps
+# stay in step with setup.sh. The torch step takes no constraints (torch's CPU
+# index may not hold the pinned releases of its dependencies); the package step
+# then sets them to the pins from PyPI. A TORCH_VERSION other than the pin in
+# constraints.txt is replaced by the pinned one at that step: change both.
+# The CUDA variant's nvidia-* wheels are not in the tested set and float.
 # The CUDA variant installs torch's CUDA wheels, which bundle the CUDA
 # runtime; the node needs only the NVIDIA driver and container toolkit.
 # Put your training script at /app/train.py (a derived image, or a volume).
@@ -23,7 +28,8 @@ ENV PATH=/opt/springback/.venv/bin:$PATH \
 
 WORKDIR /opt/springback
 RUN python3 -m venv .venv
-RUN pip install -q --upgrade pip
+COPY constraints.txt ./
+RUN pip install -q -c constraints.txt --upgrade pip
 RUN case "$TORCH_VARIANT" in \
       cpu)  pip install -q --index-url "$TORCH_CPU_INDEX" "torch==$TORCH_VERSION" ;; \
       cuda) pip install -q "torch==$TORCH_VERSION" ;; \
@@ -37,7 +43,7 @@ COPY service service
 COPY worker worker
 COPY storage storage
 COPY integrations integrations
-RUN pip install -q . && springback --version
+RUN pip install -q -c constraints.txt . && springback --version
 
 RUN useradd --create-home --uid 1000 springback && mkdir -p /app /var/lib/springback \
     && chown springback /var/lib/springback

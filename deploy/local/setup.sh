@@ -3,7 +3,9 @@
 # the etcd server, python3-venv, Chromium with its WebDriver (for the dashboard's browser test), Slurm
 # (for the tests against a real Slurm) and
 # when missing (apt), a virtual environment in .venv with CPU torch and the package itself (editable)
-# with its test extras. Safe to run again.
+# with its test extras, every Python distribution at the release constraints.txt pins (the tested
+# set). Safe to run again: the venv is (re)installed when pyproject.toml or constraints.txt is newer
+# than its stamp.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/../.." && pwd)"
 cd "$root"
@@ -31,14 +33,16 @@ if [ ! -x .venv/bin/python ]; then
   "$python" -m venv .venv
 fi
 stamp=.venv/.springback-installed
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ constraints.txt -nt "$stamp" ]; then
   echo "setup: installing torch (CPU) and springback into .venv"
-  .venv/bin/pip install -q --upgrade pip
-  # Pinned here only: the package itself accepts a range (users bring their torch).
+  # -c constraints.txt on every install: no dependency, direct or transitive, floats.
+  .venv/bin/pip install -q -c constraints.txt --upgrade pip
+  # Pinned here and in constraints.txt (equal: tests/deploy/test_constraints.py): the
+  # package itself accepts a range (users bring their torch).
   torch="torch==2.13.0"
-  .venv/bin/pip install -q "$torch"
+  .venv/bin/pip install -q -c constraints.txt "$torch"
   # The Hugging Face extra comes with the test extras (tests/integrations); the
   # torch pin again, so that no trainer's requirement replaces the CPU build.
-  .venv/bin/pip install -q -e ".[test,hf,lightning]" "$torch"
+  .venv/bin/pip install -q -c constraints.txt -e ".[test,hf,lightning]" "$torch"
   touch "$stamp"
 fi

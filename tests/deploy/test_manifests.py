@@ -710,11 +710,12 @@ class TestDockerfile:
 
     def test_its_steps_are_those_of_setup(self):
         runs = self.runs()
-        for step in ("-m venv .venv", "pip install -q --upgrade pip"):
+        for step in ("-m venv .venv", "pip install -q -c constraints.txt --upgrade pip"):
             assert step in self.setup and step in runs, step
         # the setup path adds the test extras (and the trainers' extras they test)
-        assert re.search(r"pip install -q -e \"\.\[test[\w,]*\]\"", self.setup)
-        assert re.search(r"pip install -q \. ", runs)  # the package itself, without test extras
+        assert re.search(r"pip install -q -c constraints.txt -e \"\.\[test[\w,]*\]\"", self.setup)
+        # the package itself, without test extras
+        assert re.search(r"pip install -q -c constraints.txt \. ", runs)
 
     def test_it_copies_what_the_package_is_built_from(self):
         sources = {s for c in self.commands if c.cmd == "COPY" for s in c.value[:-1]}
