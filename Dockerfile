@@ -15,7 +15,14 @@
 # The CUDA variant installs torch's CUDA wheels, which bundle the CUDA
 # runtime; the node needs only the NVIDIA driver and container toolkit.
 # Put your training script at /app/train.py (a derived image, or a volume).
-ARG PYTHON_IMAGE=python:3.11-slim-bookworm
+# The base by digest: a re-pushed tag changes nothing here until this line does.
+# The digest is the multi-platform index of python:3.11-slim-bookworm (Python
+# 3.11.16 on the 24 Aug 2026 bookworm snapshot) as Docker's official-images
+# record lists it (github.com/docker-library/repo-info, commit 33a22f41,
+# repos/python/remote/3.11-slim-bookworm.md); it was not pulled where this was
+# written (no registry reachable). To move it: `docker buildx imagetools
+# inspect python:3.11-slim-bookworm` and put the index's digest here.
+ARG PYTHON_IMAGE=python:3.11-slim-bookworm@sha256:0bee7276f83efd4a1ee05bbbf4281d95ed28e079220a9457f25a93e3f1e3c31b
 FROM ${PYTHON_IMAGE}
 
 ARG TORCH_VARIANT=cpu

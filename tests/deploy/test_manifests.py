@@ -708,6 +708,13 @@ class TestDockerfile:
         assert '"torch==$TORCH_VERSION"' in self.runs()
         assert "cuda)" in self.runs() and self.args()["TORCH_VARIANT"] == "cpu"
 
+    def test_its_base_image_is_pinned_by_digest(self):
+        # a tag can be re-pushed; a digest names one image (issue 44, supply chain)
+        base = self.args()["PYTHON_IMAGE"]
+        assert re.fullmatch(r"[\w./-]+:[\w.-]+@sha256:[0-9a-f]{64}", base), base
+        (frm,) = [c for c in self.commands if c.cmd == "FROM"]
+        assert frm.value == ("${PYTHON_IMAGE}",)
+
     def test_its_steps_are_those_of_setup(self):
         runs = self.runs()
         for step in ("-m venv .venv", "pip install -q -c constraints.txt --upgrade pip"):
