@@ -55,6 +55,10 @@ DEFAULT_BAD_STEP_WINDOW_STEPS = 100
 """controls.bad_step.window_steps when the policy is enabled and the key is
 left out."""
 
+DEFAULT_BAD_STEP_LOSS_WINDOW_STEPS = 50
+"""controls.bad_step.loss_window_steps when the spike rule is on and the key
+is left out: the median of a rank's last 50 applied steps' losses."""
+
 DEFAULT_PEER_COPY_EVERY_STEPS = 10
 """peer_copies.every_steps (K) when the spec has none. A copy costs one host
 memory copy of the rank's shards plus their transfer to another node, both
@@ -114,7 +118,8 @@ _SCHEMA: dict[str, Any] = {
                    "cost_per_step_ceiling": (float, False), "no_progress_s": (int, False),
                    "action": (("pause", "fail"), False)}, False),
          "bad_step": ({"enabled": (bool, False), "max_in_window": (int, False),
-                       "window_steps": (int, False)}, False)},
+                       "window_steps": (int, False), "loss_spike_factor": (float, False),
+                       "loss_window_steps": (int, False)}, False)},
         False,
     ),
 }
@@ -196,7 +201,13 @@ def _bad_step_from_dict(value: Mapping[str, Any], out: types_pb2.BadStepPolicy) 
     """``controls.bad_step`` of a spec file (type-checked by `_check`) into
     `out`; an explicit 0 is refused (leave the key out for the default)."""
     out.enabled = bool(value.get("enabled", False))
-    for key in ("max_in_window", "window_steps"):
+    factor = value.get("loss_spike_factor")
+    if factor is not None:
+        if factor == 0:
+            raise InvalidArgument("controls.bad_step.loss_spike_factor",
+                                  "must be above 1 (leave it out for no spike rule)")
+        out.loss_spike_factor = factor
+    for key in ("max_in_window", "window_steps", "loss_window_steps"):
         item = value.get(key)
         if item is None:
             continue
@@ -325,13 +336,22 @@ def _validate_bad_step(out: types_pb2.JobSpec) -> None:
     must fit in the window."""
     bad = out.controls.bad_step
     if not bad.enabled:
-        for key in ("max_in_window", "window_steps"):
+        for key in ("max_in_window", "window_steps", "loss_spike_factor", "loss_window_steps"):
             if getattr(bad, key):
                 raise InvalidArgument(f"controls.bad_step.{key}",
                                       "is only meaningful with controls.bad_step.enabled: true")
         return
     bad.max_in_window = bad.max_in_window or DEFAULT_BAD_STEP_MAX_IN_WINDOW
     bad.window_steps = bad.window_steps or DEFAULT_BAD_STEP_WINDOW_STEPS
+    if bad.loss_spike_factor:
+        if not math.isfinite(bad.loss_spike_factor) or bad.loss_spike_factor <= 1:
+            raise InvalidArgument("controls.bad_step.loss_spike_factor",
+                                  f"must be a finite number above 1 (leave it out for no spike "
+                                  f"rule), got {bad.loss_spike_factor}")
+        bad.loss_window_steps = bad.loss_window_steps or DEFAULT_BAD_STEP_LOSS_WINDOW_STEPS
+    elif bad.loss_window_steps:
+        raise InvalidArgument("controls.bad_step.loss_window_steps",
+                              "is only meaningful with controls.bad_step.loss_spike_factor")
     if bad.max_in_window > bad.window_steps:
         raise InvalidArgument("controls.bad_step.max_in_window",
                               f"{bad.max_in_window} bad steps can never fall in a window of "

@@ -166,6 +166,17 @@ class TestBadStepPolicy:
             ({"enabled": True, "max_in_window": 2**40}, "controls.bad_step.max_in_window",
              "out of range"),
             ({"enabled": True, "k": 3}, "controls.bad_step.k", "unknown key"),
+            ({"enabled": True, "loss_spike_factor": 1.0}, "controls.bad_step.loss_spike_factor",
+             "above 1"),
+            ({"enabled": True, "loss_spike_factor": 0}, "controls.bad_step.loss_spike_factor",
+             "above 1"),
+            ({"enabled": True, "loss_spike_factor": "high"},
+             "controls.bad_step.loss_spike_factor", "number"),
+            ({"enabled": True, "loss_window_steps": 20}, "controls.bad_step.loss_window_steps",
+             "loss_spike_factor"),
+            ({"loss_spike_factor": 4.0}, "controls.bad_step.loss_spike_factor", "only meaningful"),
+            ({"enabled": True, "loss_spike_factor": 4.0, "loss_window_steps": 0},
+             "controls.bad_step.loss_window_steps", "must be positive"),
         ],
     )
     @pytest.mark.timeout(10)
@@ -182,3 +193,7 @@ class TestBadStepPolicy:
         bad = spec_from_dict({**GOOD, "controls": {"bad_step": {
             "enabled": True, "max_in_window": 2, "window_steps": 5}}}).controls.bad_step
         assert (bad.max_in_window, bad.window_steps) == (2, 5)
+        assert (bad.loss_spike_factor, bad.loss_window_steps) == (0, 0)  # no spike rule
+        bad = spec_from_dict({**GOOD, "controls": {"bad_step": {
+            "enabled": True, "loss_spike_factor": 4}}}).controls.bad_step
+        assert (bad.loss_spike_factor, bad.loss_window_steps) == (4.0, 50)

@@ -82,6 +82,34 @@ class TestBadSteps:
             assert "step 5 is not applied" in job.log_tail(m, 200_000), job.log_tail(m)
 
     @pytest.mark.timeout(120)
+    def test_a_loss_spike_on_one_rank_is_applied_by_no_rank_once_its_window_is_full(
+            self, tmp_path):
+        """tiny_train's per-sample loss is ~0.1-1 here: 1e6 at steps 3 and 12
+        on rank 1 is a spike against a median of 5 steps, but step 3 comes
+        before the window is full (judged by no one: applied)."""
+        job = _job(tmp_path, max_steps=14)
+        policy = job.spec.controls.bad_step
+        policy.loss_spike_factor, policy.loss_window_steps = 10.0, 5
+        try:
+            for m in MEMBERS:
+                job.spawn(m, {"TINY_NAN_STEPS": "3,12", "TINY_NAN_RANK": "1",
+                              "TINY_BAD_LOSS": "1e6", "TINY_DIGESTS": "1"})
+            job.publish(MEMBERS)
+            job.finish(MEMBERS)
+        finally:
+            job.close()
+        digests = [_digests(job.audit_dir, r) for r in range(2)]
+        assert digests[0] == digests[1] and sorted(digests[0]) == list(range(1, 15))
+        d = digests[0]
+        assert d[12] == d[11] and d[3] != d[2], "step 12 applied or step 3 not"
+        report = check_exactly_once(job.audit_dir, num_samples=256, global_batch_size=12,
+                                    last_step=14)
+        assert report.ok and report.skipped_steps == [12], report
+        said = job.log_tail("b", 200_000)  # the rank that judged it says why, with figures
+        assert "step 12: this rank's loss 1e+06 is above 10 x the median" in said, said
+        assert "step 12 is not applied" in job.log_tail("a", 200_000)
+
+    @pytest.mark.timeout(120)
     def test_too_many_bad_steps_in_the_window_stop_every_rank_naming_the_steps(self, tmp_path):
         job = _job(tmp_path, max_steps=20)
         try:

@@ -30,7 +30,8 @@ subgroup's sockets first. TINY_LOG=info logs the library's info lines with times
 TINY_NAN_STEPS=5,7 makes the loss that global rank TINY_NAN_RANK (default 1)
 hands to `gen.check_step` NaN at those steps (its gradients stay finite: only
 the step vote tells the other ranks), TINY_NAN_FROM_STEP=N at every step
-from N; TINY_DIGESTS=1 appends each rank's state digest after every step to
+from N; TINY_BAD_LOSS=1e6 hands that loss instead of NaN (a spike);
+TINY_DIGESTS=1 appends each rank's state digest after every step to
 ``digests-r<rank>-p<pid>.jsonl`` in the audit directory.
 """
 
@@ -122,6 +123,7 @@ def main() -> int:
     nan_steps = {int(s) for s in os.environ.get("TINY_NAN_STEPS", "").split(",") if s}
     nan_from = int(os.environ.get("TINY_NAN_FROM_STEP", "0"))
     nan_rank = int(os.environ.get("TINY_NAN_RANK", "1"))
+    bad_loss = float(os.environ.get("TINY_BAD_LOSS", "nan"))
     digests = os.environ.get("TINY_DIGESTS") == "1"
     for gen in session.generations():
         with gen:
@@ -149,7 +151,7 @@ def main() -> int:
                 checked = per_sample.mean().item() if len(per_sample) else 0.0
                 if gen.rank == nan_rank and (batch.step in nan_steps
                                              or 0 < nan_from <= batch.step):
-                    checked = float("nan")
+                    checked = bad_loss
                 if gen.check_step(checked):  # always True unless controls.bad_step is on
                     opt.step()
                     counter_opt.step()

@@ -219,7 +219,8 @@ class Generation:
         collective). With it on, it is collective: this step's vote is
         all-reduced now with this rank's verdict (its loss or a gradient of
         a registered module not finite), and every rank gets the same
-        answer: False when any rank's step was bad. A False step is
+        answer: False when any rank's step was bad (with
+        ``loss_spike_factor``, a rank's loss spiking counts as bad). A False step is
         recorded as skipped (the audit; rank 0's step event). When the
         skipped steps reach ``max_in_window`` within ``window_steps``, rank
         0 asks the coordinator to pause the job, naming them (the ranks go
@@ -235,14 +236,15 @@ class Generation:
         if not policy.enabled:
             return True
         modules = [v for v in self.ctx.state.values() if isinstance(v, torch.nn.Module)]
-        vote = self._vote(self._batch, bad=locally_bad(loss, modules))
-        previous, agreed = self._boundary.vote_now(vote)
+        step = self._batch.step
+        bad = locally_bad(loss, modules) or self._bad_steps.spiked(step, loss, policy)
+        previous, agreed = self._boundary.vote_now(self._vote(self._batch, bad=bad))
         self._checked = (previous,)
         if not agreed.bad:
+            self._bad_steps.applied(loss, policy)
             return True
-        step = self._batch.step
-        log.warning("step %d is not applied: a rank's loss or gradient is not finite "
-                    "(controls.bad_step)", step)
+        log.warning("step %d is not applied: a rank's loss or gradient is not finite or its "
+                    "loss spiked (controls.bad_step)", step)
         if self._audit is not None:
             self._audit.skipped(step)
         if self.rank == 0:

@@ -186,14 +186,18 @@ class ControlsSpec(_message.Message):
     def __init__(self, stop: _Optional[_Union[StopRules, _Mapping]] = ..., bad_step: _Optional[_Union[BadStepPolicy, _Mapping]] = ...) -> None: ...
 
 class BadStepPolicy(_message.Message):
-    __slots__ = ("enabled", "max_in_window", "window_steps")
+    __slots__ = ("enabled", "max_in_window", "window_steps", "loss_spike_factor", "loss_window_steps")
     ENABLED_FIELD_NUMBER: _ClassVar[int]
     MAX_IN_WINDOW_FIELD_NUMBER: _ClassVar[int]
     WINDOW_STEPS_FIELD_NUMBER: _ClassVar[int]
+    LOSS_SPIKE_FACTOR_FIELD_NUMBER: _ClassVar[int]
+    LOSS_WINDOW_STEPS_FIELD_NUMBER: _ClassVar[int]
     enabled: bool
     max_in_window: int
     window_steps: int
-    def __init__(self, enabled: _Optional[bool] = ..., max_in_window: _Optional[int] = ..., window_steps: _Optional[int] = ...) -> None: ...
+    loss_spike_factor: float
+    loss_window_steps: int
+    def __init__(self, enabled: _Optional[bool] = ..., max_in_window: _Optional[int] = ..., window_steps: _Optional[int] = ..., loss_spike_factor: _Optional[float] = ..., loss_window_steps: _Optional[int] = ...) -> None: ...
 
 class StopRules(_message.Message):
     __slots__ = ("goodput_floor", "window_s", "cost_per_step_ceiling", "no_progress_s", "action")
