@@ -12,6 +12,7 @@ from draws import check_draws
 from fakeplans import FakeJob, assert_replicas_identical
 from sbtest import wait_for
 from springback.client import env as E
+from springback.worker.eventlog import read as read_metrics
 from springback.worker.train.audit import check_exactly_once
 
 
@@ -135,3 +136,31 @@ class TestFailureSemantics:
         log = (fake_job.root / "a.log").read_text()
         assert "RuntimeError: tiny_train: bad batch at step 5" in log, log
         assert "broke on rank" not in log
+
+    @pytest.mark.timeout(60)
+    def test_a_step_broken_after_its_optimizer_step_is_held_as_applied_not_trained_again(
+            self, fake_job, tmp_path):
+        # b exits right after its optimizer steps of step 6 (its DDP all-reduce
+        # done, so a applies step 6 too); a's loss all-reduce after its
+        # optimizer step then meets b's closed sockets. a's state holds step
+        # 6: the next generation must start after it, not train it again on
+        # top (each of its samples applied twice: the counter says so).
+        env = {"TINY_CRASH_AT_STEP": "6", "TINY_CRASH_IN": "after_step",
+               "TINY_CRASH_MARKER": str(tmp_path / "crashed"), "TINY_LOSS_ALL_REDUCE": "1"}
+        for m in ("a", "b"):
+            fake_job.spawn(m, env)
+        fake_job.publish(["a", "b"], "start")
+        assert fake_job.procs["b"].wait(timeout=30) == 3, fake_job.log_tail("b")
+        fake_job.publish(["a"], "b died")
+        fake_job.finish(["a"])
+        applied = check_applied(fake_job.audit_dir, num_samples=256, global_batch_size=12,
+                                seed=0, last_step=40)
+        assert applied.ok and applied.steps == [40], applied
+        starts = [(r["generation"], r["step"]) for r in read_metrics(fake_job.metrics)
+                  if r["event"] == "generation"]
+        assert starts == [(1, 0), (2, 6)]
+        report = check_exactly_once(fake_job.audit_dir, num_samples=256,
+                                    global_batch_size=12, last_step=40)
+        assert report.ok, report
+        log = fake_job.log_tail("a", 10**6)
+        assert "broke on rank 0 at step 6 after its optimizer step (held as applied)" in log

@@ -15,7 +15,9 @@ Environment knobs (test-only): TINY_STEP_SLEEP_S slows each step so faults land
 mid-run; TINY_CRASH_AT_STEP=N makes global rank 1 (TINY_CRASH_RANK) exit(3) at step N, once
 per marker file TINY_CRASH_MARKER: before the step, or with
 TINY_CRASH_IN=backward in the middle of its backward pass (its peers are then
-inside DDP's gradient all-reduce), or with TINY_CRASH_IN=hang it does not exit
+inside DDP's gradient all-reduce), or with TINY_CRASH_IN=after_step right after
+its optimizer steps of step N (its peers applied the step too), or with
+TINY_CRASH_IN=hang it does not exit
 but hangs there for good (a deadlock in the user's code; its agent lives on); TINY_CRASH_RANKS=all makes every rank crash
 that way (a bad batch), TINY_CRASH_TIMES=K lets the crash repeat K times
 (one marker file per time). TINY_RAISE_AT_STEP=N raises the script's own
@@ -32,7 +34,10 @@ hands to `gen.check_step` NaN at those steps (its gradients stay finite: only
 the step vote tells the other ranks), TINY_NAN_FROM_STEP=N at every step
 from N; TINY_BAD_LOSS=1e6 hands that loss instead of NaN (a spike);
 TINY_DIGESTS=1 appends each rank's state digest after every step to
-``digests-r<rank>-p<pid>.jsonl`` in the audit directory.
+``digests-r<rank>-p<pid>.jsonl`` in the audit directory. TINY_LOSS_ALL_REDUCE=1
+ends each step with an all-reduce of the loss over ``gen.group`` after the
+optimizer steps (a logging all-reduce: with TINY_CRASH_IN=after_step the
+survivors' step breaks there, after they applied it).
 """
 
 import faulthandler
@@ -125,6 +130,7 @@ def main() -> int:
     nan_rank = int(os.environ.get("TINY_NAN_RANK", "1"))
     bad_loss = float(os.environ.get("TINY_BAD_LOSS", "nan"))
     digests = os.environ.get("TINY_DIGESTS") == "1"
+    loss_all_reduce = os.environ.get("TINY_LOSS_ALL_REDUCE") == "1"
     for gen in session.generations():
         with gen:
             assert gen.stream.num_samples <= MAX_COUNTED
@@ -145,7 +151,8 @@ def main() -> int:
                 prediction, counted = ddp(x, indices)
                 per_sample = (prediction - y) ** 2
                 loss = (per_sample.sum() - counted.sum()) * batch.loss_scale
-                if crashing:  # in backward: after the local gradients, inside DDP's all-reduce
+                if crashing and crash.where == "backward":  # after the local gradients,
+                    # inside DDP's all-reduce
                     model.linear.weight.register_hook(lambda g: crash.now(gen.rank))
                 loss.backward()
                 checked = per_sample.mean().item() if len(per_sample) else 0.0
@@ -157,6 +164,10 @@ def main() -> int:
                     counter_opt.step()
                 opt.zero_grad()
                 counter_opt.zero_grad()
+                if crashing and crash.where == "after_step":  # its peers applied the step too
+                    crash.now(gen.rank)
+                if loss_all_reduce:  # after the optimizer step: breaks a step it applied
+                    torch.distributed.all_reduce(loss.detach(), group=gen.group)
                 if digests:
                     path = os.path.join(os.environ[AUDIT_DIR],
                                         f"digests-r{gen.rank}-p{os.getpid()}.jsonl")

@@ -2,7 +2,11 @@
 process group and mesh, and the batches of the steps it runs; made by
 `Session.generations`. See `springback.worker.train.session` for the failure
 semantics: a collective failure inside ``with gen:`` ends the generation
-quietly, anything the script raised itself propagates."""
+quietly, anything the script raised itself propagates. A step is held as
+applied from the moment a registered optimizer's step returned (an optimizer
+step post-hook, `Generation._note_applied`): a collective that fails after it,
+in the same loop body, ends the generation at that step, never at the one
+before (which the next generation would train again, its samples twice)."""
 
 from __future__ import annotations
 
@@ -105,6 +109,17 @@ class Generation:
             self._boundary.carried_by_step = True
             self._step_hook = self.optimizer.register_step_pre_hook(
                 lambda *_: self._boundary.reach())
+        self._applied: int | None = None
+        """The step during which a registered optimizer's step last returned
+        (`_note_applied`): `__exit__` holds that step as applied when a
+        collective fails after it."""
+        # every registered optimizer, in every layout (DDP's included, where
+        # no pre-hook waits for the world): a collective after the optimizer
+        # step (a loss all-reduce, a logging gather) breaks a step that the
+        # state already holds whatever the layout
+        self._applied_hooks: list[RemovableHandle] = [
+            v.register_step_post_hook(self._note_applied)
+            for v in ctx.state.values() if isinstance(v, torch.optim.Optimizer)]
         self._copies: GenerationCopies | None = None  # the sharded form's peer copies
         self._loss = float("nan")
         self._batch: Batch | None = None  # the step running now
@@ -416,11 +431,26 @@ class Generation:
             self._audit = None
         leave_group()
 
+    def _note_applied(self, *_: Any) -> None:
+        """Optimizer step post-hook of every registered optimizer: the current
+        step's update is in the state now.
+
+        With several registered optimizers the step counts as applied once
+        any of them stepped (an optimizer stepped only every few steps never
+        holds the others' steps back); a step broken between two of them is
+        half applied either way, so step them together, after the step's
+        last collective."""
+        if self._batch is not None:
+            self._applied = self._batch.step
+
     def _abandon_in_flight(self) -> None:
-        """Drops the vote and peer copies in flight, and a sharded layout's
-        optimizer step pre-hook (its all-reduce is over this generation's group)."""
+        """Drops the vote and peer copies in flight, a sharded layout's
+        optimizer step pre-hook (its all-reduce is over this generation's group)
+        and the optimizers' post-hooks (`_note_applied`). Idempotent."""
         if self._step_hook is not None:
             self._step_hook.remove()
+        for hook in self._applied_hooks:
+            hook.remove()
         self._boundary.abandon()
         if self._copies is not None:
             self._copies.abandon()
@@ -431,22 +461,39 @@ class Generation:
     def __exit__(self, exc_type, exc, tb) -> bool:  # noqa: ANN001
         """A failed collective ends the generation quietly once a newer plan
         comes (the state is kept meanwhile, up to the plan wait); anything
-        else, and a collective failure that no plan follows, propagates."""
+        else, and a collective failure that no plan follows, propagates.
+
+        A step that broke after a registered optimizer's step returned on
+        this rank (a loss all-reduce or a logging gather after
+        ``optimizer.step()`` met a dead peer) is held as applied: the state
+        step becomes that step and the RNG state is captured here, as at the
+        end of a step, so the next generation starts with the step after it
+        and never trains its batch again. The step's agreement (its record,
+        its loss, a peer copy or checkpoint of it) is not made: its vote
+        never went out. A rank that broke before its optimizer step holds
+        the step before; the next generation's agreement takes the newest
+        state any rank holds (`worker/train/agreement.py`)."""
         if exc is None or not is_collective_failure(exc) or _raised_by_script(exc):
             self._settle_last_vote()  # the last finished step is still recorded
             return False
         s = self.ctx
         s.clean = False
         why = failure_line(exc)
-        log.warning("generation %d broke on rank %d at step %d: %s", self.generation,
-                    self.rank, s.step + 1, why)
+        broken = s.step + 1
+        applied = self._applied is not None and self._applied == s.state_step + 1
+        if applied:  # the state holds the step: held as its end would hold it
+            s.state_step = broken
+            s.rng = rngstate.capture()
+        log.warning("generation %d broke on rank %d at step %d%s: %s", self.generation,
+                    self.rank, broken, " after its optimizer step (held as applied)"
+                    if applied else "", why)
         self._abandon_in_flight()
         lost = lost_peer(exc, self.plan, s.env.member_id)
         if lost is not None and s.reporter is not None:
             s.reporter.report_lost_peer(self.plan, rank=self.rank, peer=lost)
         leave_group(broken=True, cause=exc)
         if not s.newer_plan_within(self.generation, s.wait_s,
-                                   broken=f"rank {self.rank} at step {s.step + 1}: {why}"[:200]):
+                                   broken=f"rank {self.rank} at step {broken}: {why}"[:200]):
             log.error("no new generation within %.0fs of a failed collective: giving up "
                       "the state", s.wait_s)
             return False

@@ -55,8 +55,13 @@ Failure semantics:
   asks `Generation.check_step` before its optimizer step
   (`worker/train/badstep.py`): the state is left as it was, the batch is
   recorded as skipped, and too many such steps in the window pause the job.
-* Do the optimizer step last in the loop body: a failure after it would leave
-  this rank's state one step ahead of the step it claims.
+* A step is held as applied once a registered optimizer's step returned
+  (`Generation.__exit__`): a collective that fails after it (a loss
+  all-reduce, a logging gather) ends the generation at that step, and the
+  next one starts with the step after it, so its samples are applied once.
+  The rest of the loop body is not run again: do every collective of a step
+  before the optimizer step where the layout holds pieces of the state
+  (docs/worker.md), and keep what follows it to local work.
 """
 
 from __future__ import annotations
