@@ -25,7 +25,7 @@ from pathlib import Path
 from sbtest import wait_for
 from springback.cli.local import free_port
 
-BINARIES = ("slurmctld", "slurmd", "srun", "sinfo", "scontrol", "squeue", "scancel")
+BINARIES = ("slurmctld", "slurmd", "srun", "sbatch", "sinfo", "scontrol", "squeue", "scancel")
 """What the cluster and its tests run (Debian: slurmctld, slurmd, slurm-client)."""
 
 
@@ -40,8 +40,18 @@ def missing() -> str | None:
     return None
 
 
+PREEMPT_GRACE_S = 10
+"""``GraceTime`` of partition ``test``: a preempted job's tasks get SIGTERM,
+then SIGKILL no sooner than this (Slurm 22.05 waits longer than it says)."""
+
+
 class SlurmCluster:
-    """`num_nodes` nodes ``node1`` … in one partition ``test`` (the default)."""
+    """`num_nodes` nodes ``node1`` … in partition ``test`` (the default) and,
+    over the same nodes, partition ``high``, whose jobs preempt those of
+    ``test`` (``PreemptType=preempt/partition_prio``, ``PreemptMode=REQUEUE``,
+    ``GraceTime`` `PREEMPT_GRACE_S`): what a preemptible spot partition under
+    a higher-priority one is. Nothing is preempted until a job is submitted to
+    ``high``."""
 
     def __init__(self, directory: Path, num_nodes: int = 3, *, slurmd_timeout_s: int = 10,
                  kill_wait_s: int = 5) -> None:
@@ -73,6 +83,8 @@ class SlurmCluster:
             "JobAcctGatherType=jobacct_gather/none",
             "AccountingStorageType=accounting_storage/none",
             "JobCompType=jobcomp/none",
+            "PreemptType=preempt/partition_prio",
+            "PreemptMode=REQUEUE",
             "ReturnToService=2",  # a node that was DOWN comes back when it registers
             f"SlurmdTimeout={self._slurmd_timeout_s}",
             f"KillWait={self._kill_wait_s}",
@@ -90,8 +102,11 @@ class SlurmCluster:
         # CPUs=1: never more than the host has, or slurmd's node is INVAL.
         lines += [f"NodeName={n} NodeHostname=localhost NodeAddr=127.0.0.1 Port={free_port()} "
                   "CPUs=1 State=UNKNOWN" for n in self.nodes]
-        lines.append(f"PartitionName=test Nodes={','.join(self.nodes)} Default=YES "
-                     "MaxTime=INFINITE State=UP")
+        nodes = ",".join(self.nodes)
+        lines.append(f"PartitionName=test Nodes={nodes} Default=YES MaxTime=INFINITE State=UP "
+                     f"PriorityTier=1 PreemptMode=REQUEUE GraceTime={PREEMPT_GRACE_S}")
+        lines.append(f"PartitionName=high Nodes={nodes} MaxTime=INFINITE State=UP "
+                     "PriorityTier=2 PreemptMode=OFF")
         self.conf.write_text("\n".join(lines) + "\n")
 
     def _spawn(self, name: str, argv: list[str]) -> None:

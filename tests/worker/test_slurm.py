@@ -2,9 +2,10 @@
 (`worker/agent/slurm.py`), and a job over three nodes of a real Slurm
 (tests/slurmcluster.py: slurmctld and three ``slurmd -N``) that loses one node
 to an admin's ``scontrol update state=down`` (``node_lost`` in the job's
-events), or has one node's step signalled with SIGTERM (a cancel's or a
-preemption's first signal, which reaches the ranks too: ``preempted``), and
-still ends exactly once.
+events), has one node's step signalled with SIGTERM (a cancel's or a
+preemption's first signal, which reaches the ranks too: ``preempted``), or
+has one node preempted by a job of a higher-priority partition
+(``PreemptMode=REQUEUE``: ``preempted``), and still ends exactly once.
 
 The real-Slurm test is marked ``slurm`` and left out of the default run
 (``bash deploy/local/test.sh -m slurm`` runs it)."""
@@ -23,7 +24,7 @@ from cluster import steps
 from draws import check_draws
 from fakeplans import TINY_TRAIN
 from sbtest import wait_for
-from slurmcluster import SlurmCluster, missing
+from slurmcluster import PREEMPT_GRACE_S, SlurmCluster, missing
 from springback.client import env as E
 from springback.service.membership import _member_id
 from springback.v1 import types_pb2 as pb
@@ -123,15 +124,34 @@ def _departure(coordinator: str, job_id: str, member: str) -> tuple[str, str]:
     return left["kind"], left["reason"]
 
 
-def _audit(root: Path) -> None:
-    """The exactly-once audits of a job that ran `MAX_STEPS` steps."""
+def _sbatch_agent(slurm_cluster: SlurmCluster, root: Path, job_id: str, coordinator: str,
+                  node: str) -> str:
+    """A requeueable batch job on `node` in partition ``test`` whose script
+    runs one agent by ``srun``, as a user's sbatch script does; its Slurm job id."""
+    env = dict(slurm_cluster.env, **{
+        E.AUDIT_DIR: str(root / "audit"), E.METRICS_FILE: str(root / "metrics.jsonl"),
+        "TINY_STEP_SLEEP_S": "0.1", "PYTHONUNBUFFERED": "1"})
+    env.pop("SPRINGBACK_HOST", None)
+    agent = (f"srun --no-kill -N1 --ntasks-per-node=1 --output={root}/agent-{node}.log "
+             f"{sys.executable} -m springback.worker.agent --job {job_id} "
+             f"--coordinator {coordinator} --drain-timeout-s {PREEMPT_GRACE_S} -- "
+             f"{sys.executable} {TINY_TRAIN}")
+    out = subprocess.run(["sbatch", "--parsable", "--requeue", "-ptest", "-N1", f"-w{node}",
+                          "--job-name=springback-agents", f"--output={root}/batch-{node}.log",
+                          f"--wrap={agent}"],
+                         env=env, cwd=root, capture_output=True, text=True, timeout=10, check=True)
+    return out.stdout.strip().split(";")[0]
+
+
+def _audit(root: Path, last_step: int = MAX_STEPS) -> None:
+    """The exactly-once audits of a job that ran `last_step` steps."""
     applied = check_applied(root / "audit", num_samples=NUM_SAMPLES, global_batch_size=BATCH,
-                            seed=SPEC["data"]["seed"], last_step=MAX_STEPS)
+                            seed=SPEC["data"]["seed"], last_step=last_step)
     assert applied.ok, applied
     draws = check_draws(root / "audit")
     assert draws.ok, draws
     report = check_exactly_once(str(root / "audit"), num_samples=NUM_SAMPLES,
-                                global_batch_size=BATCH, last_step=MAX_STEPS)
+                                global_batch_size=BATCH, last_step=last_step)
     assert report.ok, report
 
 
@@ -282,4 +302,59 @@ class TestUnderSlurm:
                 for slurm_job in slurm_cluster.jobs():
                     slurm_cluster.run("scancel", slurm_job)
             except subprocess.SubprocessError as e:
+                print(f"Slurm not reset after the test: {e}")
+
+    @pytest.mark.timeout(120)
+    def test_a_node_preempted_by_a_higher_priority_partition_drains_and_the_others_finish(
+            self, slurm_cluster, client, coordinator_address, tmp_path):
+        """A real preemption: the agents run as one requeueable batch job per
+        node in partition ``test``; a job submitted to partition ``high`` on
+        node3 makes Slurm preempt that node's job (``PreemptMode=REQUEUE``,
+        SIGTERM, then SIGKILL after ``GraceTime``). Its agent drains within
+        the grace (its ranks leave at a step boundary), the job's events
+        record ``preempted``, Slurm gives node3 to the ``high`` job (the
+        preempted batch job ended with its drain, inside the grace), and the
+        other two nodes finish the job exactly once."""
+        last_step = 120  # long enough that Slurm's preemption lands mid-job
+        created = client.create_job({**SPEC, "max_steps": last_step})
+        on_node = {n: _sbatch_agent(slurm_cluster, tmp_path, created.id, coordinator_address, n)
+                   for n in slurm_cluster.nodes}
+        try:
+            wait_for(lambda: any(r["world_size"] == 3 and r["step"] >= 10
+                                 for r in steps(tmp_path)), 60, "world size 3 at step 10")
+            before = max(r["step"] for r in steps(tmp_path))
+
+            high = slurm_cluster.run("sbatch", "--parsable", "-phigh", "-N1", "-wnode3",
+                                     "--job-name=high-priority", "--wrap=sleep 300",
+                                     f"--output={tmp_path}/high.log").strip().split(";")[0]
+
+            job = wait_for(lambda: (j := client.get_job(created.id)).status.state in ENDED
+                           and j, 90, "the job to end")
+            assert job.status.state == pb.JOB_STATE_SUCCEEDED, job.status.message
+            assert job.status.step == last_step
+            assert job.status.num_failures == 0  # a preemption is no failure
+            preempted = _member_id(created.id, slurm.SlurmTask(
+                job_id=on_node["node3"], step_id="0", node_name="node3").join_token(0))
+            kind, why = _departure(coordinator_address, created.id, preempted)
+            assert kind == "preempted", (kind, why)
+            assert f"Slurm sent SIGTERM to job {on_node['node3']} step 0 on node node3" in why
+            drained = _agent_log(tmp_path, "node3")
+            assert "every local rank left at a step boundary" in drained, drained
+            # Slurm gave the node to the higher-priority job.
+            wait_for(lambda: slurm_cluster.run("squeue", "-h", "-j", high, "-o", "%T").strip()
+                     == "RUNNING", 30, "the high-priority job to run on node3")
+            for node in ("node1", "node2"):
+                wait_for(lambda n=node: "all local ranks finished" in _agent_log(tmp_path, n),
+                         30, f"the agent on {node} to finish")
+            wait_for(lambda: not {on_node["node1"], on_node["node2"]} & set(slurm_cluster.jobs()),
+                     30, "the survivors' Slurm jobs to end")  # their ranks wrote their audit
+            after = [r for r in steps(tmp_path) if r["world_size"] == 2 and r["step"] > before]
+            assert after, "no step ran with the two survivors"
+            _audit(tmp_path, last_step)
+        finally:
+            try:  # the next test of the module gets three idle nodes again
+                for slurm_job in slurm_cluster.jobs():
+                    slurm_cluster.run("scancel", slurm_job)
+                wait_for(lambda: not slurm_cluster.jobs(), 30, "Slurm's jobs to end")
+            except (AssertionError, subprocess.SubprocessError) as e:
                 print(f"Slurm not reset after the test: {e}")
