@@ -3,6 +3,7 @@ etcd, a real coordinator, a real node agent training tiny_train.py."""
 
 from __future__ import annotations
 
+import re
 import signal
 
 import pytest
@@ -72,3 +73,25 @@ class TestStopRules:
         assert (tmp_path / "hang").exists()  # the hang was the script's, not a slow start
         _, events = client.list_job_events(job_id)
         assert events[-1].reason == said
+
+    @pytest.mark.timeout(90)
+    def test_a_cost_per_step_ceiling_below_what_a_step_costs_fails_the_job_naming_the_figures(
+            self, client, run_job):
+        # 3,600 per node-hour is 1 per node-second: one node's step of >= 0.05 s
+        # costs >= 0.05, far above the ceiling.
+        spec = {**SPEC, "price_per_node_hour": 3600.0,
+                "controls": {"stop": {"cost_per_step_ceiling": 0.001, "window_s": 2,
+                                      "action": "fail"}}}
+        job_id = run_job(spec, env={"TINY_STEP_SLEEP_S": "0.05"})
+        job = wait_for(lambda: _ended_or_paused(client, job_id), 60, "the job to stop")
+        assert job.status.state == pb.JOB_STATE_FAILED, job.status.message
+        said = job.status.message
+        found = re.fullmatch(r"controls\.stop: cost per useful step ([0-9.e+-]+) over the last "
+                             r"\d+ s \(([0-9.e+-]+) for (\d+) steps\) is above the ceiling 0\.001 "
+                             r"\(controls\.stop\.cost_per_step_ceiling\): failed", said)
+        assert found, said
+        per_step, cost, steps = float(found[1]), float(found[2]), int(found[3])
+        assert steps > 0 and per_step >= 0.05 and per_step == pytest.approx(cost / steps,
+                                                                          rel=1e-3), said
+        _, events = client.list_job_events(job_id)
+        assert events[-1].reason == said and events[-1].action == pb.PLAN_ACTION_STOP
