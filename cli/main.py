@@ -96,6 +96,10 @@ def _human_job(job: pb.Job, events: list | None = None) -> str:
         f"recovery   {s['restores']} restores from checkpoints   {s['steps_redone']} steps "
         f"redone   {s['failures']} rank failures",
     ]
+    for t in s["member_timing"]:  # per member: the precursor of a straggler (docs/controls.md)
+        lines.append(f"timing     {t['member']}: compute p50 {t['compute_p50_s'] * 1e3:.1f} ms"
+                     f"   collective p50 {t['collective_p50_s'] * 1e3:.1f} ms"
+                     f"   ({t['steps']} steps)")
     if s["state_losses"]:
         lines.append(f"STATE LOST {s['state_losses']} times: {s['steps_lost']} trained steps "
                      f"thrown away (started from scratch)")

@@ -50,6 +50,9 @@ def job_summary(job: pb.Job, events: Sequence[js.GenerationEvent] | None = None,
         "steps_lost": status.steps_lost,
         "failures": status.num_failures,
         "message": status.message,
+        "member_timing": [{"member": t.member_id, "compute_p50_s": t.compute_p50_s,
+                           "collective_p50_s": t.collective_p50_s, "steps": t.num_steps}
+                          for t in status.member_timing],
         "spec": MessageToDict(job.spec, preserving_proto_field_name=True),
         **(_badput(job, events, now) if events is not None else {}),
     }

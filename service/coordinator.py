@@ -22,7 +22,7 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterator, Sequence
 
 from springback.service import ckptinterval, keys, planner, replan
 from springback.service.history import change_kind
@@ -156,12 +156,21 @@ class Coordinator:
             job.status.cursor.CopyFrom(progress.cursor)
         return job
 
+    def _with_timing(self, job: pb.Job) -> pb.Job:
+        """`job` with the newest per-member timing of its current generation
+        (memory only: `_with_progress`'s result is written to etcd, this is
+        added to reads alone)."""
+        state = self._jobs.get(job.id)
+        if state is not None and state.member_timing[0] == job.status.generation:
+            job.status.member_timing.extend(state.member_timing[1])
+        return job
+
     def get_job(self, job_id: str) -> pb.Job:
-        return self._with_progress(self._job_entry(job_id).value)
+        return self._with_timing(self._with_progress(self._job_entry(job_id).value))
 
     def list_jobs(self) -> list[pb.Job]:
         return [
-            self._with_progress(e.value)
+            self._with_timing(self._with_progress(e.value))
             for e in self.store.get_prefix(keys.JOBS, pb.Job)
             if "/" not in e.key[len(keys.JOBS):]
         ]
@@ -407,7 +416,8 @@ class Coordinator:
     def record_progress(self, job_id: str, member_id: str, generation: int,
                         progress: planner.Progress, checkpoint_stall_s: float = 0.0,
                         stall_total_s: float = 0.0,
-                        step_quantiles: tuple[float, float, float] = (0.0, 0.0, 0.0)) -> int:
+                        step_quantiles: tuple[float, float, float] = (0.0, 0.0, 0.0),
+                        member_timing: Sequence[pb.MemberTiming] = ()) -> int:
         """Accepts a step report from a member of the current generation.
 
         In memory only. The member's registration is read from etcd at most
@@ -418,7 +428,8 @@ class Coordinator:
         reached. The job's max_steps is read once per leadership: no request
         changes it. The report's time and `checkpoint_stall_s` are kept for
         the auto checkpoint interval (`ckptinterval`); the time and
-        `stall_total_s` (the generation's stalls summed) for badput by cause.
+        `stall_total_s` (the generation's stalls summed) for badput by cause;
+        `member_timing` (rank 0's per-member step timing) for `get_job`.
         """
         self.require_leader()
         now = time.monotonic()
@@ -439,6 +450,8 @@ class Coordinator:
                     state.series.append((time.time(), progress.step, progress.loss))
                 state.progress = progress
                 state.dirty = True
+                if member_timing:
+                    state.member_timing = (generation, _named(state.plan, member_timing))
                 measures = state.measures
                 measures.step_reported(generation, progress.step, checkpoint_stall_s, now)
                 self.history.on_progress(job_id, generation, stall_total_s=stall_total_s,
@@ -605,3 +618,18 @@ class Coordinator:
             raise FailedPrecondition(
                 f"cannot {action} job {job.id}: it is {pb.JobState.Name(job.status.state)}"
             )
+
+
+def _named(plan: PlanView, timing: Sequence[pb.MemberTiming]) -> list[pb.MemberTiming]:
+    """Rank 0's per-node timing (by node rank: its plan slice names no other
+    member) with each node's member named from the leader's whole plan;
+    a node rank the plan does not have is dropped."""
+    by_node = {node_rank: member_id for member_id, node_rank, _, _ in plan.signature[1]}
+    out = []
+    for t in timing:
+        if t.node_rank in by_node:
+            named = pb.MemberTiming()
+            named.CopyFrom(t)
+            named.member_id = by_node[t.node_rank]
+            out.append(named)
+    return out

@@ -79,7 +79,8 @@ _LIVE_HTML = """<h2>Live loss</h2>
 <svg id='loss-plot' xmlns='http://www.w3.org/2000/svg' width='720' height='260' viewBox='0 0 720 260'
  role='img' aria-label='loss by step'></svg>
 <h2>Members</h2><table id='members'><thead><tr><th>member</th><th>host</th><th>ranks</th>
-<th>role</th><th>draining</th><th>last heartbeat</th></tr></thead><tbody></tbody></table>"""
+<th>role</th><th>draining</th><th>last heartbeat</th><th>compute p50</th>
+<th>collective p50</th></tr></thead><tbody></tbody></table>"""
 
 _LIVE_JS = r"""(function () {
 const job = document.currentScript.dataset.job, NS = "http://www.w3.org/2000/svg";
@@ -136,7 +137,10 @@ function drawMembers(data) {
     tr.className = "member-" + m.role;
     for (const c of [m.id, m.host, m.first_rank === null ? "-" : `${m.first_rank}..${m.last_rank}`,
                      m.role, m.draining ? "yes" : "no",
-                     m.heartbeat_s_ago === null ? "-" : `${m.heartbeat_s_ago} s ago`]) {
+                     m.heartbeat_s_ago === null ? "-" : `${m.heartbeat_s_ago} s ago`,
+                     m.compute_p50_s === null ? "-" : `${(m.compute_p50_s * 1e3).toFixed(1)} ms`,
+                     m.collective_p50_s === null ? "-"
+                       : `${(m.collective_p50_s * 1e3).toFixed(1)} ms`]) {
       const td = document.createElement("td");
       td.textContent = c;
       tr.appendChild(td);
@@ -374,9 +378,11 @@ class Dashboard:
     def members(self, job_id: str) -> dict:
         """The `members.json` object: the current plan's active members (by
         node rank, with ranks first..last), then its spares, then live
-        members the plan does not name yet (``pending``)."""
+        members the plan does not name yet (``pending``); with each, its step
+        timing's medians (``compute_p50_s``, ``collective_p50_s``: None until
+        rank 0 reported them, `JobStatus.member_timing`)."""
         c = self._coordinator
-        c.get_job(job_id)  # NotFound for an unknown id
+        timing = {t.member_id: t for t in c.get_job(job_id).status.member_timing}  # NotFound: unknown
         live = {m.id: m for m in c.members(job_id)}
         beats = {member_id: self._heartbeat_s_ago(member_id)
                  for member_id in sorted(live)[:LEASES_SHOWN]}
@@ -391,7 +397,10 @@ class Dashboard:
                     "first_rank": first, "last_rank": None if first is None else first + count - 1,
                     "num_local_ranks": count or (m.num_local_ranks if m else 0),
                     "draining": bool(m and m.draining), "live": m is not None,
-                    "heartbeat_s_ago": beats.get(member_id)}
+                    "heartbeat_s_ago": beats.get(member_id),
+                    "compute_p50_s": timing[member_id].compute_p50_s if member_id in timing else None,
+                    "collective_p50_s": (timing[member_id].collective_p50_s
+                                         if member_id in timing else None)}
 
         if plan is not None:
             for pm in sorted(plan.members, key=lambda pm: pm.node_rank):

@@ -95,6 +95,12 @@ class JobMetrics(Collector):
             "Rank 0's step time in the newest generation that reported one "
             "(worker/train/steptimes.py: its last 1,024 steps), by quantile.",
             labels=["job", "quantile"])
+        member_timing = GaugeMetricFamily(
+            "springback_job_member_step_seconds",
+            "Per member, the median over its last steps (worker/train/ranktiming.py) of its "
+            "compute before the step's collective (part=compute) and of its time in the "
+            "collectives (part=collective); the current generation's.",
+            labels=["job", "member", "part"])
         recoveries = HistogramMetricFamily(
             "springback_job_recovery_seconds",
             "From the last step before a generation to its first step (start-up excluded).",
@@ -138,10 +144,15 @@ class JobMetrics(Collector):
                 for q, value in (("0.5", timed.step_p50_s), ("0.9", timed.step_p90_s),
                                  ("0.99", timed.step_p99_s)):
                     step_times.add_metric([job.id, q], value)
+            for t in s.member_timing:
+                member_timing.add_metric([job.id, t.member_id, "compute"], t.compute_p50_s)
+                member_timing.add_metric([job.id, t.member_id, "collective"],
+                                         t.collective_p50_s)
             times = recovery_times(events)
             buckets = [(str(b), sum(t <= b for t in times)) for b in RECOVERY_BUCKETS_S]
             recoveries.add_metric(label, buckets + [("+Inf", len(times))], sum(times))
         yield from gauges.values()
         yield from counters.values()
         yield step_times
+        yield member_timing
         yield recoveries

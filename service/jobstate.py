@@ -16,6 +16,7 @@ from typing import NamedTuple
 
 from springback.service import planner
 from springback.v1 import job_service_pb2 as js
+from springback.v1 import types_pb2 as pb
 
 SERIES_POINTS = 2000
 """Newest (time, step, loss) points kept per job for the dashboard's loss curve."""
@@ -92,5 +93,8 @@ class JobState:
     unsettled: Unsettled | None = None  # a membership change not yet planned
     reconcile_error: str = ""  # the reconcile error last logged (logged once, counted always)
     measures: Measures = field(default_factory=Measures)  # for `checkpoint.every_steps: auto`
+    member_timing: tuple[int, list[pb.MemberTiming]] = (0, [])
+    """The newest step report's per-member timing and its generation
+    (`JobStatus.member_timing`); a new leader shows none until a report."""
     # member id -> why it went and as what kind, noted before its lease is revoked
     departures: dict[str, tuple[str, js.ChangeKind]] = field(default_factory=dict)

@@ -307,7 +307,8 @@ class WorkerServicer(ws_grpc.WorkerServiceServicer):
             request.job_id, request.member_id, request.generation, progress,
             checkpoint_stall_s=request.checkpoint_stall_s,
             stall_total_s=request.checkpoint_stall_total_s,
-            step_quantiles=(request.step_p50_s, request.step_p90_s, request.step_p99_s))
+            step_quantiles=(request.step_p50_s, request.step_p90_s, request.step_p99_s),
+            member_timing=request.member_timing)
         return ws.ReportStepResponse(generation=generation)
 
     @_handle

@@ -25,7 +25,7 @@ def main(rank: int, port: int) -> int:
     t0 = time.monotonic()
     out["first"] = boundary.vote(Vote(step=1, generation_seen=SEEN[rank], loss_share=rank + 1.0,
                                       draining=rank == 1, last_holder=False, ended_t=1.0,
-                                      bad=rank == 2))
+                                      bad=rank == 2, timing=(rank + 0.25, 2.0 * rank)))
     out["vote_s"] = time.monotonic() - t0
     agreed = boundary.vote(Vote(step=2, generation_seen=5, loss_share=-2.0, draining=False,
                                 last_holder=rank == 0, ended_t=2.0))

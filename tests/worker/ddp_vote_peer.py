@@ -50,7 +50,8 @@ def main(rank: int, port: int) -> int:
         a = boundary.vote(B.Vote(step=step, generation_seen=5 + (rank == 1 and step == 2),
                                  loss_share=float(rank + step), draining=rank == 2 and step == 4,
                                  last_holder=False, ended_t=float(step),
-                                 bad=rank == 0 and step == 2))
+                                 bad=rank == 0 and step == 2,
+                                 timing=(float(10 * step + rank), float(rank))))
         agreed.append(a.__dict__ if a else None)
     agreed.append(boundary.settle().__dict__)
     same = all(torch.allclose(p, q, rtol=1e-6, atol=0)

@@ -54,7 +54,8 @@ def main(rank: int, port: int) -> int:
         step(n)
         a = boundary.vote(B.Vote(step=n, generation_seen=5 + (rank == 1 and n == 2),
                                  loss_share=float(rank + n), draining=rank == 1 and n == 4,
-                                 last_holder=False, ended_t=float(n), bad=rank == 0 and n == 2))
+                                 last_holder=False, ended_t=float(n), bad=rank == 0 and n == 2,
+                                 timing=(float(10 * n + rank), float(rank))))
         agreed.append(a.__dict__ if a else None)
         per_step.append(counted[0])
     counted[0] = 0

@@ -37,13 +37,16 @@ def test_ranks_agree_on_the_newest_generation_without_waiting_for_the_vote():
     results = [json.loads(out.strip().splitlines()[-1]) for out in outs]
     for r in results:
         assert r["first"] is None and r["after"] is None
-        # MAX of the generation seen; the loss shares summed; any rank's flag
+        # MAX of the generation seen; the loss shares summed; any rank's flag;
+        # every rank's timing in its own slot (-1: none)
         assert r["step1"] == {"step": 1, "newest_generation": 7, "loss": 6.0,
                               "draining": True, "last_holder": False, "ended_t": 1.0,
-                              "bad": True}
+                              "bad": True, "compute_s": [0.25, 1.25, 2.25],
+                              "collective_s": [0.0, 2.0, 4.0]}
         assert r["step2"] == {"step": 2, "newest_generation": 5, "loss": -6.0,
                               "draining": False, "last_holder": True, "ended_t": 2.0,
-                              "bad": False}
+                              "bad": False, "compute_s": [-1.0] * 3,
+                              "collective_s": [-1.0] * 3}
     # the step loop does not wait for the all-reduce: the prompt ranks' vote of
     # step 1 returned while the last rank was still 1.5 s away from its own
     assert results[0]["vote_s"] < 0.75 and results[1]["vote_s"] < 0.75, results
@@ -76,6 +79,9 @@ def test_votes_carried_in_ddp_s_all_reduce_agree_alike_and_train_the_same_model(
         assert agreed == [None, (1, 5, 6.0, False, False), (2, 6, 9.0, False, True),
                           (3, 5, 12.0, False, False), (4, 5, 15.0, True, False),
                           (5, 5, 18.0, False, False)]
+        # each rank's timing in its own slot, carried in the bucket as well
+        assert [a and (a["compute_s"], a["collective_s"]) for a in r["agreed"]] == [None] + [
+            ([10.0 * k, 10.0 * k + 1, 10.0 * k + 2], [0.0, 1.0, 2.0]) for k in range(1, 6)]
         # step 3 ran no backward: step 2's vote, which step 3's all-reduce would
         # have carried, was all-reduced by itself at step 3's boundary, and the
         # last one at settle; every other vote rode DDP's all-reduce
@@ -94,6 +100,8 @@ def test_a_pipeline_s_votes_ride_its_optimizer_steps_and_no_rank_steps_past_a_de
     assert agreed == [None, (1, 5, 3.0, False, False), (2, 6, 5.0, False, True),
                       (3, 5, 7.0, False, False), (4, 5, 9.0, True, False),
                       (5, 5, 11.0, False, False)]
+    assert [a and (a["compute_s"], a["collective_s"]) for a in r["agreed"]] == [None] + [
+        ([10.0 * k, 10.0 * k + 1], [0.0, 1.0]) for k in range(1, 6)]
     # one all-reduce a step: the optimizer step's wait for the world, which
     # carries the previous step's vote (step 3 stepped no optimizer: its
     # boundary all-reduced step 2's vote by itself), and the last at settle

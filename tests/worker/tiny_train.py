@@ -37,7 +37,10 @@ TINY_DIGESTS=1 appends each rank's state digest after every step to
 ``digests-r<rank>-p<pid>.jsonl`` in the audit directory. TINY_LOSS_ALL_REDUCE=1
 ends each step with an all-reduce of the loss over ``gen.group`` after the
 optimizer steps (a logging all-reduce: with TINY_CRASH_IN=after_step the
-survivors' step breaks there, after they applied it).
+survivors' step breaks there, after they applied it). TINY_COMPUTE_SLEEP_S
+sleeps that long in every step between the batch and the forward pass, i.e.
+in the compute before the step's first collective (a slow node: set it on
+one agent only; per-member timing, worker/train/ranktiming.py).
 """
 
 import faulthandler
@@ -47,6 +50,7 @@ import os
 import signal
 import sys
 import threading
+import time
 
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -131,6 +135,7 @@ def main() -> int:
     bad_loss = float(os.environ.get("TINY_BAD_LOSS", "nan"))
     digests = os.environ.get("TINY_DIGESTS") == "1"
     loss_all_reduce = os.environ.get("TINY_LOSS_ALL_REDUCE") == "1"
+    compute_sleep_s = float(os.environ.get("TINY_COMPUTE_SLEEP_S", "0"))
     for gen in session.generations():
         with gen:
             assert gen.stream.num_samples <= MAX_COUNTED
@@ -146,6 +151,8 @@ def main() -> int:
                 crashing = crash.due(batch.step, gen.rank)
                 if crashing and crash.where in ("before", "hang"):
                     crash.now(gen.rank)
+                if compute_sleep_s:
+                    time.sleep(compute_sleep_s)  # a slow node's compute (TINY_COMPUTE_SLEEP_S)
                 indices = torch.as_tensor(batch.indices)
                 x, y = features(indices.to(torch.float32))
                 prediction, counted = ddp(x, indices)

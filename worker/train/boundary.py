@@ -65,6 +65,13 @@ timeout), at the boundary of the step after the one the vote belongs to (a
 sharded layout: in the next optimizer step's pre-hook, which then applies
 nothing); ``with gen:`` takes it for a membership change. `abandon` drops a vote in
 flight without waiting (the group is being torn down).
+
+Each vote also carries its rank's timing of the step before it (compute
+before the step's first library collective, time in the collectives:
+`worker/train/ranktiming.py`) in two more per-rank slots; `Agreed` gives every
+rank's, which rank 0 aggregates per member. The library's collectives here
+mark the timing (`StepBoundary.timing`): the DDP comm hook, `reach`,
+`vote_now`, and `vote` when nothing before it entered a collective.
 """
 
 from __future__ import annotations
@@ -76,9 +83,11 @@ import torch
 import torch.distributed as dist
 
 from springback.worker.rank.rendezvous import handed_to_gloo
+from springback.worker.train.ranktiming import UNKNOWN, RankTiming
 
-_FIXED = 4  # generation seen, draining, last holder, bad; then one loss slot per rank
-_CARRIED = 5  # rows of per-rank slots a carried vote adds: the fixed four and the loss
+_FIXED = 4  # generation seen, draining, last holder, bad; then per rank: loss, compute, collective
+_PER_RANK = 3  # per-rank slot rows of an own all-reduce: loss, compute, collective
+_CARRIED = 7  # rows of per-rank slots a carried vote adds: the fixed four and the per-rank three
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +101,9 @@ class Vote:
     last_holder: bool
     ended_t: float  # wall-clock time the step ended on this rank
     bad: bool = False  # this rank's loss or gradient was not finite
+    timing: tuple[float, float] = (UNKNOWN, UNKNOWN)
+    """This rank's (compute_s, collective_s) of its last finished step
+    (`RankTiming.last`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +117,8 @@ class Agreed:
     last_holder: bool
     ended_t: float  # this rank's own end of that step
     bad: bool = False  # some rank's loss or gradient was not finite: not applied
+    compute_s: tuple[float, ...] = ()  # by global rank: each rank's `Vote.timing`
+    collective_s: tuple[float, ...] = ()
 
 
 class StepBoundary:
@@ -123,6 +137,7 @@ class StepBoundary:
         self._pending: Vote | None = None  # for the next DDP all-reduce or `reach` to carry
         self._carried: tuple[Vote, torch.Tensor, torch.futures.Future, int] | None = None
         self._ready: Agreed | None = None  # agreed by `vote_now`, not collected yet
+        self.timing = RankTiming()  # this rank's step timing, marked by the collectives here
 
     def vote(self, vote: Vote) -> Agreed | None:
         """Sends this step's vote on its way (pending for the next step's DDP
@@ -131,7 +146,10 @@ class StepBoundary:
         step). Blocks only if the previous vote's all-reduce has not finished
         yet, or when nothing carried it (then it is all-reduced now); raises what
         the collective raised."""
+        first = self.timing.enter()  # nothing before it this step: this wait is its collective
         previous = self._collect()
+        if first:
+            self.timing.complete()
         if self.ddp_group is not None or self.carried_by_step:
             self._pending = vote
         else:
@@ -145,8 +163,10 @@ class StepBoundary:
         next `vote`, `vote_now` or `settle` returns this one's again, as the
         previous step's; do not `vote` this step again. Raises what the
         collective raised."""
+        self.timing.enter()
         previous = self._collect()
         self._ready = _wait(*self._start(vote))
+        self.timing.complete()
         return previous, self._ready
 
     def reach(self) -> None:
@@ -159,12 +179,15 @@ class StepBoundary:
         `vote`, `vote_now` or `settle` returns the carried vote's agreement. Raises what the collective raised (a
         peer lost before reaching the step: the optimizer applies nothing)."""
         vote, self._pending = self._pending, None
+        self.timing.enter()
         if vote is not None:
             self._ready = _wait(*self._start(vote))
+            self.timing.complete()
             return
-        t = torch.full((_FIXED + self.world_size,), -math.inf, dtype=torch.float64)
+        t = torch.full((_FIXED + _PER_RANK * self.world_size,), -math.inf, dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         handed_to_gloo(t)
+        self.timing.complete()
 
     def settle(self) -> Agreed | None:
         """Waits for the last vote (up to the collective timeout; all-reduced
@@ -195,20 +218,28 @@ class StepBoundary:
         slots[2, self.rank] = float(vote.last_holder)
         slots[3, self.rank] = float(vote.bad)
         slots[4, self.rank] = vote.loss_share
+        slots[5, self.rank], slots[6, self.rank] = vote.timing
         future = dist.all_reduce(packed, group=self.ddp_group, async_op=True).get_future()
         handed_to_gloo(packed)
         self._carried = (vote, packed, future, n)
-        # the sums go back into the bucket: a view of `packed` kept by DDP
-        # until the next step would keep it from being released at teardown
-        return future.then(lambda f: grads.copy_(f.value()[0][:n].view_as(grads)))
+        timing = self.timing
+
+        def unpack(f: torch.futures.Future) -> torch.Tensor:
+            # the sums go back into the bucket: a view of `packed` kept by DDP
+            # until the next step would keep it from being released at teardown
+            timing.complete()
+            return grads.copy_(f.value()[0][:n].view_as(grads))
+        return future.then(unpack)
 
     def _start(self, vote: Vote) -> tuple[Vote, torch.Tensor, dist.Work]:
-        t = torch.full((_FIXED + self.world_size,), -math.inf, dtype=torch.float64)
+        t = torch.full((_FIXED + _PER_RANK * self.world_size,), -math.inf, dtype=torch.float64)
         t[0] = float(vote.generation_seen)
         t[1] = 1.0 if vote.draining else 0.0
         t[2] = 1.0 if vote.last_holder else 0.0
         t[3] = 1.0 if vote.bad else 0.0
         t[_FIXED + self.rank] = vote.loss_share
+        t[_FIXED + self.world_size + self.rank] = vote.timing[0]
+        t[_FIXED + 2 * self.world_size + self.rank] = vote.timing[1]
         work = dist.all_reduce(t, op=dist.ReduceOp.MAX, async_op=True)
         handed_to_gloo(t)
         return vote, t, work
@@ -224,11 +255,13 @@ class StepBoundary:
         if carried is not None:
             vote, packed, future, n = carried
             future.wait()
-            generation, draining, last_holder, bad, loss = packed[n:].view(_CARRIED, -1).tolist()
+            (generation, draining, last_holder, bad, loss, compute,
+             collective) = packed[n:].view(_CARRIED, -1).tolist()
             return Agreed(step=vote.step, newest_generation=int(max(generation)),
                           loss=float(sum(loss)), draining=max(draining) > 0,
                           last_holder=max(last_holder) > 0, ended_t=vote.ended_t,
-                          bad=max(bad) > 0)
+                          bad=max(bad) > 0, compute_s=tuple(compute),
+                          collective_s=tuple(collective))
         if in_flight is None and pending is not None:
             in_flight = self._start(pending)  # no DDP all-reduce carried it this step
         return None if in_flight is None else _wait(*in_flight)
@@ -241,13 +274,19 @@ def carry_votes_hook(boundary: StepBoundary, bucket: dist.GradBucket
     boundary's pending vote (`StepBoundary.carry`)."""
     group = boundary.ddp_group
     assert group is not None, "registered by Generation.ddp, which sets the group"
+    boundary.timing.enter()  # the step's first bucket: its compute ends here
     grads = bucket.buffer().div_(group.size())
     if bucket.is_last():
         carried = boundary.carry(grads)
         if carried is not None:
             return carried
     future = dist.all_reduce(grads, group=group, async_op=True).get_future()
-    return future.then(lambda f: f.value()[0])
+    timing = boundary.timing
+
+    def done(f: torch.futures.Future) -> torch.Tensor:
+        timing.complete()
+        return f.value()[0]
+    return future.then(done)
 
 
 # DDP checks a comm hook's annotations against the real types, and this
@@ -258,7 +297,9 @@ carry_votes_hook.__annotations__ = {"boundary": StepBoundary, "bucket": dist.Gra
 
 def _wait(vote: Vote, t: torch.Tensor, work: dist.Work) -> Agreed:
     work.wait()
-    generation, draining, last_holder, bad, *losses = t.tolist()
-    return Agreed(step=vote.step, newest_generation=int(generation), loss=float(sum(losses)),
-                  draining=draining > 0, last_holder=last_holder > 0, ended_t=vote.ended_t,
-                  bad=bad > 0)
+    generation, draining, last_holder, bad, *slots = t.tolist()
+    n = len(slots) // _PER_RANK
+    return Agreed(step=vote.step, newest_generation=int(generation),
+                  loss=float(sum(slots[:n])), draining=draining > 0,
+                  last_holder=last_holder > 0, ended_t=vote.ended_t, bad=bad > 0,
+                  compute_s=tuple(slots[n:2 * n]), collective_s=tuple(slots[2 * n:]))

@@ -29,6 +29,7 @@ from springback.worker.train.audit import AuditLog, state_digest
 from springback.worker.train.badstep import BadStepLimit, BadSteps, locally_bad
 from springback.worker.train.boundary import Agreed, StepBoundary, Vote, carry_votes_hook
 from springback.worker.train.peerloss import lost_peer
+from springback.worker.train.ranktiming import MemberTimings
 from springback.worker.train.steptimes import StepTimes
 from springback.worker.rank.rendezvous import (
     failure_line,
@@ -131,6 +132,8 @@ class Generation:
                        if ctx.env.audit_dir else None)
         self._checkpoints = None
         self._step_times = StepTimes()  # rank 0 reports their percentiles
+        self._member_timings = MemberTimings(plan) if rank == 0 else None
+        """Rank 0: every member's step timing, from the votes (`ranktiming`)."""
         self._drain_saved_step: int | None = None  # step of this generation's drain save
         if plan.spec.checkpoint.uri and "model" in ctx.state:
             from springback.worker.train.checkpointing import GenerationCheckpoints
@@ -153,6 +156,7 @@ class Generation:
                 self._audit.record(batch)
             self._loss = float("nan")
             self._batch, self._checked = batch, None
+            self._boundary.timing.step_began()  # the previous step's timing is final
             yield batch
             s.state_step = step
             s.rng = rngstate.capture()  # the boundary's, carried into a next generation
@@ -339,7 +343,7 @@ class Generation:
                     loss_share=share / batch.global_batch_size,
                     draining=channel is not None and channel.draining(),
                     last_holder=channel is not None and channel.last_holder(),
-                    ended_t=time.time(), bad=bad)
+                    ended_t=time.time(), bad=bad, timing=self._boundary.timing.last)
 
     def _settle_last_vote(self) -> None:
         """Leaving the generation without a broken collective (the user's own
@@ -376,6 +380,8 @@ class Generation:
         epoch, offset = self.stream.cursor_after(step)
         s.last_loss = loss
         self._step_times.step_ended(agreed.ended_t)
+        if self._member_timings is not None and agreed.compute_s:
+            self._member_timings.add(agreed.compute_s, agreed.collective_s)
         if s.reporter is not None:
             ckpt = self._checkpoints
             s.reporter.submit(generation=self.generation, step=step,
@@ -383,7 +389,8 @@ class Generation:
                                loss=loss, epoch=epoch, offset=offset,
                                checkpoint_stall_s=(ckpt.stall_s or 0.0) if ckpt else 0.0,
                                checkpoint_stall_total_s=ckpt.stall_total_s if ckpt else 0.0,
-                               step_quantiles=self._step_times.quantiles())
+                               step_quantiles=self._step_times.quantiles(),
+                               member_timings=self._member_timings)
             if step >= self.max_steps:
                 s.reporter.flush()
 

@@ -34,6 +34,7 @@ from typing import cast
 import grpc
 
 from springback.client.channel import connect
+from springback.worker.train.ranktiming import MemberTimings
 from springback.v1 import types_pb2 as pb
 from springback.v1 import worker_service_pb2 as wpb
 from springback.v1 import worker_service_pb2_grpc as wgrpc
@@ -60,7 +61,7 @@ class StepReporter:
         self._member_id = member_id
         self._cond = threading.Condition()
         self._pending: tuple[int, int, int, float, int, int, float, float,
-                             tuple[float, float, float]] | None = None
+                             tuple[float, float, float], MemberTimings | None] | None = None
         """The newest step report's fields (`submit`), until the thread sends it."""
         self._pending_start: wpb.ReportStepRequest | None = None
         self._in_flight = False
@@ -77,15 +78,18 @@ class StepReporter:
     def submit(self, *, generation: int, step: int, samples_consumed: int, loss: float,
                epoch: int, offset: int, checkpoint_stall_s: float = 0.0,
                checkpoint_stall_total_s: float = 0.0,
-               step_quantiles: tuple[float, float, float] = (0.0, 0.0, 0.0)) -> None:
+               step_quantiles: tuple[float, float, float] = (0.0, 0.0, 0.0),
+               member_timings: MemberTimings | None = None) -> None:
         """Replaces the pending step report (called at every step by rank 0:
         the request is built by the sending thread, which is woken only when
         no report was pending, i.e. at most once per interval).
         `checkpoint_stall_s`: the newest checkpoint's stall (0: none yet);
         `checkpoint_stall_total_s`: the generation's stalls summed;
-        `step_quantiles`: the generation's step time p50, p90, p99 (`steptimes`)."""
+        `step_quantiles`: the generation's step time p50, p90, p99 (`steptimes`);
+        `member_timings`: every member's step timing, whose medians the
+        sending thread computes (`ranktiming`)."""
         report = (generation, step, samples_consumed, loss, epoch, offset, checkpoint_stall_s,
-                  checkpoint_stall_total_s, step_quantiles)
+                  checkpoint_stall_total_s, step_quantiles, member_timings)
         with self._cond:
             idle = self._pending is None
             self._pending = report
@@ -223,13 +227,15 @@ class StepReporter:
 
     def _request(self, generation: int, step: int, samples_consumed: int, loss: float,
                  epoch: int, offset: int, stall_s: float, stall_total_s: float,
-                 quantiles: tuple[float, float, float]) -> wpb.ReportStepRequest:
+                 quantiles: tuple[float, float, float],
+                 timings: MemberTimings | None) -> wpb.ReportStepRequest:
         return wpb.ReportStepRequest(
             job_id=self._job_id, member_id=self._member_id, generation=generation, step=step,
             samples_consumed=samples_consumed, loss=loss,
             cursor=pb.DataCursor(epoch=epoch, offset=offset), checkpoint_stall_s=stall_s,
             checkpoint_stall_total_s=stall_total_s, step_p50_s=quantiles[0],
-            step_p90_s=quantiles[1], step_p99_s=quantiles[2])
+            step_p90_s=quantiles[1], step_p99_s=quantiles[2],
+            member_timing=timings.report() if timings is not None else [])
 
     def _loop(self) -> None:
         while (req := self._next()) is not None:

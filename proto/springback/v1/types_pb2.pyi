@@ -240,7 +240,7 @@ class CheckpointRef(_message.Message):
     def __init__(self, step: _Optional[int] = ..., uri: _Optional[str] = ..., generation: _Optional[int] = ..., world_size: _Optional[int] = ..., size_bytes: _Optional[int] = ..., cursor: _Optional[_Union[DataCursor, _Mapping]] = ..., committed_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
 class JobStatus(_message.Message):
-    __slots__ = ("state", "generation", "world_size", "members", "spares", "step", "samples_consumed", "loss", "last_checkpoint", "message", "checkpoint_error", "restore_step", "updated_at", "cursor", "num_restores", "steps_redone", "num_failures", "state_holders", "holders_step", "num_state_losses", "steps_lost", "storage_unavailable_since")
+    __slots__ = ("state", "generation", "world_size", "members", "spares", "step", "samples_consumed", "loss", "last_checkpoint", "message", "checkpoint_error", "restore_step", "updated_at", "cursor", "num_restores", "steps_redone", "num_failures", "state_holders", "holders_step", "num_state_losses", "steps_lost", "storage_unavailable_since", "member_timing")
     STATE_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -263,6 +263,7 @@ class JobStatus(_message.Message):
     NUM_STATE_LOSSES_FIELD_NUMBER: _ClassVar[int]
     STEPS_LOST_FIELD_NUMBER: _ClassVar[int]
     STORAGE_UNAVAILABLE_SINCE_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_TIMING_FIELD_NUMBER: _ClassVar[int]
     state: JobState
     generation: int
     world_size: int
@@ -285,7 +286,22 @@ class JobStatus(_message.Message):
     num_state_losses: int
     steps_lost: int
     storage_unavailable_since: _timestamp_pb2.Timestamp
-    def __init__(self, state: _Optional[_Union[JobState, str]] = ..., generation: _Optional[int] = ..., world_size: _Optional[int] = ..., members: _Optional[_Iterable[str]] = ..., spares: _Optional[_Iterable[str]] = ..., step: _Optional[int] = ..., samples_consumed: _Optional[int] = ..., loss: _Optional[float] = ..., last_checkpoint: _Optional[_Union[CheckpointRef, _Mapping]] = ..., message: _Optional[str] = ..., checkpoint_error: _Optional[str] = ..., restore_step: _Optional[int] = ..., updated_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., cursor: _Optional[_Union[DataCursor, _Mapping]] = ..., num_restores: _Optional[int] = ..., steps_redone: _Optional[int] = ..., num_failures: _Optional[int] = ..., state_holders: _Optional[_Iterable[str]] = ..., holders_step: _Optional[int] = ..., num_state_losses: _Optional[int] = ..., steps_lost: _Optional[int] = ..., storage_unavailable_since: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+    member_timing: _containers.RepeatedCompositeFieldContainer[MemberTiming]
+    def __init__(self, state: _Optional[_Union[JobState, str]] = ..., generation: _Optional[int] = ..., world_size: _Optional[int] = ..., members: _Optional[_Iterable[str]] = ..., spares: _Optional[_Iterable[str]] = ..., step: _Optional[int] = ..., samples_consumed: _Optional[int] = ..., loss: _Optional[float] = ..., last_checkpoint: _Optional[_Union[CheckpointRef, _Mapping]] = ..., message: _Optional[str] = ..., checkpoint_error: _Optional[str] = ..., restore_step: _Optional[int] = ..., updated_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., cursor: _Optional[_Union[DataCursor, _Mapping]] = ..., num_restores: _Optional[int] = ..., steps_redone: _Optional[int] = ..., num_failures: _Optional[int] = ..., state_holders: _Optional[_Iterable[str]] = ..., holders_step: _Optional[int] = ..., num_state_losses: _Optional[int] = ..., steps_lost: _Optional[int] = ..., storage_unavailable_since: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., member_timing: _Optional[_Iterable[_Union[MemberTiming, _Mapping]]] = ...) -> None: ...
+
+class MemberTiming(_message.Message):
+    __slots__ = ("member_id", "compute_p50_s", "collective_p50_s", "num_steps", "node_rank")
+    MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_P50_S_FIELD_NUMBER: _ClassVar[int]
+    COLLECTIVE_P50_S_FIELD_NUMBER: _ClassVar[int]
+    NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
+    NODE_RANK_FIELD_NUMBER: _ClassVar[int]
+    member_id: str
+    compute_p50_s: float
+    collective_p50_s: float
+    num_steps: int
+    node_rank: int
+    def __init__(self, member_id: _Optional[str] = ..., compute_p50_s: _Optional[float] = ..., collective_p50_s: _Optional[float] = ..., num_steps: _Optional[int] = ..., node_rank: _Optional[int] = ...) -> None: ...
 
 class Job(_message.Message):
     __slots__ = ("id", "spec", "status", "created_at", "started_at", "finished_at")
