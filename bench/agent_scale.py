@@ -2,7 +2,12 @@
 
 Each client process drives N/P members (`tests/agentsim.SimFleet`: JoinJob,
 a WatchPlans stream, heartbeats at the interval the coordinator names) on
-one asyncio loop. Once every member holds one plan placing all N, a steady
+one asyncio loop. By default they connect as a cluster's agents do: the
+replicas run with an operator token, and every simulated agent opens its own
+TCP connection, checks the job and joins with the job's join credential,
+then heartbeats and streams its plans on a connection of its own with its
+member credential (`--shared-channels`: the old kinder mode, four shared
+channels per client process, no credentials). Once every member holds one plan placing all N, a steady
 window of at least three liveness timeouts is measured (with `--leader-kill`,
 the leader replica is SIGKILLed halfway through it). Prints, for each N:
 
@@ -16,11 +21,14 @@ the leader replica is SIGKILLed halfway through it). Prints, for each N:
 * the simulator's CPU s in the window, per heartbeat, and its share of the
   CPU used in the window (simulator / simulator + coordinators + etcd) and of
   one core per client process, to show the client side was not the limit;
+* the simulator's and the replicas' memory and the replicas' open file
+  descriptors per 1k agents (what a connection costs on each side);
 * the load average (other work on the machine shows there).
 
 Usage: python bench/agent_scale.py [--agents 1000,3000] [--clients 4]
     [--liveness-timeout-s 10] [--join-rate-per-s 0 (= all at once)] [--steady-s 0 (= 3 liveness timeouts)]
     [--leader-kill] [--repeat 1] [--coordinator-arg=--some-flag=value ...] [--coordinator-logs DIR]
+    [--shared-channels]
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
+import secrets
 import statistics
 import sys
 import tempfile
@@ -45,15 +54,18 @@ from springback.service.store import Store  # noqa: E402
 
 
 def _client(addresses: list[str], job_id: str, n: int, total: int, settle_s: float,
-            join_rate_per_s: float | None, window: mp.Event, over: mp.Event, out: mp.Queue) -> None:
-    fleet = SimFleet(addresses, job_id, n, join_rate_per_s=join_rate_per_s).start()
+            join_rate_per_s: float | None, join_credential: str | None, window: mp.Event,
+            over: mp.Event, out: mp.Queue) -> None:
+    fleet = SimFleet(addresses, job_id, n, join_rate_per_s=join_rate_per_s,
+                     join_credential=join_credential).start()
     deadline = time.monotonic() + settle_s
     while time.monotonic() < deadline and fleet.num_holding(total) < n:
         time.sleep(0.05)
     held_at = time.monotonic() if fleet.num_holding(total) == n else None
     out.put({"held_at": held_at, "last_join_at": fleet.last_join_at, "join_s": list(fleet.join_s),
              "storm_cpu_s": fleet.cpu_s(), "num_joined": fleet.num_joined,
-             "num_holding": fleet.num_holding(total), "storm_failures": dict(fleet.failures)})
+             "num_holding": fleet.num_holding(total), "storm_failures": dict(fleet.failures),
+             "rss_mb": _rss_mb(os.getpid())})
     window.wait()
     beats, cpu0, expired0 = len(fleet.heartbeat_s), fleet.cpu_s(), len(fleet.expired)
     failures0 = dict(fleet.failures)
@@ -77,6 +89,10 @@ def _rss_mb(pid: int) -> float:
     return int(line.split()[1]) / 1024
 
 
+def _fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
 def _pct(values: list[float], q: int) -> float:
     return statistics.quantiles(values, n=100)[q - 1] if len(values) > 1 else float("nan")
 
@@ -97,6 +113,8 @@ def run(n: int, args: argparse.Namespace) -> None:
         etcd.start()
         store = Store(etcd.endpoint)
         replicas: list[CoordinatorProcess] = []
+        token = None if args.shared_channels else secrets.token_urlsafe(24)
+        auth = () if token is None else ("--token", token)
         try:
             logs = iter(range(1000))
             replicas = start_replicas(
@@ -104,9 +122,10 @@ def run(n: int, args: argparse.Namespace) -> None:
                     etcd.endpoint, *extra, log_path=(
                         os.path.join(args.coordinator_logs, f"N{n}-{os.getpid()}-{next(logs)}.log")
                         if args.coordinator_logs else None)), store,
-                "--liveness-timeout-s", f"{liveness:g}", "--drain-s", "0", *args.coordinator_arg)
+                "--liveness-timeout-s", f"{liveness:g}", "--drain-s", "0", *auth,
+                *args.coordinator_arg)
             addresses = [r.address for r in replicas]
-            with Client(addresses) as client:
+            with Client(addresses, token=token) as client:
                 job = client.create_job({"name": "scale", "min_workers": 1, "max_workers": n,
                                          "data": {"num_samples": 10**9, "global_batch_size": n},
                                          "max_steps": 10**9})
@@ -114,17 +133,21 @@ def run(n: int, args: argparse.Namespace) -> None:
                 pids = [r.process.pid for r in replicas]
                 cpu0 = {pid: _cpu_s(pid) for pid in pids}
                 rss0 = sum(_rss_mb(pid) for pid in pids)  # idle replicas: the baseline
+                fds0 = sum(_fds(pid) for pid in pids)
+                credential = None if token is None else client.issue_join_credential(job.id)
                 out: mp.Queue = mp.Queue()
                 window, over = mp.Event(), mp.Event()
                 rate = args.join_rate_per_s / args.clients if args.join_rate_per_s else None
                 per = [n // args.clients + (i < n % args.clients) for i in range(args.clients)]
                 procs = [mp.Process(target=_client, args=(addresses, job.id, k, n, args.settle_s,
-                                                          rate, window, over, out)) for k in per]
+                                                          rate, credential, window, over, out))
+                         for k in per]
                 for p in procs:
                     p.start()
                 settled = [out.get(timeout=args.settle_s + 60) for _ in procs]
                 g1 = client.get_job(job.id).status.generation
                 rss = sum(_rss_mb(pid) for pid in pids) - rss0
+                fds = sum(_fds(pid) for pid in pids) - fds0
                 cpu_at_kill: dict[int, float] = {}  # a killed replica's CPU, read before the kill
 
                 def cpu_now(pid: int) -> float:
@@ -156,7 +179,7 @@ def run(n: int, args: argparse.Namespace) -> None:
                 for p in procs:
                     p.join(30)
             _report(n, args, settled, results, g1 - g0, g2 - g1, killed, cpu, window_cpu, rss,
-                    writes_per_s, renewals_per_s, etcd_cpu, elapsed)
+                    fds, writes_per_s, renewals_per_s, etcd_cpu, elapsed)
         finally:
             store.close()
             for r in replicas:
@@ -166,7 +189,7 @@ def run(n: int, args: argparse.Namespace) -> None:
 
 def _report(n: int, args: argparse.Namespace, settled: list[dict], results: list[dict],
             storm_generations: int, window_generations: int, killed: str | None, cpu: float,
-            window_cpu: float, rss: float, writes_per_s: float, renewals_per_s: float,
+            window_cpu: float, rss: float, fds: int, writes_per_s: float, renewals_per_s: float,
             etcd_cpu: float, elapsed: float) -> None:
     held = [s["held_at"] for s in settled]
     held_s = (f"{max(held) - max(s['last_join_at'] for s in settled):.1f} s"
@@ -184,7 +207,11 @@ def _report(n: int, args: argparse.Namespace, settled: list[dict], results: list
             f"generation {'unchanged' if not window_generations else f'+{window_generations} CHANGED'}"
             if killed else "")
     joining = f"{args.join_rate_per_s:g} joins/s" if args.join_rate_per_s else "joins at once"
-    print(f"N={n} liveness {args.liveness_timeout_s:g} s, {joining} {' '.join(args.coordinator_arg)}: "
+    connecting = ("4 shared channels per client, no credentials" if args.shared_channels else
+                  "one connection per agent, join and member credentials")
+    sim_rss = sum(s["rss_mb"] for s in settled)
+    print(f"N={n} liveness {args.liveness_timeout_s:g} s, {joining}, {connecting} "
+          f"{' '.join(args.coordinator_arg)}: "
           f"one plan holding all {held_s} after the last join; "
           f"join p50 {_pct(joins, 50):.2f} s p99 {_pct(joins, 99):.2f} s; "
           f"window {elapsed:.0f} s: {len(beats)} heartbeats ({len(beats) / elapsed:.0f}/s) "
@@ -193,7 +220,8 @@ def _report(n: int, args: argparse.Namespace, settled: list[dict], results: list
           f"(storm {storm_generations}); plan {bytes_per:.0f} B per agent per generation; "
           f"coordinators (both) {cpu / n * 1000:.1f} CPU s per 1k agents whole run, "
           f"{window_cpu:.1f} CPU s in window ({window_cpu / max(len(beats), 1) * 1e6:.0f} us per "
-          f"heartbeat), {rss / n * 1000:.0f} MB per 1k agents above idle; "
+          f"heartbeat), {rss / n * 1000:.0f} MB and {fds / n * 1000:.0f} fds per 1k agents above "
+          f"idle; simulator {sim_rss / n * 1000:.0f} MB per 1k agents; "
           f"etcd {writes_per_s:.1f} writes/s {renewals_per_s:.0f} lease renewals/s "
           f"{etcd_cpu:.1f} CPU s in window; simulator {sim_cpu:.1f} CPU s in window "
           f"({sim_cpu / max(len(beats), 1) * 1e6:.0f} us per heartbeat, {share:.0%} of the window's "
@@ -219,6 +247,9 @@ def main() -> None:
     parser.add_argument("--leader-kill", action="store_true",
                         help="SIGKILL the leader replica halfway through the steady window")
     parser.add_argument("--repeat", type=int, default=1, help="runs per N")
+    parser.add_argument("--shared-channels", action="store_true",
+                        help="4 shared channels per client process and no credentials (the "
+                             "simulator before issue 48), instead of one connection per agent")
     parser.add_argument("--coordinator-logs", default="",
                         help="directory for the replicas' logs (default: none kept)")
     parser.add_argument("--coordinator-arg", action="append", default=[],

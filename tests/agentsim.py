@@ -19,13 +19,15 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Callable
+from typing import Any
 
 import grpc
 
 from sbtest import CoordinatorProcess, wait_for
-from springback.client.channel import Backoff, _service_config, connect
+from springback.client.channel import LOCAL_READ, Backoff, _service_config, connect
 from springback.service import keys
 from springback.service.store import Store
+from springback.v1 import job_service_pb2 as js
 from springback.v1 import types_pb2 as pb
 from springback.v1 import worker_service_pb2 as ws
 from springback.v1 import worker_service_pb2_grpc as ws_grpc
@@ -148,13 +150,20 @@ def _interval_in(response: bytes) -> float | None:
 
 
 _METHOD = "/springback.v1.WorkerService/"
+_RAW = {"request_serializer": None, "response_deserializer": None}  # bytes in, bytes out
 JOIN_DEADLINE_S = 300.0  # a member gives up joining after this
 TICK_S = 0.02  # the scheduler's longest sleep: heartbeats go out at most this late
 
 
 class SimFleet:
     """Members of one or more jobs driven on one asyncio loop (a thread of
-    its own) over a few `grpc.aio` channels, the way agents drive them:
+    its own) over a few shared `grpc.aio` channels, or (``agent_channels``)
+    as a cluster's agents connect: one channel and TCP connection per agent,
+    the start-up GetJob (``LOCAL_READ``) and JoinJob with the job's join
+    credential, then heartbeats and WatchPlans on a channel of their own with
+    the member credential JoinJob returned (the join channel closed), as
+    `springback run` does. In both modes members drive their calls the way
+    agents drive them:
     JoinJob with a token (all at once, or `join_rate_per_s` a second; retried with the same token on the agent's
     `RETRIED_JOIN_CODES` for `JOIN_DEADLINE_S`), a WatchPlans stream (reconnected with jittered
     backoff on any error) and heartbeats at the interval the coordinator
@@ -175,9 +184,15 @@ class SimFleet:
     (snapshots by `list(...)`, good enough for tests that poll)."""
 
     def __init__(self, addresses: list[str], job_id: str, n: int, *, num_channels: int = 4,
-                 join_rate_per_s: float | None = None) -> None:
+                 join_rate_per_s: float | None = None,
+                 join_credential: str | None = None) -> None:
+        """`join_credential` (``springback job join-credential``): members
+        connect as agents do (``agent_channels``), one connection each, with
+        it and then their member credentials; None: `num_channels` shared
+        channels, no credentials (a coordinator without a token)."""
         self._init(addresses, {job_id: n}, num_channels)
         self._join_rate_per_s = join_rate_per_s
+        self._join_credential = join_credential
 
     @classmethod
     def many(cls, addresses: list[str], jobs: dict[str, int], *, num_channels: int = 4) -> SimFleet:
@@ -192,6 +207,7 @@ class SimFleet:
         self.n = sum(jobs.values())
         self._num_channels = num_channels
         self._join_rate_per_s: float | None = None  # None: all join at once (a storm)
+        self._join_credential: str | None = None  # set: one channel per agent, as agents do
         self.join_s: list[float] = []
         self.heartbeat_s: list[float] = []
         self.failures: Counter[str] = Counter()  # "call:CODE" -> count
@@ -210,6 +226,9 @@ class SimFleet:
         self.generation_receivers: Counter[tuple[str, int]] = Counter()
         self._interval = [1.0] * self.n
         self._heartbeat_request = [b""] * self.n
+        self._member_metadata: list[tuple[tuple[str, str], ...] | None] = [None] * self.n
+        self._member_channel: list[grpc.aio.Channel | None] = [None] * self.n
+        self._member_calls: list[tuple[Any, Any] | None] = [None] * self.n  # Heartbeat, WatchPlans
         self._due: list[tuple[float, int]] = []  # heap of (loop time, member index)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True, name="fleet")
@@ -220,16 +239,30 @@ class SimFleet:
         asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(30)
         return self
 
-    async def _start(self) -> None:
+    @property
+    def agent_channels(self) -> bool:
+        """Members connect as agents do: a channel each, with credentials."""
+        return self._join_credential is not None
+
+    def _channel(self, tag: int) -> grpc.aio.Channel:
+        """A new channel to the replicas; with ``agent_channels`` on a TCP
+        connection of its own (a local subchannel pool: channels of one
+        process share connections otherwise)."""
         target = ("ipv4:" + ",".join(self.addresses)) if len(self.addresses) > 1 else self.addresses[0]
         options = [("grpc.enable_retries", 1), ("grpc.service_config", _service_config()),
-                   ("grpc.max_receive_message_length", 64 * 1024 * 1024)]
-        self._channels = [grpc.aio.insecure_channel(target, options=options + [("sim.channel", i)])
-                          for i in range(self._num_channels)]
-        raw = {"request_serializer": None, "response_deserializer": None}
-        self._join_calls = [c.unary_unary(_METHOD + "JoinJob", **raw) for c in self._channels]
-        self._heartbeat_calls = [c.unary_unary(_METHOD + "Heartbeat", **raw) for c in self._channels]
-        self._watch_calls = [c.unary_stream(_METHOD + "WatchPlans", **raw) for c in self._channels]
+                   ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+                   ("grpc.keepalive_time_ms", 10_000), ("sim.channel", tag)]
+        if self.agent_channels:
+            options.append(("grpc.use_local_subchannel_pool", 1))
+        return grpc.aio.insecure_channel(target, options=options)
+
+    async def _start(self) -> None:
+        self._channels = [] if self.agent_channels else [
+            self._channel(i) for i in range(self._num_channels)]
+        self._join_calls = [c.unary_unary(_METHOD + "JoinJob", **_RAW) for c in self._channels]
+        self._heartbeat_calls = [c.unary_unary(_METHOD + "Heartbeat", **_RAW)
+                                 for c in self._channels]
+        self._watch_calls = [c.unary_stream(_METHOD + "WatchPlans", **_RAW) for c in self._channels]
         self._cpu_at_start = time.process_time()
         self.first_join_at = time.monotonic()
         self._tasks = [asyncio.ensure_future(self._schedule())]
@@ -242,23 +275,30 @@ class SimFleet:
         request = ws.JoinJobRequest(job_id=job_id, host="127.0.0.1", rendezvous_port=10000 + i % 50000,
                                     num_local_ranks=1, join_token=uuid.uuid4().hex)
         started = time.monotonic()
-        backoff = Backoff(base_s=0.5, cap_s=5.0)
-        while True:  # as the agent does: the same token again, so a join lands once
-            try:
-                raw = await self._join_calls[i % self._num_channels](request.SerializeToString(),
-                                                                     timeout=60)
-                break
-            except grpc.RpcError as e:
-                self.failures[f"JoinJob:{e.code().name}"] += 1
-                if (e.code() not in RETRIED_JOIN_CODES
-                        or time.monotonic() - started > JOIN_DEADLINE_S):
-                    return
-            await asyncio.sleep(backoff.next_s())
+        if self.agent_channels:
+            channel = self._channel(i)
+            metadata = (("authorization", f"Bearer {self._join_credential}"),)
+            join = channel.unary_unary(_METHOD + "JoinJob", **_RAW)
+            if not await self._check_job(i, channel, metadata, started):
+                await channel.close()
+                return
+        else:
+            join, metadata = self._join_calls[i % self._num_channels], None
+        raw = await self._join(join, request.SerializeToString(), metadata, started)
+        if self.agent_channels:
+            await channel.close()  # as the agent drops its join channel
+        if raw is None:
+            return
         self.last_join_at = time.monotonic()
         self.num_joined += 1
         self.join_s.append(self.last_join_at - started)
         response = ws.JoinJobResponse.FromString(raw)
         member_id = response.member.id
+        if self.agent_channels:
+            channel = self._member_channel[i] = self._channel(i)
+            self._member_calls[i] = (channel.unary_unary(_METHOD + "Heartbeat", **_RAW),
+                                     channel.unary_stream(_METHOD + "WatchPlans", **_RAW))
+            self._member_metadata[i] = (("authorization", f"Bearer {response.member_credential}"),)
         self.member_ids[i] = member_id
         self.job_of[member_id] = job_id
         d = response.heartbeat_interval
@@ -267,6 +307,47 @@ class SimFleet:
                                                          member_id=member_id).SerializeToString()
         heapq.heappush(self._due, (self._loop.time() + self._interval[i] * random.uniform(0.8, 1.0), i))
         await self._watch(i, ws.WatchPlansRequest(job_id=job_id, member_id=member_id).SerializeToString())
+
+    async def _check_job(self, i: int, channel: grpc.aio.Channel,
+                         metadata: tuple[tuple[str, str], ...], started: float) -> bool:
+        """The agent's start-up GetJob, answered by any replica (``LOCAL_READ``),
+        retried as `startup.check_job` retries it; False once it gives up."""
+        get_job = channel.unary_unary("/springback.v1.JobService/GetJob", **_RAW)
+        request = js.GetJobRequest(job_id=self._job[i]).SerializeToString()
+        backoff = Backoff(base_s=0.25, cap_s=4.0)
+        while True:
+            try:
+                await get_job(request, timeout=16, metadata=metadata + (LOCAL_READ,))
+                return True
+            except grpc.RpcError as e:
+                self.failures[f"GetJob:{e.code().name}"] += 1
+                if (e.code() not in RETRIED_JOIN_CODES
+                        or time.monotonic() - started > JOIN_DEADLINE_S):
+                    return False
+            await asyncio.sleep(backoff.next_s())
+
+    async def _join(self, call: grpc.aio.UnaryUnaryMultiCallable, request: bytes,
+                    metadata: tuple[tuple[str, str], ...] | None, started: float) -> bytes | None:
+        """JoinJob, retried as the agent does (the same token again, so a join
+        lands once); None once it gives up."""
+        backoff = Backoff(base_s=0.5, cap_s=5.0)
+        while True:
+            try:
+                return await call(request, timeout=60, metadata=metadata)
+            except grpc.RpcError as e:
+                self.failures[f"JoinJob:{e.code().name}"] += 1
+                if (e.code() not in RETRIED_JOIN_CODES
+                        or time.monotonic() - started > JOIN_DEADLINE_S):
+                    return None
+            await asyncio.sleep(backoff.next_s())
+
+    def _member_call(self, i: int, stream: bool = False) -> Any:
+        """Member `i`'s Heartbeat (WatchPlans with `stream`) call: on its own
+        channel (``agent_channels``), else on a shared one."""
+        own = self._member_calls[i]
+        if own is not None:
+            return own[1] if stream else own[0]
+        return (self._watch_calls if stream else self._heartbeat_calls)[i % self._num_channels]
 
     async def _schedule(self) -> None:
         due, loop = self._due, self._loop
@@ -281,8 +362,9 @@ class SimFleet:
         interval = self._interval[i]
         started = time.monotonic()
         try:
-            response = await self._heartbeat_calls[i % self._num_channels](
-                self._heartbeat_request[i], timeout=max(interval, 1.0))
+            response = await self._member_call(i)(
+                self._heartbeat_request[i], timeout=max(interval, 1.0),
+                metadata=self._member_metadata[i])
         except grpc.RpcError as e:
             self.failures[f"Heartbeat:{e.code().name}"] += 1
             if e.code() == grpc.StatusCode.NOT_FOUND:
@@ -301,7 +383,8 @@ class SimFleet:
         backoff = Backoff(base_s=0.1, cap_s=2.0)
         while member_id not in self.expired:
             try:
-                async for message in self._watch_calls[i % self._num_channels](request):
+                async for message in self._member_call(i, stream=True)(
+                        request, metadata=self._member_metadata[i]):
                     plan = ws.WatchPlansResponse.FromString(message).plan
                     self.planned[member_id] = (plan.generation, members_placed(plan))
                     self.plan_bytes[i] += len(message)
@@ -350,7 +433,7 @@ class SimFleet:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-            for channel in self._channels:
+            for channel in self._channels + [c for c in self._member_channel if c is not None]:
                 await channel.close()
 
         asyncio.run_coroutine_threadsafe(stop(), self._loop).result(30)

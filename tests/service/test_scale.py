@@ -5,10 +5,11 @@ from __future__ import annotations
 import time
 from datetime import timedelta
 
+import psutil
 import pytest
 
 from agentsim import SimFleet, SimMember, _interval_in, kill_leader, members_placed, start_replicas
-from sbtest import wait_for
+from sbtest import OPERATOR_TOKEN, wait_for
 from springback.client.api import Client
 from springback.service import keys
 from springback.service.store import Store
@@ -46,6 +47,45 @@ def test_500_agents_settle_into_one_plan_and_survive_a_leader_kill(etcd, spawn_c
             assert fleet.expired == set()
             assert len(store.get_prefix(keys.members(job.id))) == N
             assert client.get_job(job.id).status.generation == settled  # nobody was lost
+    finally:
+        if fleet is not None:
+            fleet.close()
+        store.close()
+
+
+AGENTS = 300
+
+
+@pytest.mark.timeout(300)
+def test_agents_each_on_its_own_connection_with_credentials_settle_into_one_plan(
+        etcd, spawn_coordinator, make_spec):
+    """As a cluster connects (issue 48): two replicas with an operator token;
+    every simulated agent opens its own TCP connection, checks the job with
+    the job's join credential (any replica answers), joins, then heartbeats
+    and streams its plans on a second connection of its own with its member
+    credential. All at once: one plan holds all of them, nothing refused,
+    nothing expired."""
+    store = Store(etcd.endpoint)
+    fleet = None
+    try:
+        replicas = start_replicas(spawn_coordinator, store, "--token", OPERATOR_TOKEN,
+                                  "--liveness-timeout-s", "10")
+        addresses = [r.address for r in replicas]
+        with Client(addresses, token=OPERATOR_TOKEN) as client:
+            job = client.create_job(make_spec(
+                max_workers=AGENTS, data={"num_samples": 10**6, "global_batch_size": 1000}))
+            fleet = SimFleet(addresses, job.id, AGENTS,
+                             join_credential=client.issue_join_credential(job.id)).start()
+            wait_for(lambda: fleet.num_holding(AGENTS) == AGENTS, 180,
+                     f"one plan holding all {AGENTS}")
+            assert fleet.expired == set() and not fleet.failures, fleet.failures
+            # one connection per agent: the member channels, each its own socket
+            ports = {int(a.rsplit(":", 1)[1]) for a in addresses}
+            sockets = {(c.laddr.port, c.raddr.port)
+                       for c in psutil.Process().net_connections("tcp")
+                       if c.raddr and c.raddr.port in ports and c.status == "ESTABLISHED"}
+            assert len(sockets) >= AGENTS, len(sockets)
+            assert len(store.get_prefix(keys.members(job.id))) == AGENTS
     finally:
         if fleet is not None:
             fleet.close()
