@@ -32,6 +32,7 @@ from springback.service.pacing import DEFAULT_BUDGET_PER_S
 from springback.client import env
 from springback.client.channel import ENV_COORDINATOR, ENV_TOKEN
 from springback.cli.history import add_job_commands, history_if_finished
+from springback.cli.slurm import add_slurm_command
 from springback.client.summary import job_summary
 from springback.client.api import ApiError, Client
 from springback.client.errors import InvalidArgument
@@ -394,6 +395,7 @@ def build_parser() -> argparse.ArgumentParser:
     ckpt_restore.add_argument("--step", type=int, default=0)
     ckpt.set_defaults(handler=_ckpt_command)
 
+    add_slurm_command(commands, common, _client)
     _add_run_command(commands, common)
     return parser
 

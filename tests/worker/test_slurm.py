@@ -25,6 +25,8 @@ from draws import check_draws
 from fakeplans import TINY_TRAIN
 from sbtest import wait_for
 from slurmcluster import PREEMPT_GRACE_S, SlurmCluster, missing
+from springback.cli.slurm import KeeperConfig
+from springback.client.api import Client
 from springback.client import env as E
 from springback.service.membership import _member_id
 from springback.v1 import types_pb2 as pb
@@ -36,6 +38,7 @@ SPEC = {"name": "tiny-slurm", "min_workers": 2, "max_workers": 3,
         "data": {"num_samples": NUM_SAMPLES, "global_batch_size": BATCH, "seed": 1},
         "max_steps": MAX_STEPS}
 ENDED = (pb.JOB_STATE_SUCCEEDED, pb.JOB_STATE_FAILED, pb.JOB_STATE_CANCELLED)
+OPERATOR_TOKEN = "slurm-keeper-operator-token-" + "x" * 43  # 128 bits and more
 
 
 class TestSlurmTaskDetection:
@@ -77,6 +80,26 @@ class TestSlurmTaskDetection:
         assert slurm.node_address(task) is None
 
 
+class TestKeeperConfig:
+    def test_the_agent_command_or_a_script_is_required_not_both(self):
+        with pytest.raises(ValueError, match="--script"):
+            KeeperConfig(job="j", partition="spot")
+        with pytest.raises(ValueError, match="not both"):
+            KeeperConfig(job="j", partition="spot", agent_command=("springback", "run"),
+                         script="agent.sbatch")
+        assert KeeperConfig(job="j", partition="spot", script="agent.sbatch").target is None
+
+    def test_bad_sizes_and_intervals_are_refused_naming_the_flag(self):
+        command = ("springback", "run")
+        for bad, flag in (({"target": 0}, "--target"), ({"poll_s": 0}, "--poll-s"),
+                          ({"backoff_s": 60, "max_backoff_s": 30}, "--max-backoff-s"),
+                          ({"max_submissions": -1}, "--max-submissions"),
+                          ({"partition": ""}, "--partition")):
+            with pytest.raises(ValueError, match=flag):
+                KeeperConfig(**{"job": "j", "partition": "spot", "agent_command": command,
+                                **bad})
+
+
 @pytest.fixture(scope="module")
 def slurm_cluster(tmp_path_factory) -> Iterator[SlurmCluster]:
     """One Slurm for the module's tests (it starts in about a second)."""
@@ -111,11 +134,13 @@ def _srun_agents(slurm_cluster: SlurmCluster, root: Path, job_id: str, coordinat
         stderr=subprocess.STDOUT)
 
 
-def _departure(coordinator: str, job_id: str, member: str) -> tuple[str, str]:
+def _departure(coordinator: str, job_id: str, member: str,
+               *options: str) -> tuple[str, str]:
     """The kind and reason of the generation that left `member` out after it
-    had trained, as ``springback job events --json`` prints them."""
+    had trained, as ``springback job events --json`` prints them (`options`:
+    more global options, e.g. ``--token-file``)."""
     out = subprocess.run([sys.executable, "-m", "springback.cli", "--coordinator", coordinator,
-                          "--json", "job", "events", job_id],
+                          *options, "--json", "job", "events", job_id],
                          capture_output=True, text=True, timeout=60, check=False)
     assert out.returncode == 0, out.stderr
     generations = json.loads(out.stdout)["generations"]
@@ -125,13 +150,17 @@ def _departure(coordinator: str, job_id: str, member: str) -> tuple[str, str]:
 
 
 def _sbatch_agent(slurm_cluster: SlurmCluster, root: Path, job_id: str, coordinator: str,
-                  node: str) -> str:
+                  node: str, token: str | None = None) -> str:
     """A requeueable batch job on `node` in partition ``test`` whose script
-    runs one agent by ``srun``, as a user's sbatch script does; its Slurm job id."""
+    runs one agent by ``srun``, as a user's sbatch script does (`token`: the
+    agent's ``$SPRINGBACK_TOKEN``); its Slurm job id."""
     env = dict(slurm_cluster.env, **{
         E.AUDIT_DIR: str(root / "audit"), E.METRICS_FILE: str(root / "metrics.jsonl"),
         "TINY_STEP_SLEEP_S": "0.1", "PYTHONUNBUFFERED": "1"})
     env.pop("SPRINGBACK_HOST", None)
+    env.pop(E.TOKEN, None)
+    if token:
+        env[E.TOKEN] = token
     agent = (f"srun --no-kill -N1 --ntasks-per-node=1 --output={root}/agent-{node}.log "
              f"{sys.executable} -m springback.worker.agent --job {job_id} "
              f"--coordinator {coordinator} --drain-timeout-s {PREEMPT_GRACE_S} -- "
@@ -352,6 +381,115 @@ class TestUnderSlurm:
             assert after, "no step ran with the two survivors"
             _audit(tmp_path, last_step)
         finally:
+            try:  # the next test of the module gets three idle nodes again
+                for slurm_job in slurm_cluster.jobs():
+                    slurm_cluster.run("scancel", slurm_job)
+                wait_for(lambda: not slurm_cluster.jobs(), 30, "Slurm's jobs to end")
+            except (AssertionError, subprocess.SubprocessError) as e:
+                print(f"Slurm not reset after the test: {e}")
+
+
+def _keeper(slurm_cluster: SlurmCluster, root: Path, job_id: str, coordinator: str,
+            token_file: Path) -> subprocess.Popen:
+    """``springback slurm keep`` for `job_id` with the operator's token file:
+    replacement agents go to partition ``test`` as one-node batch jobs
+    running the agent command of `_sbatch_agent` (their output in
+    ``agent-keeper-JOB.log``; their token the job's join credential, which
+    the keeper issues). A back-off longer than the test, so a second round
+    would be a bug."""
+    env = dict(slurm_cluster.env, **{
+        E.AUDIT_DIR: str(root / "audit"), E.METRICS_FILE: str(root / "metrics.jsonl"),
+        "TINY_STEP_SLEEP_S": "0.1", "PYTHONUNBUFFERED": "1"})
+    env.pop("SPRINGBACK_HOST", None)
+    env.pop(E.TOKEN, None)
+    return subprocess.Popen(
+        [sys.executable, "-m", "springback.cli", "--coordinator", coordinator,
+         "--token-file", str(token_file), "slurm", "keep", "--job", job_id, "--partition", "test", "--poll-s", "0.5",
+         "--backoff-s", "300", "--max-submissions", "2",
+         f"--sbatch-arg=--output={root}/agent-keeper-%j.log",
+         "--", sys.executable, "-m", "springback.worker.agent", "--job", job_id,
+         "--coordinator", coordinator, "--drain-timeout-s", str(PREEMPT_GRACE_S),
+         "--", sys.executable, TINY_TRAIN],
+        env=env, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+@pytest.mark.slurm
+class TestKeepingTheJobAtSize:
+    @pytest.mark.timeout(150)
+    def test_the_keeper_submits_a_replacement_for_a_killed_node_and_it_joins(
+            self, slurm_cluster, start_coordinator, tmp_path):
+        """Three one-node batch jobs run the agents; node3's is killed
+        (``scancel --signal=KILL JOB.0``: agent and ranks gone at once, a
+        crash's ``node_lost``; its batch script ends, so the node frees). ``springback slurm keep`` sees two live members of
+        ``max_workers`` three, submits one agent job to partition ``test``
+        (it runs on the freed node3), its agent joins as a new member and
+        trains with the survivors, the job ends SUCCEEDED exactly once, and
+        the keeper stops with it, having submitted exactly once. The
+        coordinator has a token: the keeper reads the job with the operator's
+        token file, and the agents join with the job's join credential."""
+        server = start_coordinator(token=OPERATOR_TOKEN)
+        wait_for(server.election.is_leader, 10, "the coordinator to become leader")
+        coordinator_address = server.address
+        token_file = tmp_path / "operator-token"
+        token_file.write_text(OPERATOR_TOKEN + "\n")
+        token_file.chmod(0o600)
+        client = Client(server.address, token=OPERATOR_TOKEN)
+        # A node the previous test freed may still be completing: Slurm's
+        # builtin scheduler would start its job only at the next event.
+        wait_for(lambda: slurm_cluster.idle_nodes() == set(slurm_cluster.nodes), 30,
+                 "three idle Slurm nodes")
+        last_step = 300  # the replacement joins ~15 s after the kill: room for a slow start
+        created = client.create_job({**SPEC, "max_steps": last_step})
+        credential = client.issue_join_credential(created.id)
+        on_node = {n: _sbatch_agent(slurm_cluster, tmp_path, created.id, coordinator_address, n,
+                                    token=credential)
+                   for n in slurm_cluster.nodes}
+        keeper = None
+        try:
+            wait_for(lambda: any(r["world_size"] == 3 and r["step"] >= 10
+                                 for r in steps(tmp_path)), 60, "world size 3 at step 10")
+            keeper = _keeper(slurm_cluster, tmp_path, created.id, coordinator_address,
+                             token_file)
+            lost = _member_id(created.id, slurm.SlurmTask(
+                job_id=on_node["node3"], step_id="0", node_name="node3").join_token(0))
+
+            before = max(r["step"] for r in steps(tmp_path))
+            # The agent's step: its agent and ranks get SIGKILL (a crash, never a drain).
+            slurm_cluster.run("scancel", "--signal=KILL", f"{on_node['node3']}.0")
+
+            job = wait_for(lambda: (j := client.get_job(created.id)).status.state in ENDED
+                           and j, 100, "the job to end")
+            assert job.status.state == pb.JOB_STATE_SUCCEEDED, job.status.message
+            assert job.status.step == last_step
+            out, _ = keeper.communicate(timeout=30)  # it stops when the job ends
+            print(out)  # its decisions
+            assert keeper.returncode == 0, out
+            submitted = [line.rsplit("submitted Slurm job ", 1)[1].split()[0]
+                         for line in out.splitlines() if "submitted Slurm job " in line]
+            assert len(submitted) == 1, out  # one node short, one submission
+            assert "live 2/3" in out and "ended SUCCEEDED" in out, out
+            kind, _ = _departure(coordinator_address, created.id, lost,
+                                 "--token-file", str(token_file))
+            assert kind == "node_lost", kind
+            # The replacement ran on the freed node and joined as a new member.
+            replacement = _member_id(created.id, slurm.SlurmTask(
+                job_id=submitted[0], step_id="0", node_name="node3").join_token(0))
+            _, events = client.list_job_events(created.id)
+            joined = [e for e in events if replacement in e.members]
+            assert joined and joined[0].world_size == 3, [
+                (e.generation, list(e.members)) for e in events]
+            assert lost not in joined[0].members
+            after = [r["world_size"] for r in steps(tmp_path) if r["step"] > before]
+            assert 2 in after, "the survivors did not train on while the job was short"
+            assert 3 in after, "no step ran with the replacement"
+            wait_for(lambda: not ({*submitted, on_node["node1"], on_node["node2"]}
+                                  & set(slurm_cluster.jobs())), 30, "the agents' Slurm jobs to end")
+            _audit(tmp_path, last_step)
+        finally:
+            if keeper is not None and keeper.poll() is None:
+                keeper.kill()
+                keeper.wait(timeout=10)
+            client.close()
             try:  # the next test of the module gets three idle nodes again
                 for slurm_job in slurm_cluster.jobs():
                     slurm_cluster.run("scancel", slurm_job)
