@@ -70,3 +70,20 @@ def member_of_rank(plan: pb.Plan, rank: int) -> str | None:
 def own_entry(plan: pb.Plan, member_id: str) -> pb.PlanMember | None:
     """`member_id`'s entry (its node's place) in a plan or its slice."""
     return next((m for m in plan.members if m.member_id == member_id), None)
+
+
+def store_prefix(job_id: str, generation: int, secret: str) -> str:
+    """The rendezvous-store prefix every key of one generation lies under:
+    ``springback/<job>/g<generation>/<secret>/``, the secret being the plan's
+    `rendezvous_secret` (worker/rank/rendezvous.py). An empty secret (a plan
+    of a coordinator older than that field) gives the old predictable
+    ``springback/<job>/g<generation>/``: every rank of that generation got
+    the same plan, so they still meet, unprotected (callers warn). Raises
+    ValueError for a secret that is neither empty nor 32 or more lowercase
+    hex digits."""
+    if not secret:
+        return f"springback/{job_id}/g{generation}/"
+    if len(secret) < 32 or secret.strip("0123456789abcdef"):
+        raise ValueError(f"generation {generation}'s rendezvous secret is not 32 or more "
+                         "hex digits")
+    return f"springback/{job_id}/g{generation}/{secret}/"

@@ -58,6 +58,7 @@ def skeleton_of(plan: pb.Plan, digest: bytes) -> pb.Plan:
     del part.members[:], part.spares[:]
     part.num_spares = len(plan.spares)
     part.digest = digest
+    part.rendezvous_secret = ""  # for the members the plan places only (`Posted.slice`)
     if len(part.reason) > REASON_SENT:  # a join storm's reason names every joiner
         part.reason = part.reason[:REASON_SENT - 1] + "…"
     return part
@@ -66,7 +67,8 @@ def skeleton_of(plan: pb.Plan, digest: bytes) -> pb.Plan:
 class Posted:
     """A job's current plan as streams send it: to each member its own slice,
     the skeleton plus its own entry (none for a member the plan does not
-    place, only its own name for a spare), so a generation costs each stream
+    place, only its own name for a spare; the rendezvous secret to the
+    members it places only), so a generation costs each stream
     O(1) bytes. Built on etcd's watch thread; `response` runs on the loop."""
 
     def __init__(self, value: bytes, mod_revision: int) -> None:
@@ -90,6 +92,7 @@ class Posted:
         entry = self._entries.get(member_id)
         if entry is not None:
             part.members.append(entry)
+            part.rendezvous_secret = self.plan.rendezvous_secret
         if member_id in self._spares:
             part.spares.append(member_id)
         return part

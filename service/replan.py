@@ -22,6 +22,7 @@ changes, and the other jobs' replans go on.
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 from collections.abc import Collection
 from dataclasses import dataclass
@@ -32,6 +33,9 @@ from springback.service import ckptinterval, planner
 from springback.v1 import types_pb2 as pb
 
 log = logging.getLogger(__name__)
+
+RENDEZVOUS_SECRET_BYTES = 16
+"""Random bytes of a generation's rendezvous secret (`Plan.rendezvous_secret`): 128 bits."""
 
 
 def timestamp_now() -> Timestamp:
@@ -129,6 +133,9 @@ def _stamp_generation(status: pb.JobStatus, plan: pb.Plan, previous: pb.Plan | N
                       requested: pb.CheckpointRef | None) -> None:
     plan.generation = (previous.generation if previous else 0) + 1
     plan.created_at.CopyFrom(timestamp_now())
+    # New with every generation, so a member fenced from this one holds no
+    # key to the next one's rendezvous (docs/security.md).
+    plan.rendezvous_secret = secrets.token_hex(RENDEZVOUS_SECRET_BYTES)
     if requested is not None and plan.restore.kind == pb.RESTORE_KIND_CHECKPOINT:
         status.restore_step = 0  # the operator's restore is planned
     # Progress rewinds when the ranks report the state they actually started

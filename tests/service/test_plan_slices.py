@@ -85,3 +85,39 @@ def test_a_1000_member_plan_reaches_each_member_in_at_most_1_kb(start_coordinato
         assert plans.node_starts(part)[entries[member_id].node_rank] == (
             entries[member_id].first_rank, 2)
         assert part.digest == hashlib.sha256(stored.value).digest()
+
+
+def test_only_the_members_a_plan_places_are_sent_its_rendezvous_secret():
+    from springback.service.planboard import Posted
+
+    plan = pb.Plan(job_id="j", generation=3, action=pb.PLAN_ACTION_RUN, world_size=2,
+                   rendezvous_secret="ab" * 16)
+    plan.members.add(member_id="m-a", host="10.0.0.1", node_rank=0, first_rank=0,
+                     num_local_ranks=2)
+    plan.spares.append("m-spare")
+    posted = Posted(plans.set_nodes(plan).SerializeToString(), 1)
+    assert posted.slice("m-a").rendezvous_secret == "ab" * 16
+    assert posted.slice("m-spare").rendezvous_secret == ""  # runs no rank of it
+    assert posted.slice("m-pending").rendezvous_secret == ""  # not in the plan at all
+    assert ws.WatchPlansResponse.FromString(posted.response("m-a")).plan.rendezvous_secret
+
+
+def test_every_generation_gets_a_fresh_128_bit_rendezvous_secret():
+    from springback.service.replan import Inputs, replan
+
+    job = pb.Job(id="j")
+    job.spec.min_workers, job.spec.max_workers = 1, 1
+    job.spec.data.num_samples, job.spec.data.global_batch_size = 64, 8
+    job.status.state = pb.JOB_STATE_RUNNING
+    members = [pb.Member(id="m-a", job_id="j", host="127.0.0.1", rendezvous_port=1,
+                         num_local_ranks=2)]
+    previous, secrets = None, []
+    for _ in range(3):
+        decision = replan(Inputs(job=job, previous=previous, previous_signature=None,
+                                 members=members, checkpoints=[], progress=None,
+                                 reason="test", force_generation=True))
+        previous = decision.plan
+        assert previous.action == pb.PLAN_ACTION_RUN, previous.reason
+        secrets.append(previous.rendezvous_secret)
+    assert all(len(s) == 32 and int(s, 16) >= 0 for s in secrets)
+    assert len(set(secrets)) == 3

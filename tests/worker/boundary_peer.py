@@ -15,7 +15,7 @@ SEEN = (5, 7, 6)  # rank 1 has seen the newest plan
 
 
 def main(rank: int, port: int) -> int:
-    form_group(job_id="boundary", generation=5, rank=rank, world_size=WORLD,
+    form_group(secret="", job_id="boundary", generation=5, rank=rank, world_size=WORLD,
                master_addr="127.0.0.1", master_port=port, backend="gloo",
                collective_timeout_s=20, rendezvous_timeout_s=30, superseded=lambda: False)
     boundary = StepBoundary(rank, WORLD)

@@ -30,7 +30,7 @@ def vote(boundary: StepBoundary, step: int):  # noqa: ANN201
 
 
 def main(rank: int, port: int) -> int:
-    form_group(job_id="broken-vote", generation=1, rank=rank, world_size=2,
+    form_group(secret="", job_id="broken-vote", generation=1, rank=rank, world_size=2,
                master_addr="127.0.0.1", master_port=port, backend="gloo",
                collective_timeout_s=30, rendezvous_timeout_s=30, superseded=lambda: False)
     boundary = StepBoundary(rank, 2)

@@ -17,7 +17,7 @@ from peerexit import exit_without_finalizing
 
 
 def main(rank: int, port: int) -> int:
-    store = form_group(job_id="leave", generation=1, rank=rank, world_size=2,
+    store = form_group(secret="", job_id="leave", generation=1, rank=rank, world_size=2,
                        master_addr="127.0.0.1", master_port=port, backend="gloo",
                        collective_timeout_s=30, rendezvous_timeout_s=30,
                        superseded=lambda: False)

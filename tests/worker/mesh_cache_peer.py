@@ -17,7 +17,7 @@ from peerexit import exit_without_finalizing
 def main(port: int) -> int:
     own = []
     for generation in (1, 2, 3):
-        form_group(job_id="mesh-cache", generation=generation, rank=0, world_size=1,
+        form_group(secret="", job_id="mesh-cache", generation=generation, rank=0, world_size=1,
                    master_addr="127.0.0.1", master_port=port, backend="gloo",
                    collective_timeout_s=5, rendezvous_timeout_s=30, superseded=lambda: False)
         mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("shard",))

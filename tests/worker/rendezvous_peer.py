@@ -12,7 +12,7 @@ from peerexit import exit_without_finalizing
 
 
 def main(rank: int, port: int, fail_first: bool) -> int:
-    common = {"job_id": "rdzv", "master_addr": "127.0.0.1", "master_port": port,
+    common = {"job_id": "rdzv", "secret": "", "master_addr": "127.0.0.1", "master_port": port,
               "backend": "gloo", "collective_timeout_s": 2, "rendezvous_timeout_s": 30,
               "superseded": lambda: False}
     if fail_first:

@@ -24,7 +24,7 @@ WORLD, STEPS = 2, 5
 
 
 def main(rank: int, port: int) -> int:
-    form_group(job_id="step-vote", generation=5, rank=rank, world_size=WORLD,
+    form_group(secret="", job_id="step-vote", generation=5, rank=rank, world_size=WORLD,
                master_addr="127.0.0.1", master_port=port, backend="gloo",
                collective_timeout_s=30, rendezvous_timeout_s=30, superseded=lambda: False)
     torch.manual_seed(0)

@@ -108,7 +108,8 @@ class Agent:
         # this socket. Restart mode: the agent's own store, whose torch import
         # runs beside the ranks' set-up.
         self._rendezvous: RendezvousStore | StoreSocket = (
-            RendezvousStore() if config.mode == "restart" else StoreSocket())
+            RendezvousStore(config.host) if config.mode == "restart"
+            else StoreSocket(config.host))
         self._workdir = tempfile.mkdtemp(prefix=f"springback-agent-{config.job_id}-")
         self._drain_reason: str | None = None
         self._drain_preempted = False  # the scheduler takes the node back (see request_drain)

@@ -14,8 +14,13 @@ Like torchrun's c10d rendezvous (``TORCHELASTIC_USE_AGENT_STORE=True``),
 each generation gets a fresh TCPStore server, hosted by the agent of node
 rank 0: MASTER_ADDR:MASTER_PORT name it, and ``init_process_group`` connects
 to it as a client. That agent publishes the port under
-``springback/<job>/g<generation>/restart-master-port`` of its long-lived
-rendezvous store (the plan's master address), where the other agents read it.
+``springback/<job>/g<generation>/<secret>/restart-master-port`` of its
+long-lived rendezvous store (the plan's master address; the secret is the
+plan's `rendezvous_secret`, so no party without the plan can point the other
+nodes' ranks at a store of its own), where the other agents read it. Both
+stores listen on the node's advertised address only (`startup.listen_on`).
+The generation's own store holds torch's keys, not under the secret: its
+port is random, but anyone who finds it can write there (docs/security.md).
 
 Failure semantics:
 
@@ -58,6 +63,7 @@ from springback.v1 import worker_service_pb2 as wpb
 from springback.client import plans
 from springback.client.polling import wait_until
 from springback.client import env as E
+from springback.worker.agent.startup import serve_store
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -114,8 +120,9 @@ class GenerationStores:
         self._hosted: dist.TCPStore | None = None  # node rank 0: this generation's server
         self._clients: dict[tuple[str, int], dist.TCPStore] = {}
 
-    def _key(self, generation: int) -> str:
-        return f"springback/{self._job_id}/g{generation}/restart-master-port"
+    def _key(self, plan: pb.Plan) -> str:
+        return plans.store_prefix(self._job_id, plan.generation, plan.rendezvous_secret) + (
+            "restart-master-port")
 
     def master_port(self, plan: pb.Plan, me: pb.PlanMember,
                     abandon: Callable[[], bool]) -> int | None:
@@ -126,10 +133,10 @@ class GenerationStores:
 
         if me.node_rank == 0:
             self._hosted = None  # the previous generation's server stops with it
-            self._hosted = dist.TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False)
-            self._agent_store.set(self._key(plan.generation), str(self._hosted.port))
+            self._hosted = serve_store(me.host)
+            self._agent_store.set(self._key(plan), str(self._hosted.port))
             return self._hosted.port
-        key = self._key(plan.generation)
+        key = self._key(plan)
 
         def published_port() -> int | None:
             try:

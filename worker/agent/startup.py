@@ -18,6 +18,7 @@ background thread while the ranks start.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
 import socket
@@ -169,14 +170,79 @@ def check_nnodes(job: pb.Job, nnodes: tuple[int, int] | None) -> None:
             f"`springback job scale {job.id} --min {lo} --max {hi}` or drop --nnodes")
 
 
+def listen_on(host: str) -> socket.socket:
+    """A listening TCP socket on port 0 of the node's advertised address
+    `host` (the address its peers reach it at), so the rendezvous store it
+    serves is not reachable through the node's other interfaces. torch's
+    TCPStore has no listen-address option (torch 2.13: its server binds every
+    interface), but takes a socket that is already listening
+    (``master_listen_fd``), which is how both modes serve it.
+
+    Falls back to every interface (dual-stack where the host has IPv6), with
+    a warning, when `host` is not an IP address literal (a name may resolve
+    to several addresses, not all of them this node's) or not one of this
+    node's addresses (behind NAT, or a service address): the ranks reach the
+    store at `host` either way. Raises OSError only when no socket at all can
+    be created."""
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        address = None
+    if address is not None:
+        family = socket.AF_INET6 if address.version == 6 else socket.AF_INET
+        try:
+            return socket.create_server((str(address), 0), family=family,
+                                        backlog=socket.SOMAXCONN)
+        except OSError as e:
+            why = f"{host} is not an address of this node ({e.strerror})"
+    else:
+        why = f"{host!r} is not an IP address"
+    log.warning("the rendezvous store listens on every interface: %s (docs/security.md)", why)
+    if socket.has_dualstack_ipv6():
+        return socket.create_server(("", 0), family=socket.AF_INET6, dualstack_ipv6=True,
+                                    backlog=socket.SOMAXCONN)
+    return socket.create_server(("0.0.0.0", 0), backlog=socket.SOMAXCONN)
+
+
+def serve_store(host: str) -> Any:
+    """A TCPStore server on port 0 of `host` (`listen_on`). The store owns
+    the listening socket from then on (torch closes it when the store is
+    destroyed, so Python must not: a second close could hit a reused fd).
+    Raises what TCPStore raises."""
+    import torch.distributed as dist
+
+    listening = listen_on(host)
+    address, port = self_address(listening), listening.getsockname()[1]
+    fd = listening.detach()
+    try:
+        return dist.TCPStore(address, port, is_master=True, wait_for_workers=False,
+                             master_listen_fd=fd)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def self_address(listening: socket.socket) -> str:
+    """Where a process on this node reaches the store listening on
+    `listening`: its own address, or loopback for a wildcard socket."""
+    host = listening.getsockname()[0]
+    if host in ("", "0.0.0.0"):
+        return "127.0.0.1"
+    if host == "::":
+        v6_only = listening.getsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY)
+        return "::1" if v6_only else "127.0.0.1"
+    return host
+
+
 class RendezvousStore:
     """Restart mode: the node's rendezvous store, a TCPStore server on port 0
-    (all interfaces) in the agent, created in a background thread from
+    of `host` (`listen_on`) in the agent, created in a background thread from
     construction on.
     `get` blocks until it exists; raises RuntimeError (with the cause) when it
     could not be created. `close` drops it (its server stops with it)."""
 
-    def __init__(self) -> None:
+    def __init__(self, host: str) -> None:
+        self._host = host
         self._ready = threading.Event()
         self._store: Any = None
         self._error: BaseException | None = None
@@ -184,9 +250,7 @@ class RendezvousStore:
 
     def _create(self) -> None:
         try:
-            import torch.distributed as dist
-
-            self._store = dist.TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False)
+            self._store = serve_store(self._host)
         except BaseException as e:  # noqa: BLE001 - handed to the caller of get()
             self._error = e
         finally:
@@ -204,7 +268,7 @@ class RendezvousStore:
 
 class StoreSocket:
     """The node's rendezvous address in library mode: a listening TCP socket
-    on port 0 (all interfaces; dual-stack where the host has IPv6), held for
+    on port 0 of the node's advertised address `host` (`listen_on`), held for
     the agent's life and inherited by every rank process (`fd`, as
     ``SPRINGBACK_STORE_FD``). The process of local rank 0 serves the TCPStore
     on it. Connections made while no process serves (the first rank still
@@ -212,12 +276,8 @@ class StoreSocket:
     activated) wait in the socket's backlog instead of being refused, and are
     served once the next process of local rank 0 takes over. No torch here."""
 
-    def __init__(self) -> None:
-        if socket.has_dualstack_ipv6():
-            self._socket = socket.create_server(("", 0), family=socket.AF_INET6,
-                                                dualstack_ipv6=True, backlog=socket.SOMAXCONN)
-        else:
-            self._socket = socket.create_server(("0.0.0.0", 0), backlog=socket.SOMAXCONN)
+    def __init__(self, host: str) -> None:
+        self._socket = listen_on(host)
         self.port: int = self._socket.getsockname()[1]
         self.fd: int = self._socket.fileno()
 

@@ -5,9 +5,15 @@ store as ``master_addr:master_port``. In library mode the agent only holds the
 store's listening socket and the process of its local rank 0 serves the
 TCPStore on it (`host_node_store`): the agent needs no torch, and a crashed
 local rank 0's replacement serves at the same address (the store's contents
-die with the crashed process; every generation meets under keys of its own). A generation's ranks meet under the key
-prefix ``springback/<job>/g<generation>/`` of that store, so stale ranks of an
-older generation can never mix with the current one.
+die with the crashed process; every generation meets under keys of its own).
+A generation's ranks meet under the key prefix
+``springback/<job>/g<generation>/<secret>/`` of that store (`key_prefix`),
+where the secret is the plan's `rendezvous_secret`: 128 random bits new with
+every generation, sent only to the members the plan places. Stale ranks of an
+older generation can never mix with the current one, and a party without the
+plan, which may well reach the store (it takes any connection), can neither
+find the generation's keys nor write any the generation reads
+(docs/security.md).
 
 Ranks first count themselves in with an *arrival barrier* polled on the store:
 it waits up to the rendezvous timeout (slow starters: a restarted rank imports
@@ -20,7 +26,11 @@ Once the group is connected every rank publishes the local addresses of its
 sockets under the generation's prefix and reads its peers': gloo's error for
 a peer whose process died ("connection closed by peer [ip]:port") then names
 the peer's rank (`lost_peer_rank`), which the coordinator takes as evidence
-that the peer's node is gone (service/evidence.py).
+that the peer's node is gone (service/evidence.py). What a peer publishes is
+checked against this rank's own connections: only an address that is the far
+end of one of them is taken, and one that two ranks claim, or that is this
+rank's own, is refused and logged (`_publish_endpoints`), so a wrong entry
+cannot make the coordinator fence a live peer's node.
 
 Tearing a gloo group down has a trap: a gloo worker thread that finished a
 collective on tensors Python also knows releases them under the GIL, and the
@@ -58,6 +68,7 @@ from collections.abc import Callable, Container
 import torch
 import torch.distributed as dist
 
+from springback.client import plans
 from springback.client.polling import wait_until
 
 log = logging.getLogger(__name__)
@@ -76,11 +87,14 @@ def host_node_store(fd: int) -> None:
     if _node_store is not None:
         return
     with socket.socket(fileno=os.dup(fd)) as listening:
-        port = listening.getsockname()[1]
+        host, port = listening.getsockname()[:2]
         v6_only = (listening.family == socket.AF_INET6
                    and listening.getsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY))
-    # the server's own client connects to it through this address
-    _node_store = dist.TCPStore("::1" if v6_only else "127.0.0.1", port, is_master=True,
+    # the server's own client connects to it through this address: the one
+    # the agent bound (its advertised address), or loopback for a wildcard
+    if host in ("", "0.0.0.0", "::"):
+        host = "::1" if v6_only else "127.0.0.1"
+    _node_store = dist.TCPStore(host, port, is_master=True,
                                 master_listen_fd=fd, wait_for_workers=False)
     log.info("serving the node's rendezvous store on port %d", port)
 
@@ -131,12 +145,23 @@ def _connect(host: str, port: int, deadline: float,
     raise RendezvousAborted(f"rendezvous store {host}:{port} unreachable: {last}")
 
 
-def form_group(*, job_id: str, generation: int, rank: int, world_size: int,
+def key_prefix(job_id: str, generation: int, secret: str) -> str:
+    """`plans.store_prefix`, warning when the plan carries no secret."""
+    if not secret:
+        log.warning("generation %d's plan carries no rendezvous secret (a coordinator older "
+                    "than Plan.rendezvous_secret): its store keys are predictable", generation)
+    return plans.store_prefix(job_id, generation, secret)
+
+
+def form_group(*, job_id: str, generation: int, secret: str, rank: int, world_size: int,
                master_addr: str, master_port: int, backend: str,
                collective_timeout_s: float, rendezvous_timeout_s: float,
                superseded: Callable[[], bool]) -> dist.Store:
     """Initialises the default process group for one generation; returns
     the generation's own store (keys under it are this generation's only).
+    Every key lies under `key_prefix` (`secret`: the plan's
+    `rendezvous_secret`; ranks given different secrets never meet: each
+    waits out the deadline).
 
     Blocks until all `world_size` ranks arrived (up to `rendezvous_timeout_s`).
     Raises RendezvousAborted when `superseded()` turns true or the deadline
@@ -144,8 +169,9 @@ def form_group(*, job_id: str, generation: int, rank: int, world_size: int,
     `leave_group` before forming the next generation's group.
     """
     deadline = time.monotonic() + rendezvous_timeout_s
+    namespace = key_prefix(job_id, generation, secret)
     store = _connect(master_addr, master_port, deadline, superseded)
-    prefix = dist.PrefixStore(f"springback/{job_id}/g{generation}/", store)
+    prefix = dist.PrefixStore(namespace, store)
     prefix.add("arrived", 1)
     if not wait_until(lambda: prefix.add("arrived", 0) >= world_size, interval_s=0.01,
                       timeout_s=deadline - time.monotonic(), abandon=superseded):
@@ -240,11 +266,6 @@ _COLLECTIVE_ERROR_MARKERS = (
 
 
 _endpoint_ranks: dict[str, int] = {}  # "ip:port" of a peer's socket -> its rank
-
-
-def _own_endpoints() -> list[str]:
-    """The local addresses ("ip:port") of this process's TCP sockets (Linux /proc)."""
-    return [local for _, local, _ in _connections(_socket_fds())]
 
 
 def _socket_fds() -> dict[int, int]:
@@ -346,14 +367,38 @@ def note_subgroup_endpoints(store: dist.Store, rank: int, world_size: int) -> No
 
 
 def _publish_endpoints(store: dist.Store, key: str, rank: int, world_size: int) -> None:
-    store.set(f"{key}/{rank}", json.dumps(_own_endpoints()))
+    """Publishes this rank's sockets' local addresses and records its peers':
+    only those that are the far end of one of this rank's own connections
+    (all a "closed by peer [ip]:port" error can name). An address claimed by
+    two peers, or one of this rank's own, is refused and logged (an entry no
+    member of the generation wrote), and not recorded for either."""
+    connections = _connections(_socket_fds())
+    own = {local for _, local, _ in connections}
+    known = own | {far for _, _, far in connections}
+    store.set(f"{key}/{rank}", json.dumps(sorted(own)))
     peers = [r for r in range(world_size) if r != rank]
     if not peers:
         return
+    claims: dict[str, set[int]] = {}
     for peer, raw in zip(peers, store.multi_get([f"{key}/{r}" for r in peers]),
                          strict=True):
-        for endpoint in json.loads(bytes(raw).decode()):
-            _endpoint_ranks[endpoint] = peer
+        try:
+            published = json.loads(bytes(raw).decode())
+        except ValueError:
+            log.error("rank %d's published %s is not JSON: refused", peer, key)
+            continue
+        if not isinstance(published, list):
+            log.error("rank %d's published %s is not a list: refused", peer, key)
+            continue
+        for endpoint in published:
+            if isinstance(endpoint, str) and endpoint in known:
+                claims.setdefault(endpoint, set()).add(peer)
+    for endpoint, claimants in claims.items():
+        if endpoint in own or len(claimants) > 1:
+            log.warning("refused %s %s claimed by ranks %s%s", key, endpoint, sorted(claimants),
+                      " (this rank's own address)" if endpoint in own else "")
+            continue
+        _endpoint_ranks[endpoint] = next(iter(claimants))
 
 
 _PEER_GONE = re.compile(r"(?:Connection (?:closed|reset) by peer|Broken pipe).*?"

@@ -69,6 +69,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import secrets
 import time
 from collections.abc import Callable, Collection, Iterator
 from typing import Any
@@ -205,7 +206,8 @@ class Session:
                                                wait_for_workers=False)
         plan = pb.Plan(job_id="standalone", generation=1, action=pb.PLAN_ACTION_RUN,
                        world_size=1, master_addr="127.0.0.1",
-                       master_port=self._standalone_store.port)
+                       master_port=self._standalone_store.port,
+                       rendezvous_secret=secrets.token_hex(16))
         plan.members.add(member_id="", node_rank=0, first_rank=0, num_local_ranks=1)
         plans.set_nodes(plan)
         plan.spec.data.num_samples = n
@@ -308,7 +310,8 @@ class Session:
             return latest is not None and latest.generation > plan.generation
 
         try:
-            store = form_group(job_id=plan.job_id, generation=plan.generation, rank=rank,
+            store = form_group(job_id=plan.job_id, generation=plan.generation,
+                       secret=plan.rendezvous_secret, rank=rank,
                        world_size=plan.world_size, master_addr=plan.master_addr,
                        master_port=plan.master_port, backend=self.backend,
                        collective_timeout_s=self.env.collective_timeout_s,

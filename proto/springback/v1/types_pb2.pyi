@@ -382,7 +382,7 @@ class RestoreSource(_message.Message):
     def __init__(self, kind: _Optional[_Union[RestoreKind, str]] = ..., source_rank: _Optional[int] = ..., checkpoint: _Optional[_Union[CheckpointRef, _Mapping]] = ...) -> None: ...
 
 class Plan(_message.Message):
-    __slots__ = ("job_id", "generation", "action", "world_size", "members", "spares", "layout", "master_addr", "master_port", "cursor", "step", "restore", "spec", "reason", "created_at", "nodes", "num_spares", "digest")
+    __slots__ = ("job_id", "generation", "action", "world_size", "members", "spares", "layout", "master_addr", "master_port", "cursor", "step", "restore", "spec", "reason", "created_at", "nodes", "num_spares", "digest", "rendezvous_secret")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     ACTION_FIELD_NUMBER: _ClassVar[int]
@@ -401,6 +401,7 @@ class Plan(_message.Message):
     NODES_FIELD_NUMBER: _ClassVar[int]
     NUM_SPARES_FIELD_NUMBER: _ClassVar[int]
     DIGEST_FIELD_NUMBER: _ClassVar[int]
+    RENDEZVOUS_SECRET_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     generation: int
     action: PlanAction
@@ -419,7 +420,8 @@ class Plan(_message.Message):
     nodes: _containers.RepeatedCompositeFieldContainer[NodeRun]
     num_spares: int
     digest: bytes
-    def __init__(self, job_id: _Optional[str] = ..., generation: _Optional[int] = ..., action: _Optional[_Union[PlanAction, str]] = ..., world_size: _Optional[int] = ..., members: _Optional[_Iterable[_Union[PlanMember, _Mapping]]] = ..., spares: _Optional[_Iterable[str]] = ..., layout: _Optional[_Union[ParallelLayout, _Mapping]] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., cursor: _Optional[_Union[DataCursor, _Mapping]] = ..., step: _Optional[int] = ..., restore: _Optional[_Union[RestoreSource, _Mapping]] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., reason: _Optional[str] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., nodes: _Optional[_Iterable[_Union[NodeRun, _Mapping]]] = ..., num_spares: _Optional[int] = ..., digest: _Optional[bytes] = ...) -> None: ...
+    rendezvous_secret: str
+    def __init__(self, job_id: _Optional[str] = ..., generation: _Optional[int] = ..., action: _Optional[_Union[PlanAction, str]] = ..., world_size: _Optional[int] = ..., members: _Optional[_Iterable[_Union[PlanMember, _Mapping]]] = ..., spares: _Optional[_Iterable[str]] = ..., layout: _Optional[_Union[ParallelLayout, _Mapping]] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., cursor: _Optional[_Union[DataCursor, _Mapping]] = ..., step: _Optional[int] = ..., restore: _Optional[_Union[RestoreSource, _Mapping]] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., reason: _Optional[str] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., nodes: _Optional[_Iterable[_Union[NodeRun, _Mapping]]] = ..., num_spares: _Optional[int] = ..., digest: _Optional[bytes] = ..., rendezvous_secret: _Optional[str] = ...) -> None: ...
 
 class NodeRun(_message.Message):
     __slots__ = ("num_nodes", "num_local_ranks")
