@@ -26,13 +26,11 @@ import grpc
 from etcd3 import etcdrpc
 from etcd3.etcdrpc import auth_pb2
 
+from springback.client import env as E
 from springback.client.polling import wait_until
 from springback.client.errors import StoreUnavailable
 from springback.service import keys
 from springback.service.store import EtcdSecurity, Store, StoreDenied
-
-ENV_ETCD = "SPRINGBACK_ETCD"
-"""Path of the etcd binary (default: `etcd` on PATH)."""
 
 
 class EtcdNotFound(RuntimeError):
@@ -40,11 +38,11 @@ class EtcdNotFound(RuntimeError):
 
 
 def etcd_binary() -> str:
-    path = os.environ.get(ENV_ETCD) or shutil.which("etcd")
+    path = os.environ.get(E.ETCD) or shutil.which("etcd")
     if not path or not os.access(path, os.X_OK):
         raise EtcdNotFound(
             "no etcd binary: install one (Debian: apt-get install etcd-server) or set "
-            f"{ENV_ETCD} to its path"
+            f"{E.ETCD} to its path"
         )
     return path
 

@@ -30,7 +30,6 @@ from springback import __version__
 from springback.service import logs
 from springback.service.pacing import DEFAULT_BUDGET_PER_S
 from springback.client import env
-from springback.client.channel import ENV_COORDINATOR, ENV_TOKEN
 from springback.cli.history import add_job_commands, history_if_finished
 from springback.cli.slurm import add_slurm_command
 from springback.client.summary import job_summary
@@ -41,10 +40,6 @@ from springback.v1 import types_pb2 as pb
 if TYPE_CHECKING:
     from springback.service.store import EtcdSecurity
 
-ENV_VIEWER_TOKEN = "SPRINGBACK_VIEWER_TOKEN"
-"""The coordinator's read-only token (`--viewer-token`)."""
-ENV_TOKEN_FILE = env.TOKEN_FILE
-"""A file whose first line is the token (`--token-file`)."""
 
 ETCD_CREDENTIALS_DIR = "etcd-credentials"
 """`springback up`'s etcd credentials, under its --state-dir (0700, files 0600)."""
@@ -74,7 +69,7 @@ def _resolve_token(args: argparse.Namespace, argv: Sequence[str]) -> None:
     if on_command_line:
         log.warning("--token on the command line is visible to every local user "
                     "(/proc/*/cmdline, ps): use --token-file or $%s (or $%s)",
-                    ENV_TOKEN_FILE, ENV_TOKEN)
+                    env.TOKEN_FILE, env.TOKEN)
     token_file = getattr(args, "token_file", None)
     if token_file:
         if on_command_line:
@@ -286,7 +281,7 @@ def _up_command(args: argparse.Namespace) -> int:
     print(f"coordinator {server.address}")
     if server.metrics_address:
         print(f"metrics     http://{server.metrics_address}/metrics")
-    print(f"export {ENV_COORDINATOR}={server.address}", flush=True)
+    print(f"export {env.COORDINATOR}={server.address}", flush=True)
 
     def stop() -> None:
         server.stop()
@@ -298,15 +293,15 @@ def _up_command(args: argparse.Namespace) -> int:
 
 def _add_global(parser: argparse.ArgumentParser, suppress: bool) -> None:
     default: Callable[[Any], Any] = (lambda _: argparse.SUPPRESS) if suppress else (lambda v: v)
-    parser.add_argument("--coordinator", default=default(os.environ.get(ENV_COORDINATOR)),
-                        help=f"coordinator address(es), comma-separated (${ENV_COORDINATOR})")
-    parser.add_argument("--token", default=default(os.environ.get(ENV_TOKEN)),
-                        help=f"bearer token (${ENV_TOKEN}); on the command line every local "
+    parser.add_argument("--coordinator", default=default(os.environ.get(env.COORDINATOR)),
+                        help=f"coordinator address(es), comma-separated (${env.COORDINATOR})")
+    parser.add_argument("--token", default=default(os.environ.get(env.TOKEN)),
+                        help=f"bearer token (${env.TOKEN}); on the command line every local "
                              "user can read it: prefer --token-file")
     parser.add_argument("--token-file", metavar="FILE",
-                        default=default(os.environ.get(ENV_TOKEN_FILE) or None),
-                        help=f"file whose first line is the bearer token (${ENV_TOKEN_FILE}); "
-                             f"wins over ${ENV_TOKEN}")
+                        default=default(os.environ.get(env.TOKEN_FILE) or None),
+                        help=f"file whose first line is the bearer token (${env.TOKEN_FILE}); "
+                             f"wins over ${env.TOKEN}")
     parser.add_argument("--json", action="store_true", default=default(False),
                         help="machine-readable output")
 
@@ -325,8 +320,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--etcd-port", type=int, default=2379)
     up.add_argument("--liveness-timeout-s", type=float, default=5.0)
     up.add_argument("--metrics-listen", help="HOST:PORT for Prometheus /metrics")
-    up.add_argument("--viewer-token", default=os.environ.get(ENV_VIEWER_TOKEN) or None,
-                    help=f"a read-only token: job reads and the dashboard (or {ENV_VIEWER_TOKEN})")
+    up.add_argument("--viewer-token", default=os.environ.get(env.VIEWER_TOKEN) or None,
+                    help=f"a read-only token: job reads and the dashboard (or {env.VIEWER_TOKEN})")
     up.add_argument("--insecure", action="store_true",
                     help="allow a --listen other hosts can reach without --token")
     up.set_defaults(handler=_up_command)
@@ -342,8 +337,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="file holding --etcd-user's password (first line)")
     coord.add_argument("--listen", default="127.0.0.1:7070")
     coord.add_argument("--advertise", help="address other replicas reach this one at")
-    coord.add_argument("--viewer-token", default=os.environ.get(ENV_VIEWER_TOKEN) or None,
-                       help=f"a read-only token: job reads and the dashboard (or {ENV_VIEWER_TOKEN})")
+    coord.add_argument("--viewer-token", default=os.environ.get(env.VIEWER_TOKEN) or None,
+                       help=f"a read-only token: job reads and the dashboard (or {env.VIEWER_TOKEN})")
     coord.add_argument("--insecure", action="store_true",
                        help="allow a --listen other hosts can reach without --token")
     coord.add_argument("--tls-cert")

@@ -39,16 +39,12 @@ from typing import Any
 
 import grpc
 
-from springback.client.api import ApiError, Client
-from springback.client.channel import ENV_COORDINATOR, ENV_TOKEN
 from springback.client import env as E
+from springback.client.api import ApiError, Client
 from springback.v1 import types_pb2 as pb
 
 ENDED = (pb.JOB_STATE_SUCCEEDED, pb.JOB_STATE_FAILED, pb.JOB_STATE_CANCELLED)
 TRANSIENT = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
-ENV_JOB = "SPRINGBACK_JOB"
-"""Set by the keeper in the environment it submits with (sbatch exports it to
-the job): the job id, for a ``--script`` that runs ``springback run --job "$SPRINGBACK_JOB"``."""
 SLURM_TIMEOUT_S = 30.0
 """Deadline of one ``sbatch``, ``squeue`` or ``scancel`` call."""
 
@@ -227,10 +223,10 @@ class Keeper:
         keeper's own token or token file."""
         env = dict(self._env)
         env.pop(E.TOKEN_FILE, None)
-        env.pop(ENV_TOKEN, None)
-        env[ENV_JOB] = self.config.job
+        env.pop(E.TOKEN, None)
+        env[E.JOB] = self.config.job
         if self._coordinator:
-            env[ENV_COORDINATOR] = self._coordinator
+            env[E.COORDINATOR] = self._coordinator
         if self._credential is None:
             try:
                 self._credential = self._client.issue_join_credential(self.config.job)
@@ -239,7 +235,7 @@ class Keeper:
                     raise
                 self._credential = ""  # the coordinator has no token: agents need none
         if self._credential:
-            env[ENV_TOKEN] = self._credential
+            env[E.TOKEN] = self._credential
         return env
 
     def _submit(self, live: int, target: int) -> None:
@@ -341,7 +337,7 @@ def keep_command(args: argparse.Namespace, client: Callable[[argparse.Namespace]
         print(json.dumps({"action": d.action, "live": d.live, "target": d.target,
                           "detail": d.detail}) if args.json else d.line(), flush=True)
 
-    coordinator = args.coordinator or os.environ.get(ENV_COORDINATOR)
+    coordinator = args.coordinator or os.environ.get(E.COORDINATOR)
     with client(args) as api:
         keeper = Keeper(config, api, coordinator, report)
         for sig in (signal.SIGTERM, signal.SIGINT):

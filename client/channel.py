@@ -25,16 +25,8 @@ from collections.abc import Callable, Sequence
 
 import grpc
 
-ENV_COORDINATOR = "SPRINGBACK_COORDINATOR"
-"""Comma-separated coordinator addresses (HOST:PORT,…)."""
-ENV_TOKEN = "SPRINGBACK_TOKEN"
-"""Bearer token sent on every call."""
-ENV_TLS_CA = "SPRINGBACK_TLS_CA"
-"""PEM file of the CA that signed the coordinator's certificate (enables TLS)."""
-ENV_TLS_CERT = "SPRINGBACK_TLS_CERT"
-"""PEM client certificate, for mTLS."""
-ENV_TLS_KEY = "SPRINGBACK_TLS_KEY"
-"""PEM client key, for mTLS."""
+from springback.client import env as E
+
 
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 """Send/receive limit on both sides; a plan for 10,000 members fits well within it."""
@@ -101,13 +93,13 @@ def parse_addresses(value: str | Sequence[str] | None) -> list[str]:
     Raises ValueError naming the variable when nothing is configured.
     """
     if value is None:
-        value = os.environ.get(ENV_COORDINATOR, "")
+        value = os.environ.get(E.COORDINATOR, "")
     if isinstance(value, str):
         value = value.split(",")
     addresses = [a.strip() for a in value if a.strip()]
     if not addresses:
         raise ValueError(
-            f"no coordinator address: pass --coordinator HOST:PORT or set {ENV_COORDINATOR}"
+            f"no coordinator address: pass --coordinator HOST:PORT or set {E.COORDINATOR}"
         )
     for address in addresses:
         host, _, port = address.rpartition(":")
@@ -163,10 +155,10 @@ def connect(
     environment variables. The channel connects lazily: this never blocks.
     """
     target = _addresses_target(parse_addresses(addresses))
-    token = token if token is not None else os.environ.get(ENV_TOKEN) or None
-    tls_ca = tls_ca or os.environ.get(ENV_TLS_CA)
-    tls_cert = tls_cert or os.environ.get(ENV_TLS_CERT)
-    tls_key = tls_key or os.environ.get(ENV_TLS_KEY)
+    token = token if token is not None else os.environ.get(E.TOKEN) or None
+    tls_ca = tls_ca or os.environ.get(E.TLS_CA)
+    tls_cert = tls_cert or os.environ.get(E.TLS_CERT)
+    tls_key = tls_key or os.environ.get(E.TLS_KEY)
     options = [
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),

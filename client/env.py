@@ -1,6 +1,8 @@
-"""Environment variables shared by the node agent and the training library.
+"""Every environment variable Springback reads or sets, by name (no other
+module spells a ``SPRINGBACK_*`` name).
 
-The agent (`springback run`) sets these for every local rank it spawns; the
+The first part is the contract between the node agent and the training
+library. The agent (`springback run`) sets these for every local rank it spawns; the
 library (`springback.worker.Session`) reads them. They are the only contract
 between the two processes besides the control directory (see `control.py`).
 In restart mode (`restart.py`) a rank lives for one generation and gets
@@ -75,10 +77,38 @@ on the same socket, so the store's address never changes for the agent's life.""
 METRICS_FILE = "SPRINGBACK_METRICS_FILE"
 """When set, global rank 0 appends one JSON line per step and per generation here."""
 CHECKPOINT_URI = "SPRINGBACK_CHECKPOINT_URI"
-"""Restart mode: the job spec's ``checkpoint.uri``, read by `springback.storage.resume`
-(which names it ``ENV_CHECKPOINT_URI``; storage does not import the worker)."""
+"""Restart mode: the job spec's ``checkpoint.uri``, read by `springback.storage.resume`."""
 RESTORE_MAX_STEP = "SPRINGBACK_RESTORE_MAX_STEP"
-"""Restart mode, when the plan names a checkpoint: the newest step the helper may restore."""
+"""Set by the agent when the generation's plan names a checkpoint (an
+operator's ``job restore --step N``, or the newest commit): `storage.resume`
+restores the newest intact commit at or below that step."""
+
+# read by the CLI, the Python client and the coordinator
+TLS_CA = "SPRINGBACK_TLS_CA"
+"""PEM file of the CA that signed the coordinator's certificate (enables TLS)."""
+TLS_CERT = "SPRINGBACK_TLS_CERT"
+"""PEM client certificate, for mTLS."""
+TLS_KEY = "SPRINGBACK_TLS_KEY"
+"""PEM client key, for mTLS."""
+VIEWER_TOKEN = "SPRINGBACK_VIEWER_TOKEN"
+"""The coordinator's read-only token (`--viewer-token`)."""
+JOB = "SPRINGBACK_JOB"
+"""Set by the Slurm keeper in the environment it submits with (sbatch exports it to
+the job): the job id, for a ``--script`` that runs ``springback run --job "$SPRINGBACK_JOB"``."""
+ETCD = "SPRINGBACK_ETCD"
+"""Path of the etcd binary `springback up` and the local cluster run (default: `etcd` on PATH)."""
+HOST = "SPRINGBACK_HOST"
+"""`springback run --host`: the address this node's agent advertises to its peers."""
+LOG_LEVEL = "SPRINGBACK_LOG_LEVEL"
+"""Log level of the coordinator and the agent (as ``logging``'s names)."""
+LOG_FORMAT = "SPRINGBACK_LOG_FORMAT"
+"""``json`` for one JSON object per log line."""
+S3_ENDPOINT_URL = "SPRINGBACK_S3_ENDPOINT_URL"
+"""Endpoint URL of an S3-compatible store (e.g. MinIO, moto) for ``s3://`` URIs."""
+STORAGE_MAX_ATTEMPTS = "SPRINGBACK_STORAGE_MAX_ATTEMPTS"
+"""`storage.retry.RetryPolicy.max_attempts` of every store a process makes by default."""
+STORAGE_DEADLINE_S = "SPRINGBACK_STORAGE_DEADLINE_S"
+"""`storage.retry.RetryPolicy.deadline_s` of every store a process makes by default."""
 
 
 def _float(name: str, default: float) -> float:

@@ -11,8 +11,7 @@ import json
 import logging
 import os
 
-ENV_LOG_LEVEL = "SPRINGBACK_LOG_LEVEL"
-ENV_LOG_FORMAT = "SPRINGBACK_LOG_FORMAT"
+from springback.client import env as E
 
 
 class JsonFormatter(logging.Formatter):
@@ -32,10 +31,10 @@ class JsonFormatter(logging.Formatter):
 def configure() -> None:
     """Configures the root logger from the environment (idempotent)."""
     handler = logging.StreamHandler()
-    if os.environ.get(ENV_LOG_FORMAT, "").lower() == "json":
+    if os.environ.get(E.LOG_FORMAT, "").lower() == "json":
         handler.setFormatter(JsonFormatter())
     else:
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger()
     root.handlers[:] = [handler]
-    root.setLevel(os.environ.get(ENV_LOG_LEVEL, "WARNING").upper())
+    root.setLevel(os.environ.get(E.LOG_LEVEL, "WARNING").upper())

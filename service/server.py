@@ -37,6 +37,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from springback.client import env as E
 from springback.client import metrics
 from springback.client.channel import MAX_MESSAGE_BYTES, read_file
 from springback.client.polling import wait_until
@@ -136,7 +137,7 @@ class CoordinatorConfig:
             raise ValueError(
                 f"listen: {self.listen!r} is reachable from other hosts and the coordinator has "
                 "no token, so anyone who reaches it could control every job: give --token (or "
-                "SPRINGBACK_TOKEN), listen on 127.0.0.1, or pass --insecure to accept that")
+                f"{E.TOKEN}), listen on 127.0.0.1, or pass --insecure to accept that")
         if self.metrics_listen is not None:
             metrics_host, _, metrics_port = self.metrics_listen.rpartition(":")
             if not metrics_host or not metrics_port.isdigit():

@@ -67,10 +67,9 @@ from springback.storage.restore import (
 )
 from springback.storage.resume import RestartCheckpoints  # noqa: F401 (restart mode's helper)
 from springback.storage.retry import RetryPolicy
-from springback.storage.store import ENV_S3_ENDPOINT_URL, ObjectStore
+from springback.storage.store import ObjectStore
 
 __all__ = [
-    "ENV_S3_ENDPOINT_URL",
     "CheckpointExists",
     "CheckpointInfo",
     "CheckpointMismatch",

@@ -45,21 +45,13 @@ from typing import Any
 
 import torch
 
+from springback.client import env as E
 from springback.storage.checkpointer import Checkpointer, CommitInfo
 from springback.storage.errors import CheckpointNotFound
 from springback.storage.restore import model_state_dict, restore_model
 
 log = logging.getLogger(__name__)
 
-# The same names as in springback.client.env (storage does not import the worker).
-ENV_CHECKPOINT_URI = "SPRINGBACK_CHECKPOINT_URI"
-"""Set by the agent in restart mode: the job spec's ``checkpoint.uri``."""
-ENV_RESTORE_MAX_STEP = "SPRINGBACK_RESTORE_MAX_STEP"
-"""Set by the agent when the generation's plan names a checkpoint (an
-operator's ``job restore --step N``, or the newest commit): `restore` takes
-the newest intact commit at or below that step."""
-ENV_CONTROL_DIR = "SPRINGBACK_CONTROL_DIR"
-ENV_GENERATION = "SPRINGBACK_GENERATION"
 PROGRESS_FILE = "progress.json"
 CLOSE_TIMEOUT_S = 120.0
 
@@ -113,8 +105,8 @@ def _rank_world() -> tuple[int, int]:
 def current_generation() -> int:
     """The agent's generation, else torchrun's restart count + 1, else 1: a
     restarted run never writes into the directories of an earlier attempt."""
-    if os.environ.get(ENV_GENERATION):
-        return int(os.environ[ENV_GENERATION])
+    if os.environ.get(E.GENERATION):
+        return int(os.environ[E.GENERATION])
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) + 1
 
 
@@ -129,9 +121,9 @@ class RestartCheckpoints:
 
     def __init__(self, uri: str | None = None, *, every_steps: int = 0,
                  storage_options: dict[str, Any] | None = None) -> None:
-        uri = uri or os.environ.get(ENV_CHECKPOINT_URI, "")
+        uri = uri or os.environ.get(E.CHECKPOINT_URI, "")
         if not uri:
-            raise ValueError(f"RestartCheckpoints: pass uri= or set ${ENV_CHECKPOINT_URI} "
+            raise ValueError(f"RestartCheckpoints: pass uri= or set ${E.CHECKPOINT_URI} "
                              "(the agent sets it from the job spec's checkpoint.uri)")
         if every_steps < 0:
             raise ValueError(f"RestartCheckpoints: every_steps must be >= 0, got {every_steps}")
@@ -140,7 +132,7 @@ class RestartCheckpoints:
         self.rank, self.world_size = _rank_world()
         self.generation = current_generation()
         self._storage_options = storage_options
-        self._control_dir = os.environ.get(ENV_CONTROL_DIR, "") if self.rank == 0 else ""
+        self._control_dir = os.environ.get(E.CONTROL_DIR, "") if self.rank == 0 else ""
         self._progress = Progress(generation=self.generation, step=0)
         self._lock = threading.Lock()  # the commit thread reports too
         self._ckpt = Checkpointer(uri, rank=self.rank, world_size=self.world_size,
@@ -158,8 +150,8 @@ class RestartCheckpoints:
         names) and returns its step; 0 (state untouched) when nothing is
         committed. Collective; raises `CorruptCheckpoint` when every candidate
         is damaged, `CheckpointMismatch` when it lacks an `extra_state` entry."""
-        max_step = int(os.environ[ENV_RESTORE_MAX_STEP]) if os.environ.get(
-            ENV_RESTORE_MAX_STEP) else None
+        max_step = int(os.environ[E.RESTORE_MAX_STEP]) if os.environ.get(
+            E.RESTORE_MAX_STEP) else None
         try:
             result = restore_model(self.uri, model, optimizer, extra_state=extra_state,
                                    max_step=max_step, storage_options=self._storage_options)

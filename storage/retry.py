@@ -44,6 +44,7 @@ from typing import TypeVar
 
 import tenacity
 
+from springback.client import env as E
 from springback.storage.errors import TransientReadError, TransientStorageError
 
 log = logging.getLogger(__name__)
@@ -140,12 +141,6 @@ def is_transient(exc: BaseException, *, _depth: int = 0) -> bool:
     return False
 
 
-ENV_MAX_ATTEMPTS = "SPRINGBACK_STORAGE_MAX_ATTEMPTS"
-"""Environment: `RetryPolicy.max_attempts` of every store a process makes by default."""
-ENV_DEADLINE_S = "SPRINGBACK_STORAGE_DEADLINE_S"
-"""Environment: `RetryPolicy.deadline_s` of every store a process makes by default."""
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RetryPolicy:
     """How hard to retry a transient storage error."""
@@ -164,13 +159,13 @@ class RetryPolicy:
     @classmethod
     def from_env(cls) -> RetryPolicy:
         """The default policy, with what the environment sets
-        (`ENV_MAX_ATTEMPTS`, `ENV_DEADLINE_S`: e.g. an operator who wants a
+        (`E.STORAGE_MAX_ATTEMPTS`, `E.STORAGE_DEADLINE_S`: e.g. an operator who wants a
         restore to give up on an unavailable store sooner, so the job shows it
         waiting for storage sooner). A value that is not a number, or out of
         range, raises ValueError naming the variable."""
         kwargs: dict[str, float | int] = {}
-        for env, field, kind in ((ENV_MAX_ATTEMPTS, "max_attempts", int),
-                                 (ENV_DEADLINE_S, "deadline_s", float)):
+        for env, field, kind in ((E.STORAGE_MAX_ATTEMPTS, "max_attempts", int),
+                                 (E.STORAGE_DEADLINE_S, "deadline_s", float)):
             text = os.environ.get(env, "").strip()
             if not text:
                 continue

@@ -34,15 +34,13 @@ from typing import Any, BinaryIO, TypeVar, cast
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
+from springback.client import env as E
 from springback.storage import compat
 from springback.storage.errors import TransientReadError
 from springback.storage.retry import LOWER_RETRIES_OFF, RetryPolicy, RetryStats, call_with_retry
 from springback.storage.s3upload import S3PartWriter
 
 T = TypeVar("T")
-
-ENV_S3_ENDPOINT_URL = "SPRINGBACK_S3_ENDPOINT_URL"
-"""Environment variable: endpoint URL of an S3-compatible store (e.g. MinIO, moto)."""
 
 _READ_CHUNK = 8 << 20
 
@@ -59,7 +57,7 @@ def resolve_storage_options(uri: str, storage_options: dict[str, Any] | None) ->
     """Return fsspec options for ``uri``: the explicit ones, completed from the environment."""
     opts = dict(storage_options or {})
     if uri.startswith(("s3://", "s3a://")):
-        endpoint = os.environ.get(ENV_S3_ENDPOINT_URL)
+        endpoint = os.environ.get(E.S3_ENDPOINT_URL)
         client_kwargs = dict(opts.get("client_kwargs") or {})
         if endpoint and "endpoint_url" not in client_kwargs and "endpoint_url" not in opts:
             client_kwargs["endpoint_url"] = endpoint

@@ -27,7 +27,7 @@ import pytest
 import yaml
 
 from springback.cli.main import build_parser
-from springback.client.channel import ENV_TLS_CA, ENV_TLS_CERT, ENV_TLS_KEY
+from springback.client.env import TLS_CA, TLS_CERT, TLS_KEY
 
 pytestmark = [pytest.mark.timeout(60)]
 
@@ -481,7 +481,7 @@ class TestTls:
                 f"coordinator.yaml: --{flag.replace('_', '-')}")
         # a follower forwards to the leader through the client: it needs the client's TLS env
         env = container_env(c)
-        for var in (ENV_TLS_CA, ENV_TLS_CERT, ENV_TLS_KEY):
+        for var in (TLS_CA, TLS_CERT, TLS_KEY):
             assert var in env, f"coordinator.yaml: {var} is not set (forwarding would be plaintext)"
         assert "exec" in c["readinessProbe"], (
             "coordinator.yaml: the kubelet's grpc probe speaks no TLS; the readiness probe must exec")
@@ -491,7 +491,7 @@ class TestTls:
         spec = pod_spec(by_kind("Job", "springback-workers") if job == "base" else gpu_job())
         (c,) = spec["containers"]
         env = container_env(c)
-        for var, key in ((ENV_TLS_CA, "ca.crt"), (ENV_TLS_CERT, "tls.crt"), (ENV_TLS_KEY, "tls.key")):
+        for var, key in ((TLS_CA, "ca.crt"), (TLS_CERT, "tls.crt"), (TLS_KEY, "tls.key")):
             assert var in env, f"workers.yaml: {var} is not set"
             assert secret_file(spec, c, env[var]) == ("springback-worker-tls", key), f"workers.yaml: {var}"
 
@@ -787,7 +787,7 @@ class TestSystemdUnits:
         assert worker["ReadWritePaths"] == ["/var/lib/springback"], (
             "springback-worker@.service: ReadWritePaths")
         assert set(worker["Environment"][0].split()) == {
-            f"{ENV_TLS_CA}=%d/ca.crt", f"{ENV_TLS_CERT}=%d/tls.crt", f"{ENV_TLS_KEY}=%d/tls.key"}, (
+            f"{TLS_CA}=%d/ca.crt", f"{TLS_CERT}=%d/tls.crt", f"{TLS_KEY}=%d/tls.key"}, (
             "springback-worker@.service: the client's TLS env from the credentials")
 
     @pytest.mark.skipif(not shutil.which("systemd-analyze"), reason="no systemd-analyze")

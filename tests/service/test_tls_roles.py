@@ -18,7 +18,8 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from sbtest import wait_for
 from springback.client.api import ApiError, Client
-from springback.client.channel import ENV_TLS_CA, ENV_TLS_CERT, ENV_TLS_KEY, connect
+from springback.client.channel import connect
+from springback.client.env import TLS_CA, TLS_CERT, TLS_KEY
 from springback.service import credentials
 from springback.service.interceptors import FORWARDED, ROLE_HEADER
 from springback.v1 import job_service_pb2 as js
@@ -118,9 +119,9 @@ def test_a_certificate_has_the_role_its_subject_maps_to(start_coordinator, pki, 
 def test_a_follower_relays_a_certificate_callers_role_and_a_caller_cannot_claim_one(
         start_coordinator, pki, make_spec, monkeypatch):
     # the replicas' own client certificate (forwarding, plan-stream notes)
-    monkeypatch.setenv(ENV_TLS_CA, str(pki / "ca.pem"))
-    monkeypatch.setenv(ENV_TLS_CERT, str(pki / "node-7.pem"))
-    monkeypatch.setenv(ENV_TLS_KEY, str(pki / "node-7.key"))
+    monkeypatch.setenv(TLS_CA, str(pki / "ca.pem"))
+    monkeypatch.setenv(TLS_CERT, str(pki / "node-7.pem"))
+    monkeypatch.setenv(TLS_KEY, str(pki / "node-7.key"))
     leader = start_coordinator(**_tls(pki))
     wait_for(leader.election.is_leader, 10, "leadership")
     follower = start_coordinator(**_tls(pki))

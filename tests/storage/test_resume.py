@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from springback.storage import RestartCheckpoints
-from springback.storage.resume import ENV_RESTORE_MAX_STEP, read_progress
+from springback.client.env import RESTORE_MAX_STEP
+from springback.storage.resume import read_progress
 
 
 def _model(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -55,7 +56,7 @@ class TestRestartCheckpoints:
         ckpt = RestartCheckpoints(uri, every_steps=5)
         _train(ckpt, model, opt, range(1, 11))
         ckpt.close()
-        monkeypatch.setenv(ENV_RESTORE_MAX_STEP, "7")  # e.g. `job restore --step 5`
+        monkeypatch.setenv(RESTORE_MAX_STEP, "7")  # e.g. `job restore --step 5`
         assert RestartCheckpoints(uri).restore(*_model(1)) == 5
 
     def test_no_uri_anywhere_is_refused_naming_the_variable(self, monkeypatch):

@@ -5,23 +5,24 @@ from __future__ import annotations
 
 import pytest
 
-from springback.storage.retry import ENV_DEADLINE_S, ENV_MAX_ATTEMPTS, RetryPolicy
+from springback.client.env import STORAGE_DEADLINE_S, STORAGE_MAX_ATTEMPTS
+from springback.storage.retry import RetryPolicy
 from springback.storage.store import ObjectStore
 
 pytestmark = pytest.mark.timeout(30)
 
 
 def test_a_store_takes_its_retry_budget_from_the_environment(monkeypatch, tmp_path):
-    monkeypatch.setenv(ENV_MAX_ATTEMPTS, "3")
-    monkeypatch.setenv(ENV_DEADLINE_S, "2.5")
+    monkeypatch.setenv(STORAGE_MAX_ATTEMPTS, "3")
+    monkeypatch.setenv(STORAGE_DEADLINE_S, "2.5")
     store = ObjectStore(f"file://{tmp_path}")
     assert (store.retry.max_attempts, store.retry.deadline_s) == (3, 2.5)
     assert store.retry.max_backoff_s == RetryPolicy().max_backoff_s
 
 
-@pytest.mark.parametrize("env, value", [(ENV_MAX_ATTEMPTS, "three"), (ENV_MAX_ATTEMPTS, "0"),
-                                        (ENV_MAX_ATTEMPTS, "2.5"), (ENV_DEADLINE_S, "-1"),
-                                        (ENV_DEADLINE_S, "soon")])
+@pytest.mark.parametrize("env, value", [(STORAGE_MAX_ATTEMPTS, "three"), (STORAGE_MAX_ATTEMPTS, "0"),
+                                        (STORAGE_MAX_ATTEMPTS, "2.5"), (STORAGE_DEADLINE_S, "-1"),
+                                        (STORAGE_DEADLINE_S, "soon")])
 def test_a_bad_value_is_refused_naming_the_variable(monkeypatch, env, value):
     monkeypatch.setenv(env, value)
     with pytest.raises(ValueError, match=env):

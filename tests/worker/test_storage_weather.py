@@ -17,13 +17,13 @@ from cluster import AgentProcess, steps
 from netproxy import NetProxy
 from s3faults import agent_s3_env, moto_bucket
 from sbtest import wait_for
-from springback.storage.retry import ENV_DEADLINE_S, ENV_MAX_ATTEMPTS
+from springback.client.env import STORAGE_DEADLINE_S, STORAGE_MAX_ATTEMPTS
 from springback.v1 import types_pb2 as pb
 from springback.worker.train.audit import check_exactly_once
 
 NUM_SAMPLES, BATCH, MAX_STEPS = 256, 12, 50
 ENDED = (pb.JOB_STATE_SUCCEEDED, pb.JOB_STATE_FAILED, pb.JOB_STATE_CANCELLED)
-QUICK_GIVE_UP = {ENV_MAX_ATTEMPTS: "3", ENV_DEADLINE_S: "2"}
+QUICK_GIVE_UP = {STORAGE_MAX_ATTEMPTS: "3", STORAGE_DEADLINE_S: "2"}
 """A restore gives up on an unavailable store within seconds (the default
 policy takes up to 120 s), so the test sees several waits in one outage."""
 OUTAGE_S = float(os.environ.get("SPRINGBACK_TEST_OUTAGE_S", "10"))

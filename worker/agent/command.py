@@ -14,6 +14,7 @@ import signal
 import sys
 from collections.abc import Callable
 
+from springback.client import env as E
 from springback.worker.agent import slurm
 from springback.worker.agent.config import AgentConfig
 from springback.worker.agent.launch import (
@@ -38,7 +39,7 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--job", default=None, help="job id to join (not with --standalone)")
     p.add_argument("--nproc-per-node", "--nproc_per_node", dest="nproc_per_node", default="1",
                    help="local ranks: N, cpu, gpu or auto (as torchrun)")
-    p.add_argument("--host", default=os.environ.get("SPRINGBACK_HOST"),
+    p.add_argument("--host", default=os.environ.get(E.HOST),
                    help="address peers reach this node at (default 127.0.0.1; under Slurm "
                         "the address the node's name resolves to, if any)")
     p.add_argument("--drain-timeout-s", type=float, default=60.0)
