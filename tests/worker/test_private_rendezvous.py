@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import logging
 import socket
 import subprocess
 import sys
@@ -108,6 +109,7 @@ def test_endpoints_that_no_connection_of_the_rank_has_or_two_ranks_claim_are_ref
          "s = socket.create_server(('127.0.0.1', 0)); print(s.getsockname()[1], flush=True)\n"
          "c, _ = s.accept(); sys.stdin.read()"],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    caplog.set_level(logging.INFO, logger=rendezvous.__name__)
     try:
         port = int(peer.stdout.readline())
         with socket.create_connection(("127.0.0.1", port)) as conn:
@@ -115,7 +117,8 @@ def test_endpoints_that_no_connection_of_the_rank_has_or_two_ranks_claim_are_ref
             mine = "%s:%d" % conn.getsockname()[:2]
             store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
             # rank 1 is the real peer; rank 2 forges its address; rank 3 claims this
-            # rank's own; rank 4 names an address this rank has no connection to
+            # rank's own (the far end of no connection of it); rank 4 names an
+            # address this rank has no connection to
             for r, published in ((1, [far]), (2, [far]), (3, [mine]), (4, ["10.9.9.9:1"])):
                 store.set(f"e/{r}", json.dumps(published))
             rendezvous._endpoint_ranks.clear()

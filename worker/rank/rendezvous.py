@@ -28,9 +28,9 @@ a peer whose process died ("connection closed by peer [ip]:port") then names
 the peer's rank (`lost_peer_rank`), which the coordinator takes as evidence
 that the peer's node is gone (service/evidence.py). What a peer publishes is
 checked against this rank's own connections: only an address that is the far
-end of one of them is taken, and one that two ranks claim, or that is this
-rank's own, is refused and logged (`_publish_endpoints`), so a wrong entry
-cannot make the coordinator fence a live peer's node.
+end of one of them is taken, and one that two ranks claim is taken for
+neither (`_publish_endpoints`), so a wrong entry cannot make the coordinator
+fence a live peer's node.
 
 Tearing a gloo group down has a trap: a gloo worker thread that finished a
 collective on tensors Python also knows releases them under the GIL, and the
@@ -369,12 +369,15 @@ def note_subgroup_endpoints(store: dist.Store, rank: int, world_size: int) -> No
 def _publish_endpoints(store: dist.Store, key: str, rank: int, world_size: int) -> None:
     """Publishes this rank's sockets' local addresses and records its peers':
     only those that are the far end of one of this rank's own connections
-    (all a "closed by peer [ip]:port" error can name). An address claimed by
-    two peers, or one of this rank's own, is refused and logged (an entry no
-    member of the generation wrote), and not recorded for either."""
+    (all a "closed by peer [ip]:port" error can name); any other is ignored.
+    An address two peers claim is recorded for neither and logged at info
+    level: on one host (one IP) two processes' outgoing connections may share
+    a local port, so such a pair is not a forgery on its own; for the same
+    reason a peer's address may equal one of this rank's own local addresses
+    and still be the far end of one of its connections."""
     connections = _connections(_socket_fds())
     own = {local for _, local, _ in connections}
-    known = own | {far for _, _, far in connections}
+    known = {far for _, _, far in connections}
     store.set(f"{key}/{rank}", json.dumps(sorted(own)))
     peers = [r for r in range(world_size) if r != rank]
     if not peers:
@@ -394,9 +397,8 @@ def _publish_endpoints(store: dist.Store, key: str, rank: int, world_size: int) 
             if isinstance(endpoint, str) and endpoint in known:
                 claims.setdefault(endpoint, set()).add(peer)
     for endpoint, claimants in claims.items():
-        if endpoint in own or len(claimants) > 1:
-            log.warning("refused %s %s claimed by ranks %s%s", key, endpoint, sorted(claimants),
-                      " (this rank's own address)" if endpoint in own else "")
+        if len(claimants) > 1:
+            log.info("refused %s %s claimed by ranks %s", key, endpoint, sorted(claimants))
             continue
         _endpoint_ranks[endpoint] = next(iter(claimants))
 
