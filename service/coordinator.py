@@ -408,8 +408,17 @@ class Coordinator:
     # -- progress and fencing ---------------------------------------------------
 
     def check_generation(self, job_id: str, generation: int) -> None:
-        """Raises `StaleGeneration` unless `generation` is the job's current one."""
+        """Raises `StaleGeneration` unless `generation` is the job's current one.
+
+        On the leader a report from a newer generation than the cached one
+        is checked against etcd: between a change's write and `_applied` a
+        plan is in etcd (members see it there) but not yet cached, and a
+        member's report from it is current, not stale (then cached here)."""
         current = self.current_generation(job_id)
+        if generation > current and self.election.is_leader():
+            plan = self.current_plan(job_id)
+            if plan is not None and plan.generation > current:
+                current = self._remember(job_id, plan).generation
         if generation != current:
             raise StaleGeneration(job_id, generation, current)
 

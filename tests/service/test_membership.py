@@ -67,6 +67,22 @@ class TestGenerations:
         status = client.get_job(job.id).status
         assert status.state == pb.JOB_STATE_RUNNING and list(status.members) == [a, b, c]
 
+    def test_a_report_from_a_plan_in_etcd_not_yet_cached_by_the_leader_is_current(
+        self, coordinator, client, workers, make_spec
+    ):
+        """The window between a change's etcd write and the leader's cache of
+        it (`Coordinator._applied`): a member that already read the new plan
+        reports from it. Made here by writing that plan the way the change
+        does, then reporting before anything else runs."""
+        job = client.create_job(make_spec(min_workers=1, max_workers=3))
+        a = join(workers, job.id, 6100)
+        started(workers, coordinator, job.id, a)
+        newer = plan_of(coordinator, job.id)
+        newer.generation += 1
+        coordinator.coordinator.store.put(keys.plan(job.id), newer.SerializeToString())
+        started(workers, coordinator, job.id, a, step=0)  # generation + 1: taken, not stale
+        assert coordinator.coordinator.current_generation(job.id) == newer.generation
+
     def test_a_member_that_stops_heartbeating_is_failed_and_replanned(
         self, coordinator, client, workers, make_spec
     ):
