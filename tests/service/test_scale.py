@@ -62,9 +62,25 @@ def test_agents_each_on_its_own_connection_with_credentials_settle_into_one_plan
     """As a cluster connects (issue 48): two replicas with an operator token;
     every simulated agent opens its own TCP connection, checks the job with
     the job's join credential (any replica answers), joins, then heartbeats
-    and streams its plans on a second connection of its own with its member
-    credential. All at once: one plan holds all of them, nothing refused,
-    nothing expired."""
+    and streams its plans on a connection of its own with its member
+    credential. All at once: one plan holds all, nothing refused, nothing
+    expired."""
+    _storm(etcd, spawn_coordinator, make_spec, AGENTS)
+
+
+@pytest.mark.soak  # ~30 s when it settles, ~1 GB
+@pytest.mark.timeout(300)
+def test_a_storm_of_2000_agents_each_on_its_own_connection_settles_on_a_loaded_machine(
+        etcd, spawn_coordinator, make_spec, loaded):
+    """Issue 48's target: the same with 2,000 agents while busy loops hold
+    both cores. Not met yet: it settled in 1 of 3 runs here; in the others
+    joins met UNAVAILABLE, heartbeats their deadline, and hundreds of members
+    expired (then fenced: UNAUTHENTICATED) before one plan held all; the same
+    storm without the busy loops settles (docs/scale.md)."""
+    _storm(etcd, spawn_coordinator, make_spec, 2000)
+
+
+def _storm(etcd, spawn_coordinator, make_spec, n: int) -> None:  # noqa: ANN001
     store = Store(etcd.endpoint)
     fleet = None
     try:
@@ -73,19 +89,24 @@ def test_agents_each_on_its_own_connection_with_credentials_settle_into_one_plan
         addresses = [r.address for r in replicas]
         with Client(addresses, token=OPERATOR_TOKEN) as client:
             job = client.create_job(make_spec(
-                max_workers=AGENTS, data={"num_samples": 10**6, "global_batch_size": 1000}))
-            fleet = SimFleet(addresses, job.id, AGENTS,
+                max_workers=n, data={"num_samples": 10**6, "global_batch_size": n}))
+            fleet = SimFleet(addresses, job.id, n,
                              join_credential=client.issue_join_credential(job.id)).start()
-            wait_for(lambda: fleet.num_holding(AGENTS) == AGENTS, 180,
-                     f"one plan holding all {AGENTS}")
+            try:
+                wait_for(lambda: fleet.num_holding(n) == n, 240, f"one plan holding all {n}")
+            except AssertionError as e:
+                raise AssertionError(f"{e}: {fleet.num_joined} joined, "
+                                     f"{fleet.num_holding(n)} holding a plan of all, "
+                                     f"{len(fleet.expired)} expired, failures "
+                                     f"{dict(fleet.failures)}") from None
             assert fleet.expired == set() and not fleet.failures, fleet.failures
-            # one connection per agent: the member channels, each its own socket
+            # one connection per agent: the member channels, each its own sockets
             ports = {int(a.rsplit(":", 1)[1]) for a in addresses}
             sockets = {(c.laddr.port, c.raddr.port)
                        for c in psutil.Process().net_connections("tcp")
                        if c.raddr and c.raddr.port in ports and c.status == "ESTABLISHED"}
-            assert len(sockets) >= AGENTS, len(sockets)
-            assert len(store.get_prefix(keys.members(job.id))) == AGENTS
+            assert len(sockets) >= n, len(sockets)
+            assert len(store.get_prefix(keys.members(job.id))) == n
     finally:
         if fleet is not None:
             fleet.close()
