@@ -314,28 +314,28 @@ class SimFleet:
         retried as `startup.check_job` retries it; False once it gives up."""
         get_job = channel.unary_unary("/springback.v1.JobService/GetJob", **_RAW)
         request = js.GetJobRequest(job_id=self._job[i]).SerializeToString()
-        backoff = Backoff(base_s=0.25, cap_s=4.0)
-        while True:
-            try:
-                await get_job(request, timeout=16, metadata=metadata + (LOCAL_READ,))
-                return True
-            except grpc.RpcError as e:
-                self.failures[f"GetJob:{e.code().name}"] += 1
-                if (e.code() not in RETRIED_JOIN_CODES
-                        or time.monotonic() - started > JOIN_DEADLINE_S):
-                    return False
-            await asyncio.sleep(backoff.next_s())
+        answer = await self._retried("GetJob", get_job, request, metadata + (LOCAL_READ,),
+                                     started, timeout_s=16, backoff=Backoff(base_s=0.25, cap_s=4.0))
+        return answer is not None
 
     async def _join(self, call: grpc.aio.UnaryUnaryMultiCallable, request: bytes,
                     metadata: tuple[tuple[str, str], ...] | None, started: float) -> bytes | None:
         """JoinJob, retried as the agent does (the same token again, so a join
         lands once); None once it gives up."""
-        backoff = Backoff(base_s=0.5, cap_s=5.0)
+        return await self._retried("JoinJob", call, request, metadata, started, timeout_s=60,
+                                   backoff=Backoff(base_s=0.5, cap_s=5.0))
+
+    async def _retried(self, name: str, call: grpc.aio.UnaryUnaryMultiCallable, request: bytes,
+                       metadata: tuple[tuple[str, str], ...] | None, started: float, *,
+                       timeout_s: float, backoff: Backoff) -> bytes | None:
+        """`call` until it answers, each failure counted under `name`; after a
+        code outside the agent's `RETRIED_JOIN_CODES`, or `JOIN_DEADLINE_S`
+        after `started`, None."""
         while True:
             try:
-                return await call(request, timeout=60, metadata=metadata)
+                return await call(request, timeout=timeout_s, metadata=metadata)
             except grpc.RpcError as e:
-                self.failures[f"JoinJob:{e.code().name}"] += 1
+                self.failures[f"{name}:{e.code().name}"] += 1
                 if (e.code() not in RETRIED_JOIN_CODES
                         or time.monotonic() - started > JOIN_DEADLINE_S):
                     return None

@@ -42,6 +42,7 @@ from chaos import FAULTS, Deployment, Faults
 from cluster import steps
 from fakeplans import assert_replicas_identical
 from sbtest import wait_for
+from pieces import assembled_digests
 from test_sharded import digests, earlier_digests
 from springback.client.api import Client
 from springback.storage import verify
@@ -153,10 +154,11 @@ def assert_every_start_bit_identical(root: Path) -> int:
     were compared. A start at a step whose whole state no earlier generation
     has on record (a node killed before it wrote its pieces of that step) has
     nothing to compare with: the applied-counter audit covers it."""
-    starts = [r for r in digests(root) if r["when"] == "start" and r["step"] > 0]
+    records, assembled = digests(root), assembled_digests(root)
+    starts = [r for r in records if r["when"] == "start" and r["step"] > 0]
     compared = 0
     for start in starts:
-        earlier = earlier_digests(root, start)
+        earlier = earlier_digests(records, assembled, start)
         if earlier:
             assert earlier == {start["digest"]}, (start, earlier)
             compared += 1

@@ -43,27 +43,28 @@ def member_id(agent) -> str:  # noqa: ANN001
     return found.group(1)
 
 
-def earlier_digests(root: Path, start: dict) -> set[str]:
+def earlier_digests(records: list[dict], assembled: dict[tuple[int, int], str],
+                    start: dict) -> set[str]:
     """The digests of the whole state earlier generations than `start`'s held
-    at its step: gathered (a start or a clean end) or assembled from the
-    ranks' own pieces (after a step, tests/worker/pieces.py)."""
-    gathered = {r["digest"] for r in digests(root)
+    at its step: gathered (`records`, `digests`: a start or a clean end) or
+    assembled from the ranks' own pieces (`assembled`, `assembled_digests`:
+    after a step, tests/worker/pieces.py)."""
+    gathered = {r["digest"] for r in records
                 if r["step"] == start["step"] and r["generation"] < start["generation"]}
-    assembled = {d for (generation, step), d in assembled_digests(root).items()
-                 if step == start["step"] and generation < start["generation"]}
-    return gathered | assembled
+    return gathered | {d for (generation, step), d in assembled.items()
+                       if step == start["step"] and generation < start["generation"]}
 
 
 def assert_resharded_bit_identical(root: Path, world: int) -> None:
     """The gathered state at the start of each generation of `world` ranks
     equals the state an earlier generation held at that step."""
-    starts = [r for r in digests(root) if r["when"] == "start" and r["world_size"] == world
+    records, assembled = digests(root), assembled_digests(root)
+    starts = [r for r in records if r["when"] == "start" and r["world_size"] == world
               and r["step"] > 0]
     assert starts, f"no generation of {world} ranks started from a trained state"
     for start in starts:
-        assert earlier_digests(root, start) == {start["digest"]}, start
-    assembled = assembled_digests(root)
-    ends = [r for r in digests(root) if r["when"] == "end"]
+        assert earlier_digests(records, assembled, start) == {start["digest"]}, start
+    ends = [r for r in records if r["when"] == "end"]
     assert ends and all(assembled[(r["generation"], r["step"])] == r["digest"] for r in ends), \
         "the pieces put together differ from the gathered state at a clean end"
 
