@@ -59,6 +59,18 @@ DEFAULT_BAD_STEP_LOSS_WINDOW_STEPS = 50
 """controls.bad_step.loss_window_steps when the spike rule is on and the key
 is left out: the median of a rank's last 50 applied steps' losses."""
 
+DEFAULT_STRAGGLER_FACTOR = 1.5
+"""controls.straggler.factor when the policy is enabled and the key is left
+out: a member computing 1.5 x the median of the others is a straggler."""
+
+DEFAULT_STRAGGLER_WINDOW_STEPS = 30
+"""controls.straggler.window_steps when the policy is enabled and the key is
+left out."""
+
+DEFAULT_STRAGGLER_COOLDOWN_S = 600
+"""controls.straggler.cooldown_s when the policy is enabled and the key is
+left out: a member set aside may train again ten minutes later."""
+
 DEFAULT_PEER_COPY_EVERY_STEPS = 10
 """peer_copies.every_steps (K) when the spec has none. A copy costs one host
 memory copy of the rank's shards plus their transfer to another node, both
@@ -119,7 +131,11 @@ _SCHEMA: dict[str, Any] = {
                    "action": (("pause", "fail"), False)}, False),
          "bad_step": ({"enabled": (bool, False), "max_in_window": (int, False),
                        "window_steps": (int, False), "loss_spike_factor": (float, False),
-                       "loss_window_steps": (int, False)}, False)},
+                       "loss_window_steps": (int, False)}, False),
+         "straggler": ({"enabled": (bool, False), "factor": (float, False),
+                        "window_steps": (int, False), "cooldown_s": (int, False),
+                        "change_cost_s": (float, False), "horizon_steps": (int, False)},
+                       False)},
         False,
     ),
 }
@@ -194,7 +210,27 @@ def spec_from_dict(value: Mapping[str, Any]) -> types_pb2.JobSpec:
     _stop_rules_from_dict((value.get("controls") or {}).get("stop") or {}, spec.controls.stop)
     _bad_step_from_dict((value.get("controls") or {}).get("bad_step") or {},
                         spec.controls.bad_step)
+    _straggler_from_dict((value.get("controls") or {}).get("straggler") or {},
+                         spec.controls.straggler)
     return validate(spec)
+
+
+def _straggler_from_dict(value: Mapping[str, Any], out: types_pb2.StragglerPolicy) -> None:
+    """``controls.straggler`` of a spec file (type-checked by `_check`) into
+    `out`; an explicit 0 is refused (leave the key out for the default)."""
+    out.enabled = bool(value.get("enabled", False))
+    for key in ("factor", "window_steps", "cooldown_s", "change_cost_s", "horizon_steps"):
+        item = value.get(key)
+        if item is None:
+            continue
+        if item == 0:
+            raise InvalidArgument(f"controls.straggler.{key}",
+                                  "must be positive (leave it out for the default)")
+        try:
+            setattr(out, key, item)
+        except (ValueError, TypeError) as e:  # out of the field's integer range
+            raise InvalidArgument(f"controls.straggler.{key}",
+                                  f"{item!r} is out of range ({e})") from e
 
 
 def _bad_step_from_dict(value: Mapping[str, Any], out: types_pb2.BadStepPolicy) -> None:
@@ -327,7 +363,31 @@ def validate(spec: types_pb2.JobSpec) -> types_pb2.JobSpec:
                               f"must be a finite number >= 0, got {out.price_per_node_hour}")
     _validate_stop_rules(out)
     _validate_bad_step(out)
+    _validate_straggler(out)
     return out
+
+
+def _validate_straggler(out: types_pb2.JobSpec) -> None:
+    """``controls.straggler`` (`service.stragglers`): off unless enabled;
+    enabled, the factor, window and cool-down take their defaults."""
+    policy = out.controls.straggler
+    if not policy.enabled:
+        for key in ("factor", "window_steps", "cooldown_s", "change_cost_s", "horizon_steps"):
+            if getattr(policy, key):
+                raise InvalidArgument(f"controls.straggler.{key}",
+                                      "is only meaningful with controls.straggler.enabled: true")
+        return
+    policy.factor = policy.factor or DEFAULT_STRAGGLER_FACTOR
+    if not math.isfinite(policy.factor) or policy.factor <= 1:
+        raise InvalidArgument("controls.straggler.factor",
+                              f"must be a finite number above 1 (1.5: 50 % slower than the "
+                              f"median of the others), got {policy.factor}")
+    if not math.isfinite(policy.change_cost_s) or policy.change_cost_s < 0:
+        raise InvalidArgument("controls.straggler.change_cost_s",
+                              f"must be a finite number of seconds above 0 (leave it out to "
+                              f"measure it), got {policy.change_cost_s}")
+    policy.window_steps = policy.window_steps or DEFAULT_STRAGGLER_WINDOW_STEPS
+    policy.cooldown_s = policy.cooldown_s or DEFAULT_STRAGGLER_COOLDOWN_S
 
 
 def _validate_bad_step(out: types_pb2.JobSpec) -> None:

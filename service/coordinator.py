@@ -32,6 +32,7 @@ from springback.service.election import Election
 from springback.service.history import History, delete_job
 from springback.service.jobstate import JobState, Measures, PlanView
 from springback.service.stoprules import StopRules
+from springback.service import stragglers
 from springback.client.errors import (
     Conflict, FailedPrecondition, NotFound, NotLeader, StaleGeneration,
 )
@@ -82,6 +83,7 @@ class Coordinator:
         self._member_checked: dict[str, float] = {}
         # the stop rules' samples of running jobs (leader memory, `stoprules`)
         self.stop_rules = StopRules()
+        self.stragglers = stragglers.Stragglers()  # controls.straggler's evidence
         self.num_generations = 0
         self.last_replan_s = 0.0
         self.writer = FencedWriter(store, election.fence)
@@ -109,6 +111,7 @@ class Coordinator:
             else:
                 self._jobs.pop(job_id, None)
             self.stop_rules.forget(job_id)
+            self.stragglers.forget(job_id)
             self.history.forget(job_id)
 
     def job_state(self, job_id: str) -> JobState:
@@ -466,6 +469,10 @@ class Coordinator:
                 self.history.on_progress(job_id, generation, stall_total_s=stall_total_s,
                                          step_s=measures.step_s, step_quantiles=step_quantiles)
                 self._notify(job_id, f"step {progress.step}")
+            timing = (state.member_timing[1] if member_timing
+                      and state.member_timing[0] == generation else None)
+        if timing:
+            stragglers.act(self, job_id, generation, progress.step, timing, time.time())
         state = self.job_state(job_id)
         max_steps = state.max_steps
         if max_steps is None:

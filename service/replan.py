@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from springback.service import ckptinterval, planner
+from springback.service import ckptinterval, planner, stragglers
 from springback.v1 import types_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -164,8 +164,10 @@ def replan(inputs: Inputs) -> Decision:
     `inputs.job`, `inputs.members` (draining flags) and, for a spares-only
     update, a copy of `inputs.previous`."""
     job, previous = inputs.job, inputs.previous
+    aside = stragglers.active(job.status)  # planned as spares (controls.straggler)
+    aside -= {m.id for m in inputs.members if m.draining or m.id in inputs.draining}
     for m in inputs.members:
-        m.draining = m.draining or m.id in inputs.draining
+        m.draining = m.draining or m.id in inputs.draining or m.id in aside
     holders = _keep_holders(job, inputs.members, inputs.stateless)
     requested = None
     if job.status.restore_step:
@@ -175,6 +177,9 @@ def replan(inputs: Inputs) -> Decision:
         interval = ckptinterval.apply(plan, inputs.observed)
     except Exception as e:  # noqa: BLE001 (one job's error: its plan waits, named; see above)
         plan, planning_s, interval = _waiting_on_error(inputs, holders, e), 0.0, None
+    if plan.action != pb.PLAN_ACTION_STOP:
+        plan.spares.extend(m.id for m in inputs.members
+                           if m.id in aside and m.id not in plan.spares)
     signature = planner.signature(plan)
     new_generation = (inputs.force_generation or previous is None
                       or signature != inputs.previous_signature)

@@ -178,12 +178,42 @@ class JobSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., min_workers: _Optional[int] = ..., max_workers: _Optional[int] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., data: _Optional[_Union[DataSpec, _Mapping]] = ..., checkpoint: _Optional[_Union[CheckpointSpec, _Mapping]] = ..., max_steps: _Optional[int] = ..., failures: _Optional[_Union[FailurePolicy, _Mapping]] = ..., peer_copies: _Optional[_Union[PeerCopySpec, _Mapping]] = ..., price_per_node_hour: _Optional[float] = ..., controls: _Optional[_Union[ControlsSpec, _Mapping]] = ...) -> None: ...
 
 class ControlsSpec(_message.Message):
-    __slots__ = ("stop", "bad_step")
+    __slots__ = ("stop", "bad_step", "straggler")
     STOP_FIELD_NUMBER: _ClassVar[int]
     BAD_STEP_FIELD_NUMBER: _ClassVar[int]
+    STRAGGLER_FIELD_NUMBER: _ClassVar[int]
     stop: StopRules
     bad_step: BadStepPolicy
-    def __init__(self, stop: _Optional[_Union[StopRules, _Mapping]] = ..., bad_step: _Optional[_Union[BadStepPolicy, _Mapping]] = ...) -> None: ...
+    straggler: StragglerPolicy
+    def __init__(self, stop: _Optional[_Union[StopRules, _Mapping]] = ..., bad_step: _Optional[_Union[BadStepPolicy, _Mapping]] = ..., straggler: _Optional[_Union[StragglerPolicy, _Mapping]] = ...) -> None: ...
+
+class StragglerPolicy(_message.Message):
+    __slots__ = ("enabled", "factor", "window_steps", "cooldown_s", "change_cost_s", "horizon_steps")
+    ENABLED_FIELD_NUMBER: _ClassVar[int]
+    FACTOR_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_STEPS_FIELD_NUMBER: _ClassVar[int]
+    COOLDOWN_S_FIELD_NUMBER: _ClassVar[int]
+    CHANGE_COST_S_FIELD_NUMBER: _ClassVar[int]
+    HORIZON_STEPS_FIELD_NUMBER: _ClassVar[int]
+    enabled: bool
+    factor: float
+    window_steps: int
+    cooldown_s: int
+    change_cost_s: float
+    horizon_steps: int
+    def __init__(self, enabled: _Optional[bool] = ..., factor: _Optional[float] = ..., window_steps: _Optional[int] = ..., cooldown_s: _Optional[int] = ..., change_cost_s: _Optional[float] = ..., horizon_steps: _Optional[int] = ...) -> None: ...
+
+class SetAside(_message.Message):
+    __slots__ = ("member_id", "until", "times", "returned")
+    MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
+    UNTIL_FIELD_NUMBER: _ClassVar[int]
+    TIMES_FIELD_NUMBER: _ClassVar[int]
+    RETURNED_FIELD_NUMBER: _ClassVar[int]
+    member_id: str
+    until: _timestamp_pb2.Timestamp
+    times: int
+    returned: bool
+    def __init__(self, member_id: _Optional[str] = ..., until: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., times: _Optional[int] = ..., returned: _Optional[bool] = ...) -> None: ...
 
 class BadStepPolicy(_message.Message):
     __slots__ = ("enabled", "max_in_window", "window_steps", "loss_spike_factor", "loss_window_steps")
@@ -240,7 +270,7 @@ class CheckpointRef(_message.Message):
     def __init__(self, step: _Optional[int] = ..., uri: _Optional[str] = ..., generation: _Optional[int] = ..., world_size: _Optional[int] = ..., size_bytes: _Optional[int] = ..., cursor: _Optional[_Union[DataCursor, _Mapping]] = ..., committed_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
 class JobStatus(_message.Message):
-    __slots__ = ("state", "generation", "world_size", "members", "spares", "step", "samples_consumed", "loss", "last_checkpoint", "message", "checkpoint_error", "restore_step", "updated_at", "cursor", "num_restores", "steps_redone", "num_failures", "state_holders", "holders_step", "num_state_losses", "steps_lost", "storage_unavailable_since", "member_timing")
+    __slots__ = ("state", "generation", "world_size", "members", "spares", "step", "samples_consumed", "loss", "last_checkpoint", "message", "checkpoint_error", "restore_step", "updated_at", "cursor", "num_restores", "steps_redone", "num_failures", "state_holders", "holders_step", "num_state_losses", "steps_lost", "storage_unavailable_since", "member_timing", "set_aside")
     STATE_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -264,6 +294,7 @@ class JobStatus(_message.Message):
     STEPS_LOST_FIELD_NUMBER: _ClassVar[int]
     STORAGE_UNAVAILABLE_SINCE_FIELD_NUMBER: _ClassVar[int]
     MEMBER_TIMING_FIELD_NUMBER: _ClassVar[int]
+    SET_ASIDE_FIELD_NUMBER: _ClassVar[int]
     state: JobState
     generation: int
     world_size: int
@@ -287,7 +318,8 @@ class JobStatus(_message.Message):
     steps_lost: int
     storage_unavailable_since: _timestamp_pb2.Timestamp
     member_timing: _containers.RepeatedCompositeFieldContainer[MemberTiming]
-    def __init__(self, state: _Optional[_Union[JobState, str]] = ..., generation: _Optional[int] = ..., world_size: _Optional[int] = ..., members: _Optional[_Iterable[str]] = ..., spares: _Optional[_Iterable[str]] = ..., step: _Optional[int] = ..., samples_consumed: _Optional[int] = ..., loss: _Optional[float] = ..., last_checkpoint: _Optional[_Union[CheckpointRef, _Mapping]] = ..., message: _Optional[str] = ..., checkpoint_error: _Optional[str] = ..., restore_step: _Optional[int] = ..., updated_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., cursor: _Optional[_Union[DataCursor, _Mapping]] = ..., num_restores: _Optional[int] = ..., steps_redone: _Optional[int] = ..., num_failures: _Optional[int] = ..., state_holders: _Optional[_Iterable[str]] = ..., holders_step: _Optional[int] = ..., num_state_losses: _Optional[int] = ..., steps_lost: _Optional[int] = ..., storage_unavailable_since: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., member_timing: _Optional[_Iterable[_Union[MemberTiming, _Mapping]]] = ...) -> None: ...
+    set_aside: _containers.RepeatedCompositeFieldContainer[SetAside]
+    def __init__(self, state: _Optional[_Union[JobState, str]] = ..., generation: _Optional[int] = ..., world_size: _Optional[int] = ..., members: _Optional[_Iterable[str]] = ..., spares: _Optional[_Iterable[str]] = ..., step: _Optional[int] = ..., samples_consumed: _Optional[int] = ..., loss: _Optional[float] = ..., last_checkpoint: _Optional[_Union[CheckpointRef, _Mapping]] = ..., message: _Optional[str] = ..., checkpoint_error: _Optional[str] = ..., restore_step: _Optional[int] = ..., updated_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., cursor: _Optional[_Union[DataCursor, _Mapping]] = ..., num_restores: _Optional[int] = ..., steps_redone: _Optional[int] = ..., num_failures: _Optional[int] = ..., state_holders: _Optional[_Iterable[str]] = ..., holders_step: _Optional[int] = ..., num_state_losses: _Optional[int] = ..., steps_lost: _Optional[int] = ..., storage_unavailable_since: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., member_timing: _Optional[_Iterable[_Union[MemberTiming, _Mapping]]] = ..., set_aside: _Optional[_Iterable[_Union[SetAside, _Mapping]]] = ...) -> None: ...
 
 class MemberTiming(_message.Message):
     __slots__ = ("member_id", "compute_p50_s", "collective_p50_s", "num_steps", "node_rank")
