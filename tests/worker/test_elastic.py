@@ -18,6 +18,7 @@ from draws import check_draws
 from metadata_server import MetadataServer
 from cluster import FAST_FORWARD, AgentProcess, children, steps
 from fakeplans import assert_replicas_identical
+from inflight import CpuCap, bytes_received
 from sbtest import scrape, wait_for
 from springback.cli.local import free_port
 from springback.v1 import types_pb2 as pb
@@ -266,6 +267,39 @@ class TestJoin:
         records = steps(cluster.root)
         assert sorted(r["step"] for r in records) == list(range(1, MAX_STEPS + 1))
         assert min(r["step"] for r in records if r["world_size"] == 3) > 10
+        cluster.audit()
+        assert assert_replicas_identical(str(cluster.root / "audit")) >= 2
+
+    def test_a_holder_sigkilled_while_the_joiner_receives_its_state_loses_nothing(
+            self, cluster):
+        # Issue 50's second fault with teeth: a node is killed from outside
+        # (SIGKILL, agent and rank) while the bytes of a joiner's hand-over
+        # are in flight, the kill timed by what the joiner has received.
+        # 256 MiB of held state, its holders capped to 10 % of a core: the
+        # transfer lasts seconds instead of a tenth of one.
+        ballast = 256 * 2**20
+        env = {"TINY_STEP_SLEEP_S": "0.3", "TINY_BALLAST_MB": str(ballast // 2**20),
+               "TINY_LOG": "info"}
+        a, b = (cluster.start(n, env=env) for n in ("a", "b"))
+        cluster.wait_world(2, min_step=5)
+        c = cluster.start("c", env=env)
+        joiner = wait_for(lambda: children(c.pid), 60, "the joiner's rank")[0]
+        holders = [a.pid, *children(a.pid), b.pid, *children(b.pid)]
+        with CpuCap("holders", percent=10) as cap:
+            cap.add(holders)
+            # the hand-over's first quarter landed; the rest is still to come
+            received = wait_for(lambda: (n := bytes_received(joiner)) > ballast // 4 and n,
+                                90, "a quarter of the state at the joiner", interval_s=0.02)
+            b.signal_node(signal.SIGKILL)
+        print(f"node b killed with {received} of {ballast} bytes at the joiner")
+        assert received < ballast * 3 // 4, f"the kill came late: {received} bytes received"
+        cluster.fast_forward()
+        job = cluster.wait_succeeded()
+        assert job.status.step == MAX_STEPS
+        assert b.wait(30) == -signal.SIGKILL
+        for agent in (a, c):
+            assert agent.wait(30) == 0, agent.log()
+        assert sorted(r["step"] for r in steps(cluster.root)) == list(range(1, MAX_STEPS + 1))
         cluster.audit()
         assert assert_replicas_identical(str(cluster.root / "audit")) >= 2
 

@@ -41,6 +41,9 @@ survivors' step breaks there, after they applied it). TINY_COMPUTE_SLEEP_S
 sleeps that long in every step between the batch and the forward pass, i.e.
 in the compute before the step's first collective (a slow node: set it on
 one agent only; per-member timing, worker/train/ranktiming.py).
+TINY_BALLAST_MB=N adds a frozen parameter of N MiB (seeded, never trained) to
+the model: held state large enough that a joiner's hand-over takes long enough
+to be cut by a kill from outside.
 """
 
 import faulthandler
@@ -76,6 +79,9 @@ class TinyModel(torch.nn.Module):
         super().__init__()
         self.linear = torch.nn.Linear(8, 1)
         self.counter = torch.nn.Parameter(torch.zeros(num_samples, dtype=torch.float64))
+        ballast_mb = int(os.environ.get("TINY_BALLAST_MB", "0"))
+        if ballast_mb:  # frozen: no gradient, no all-reduce; held and handed over
+            self.ballast = torch.nn.Parameter(torch.rand(ballast_mb * 2**18), requires_grad=False)
 
     def forward(self, x: torch.Tensor, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.linear(x).squeeze(1), self.counter[indices]

@@ -1,0 +1,73 @@
+"""Test helper: a fault timed by bytes in flight (issue 50, "faults with teeth").
+
+`bytes_received` reads, from outside a process, how many bytes its TCP sockets
+have received (``ss -tinp``: the kernel's per-socket ``bytes_received``), so a
+test can kill a sender once a receiver is partway through a transfer.
+`CpuCap` caps a set of processes to a share of one core (a cgroup v1 ``cpu``
+group of their own), so a transfer that takes a fraction of a second on an
+idle loopback lasts seconds: long enough to be cut where the test chooses.
+Linux and root only (the suite's machine).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+
+CPU_ROOT = "/sys/fs/cgroup/cpu"
+_RECEIVED = re.compile(r"bytes_received:(\d+)")
+
+
+def bytes_received(pid: int) -> int:
+    """Bytes received so far on the open TCP sockets of process `pid` (0 when
+    it has none). A socket that was closed no longer counts."""
+    out = subprocess.run(["ss", "-tinpH"], capture_output=True, text=True, timeout=10,
+                         check=True).stdout
+    total, owned = 0, False
+    for line in out.splitlines():
+        if not line.startswith((" ", "\t")):  # a socket's first line names its processes
+            owned = f"pid={pid}," in line
+        elif owned and (m := _RECEIVED.search(line)):
+            total += int(m.group(1))
+    return total
+
+
+class CpuCap:
+    """Processes capped to `percent` of one core while the cap is on
+    (`add`); `remove` (or leaving the ``with``) lifts it and moves them back."""
+
+    def __init__(self, name: str, percent: float) -> None:
+        self.path = os.path.join(CPU_ROOT, f"springback-test-{name}-{os.getpid()}")
+        os.makedirs(self.path)
+        period = 100_000
+        with open(os.path.join(self.path, "cpu.cfs_period_us"), "w") as f:
+            f.write(str(period))
+        with open(os.path.join(self.path, "cpu.cfs_quota_us"), "w") as f:
+            f.write(str(max(1000, int(period * percent / 100))))
+
+    def add(self, pids: list[int]) -> None:
+        for pid in pids:
+            _move(self.path, pid)
+
+    def remove(self) -> None:
+        if not os.path.isdir(self.path):
+            return
+        with open(os.path.join(self.path, "cgroup.procs")) as f:
+            for pid in f.read().split():
+                _move(CPU_ROOT, int(pid))
+        os.rmdir(self.path)
+
+    def __enter__(self) -> CpuCap:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+
+def _move(group: str, pid: int) -> None:
+    try:
+        with open(os.path.join(group, "cgroup.procs"), "w") as f:
+            f.write(str(pid))
+    except ProcessLookupError:
+        pass  # it ended meanwhile
