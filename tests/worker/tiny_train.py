@@ -40,7 +40,9 @@ optimizer steps (a logging all-reduce: with TINY_CRASH_IN=after_step the
 survivors' step breaks there, after they applied it). TINY_COMPUTE_SLEEP_S
 sleeps that long in every step between the batch and the forward pass, i.e.
 in the compute before the step's first collective (a slow node: set it on
-one agent only; per-member timing, worker/train/ranktiming.py).
+one agent only; per-member timing, worker/train/ranktiming.py);
+TINY_COMPUTE_SLEEP_FROM_STEP=S sleeps it only from step S on (a node that
+becomes slow mid-run: the straggler policy, service/stragglers.py).
 TINY_BALLAST_MB=N adds a frozen parameter of N MiB (seeded, never trained) to
 the model: held state large enough that a joiner's hand-over takes long enough
 to be cut by a kill from outside.
@@ -142,6 +144,7 @@ def main() -> int:
     digests = os.environ.get("TINY_DIGESTS") == "1"
     loss_all_reduce = os.environ.get("TINY_LOSS_ALL_REDUCE") == "1"
     compute_sleep_s = float(os.environ.get("TINY_COMPUTE_SLEEP_S", "0"))
+    compute_sleep_from = int(os.environ.get("TINY_COMPUTE_SLEEP_FROM_STEP", "0"))
     for gen in session.generations():
         with gen:
             assert gen.stream.num_samples <= MAX_COUNTED
@@ -157,7 +160,7 @@ def main() -> int:
                 crashing = crash.due(batch.step, gen.rank)
                 if crashing and crash.where in ("before", "hang"):
                     crash.now(gen.rank)
-                if compute_sleep_s:
+                if compute_sleep_s and batch.step >= compute_sleep_from:
                     time.sleep(compute_sleep_s)  # a slow node's compute (TINY_COMPUTE_SLEEP_S)
                 indices = torch.as_tensor(batch.indices)
                 x, y = features(indices.to(torch.float32))
