@@ -102,13 +102,14 @@ def raw_gloo(nbytes: int, me: int, joiner: int, buf: torch.Tensor) -> float:
 def springback(ag: Any, me: int, joiner: int, world: int) -> float:
     """One hand-over through the library's agreement: the joiner's seconds."""
     from springback.v1 import types_pb2 as pb
+    from springback.worker.rank.heldstate import HeldState
 
     if me == joiner:  # holds other values, and no step
         with torch.no_grad():
             for t in [*ag.ctx.state["model"].parameters(), *(
                     v for s in ag.ctx.state["optimizer"].state.values() for v in s.values())]:
                 t.zero_()
-        ag.ctx.state_step, ag.ctx.clean = -1, False
+        ag.ctx.held = HeldState()  # holds nothing
     p = pb.Plan(generation=2, world_size=world)
     p.restore.kind, p.restore.source_rank = pb.RESTORE_KIND_PEERS, 0
     dist.barrier()
@@ -119,6 +120,7 @@ def springback(ag: Any, me: int, joiner: int, world: int) -> float:
 
 def rank_main(rank: int, args: argparse.Namespace, tmp: str, q: Any) -> None:
     from springback.worker.rank.context import RankContext
+    from springback.worker.rank.heldstate import HeldState
     from springback.worker.state import handover
     from springback.worker.train.agreement import StateAgreement
 
@@ -127,7 +129,7 @@ def rank_main(rank: int, args: argparse.Namespace, tmp: str, q: Any) -> None:
     nbytes = state_bytes(model, opt)
     ctx = RankContext(env=SimpleNamespace(rendezvous_timeout_s=300.0, job_id=""),  # type: ignore[arg-type]
                       state={"model": model, "optimizer": opt}, device=torch.device("cpu"),
-                      state_step=5, clean=True)
+                      held=HeldState(state_step=5, clean=True))
     ag = StateAgreement(ctx, None, None)
     trained = digest(model, opt) if rank == 0 else ""
     buf = torch.empty(nbytes, dtype=torch.uint8) if rank in (0, JOINER) else None

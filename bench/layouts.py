@@ -334,7 +334,7 @@ def recover(rank: int, args, L: Layout, tmp: str, q: mp.Queue) -> None:  # noqa:
     model, opt = first.ctx.state["model"], first.ctx.state["optimizer"]
     for s in (1, 2):
         L.step(args, model, opt, outcome.mesh, indices_for(s, rank, L.before))
-    first.ctx.state_step = 2
+    first.ctx.held.step_applied(2, None)
     SR.commit(args, rank, 2, model, opt, L.before, world=L.world)
     mib = local_mib(model, opt)
     store2 = SR.lose_node_1(rank, tmp, "g2", L.survivors)

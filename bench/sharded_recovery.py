@@ -91,11 +91,12 @@ def agreement(args, ctx_step: int, build_fn=None, replicated=()):  # noqa: ANN00
     from springback.worker.train.agreement import StateAgreement
     from springback.worker.train.checkpointing import restore_from_checkpoint
     from springback.worker.rank.context import RankContext
+    from springback.worker.rank.heldstate import HeldState
     from springback.worker.state.sharded import ShardedModel
 
     ctx = RankContext(env=SimpleNamespace(rendezvous_timeout_s=120.0, job_id="bench"),
                      state={},  # type: ignore[arg-type]
-                      device=torch.device("cpu"), state_step=ctx_step)
+                      device=torch.device("cpu"), held=HeldState(state_step=ctx_step))
     return StateAgreement(ctx, restore_from_checkpoint,
                           ShardedModel(build_fn or build(args), replicated=replicated))
 
@@ -168,7 +169,7 @@ def rank_main(rank: int, args: argparse.Namespace, tmp: str, q: mp.Queue) -> Non
     for _ in range(3):
         train_step(model, opt, args.width)
     step_s = (time.perf_counter() - t0) / 3
-    first.ctx.state_step = 4
+    first.ctx.held.step_applied(4, None)
     commit(args, rank, 4, model, opt, {"dp": 4, "replicate": 2, "shard": 2})
     state_mib = sum(t.to_local().numel() * t.element_size() for t in
                     [*model.parameters(), *(v for s in opt.state.values() for v in s.values()
@@ -195,7 +196,7 @@ def timed_steps(model, opt, args, ctx, first_step: int, n: int,  # noqa: ANN001
     t0, c0 = time.perf_counter(), time.process_time()
     for step in range(first_step, first_step + n):
         train_step(model, opt, args.width)
-        ctx.state_step = step
+        ctx.held.step_applied(step, None)
         if copies is not None:
             copies.after_step(step)
     if copies is not None:
@@ -234,7 +235,7 @@ def fsdp_rank_main(rank: int, args: argparse.Namespace, tmp: str, q: mp.Queue) -
     copy_step = max(s.step for s in first.copies.own)
     commit(args, rank, copy_step, model, opt, {"dp": 4, "replicate": 1, "shard": 4})
     train_step(model, opt, args.width)  # the survivors' live state moves past the copy
-    ctx.state_step = step + 1
+    ctx.held.step_applied(step + 1, None)
     held_mib = first.copies.nbytes() / 2**20
     shard_mib = sum(t.numel() * t.element_size() for t, _ in first.sharded.shards().values()) / 2**20
     store2 = lose_node_1(rank, tmp, "f2")

@@ -71,7 +71,8 @@ def main() -> None:
             model(torch.randn(4, 1024)).square().mean().backward()
             opt.step()
             opt.zero_grad()
-        ctx.state_step, ctx.clean = 3, True
+        ctx.held.step_applied(3, None)
+        ctx.held.ended_cleanly()
     before = digest(ctx.state)
     sent = [0]
     real_isend = handover_module.dist.isend

@@ -111,7 +111,7 @@ def main(rank: int, root: str) -> None:
     model(torch.ones(4, 8)).square().mean().backward()
     opt.step()
     opt.zero_grad()
-    first.ctx.state_step = 1
+    first.ctx.held.step_applied(1, None)
     result["generations"].append((BUILDS[-1], digest(first.ctx), output(first.ctx)))
     base = f"file://{root}/ckpt-{CASE}"
     ck = Checkpointer(base, rank=rank, world_size=2)

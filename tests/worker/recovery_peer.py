@@ -236,7 +236,7 @@ STORE: list[dist.Store | None] = [None]
 def trained(ag: StateAgreement, steps: range, sharded: bool = True) -> None:
     for step in steps:
         train(ag.ctx.state, step)
-        ag.ctx.state_step = step
+        ag.ctx.held.step_applied(step, None)
         result["trained"][str(step)] = digest(ag.ctx.state, sharded)
 
 
@@ -281,7 +281,7 @@ def handover() -> None:
     if RANK < 2:
         for step in range(1, 3):
             train(ctx.state, step)
-            ctx.state_step = step
+            ctx.held.step_applied(step, None)
             result["trained"][str(step)] = digest(ctx.state, sharded=False)
     if RANK == 3:  # the size is received, the state's bytes are not
         die_at(agreement_module.dist, "broadcast", after_calls=1)
@@ -425,7 +425,7 @@ def pp_trained(ag: StateAgreement, steps: range, world: int) -> None:
     for step in steps:
         pp_train.train_step(state["model"], state["optimizer"], schedule, mesh,
                             torch.arange(12)[dp::world // 2])
-        ag.ctx.state_step = step
+        ag.ctx.held.step_applied(step, None)
         result["trained"][str(step)] = pp_train.key_digests(
             pp_train.full_state(state["model"], state["optimizer"]))
 
@@ -482,7 +482,7 @@ def ep_trained(ag: StateAgreement, steps: range, world: int) -> None:
     for step in steps:
         moe_train.train_step(state["model"], state["optimizer"],
                              torch.arange(12)[dist.get_rank()::world], 12)
-        ag.ctx.state_step = step
+        ag.ctx.held.step_applied(step, None)
         result["trained"][str(step)] = digest(state)
 
 
@@ -552,7 +552,7 @@ def pp3d_trained(ag: StateAgreement, steps: range) -> None:
     for step in steps:
         pp3d_train.train_step(ag.ctx.state["model"], ag.ctx.state["optimizer"], schedule, mesh,
                               torch.arange(12)[dp::2])
-        ag.ctx.state_step = step
+        ag.ctx.held.step_applied(step, None)
         result["trained"][str(step)] = pp3d_train.key_digests(pp3d_train.full_state(
             ag.ctx.state["model"], ag.ctx.state["optimizer"]))
 

@@ -12,6 +12,7 @@ import types
 
 import pytest
 from springback.v1 import types_pb2 as pb
+from springback.worker.rank.heldstate import HeldState
 from springback.worker.train.agreement import StateAgreement, StateUnrecoverable
 
 BASE = "s3://shared/ckpt"
@@ -35,7 +36,7 @@ def agreement(job_id: str = "j-mine") -> tuple[StateAgreement, list[str], Report
 
     reporter = Reporter()
     ctx = types.SimpleNamespace(env=types.SimpleNamespace(job_id=job_id), state={},
-                                reporter=reporter, state_step=-1, clean=True)
+                                reporter=reporter, held=HeldState(clean=True))
     return StateAgreement(ctx, hook, None), read, reporter  # type: ignore[arg-type]
 
 
@@ -61,14 +62,14 @@ def test_a_restore_outside_the_job_s_directory_is_refused_before_reading(uri, ki
     message = str(refused.value)
     assert repr(uri) in message and repr(f"{BASE}/j-mine") in message
     assert reporter.fatal == [message]  # the job fails at once, saying why
-    assert agree.ctx.state_step == -1
+    assert agree.ctx.held.state_step == -1
 
 
 def test_a_checkpoint_in_the_job_s_directory_is_restored():
     agree, read, reporter = agreement()
     assert agree.restore_if_newer(plan(f"{BASE}/j-mine/step-20-g1"), best=-1)
     assert read == [f"{BASE}/j-mine/step-20-g1"] and reporter.fatal == []
-    assert agree.ctx.state_step == 20
+    assert agree.ctx.held.state_step == 20
 
 
 def test_without_a_checkpoint_uri_in_the_spec_nothing_is_checked():

@@ -2,8 +2,8 @@
 
 A `Session` owns one `RankContext` for the life of the rank process and hands
 it to every `Generation` it yields: the registered state and how far it got
-(the step it holds, whether the last generation ended cleanly, whether the
-job finished), and the links to the agent (plan channel, rank statistics)
+(what it holds: `HeldState`, `worker/rank/heldstate.py`; whether the job
+finished), and the links to the agent (plan channel, rank statistics)
 and to the coordinator (step reporter). Nothing else crosses between a
 Session and its generations.
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -21,6 +21,8 @@ import torch
 from springback.v1 import types_pb2 as pb
 from springback.worker.control import PlanChannel
 from springback.client.env import RankEnv
+from springback.worker.rank.heldstate import HeldState
+from springback.worker.rank.rngstate import RngState
 from springback.worker.rankstats import RankStats
 
 DEFAULT_PLAN_WAIT_S = 300.0
@@ -41,13 +43,9 @@ class RankContext:
     reporter: Any = None
     """The coordinator's StepReporter; None without a coordinator."""
     standalone_plan: pb.Plan | None = None
-    state_step: int = -1
-    """Step the in-memory state holds; -1: none yet."""
-    rng: dict[str, torch.Tensor] | None = None
-    """The RNG state at the boundary after `state_step` (`worker/rank/rngstate.py`);
-    None before the first step."""
-    clean: bool = False
-    """The last generation ended at an agreed step boundary."""
+    held: HeldState = field(default_factory=HeldState)
+    """What `state` holds (step, clean boundary, RNG state) and the rules that
+    change it (`worker/rank/heldstate.py`); read through the properties below."""
     finished: bool = False
     final: Callable[[], None] | None = None
     """After max_steps: re-sends the final step report (rank 0) until a plan comes."""
@@ -56,9 +54,25 @@ class RankContext:
     """The plan wait: the job's failures.plan_wait_s unless Session overrides it."""
 
     @property
+    def state_step(self) -> int:
+        """Step the in-memory state holds; -1: none yet (read-only: `held`)."""
+        return self.held.state_step
+
+    @property
     def step(self) -> int:
         """Last step whose update the in-memory state holds (0 before training)."""
-        return max(self.state_step, 0)
+        return self.held.step
+
+    @property
+    def clean(self) -> bool:
+        """The last generation ended at an agreed step boundary (read-only: `held`)."""
+        return self.held.clean
+
+    @property
+    def rng(self) -> RngState | None:
+        """The RNG state at the boundary after `state_step` (`worker/rank/rngstate.py`);
+        None before the first step (read-only: `held`)."""
+        return self.held.rng
 
     def latest(self) -> pb.Plan | None:
         """The newest plan the agent published (the standalone plan without one)."""

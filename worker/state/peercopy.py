@@ -309,8 +309,7 @@ class PeerCopyStore:
                 v.load_state_dict(copy.deepcopy(whole["extra"][k]))
         # its own RNG state at the copy step where it has it: the replay draws alike
         rngstate.apply(mine.whole["rng"] if mine is not None and mine.whole else whole["rng"])
-        ctx.state_step = step
-        ctx.clean = False
+        ctx.held.rolled_back(step)
         self.drop_after(step)
 
 

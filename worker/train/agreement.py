@@ -175,7 +175,7 @@ class StateAgreement:
         holders = _holders(steps, cleans, source) if steps[source] >= 0 else [source]
         source_rng = self._hand_over(source, holders, rank, world)
         self._carry_rng(steps[rank] == best, source_rng)
-        self.ctx.state_step = best
+        self.ctx.held.agreed(best)
         return Outcome(source, kind, state_lost=lost)
 
     def _hand_over(self, source: int, holders: list[int], rank: int,
@@ -266,8 +266,7 @@ class StateAgreement:
                                "but no restore hook is set")
         if why:
             log.warning("%s: restoring checkpoint step %d", why, ref.step)
-        self.ctx.state_step = self.restore_checkpoint(ref, self.ctx.state)
-        self.ctx.clean = False
+        self.ctx.held.restored(self.restore_checkpoint(ref, self.ctx.state))
 
     def agree_sharded(self, plan: pb.Plan, rank: int, store: dist.Store) -> Outcome:
         """`agree` for the sharded form: builds the model on the new mesh
@@ -317,7 +316,7 @@ class StateAgreement:
                                   if plan.restore.kind == pb.RESTORE_KIND_PEERS else "")
             outcome = Outcome(None, pb.RESTORE_KIND_CHECKPOINT, mesh)
         elif best < 0:
-            self.ctx.state_step = 0
+            self.ctx.held.started_fresh()
             outcome = Outcome(0, pb.RESTORE_KIND_NONE, mesh,
                               state_lost="no rank holds trained state and the plan names no "
                                          "checkpoint")
@@ -426,7 +425,7 @@ class StateAgreement:
         self._carry_rng(steps[rank] == best, replicated["rng"])  # the build drew from it too
         log.info("resharded step %d in memory: %d transfers, %d bytes received here",
                  best, len(transfers), written)
-        self.ctx.state_step = best
+        self.ctx.held.agreed(best)
         return Outcome(source, pb.RESTORE_KIND_PEERS, mesh)
 
     def _next_source(self, plan: pb.Plan, rank: int, best: int, ref: pb.CheckpointRef | None,
@@ -444,7 +443,7 @@ class StateAgreement:
             log.error("shards of step %d have no live holder and nothing was committed: "
                       "the state is lost, starting from the built model", best)
             self._built_for_real(mesh)
-            self.ctx.state_step = 0
+            self.ctx.held.started_fresh()
             return Outcome(0, pb.RESTORE_KIND_NONE, mesh, state_lost=(
                 f"the shards of step {best} have no live holder{f' ({why})' if why else ''}, "
                 "no complete peer copy and nothing was committed"))

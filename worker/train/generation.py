@@ -148,7 +148,7 @@ class Generation:
         newer plan (all ranks stop at the same step). Raises what a failed
         collective raises; ``with gen:`` turns that into a quiet end."""
         s = self.ctx
-        s.clean = False
+        s.held.steps_began()
         while s.state_step < self.max_steps:
             step = s.state_step + 1
             batch = self.stream.batch(step, self.dp_size, self.dp_rank)
@@ -158,15 +158,14 @@ class Generation:
             self._batch, self._checked = batch, None
             self._boundary.timing.step_began()  # the previous step's timing is final
             yield batch
-            s.state_step = step
-            s.rng = rngstate.capture()  # the boundary's, carried into a next generation
+            s.held.step_applied(step, rngstate.capture())  # the boundary's RNG, carried on
             switch = self._end_step(batch)
             if s.stats is not None:
                 s.stats.step_done(step, checkpoint_stall_s=None if self._checkpoints is None
                                    else self._checkpoints.stall_s)
             if switch:
                 break
-        s.clean = True
+        s.held.ended_cleanly()
         if s.state_step >= self.max_steps and not s.finished:
             self._record_state("end")
             if s.channel is None or s.reporter is None:
@@ -484,13 +483,9 @@ class Generation:
             self._settle_last_vote()  # the last finished step is still recorded
             return False
         s = self.ctx
-        s.clean = False
         why = failure_line(exc)
         broken = s.step + 1
-        applied = self._applied is not None and self._applied == s.state_step + 1
-        if applied:  # the state holds the step: held as its end would hold it
-            s.state_step = broken
-            s.rng = rngstate.capture()
+        applied = s.held.broke(self._applied)  # held as applied when its update is in
         log.warning("generation %d broke on rank %d at step %d%s: %s", self.generation,
                     self.rank, broken, " after its optimizer step (held as applied)"
                     if applied else "", why)

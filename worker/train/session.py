@@ -322,12 +322,12 @@ class Session:
                 outcome = (self._agreement.agree_sharded(plan, rank, store)
                            if self._agreement.sharded is not None
                            else self._agreement.agree(plan, rank))
-            self.ctx.rng = rngstate.capture()  # the agreed state's (a restore set it too)
+            self.ctx.held.started(rngstate.capture())  # the agreed state's (a restore set it too)
         except (RendezvousAborted, RuntimeError) as e:
             log.warning("generation %d could not start on rank %d: %s", plan.generation,
                         rank, e)
             leave_group(broken=True, cause=e)
-            self.ctx.clean = False
+            self.ctx.held.start_failed()
             return None
         except TransientStorageError as e:
             # Every rank meets it together (the restore's retries are
@@ -337,7 +337,7 @@ class Session:
             log.error("generation %d could not start on rank %d: storage unavailable: %s",
                       plan.generation, rank, e)
             leave_group(broken=True, cause=e)
-            self.ctx.clean = False  # a restore cut short may have written part of the state
+            self.ctx.held.start_failed()  # a restore cut short may have written part of the state
             self._storage_refusals += 1
             self._storage_refused = (rank, str(e))
             return None
