@@ -44,6 +44,12 @@ PREEMPT_GRACE_S = 10
 """``GraceTime`` of partition ``test``: a preempted job's tasks get SIGTERM,
 then SIGKILL no sooner than this (Slurm 22.05 waits longer than it says)."""
 
+CRED_EXPIRE_S = 10
+"""``AuthInfo=cred_expire`` (slurm.conf(5): the job step credential's
+lifetime, which "also controls how long a requeued job must wait before
+starting again"; 120 s by default). A requeued job here is held for about
+this long (measured: BeginTime = the requeue + 11 s) instead of two minutes."""
+
 
 class SlurmCluster:
     """`num_nodes` nodes ``node1`` … in partition ``test`` (the default) and,
@@ -51,7 +57,7 @@ class SlurmCluster:
     ``test`` (``PreemptType=preempt/partition_prio``, ``PreemptMode=REQUEUE``,
     ``GraceTime`` `PREEMPT_GRACE_S`): what a preemptible spot partition under
     a higher-priority one is. Nothing is preempted until a job is submitted to
-    ``high``."""
+    ``high``. A requeued job runs again `CRED_EXPIRE_S` after its requeue."""
 
     def __init__(self, directory: Path, num_nodes: int = 3, *, slurmd_timeout_s: int = 10,
                  kill_wait_s: int = 5) -> None:
@@ -73,12 +79,16 @@ class SlurmCluster:
             "SlurmUser=root",
             "SlurmdUser=root",
             "AuthType=auth/none",
+            f"AuthInfo=cred_expire={CRED_EXPIRE_S}",  # a requeued job waits this long, not 120 s
             "CredType=cred/none",
             "ProctrackType=proctrack/linuxproc",
             "TaskPlugin=task/none",
             "MpiDefault=none",
             "SwitchType=switch/none",
             "SchedulerType=sched/builtin",
+            # A requeued job whose hold ended starts within 2 s, not at the next
+            # minute's scheduling pass (nothing else wakes the scheduler then).
+            "SchedulerParameters=sched_interval=2",
             "SelectType=select/linear",
             "JobAcctGatherType=jobacct_gather/none",
             "AccountingStorageType=accounting_storage/none",
