@@ -4,7 +4,11 @@ A worker commits after every shard and the manifest are durable in storage.
 Every check is part of the etcd transaction that records the commit: the
 committing member must be live and planned in the job's current generation
 (`fencing.report_fence`: a stale generation is FAILED_PRECONDITION, an
-expired member NOT_FOUND), and the recorded checkpoints the decision was made
+expired member NOT_FOUND), or live and planned in an earlier generation
+after which no generation has started (`_newest_started`: every node
+draining at once makes generations no rank starts while the last holders
+commit the drain checkpoint; once a later generation's ranks agreed on a
+state, an earlier generation's commit is stale), and the recorded checkpoints the decision was made
 from must be unchanged (every commit also writes the job record, whose mod
 revision is compared). A commit that loses to a concurrent writer is retried
 from fresh reads; one that keeps losing is ABORTED and recorded nothing.
@@ -75,6 +79,17 @@ class Commits:
                     raise
         raise AssertionError("unreachable")
 
+    def _newest_started(self, job_id: str, generation: int) -> bool:
+        """No generation after `generation` has started (its ranks agreed on a
+        state), as this leader saw: a checkpoint of `generation` then still
+        holds the newest trained state, as when every node drains at once and
+        each drain makes a generation no rank ever starts while the last
+        holders write the drain checkpoint. False when this leader saw no
+        start (it became leader since): the commit is then judged as current
+        or stale only."""
+        newest = self.coordinator.history.newest_start(job_id)
+        return newest is not None and newest <= generation
+
     def _commit_once(self, job_id: str, member_id: str, generation: int,
                      ref: pb.CheckpointRef) -> list[pb.CheckpointRef]:
         coordinator = self.coordinator
@@ -83,7 +98,8 @@ class Commits:
         job_entry = store.get(keys.job(job_id), pb.Job)
         if job_entry is None:
             raise NotFound(f"job {job_id!r} not found")
-        compare = fencing.report_fence(coordinator, job_id, member_id, generation)
+        compare = fencing.report_fence(coordinator, job_id, member_id, generation,
+                                       older=self._newest_started(job_id, generation))
         base = job_entry.value.spec.checkpoint.uri
         if not base:  # nothing of such a job writes one: a URI here can only be forged
             raise FailedPrecondition(f"job {job_id} has no checkpoint.uri: it records no "

@@ -93,6 +93,36 @@ class TestOneRecordPerStep:
         assert client.get_job(job.id).status.last_checkpoint.uri == f"file:///tmp/c3/{job.id}/step-10-g2"
 
 
+def report_start(workers, job_id: str, member_id: str, generation: int, step: int) -> None:
+    workers.ReportStep(ws.ReportStepRequest(
+        job_id=job_id, member_id=member_id, generation=generation, step=step,
+        generation_start=True, restored_from=pb.RESTORE_KIND_PEERS), timeout=10)
+
+
+class TestEarlierGenerations:
+    def test_a_commit_of_an_earlier_generation_counts_until_a_later_generation_starts(
+        self, coordinator, client, workers, make_spec
+    ):
+        # Every node draining at once: each drain makes a generation that no
+        # rank starts while the last holders write the drain checkpoint in
+        # the generation they trained in. Its commit holds the newest state
+        # until a later generation's ranks agree on one; then it is stale.
+        job = client.create_job(make_spec(max_workers=2, checkpoint={"uri": "file:///tmp/c8"}))
+        a = join(workers, job.id, 9511)
+        trained = generation_of(coordinator, job.id)
+        report_start(workers, job.id, a, trained, 0)
+        b = join(workers, job.id, 9512)
+        later = generation_of(coordinator, job.id)
+        assert later > trained
+        commit(workers, job.id, a, trained, 5, f"file:///tmp/c8/{job.id}/step-5")
+        assert client.get_job(job.id).status.last_checkpoint.step == 5
+        report_start(workers, job.id, b, later, 5)
+        with pytest.raises(grpc.RpcError) as e:
+            commit(workers, job.id, a, trained, 6, f"file:///tmp/c8/{job.id}/step-6")
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert [(c.step, c.generation) for c in client.list_checkpoints(job.id)] == [(5, trained)]
+
+
 class TestFencedMembers:
     def test_an_expired_member_is_refused_before_its_expiry_is_replanned(
         self, coordinator, client, workers, make_spec

@@ -476,12 +476,6 @@ class TestRequeuedAfterPreemption:
         finally:
             _reset(slurm_cluster)
 
-    @pytest.mark.xfail(strict=True, reason=(
-        "the three drains arrive within ~40 ms and make generations 3 and 4 before the "
-        "ranks leave generation 2; the ranks write the drain checkpoint as generation 2 and "
-        "its CommitCheckpoint is refused (FAILED_PRECONDITION 'report from generation 2 "
-        "rejected, current generation is 4'), so the requeued agents start from scratch "
-        "('state lost'); a coordinator/rank fix, not Slurm's (docs/slurm.md, Not built yet)"))
     @pytest.mark.timeout(180)
     def test_every_node_preempted_at_once_drains_to_a_commit_and_resumes_from_it(
             self, slurm_cluster, client, coordinator_address, tmp_path):

@@ -29,8 +29,8 @@ they finish their step and leave at the boundary of the plan without this
 node instead of dying mid-step; Slurm's SIGKILL still ends them.
 A node set DOWN or lost takes its task with SIGKILL: with ``srun --no-kill``
 the other tasks run on and the coordinator replans around the lost member,
-recorded as ``node_lost``. Keeping the job at size is not built yet
-(docs/slurm.md).
+recorded as ``node_lost``. Keeping the job at size is the keeper's
+(``springback slurm keep``, `springback.cli.slurm`; docs/slurm.md).
 """
 
 from __future__ import annotations
