@@ -3,7 +3,12 @@
 Starts what `springback up` starts (a local etcd and one coordinator), both on
 free loopback ports with their state in a temporary directory, submits a
 one-node job, and runs one agent against it; everything is stopped and
-removed when the agent ends. The job succeeds when every rank exits 0
+removed when the agent ends. The etcd is `springback up`'s secured one
+(`springback.cli.etcd_credentials`): https on loopback with client
+certificates and etcd's auth, the coordinator a user limited to
+``/springback/``, its credentials made afresh in the temporary directory
+(0700, files 0600), so no other local process can read or write the run's
+job through etcd. The job succeeds when every rank exits 0
 (restart mode) or the library's ``max_steps`` is reached (library mode).
 
 Failure semantics: an etcd or coordinator that does not come up within
@@ -39,26 +44,32 @@ def run_standalone(name: str, nnodes: tuple[int, int] | None,
     """Brings up etcd + a coordinator, submits the job, returns
     ``run_agent(coordinator_address, job_id)``, then tears everything down."""
     from springback.client.api import Client
+    from springback.cli.etcd_credentials import local_credentials
     from springback.cli.local import EtcdServer
     from springback.service.server import CoordinatorConfig, CoordinatorServer
 
     spec = standalone_spec(name, nnodes)
     state_dir = tempfile.mkdtemp(prefix="springback-standalone-")
-    etcd = EtcdServer(f"{state_dir}/etcd")
-    server = None
+    credentials = f"{state_dir}/etcd-credentials"
+    etcd: EtcdServer | None = None
+    server: CoordinatorServer | None = None
     try:
+        etcd = EtcdServer(f"{state_dir}/etcd", tls=local_credentials(credentials))
         etcd.start(timeout_s=START_TIMEOUT_S)
-        server = CoordinatorServer(CoordinatorConfig(etcd=etcd.endpoint, listen="127.0.0.1:0"))
+        server = CoordinatorServer(CoordinatorConfig(etcd=etcd.endpoint, listen="127.0.0.1:0",
+                                                     etcd_security=etcd.client_security))
         server.start()
         if not server.wait_for_leadership(timeout_s=START_TIMEOUT_S):
             raise RuntimeError(f"the standalone coordinator did not lead within "
                                f"{START_TIMEOUT_S:.0f}s")
         with Client(server.address) as client:
             job = client.create_job(spec)
-        log.info("standalone: coordinator %s, job %s", server.address, job.id)
+        log.info("standalone: etcd %s (credentials in %s), coordinator %s, job %s",
+                 etcd.endpoint, credentials, server.address, job.id)
         return run_agent(server.address, job.id)
     finally:
         if server is not None:
             server.stop(grace_s=0.5)
-        etcd.stop(kill=True)
+        if etcd is not None:
+            etcd.stop(kill=True)
         shutil.rmtree(state_dir, ignore_errors=True)
