@@ -25,7 +25,7 @@ from cluster import steps
 from draws import check_draws
 from fakeplans import TINY_TRAIN
 from sbtest import wait_for
-from slurmcluster import CRED_EXPIRE_S, PREEMPT_GRACE_S, SlurmCluster, missing
+from slurmcluster import CRED_EXPIRE_S, FREEZER_ROOT, PREEMPT_GRACE_S, SlurmCluster, missing
 from springback.cli.slurm import KeeperConfig
 from springback.client.api import Client
 from springback.client import env as E
@@ -40,6 +40,9 @@ SPEC = {"name": "tiny-slurm", "min_workers": 2, "max_workers": 3,
         "max_steps": MAX_STEPS}
 ENDED = (pb.JOB_STATE_SUCCEEDED, pb.JOB_STATE_FAILED, pb.JOB_STATE_CANCELLED)
 OPERATOR_TOKEN = "slurm-keeper-operator-token-" + "x" * 43  # 128 bits and more
+SLURMD_TIMEOUT_S = 5
+"""The shared cluster's ``SlurmdTimeout``: how long slurmctld waits for a
+silent slurmd before it sets the node DOWN."""
 
 
 class TestSlurmTaskDetection:
@@ -107,7 +110,8 @@ def slurm_cluster(tmp_path_factory) -> Iterator[SlurmCluster]:
     why = missing()
     if why:
         pytest.skip(why)
-    cluster = SlurmCluster(tmp_path_factory.mktemp("slurm"))
+    # A crashed node goes DOWN ~13 s after its crash (measured), not ~28 s (10).
+    cluster = SlurmCluster(tmp_path_factory.mktemp("slurm"), slurmd_timeout_s=SLURMD_TIMEOUT_S)
     try:
         cluster.start()
         yield cluster
@@ -162,12 +166,15 @@ script requeues its own job when the agent says it drained."""
 
 
 def _sbatch_agent(slurm_cluster: SlurmCluster, root: Path, job_id: str, coordinator: str,
-                  node: str, token: str | None = None, *, requeue: bool = False) -> str:
+                  node: str, token: str | None = None, *, requeue: bool = False,
+                  slurm_requeue: bool = True) -> str:
     """A requeueable batch job on `node` in partition ``test`` whose script
     runs one agent by ``srun``, as a user's sbatch script does (`token`: the
     agent's ``$SPRINGBACK_TOKEN``); its Slurm job id. With `requeue`, the
     script requeues its job after a drain (`REQUEUE_ON_DRAIN`) and each run
-    appends to ``agent-NODE.log``."""
+    appends to ``agent-NODE.log``. Without `slurm_requeue` the job is
+    ``--no-requeue``: a node failure ends it (NODE_FAIL) instead of requeueing
+    it (Slurm's default, ``JobRequeue=1``)."""
     env = dict(slurm_cluster.env, **{
         E.AUDIT_DIR: str(root / "audit"), E.METRICS_FILE: str(root / "metrics.jsonl"),
         "TINY_STEP_SLEEP_S": "0.1", "PYTHONUNBUFFERED": "1"})
@@ -181,7 +188,8 @@ def _sbatch_agent(slurm_cluster: SlurmCluster, root: Path, job_id: str, coordina
              f"--coordinator {coordinator} --drain-timeout-s {PREEMPT_GRACE_S} "
              + (f"--drained-exit-code {DRAINED_EXIT} " if requeue else "")
              + f"-- {sys.executable} {TINY_TRAIN}" + (REQUEUE_ON_DRAIN if requeue else ""))
-    out = subprocess.run(["sbatch", "--parsable", "--requeue", "-ptest", "-N1", f"-w{node}",
+    out = subprocess.run(["sbatch", "--parsable",
+                          "--requeue" if slurm_requeue else "--no-requeue", "-ptest", "-N1", f"-w{node}",
                           "--job-name=springback-agents", f"--output={root}/batch-{node}.log",
                           "--open-mode=append", f"--wrap={agent}"],
                          env=env, cwd=root, capture_output=True, text=True, timeout=10, check=True)
@@ -537,7 +545,7 @@ class TestRequeuedAfterPreemption:
 
 
 def _keeper(slurm_cluster: SlurmCluster, root: Path, job_id: str, coordinator: str,
-            token_file: Path) -> subprocess.Popen:
+            token_file: Path | None = None) -> subprocess.Popen:
     """``springback slurm keep`` for `job_id` with the operator's token file:
     replacement agents go to partition ``test`` as one-node batch jobs
     running the agent command of `_sbatch_agent` (their output in
@@ -551,7 +559,7 @@ def _keeper(slurm_cluster: SlurmCluster, root: Path, job_id: str, coordinator: s
     env.pop(E.TOKEN, None)
     return subprocess.Popen(
         [sys.executable, "-m", "springback.cli", "--coordinator", coordinator,
-         "--token-file", str(token_file), "slurm", "keep", "--job", job_id, "--partition", "test", "--poll-s", "0.5",
+         *(["--token-file", str(token_file)] if token_file else []), "slurm", "keep", "--job", job_id, "--partition", "test", "--poll-s", "0.5",
          "--backoff-s", "300", "--max-submissions", "2",
          f"--sbatch-arg=--output={root}/agent-keeper-%j.log",
          "--", sys.executable, "-m", "springback.worker.agent", "--job", job_id,
@@ -643,3 +651,104 @@ class TestKeepingTheJobAtSize:
                 wait_for(lambda: not slurm_cluster.jobs(), 30, "Slurm's jobs to end")
             except (AssertionError, subprocess.SubprocessError) as e:
                 print(f"Slurm not reset after the test: {e}")
+
+
+def _comm_and_args(pid: int) -> str:
+    """Process `pid`'s command line ('' once it is gone)."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(
+            errors="replace")
+    except OSError:
+        return ""
+
+
+@pytest.mark.slurm
+class TestNodeCrash:
+    @pytest.mark.timeout(180)
+    def test_a_crashed_node_is_lost_the_others_train_on_and_the_keeper_s_replacement_joins(
+            self, slurm_cluster, client, coordinator_address, tmp_path):
+        """Node3 crashes as a whole: every process in its slurmd's cgroup
+        (slurmd, slurmstepd, the batch script, srun, the agent, its rank)
+        SIGKILLed at one instant (tests/slurmcluster.py `crash`). The
+        survivors train on with the state in memory (no checkpoint is
+        configured); the coordinator drops the member long before Slurm sets
+        node3 DOWN (``SlurmdTimeout``); the departure is ``node_lost``. The
+        keeper's replacement job waits PENDING (no free node) until node3's
+        slurmd is started again (the node rebooted: ``ReturnToService=2``
+        makes it idle), then runs there and joins as a new member; the job
+        ends SUCCEEDED exactly once and the keeper submitted once. The agents'
+        jobs are ``--no-requeue``, so the crashed node's job ends (NODE_FAIL)
+        rather than coming back beside the replacement (docs/slurm.md, Limits)."""
+        if slurm_cluster.cgroup is None:
+            pytest.skip(f"no cgroup v1 freezer hierarchy at {FREEZER_ROOT} to crash a node in")
+        wait_for(lambda: slurm_cluster.idle_nodes() == set(slurm_cluster.nodes), 30,
+                 "three idle Slurm nodes")
+        last_step = 600  # the replacement joins ~25-35 s after the crash
+        created = client.create_job({**SPEC, "max_steps": last_step})
+        on_node = {n: _sbatch_agent(slurm_cluster, tmp_path, created.id, coordinator_address, n,
+                                    slurm_requeue=False)
+                   for n in slurm_cluster.nodes}
+        keeper = None
+        try:
+            wait_for(lambda: any(r["world_size"] == 3 and r["step"] >= 10
+                                 for r in steps(tmp_path)), 60, "world size 3 at step 10")
+            keeper = _keeper(slurm_cluster, tmp_path, created.id, coordinator_address)
+            lost = _member(created.id, on_node["node3"], "node3")
+            on_node3 = {pid: _comm_and_args(pid) for pid in slurm_cluster.group_pids("node3")}
+            assert any("springback.worker.agent" in c for c in on_node3.values()), on_node3
+            assert any(TINY_TRAIN in c and "springback.worker.agent" not in c
+                       for c in on_node3.values()), on_node3  # its rank
+            assert any(c.startswith("slurmd ") for c in on_node3.values()), on_node3
+            before = max(r["step"] for r in steps(tmp_path))
+
+            crashed_at = time.monotonic()
+            killed = slurm_cluster.crash("node3")
+
+            assert set(on_node3) <= set(killed), (on_node3, killed)
+            wait_for(lambda: lost not in client.get_job(created.id).status.members, 30,
+                     "the coordinator to drop the crashed node's member")
+            dropped_s = time.monotonic() - crashed_at
+            assert slurm_cluster.node_states()["node3"] != "down", "Slurm noticed first"
+            wait_for(lambda: slurm_cluster.node_states()["node3"].startswith("down"), 60,
+                     "Slurm to set node3 DOWN")
+            down_s = time.monotonic() - crashed_at
+            print(f"member dropped {dropped_s:.1f}s, node3 DOWN {down_s:.1f}s after the crash")
+            job = client.get_job(created.id)
+            assert job.status.state not in ENDED, "the job ended before node3 came back"
+            slurm_cluster.restart("node3")  # the node rebooted
+
+            job = wait_for(lambda: (j := client.get_job(created.id)).status.state in ENDED
+                           and j, 120, "the job to end")
+            assert job.status.state == pb.JOB_STATE_SUCCEEDED, job.status.message
+            assert job.status.step == last_step
+            out, _ = keeper.communicate(timeout=30)  # it stops when the job ends
+            print(out)
+            assert keeper.returncode == 0, out
+            submitted = [line.rsplit("submitted Slurm job ", 1)[1].split()[0]
+                         for line in out.splitlines() if "submitted Slurm job " in line]
+            assert len(submitted) == 1, out
+            assert "still PENDING" in out, out  # it waited for a free node
+            kind, why = _departure(coordinator_address, created.id, lost)
+            assert kind == "node_lost", (kind, why)
+            replacement = _member(created.id, submitted[0], "node3")
+            _, events = client.list_job_events(created.id)
+            left = next(e for e in events if e.world_size == 2)
+            assert left.restore == pb.RESTORE_KIND_PEERS, left  # the state from memory
+            joined = [e for e in events if replacement in e.members]
+            assert joined and joined[0].world_size == 3, [
+                (e.generation, list(e.members)) for e in events]
+            after = [r["world_size"] for r in steps(tmp_path) if r["step"] > before]
+            assert 2 in after, "the survivors did not train on"
+            assert 3 in after, "no step ran with the replacement"
+            wait_for(lambda: not ({*submitted, on_node["node1"], on_node["node2"]}
+                                  & set(slurm_cluster.jobs())), 30, "the agents' Slurm jobs to end")
+            _audit(tmp_path, last_step)
+        finally:
+            if keeper is not None and keeper.poll() is None:
+                keeper.kill()
+                keeper.wait(timeout=10)
+            try:  # the node up again, for the next test
+                slurm_cluster.restart("node3")
+            except AssertionError:
+                pass  # it runs
+            _reset(slurm_cluster)
