@@ -13,10 +13,13 @@ goodput and the exactly-once audit of the training samples.
     deploy/local/demo.sh --sharded    # FSDP2/HSDP: two agents of two ranks (train_fsdp.py)
     deploy/local/demo.sh --3d         # pipeline x tensor parallel x FSDP2 (train_3d.py)
     deploy/local/demo.sh --moe        # a top-2 mixture of experts, experts over ep (train_moe.py)
+    deploy/local/demo.sh --slurm      # the agents as sbatch jobs on a local Slurm of three
+                                      # nodes: one preempted, one crashed (docs/slurm.md)
 
 Safe to run twice: each run starts from an empty state directory, and
-processes left over by an interrupted earlier run (recorded in its pid file)
-are stopped first. Every process this demo starts is stopped when it ends.
+processes left over by an interrupted earlier run (recorded in its pid file;
+with --slurm, whatever is left in its Slurm cluster's cgroups) are stopped
+first. Every process this demo starts is stopped when it ends, on Ctrl-C too.
 """
 
 from __future__ import annotations
@@ -50,9 +53,98 @@ MODES = {
     "sharded": ("train_fsdp.py", "job_fsdp.yaml", "2", (1, 2)),
     "3d": ("train_3d.py", "job_3d.yaml", "2", (1, 2)),
     "moe": ("train_moe.py", "job_moe.yaml", "2", (1, 2)),
+    "slurm": ("train.py", "job.yaml", "1", ()),
 }
-"""In every mode worker-2 is SIGKILLed a quarter of the way in and worker-4
-joins half way."""
+"""In every mode but slurm, worker-2 is SIGKILLed a quarter of the way in and
+worker-4 joins half way. With slurm, the agents are one sbatch job per
+Slurm node (`SlurmDemo`): node3 is preempted a quarter of the way in, node2
+crashes half way, and both come back as requeued jobs."""
+
+DRAINED_EXIT = 143
+"""The agents' ``--drained-exit-code`` under Slurm: their script requeues its job."""
+
+
+class SlurmDemo:
+    """Three local Slurm nodes (deploy/local/slurm_cluster.py, the one the
+    Slurm tests start) whose agents are one requeueable ``sbatch`` job per
+    node, each ``srun``ning ``springback run`` (docs/slurm.md). The faults:
+    a job of partition ``high`` preempts node3 (its agent drains, its script
+    requeues the job, which runs again when the high job has ended), and
+    node2 crashes as a whole (every process in its slurmd's cgroup
+    SIGKILLed; Slurm sets it DOWN ``SlurmdTimeout`` + seconds later and
+    requeues its job; the demo then starts its slurmd again, as a reboot
+    would). Without the cgroup freezer, node2 is set DOWN by the admin instead,
+    and resumed."""
+
+    def __init__(self, state: Path) -> None:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import slurm_cluster
+
+        self.module = slurm_cluster
+        self.cluster = slurm_cluster.SlurmCluster(state / "slurm", slurmd_timeout_s=5)
+        self.crashed: str | None = None
+
+    def stop_leftovers(self) -> None:
+        killed = self.cluster.kill_leftovers()
+        if killed:
+            say(f"stopped {len(killed)} processes an earlier --slurm run left")
+
+    def start(self) -> None:
+        why = self.module.missing()
+        if why:
+            raise RuntimeError(f"--slurm: {why}")
+        self.cluster.start()
+        say(f"slurm         slurmctld and slurmd {', '.join(self.cluster.nodes)} "
+            f"(SLURM_CONF={self.cluster.conf})")
+
+    def submit_agents(self, job_id: str, coordinators: str, env: dict, state: Path) -> None:
+        env = dict(env, **self.cluster.env)
+        for node in self.cluster.nodes:
+            agent = (f"srun --no-kill -N1 --ntasks-per-node=1 --open-mode=append "
+                     f"--output={state}/agent-{node}.log {PY} -m springback.cli run "
+                     f"--job {job_id} --coordinator {coordinators} --drain-timeout-s "
+                     f"{self.module.PREEMPT_GRACE_S} --drained-exit-code {DRAINED_EXIT} -- "
+                     f"{PY} {EXAMPLE / 'train.py'}; rc=$?; "
+                     f'if [ "$rc" -eq {DRAINED_EXIT} ]; then scontrol requeue "$SLURM_JOB_ID"; fi; '
+                     'exit "$rc"')
+            out = subprocess.run(["sbatch", "--parsable", "--requeue", "-ptest", "-N1", f"-w{node}",
+                                  "--job-name=springback-agent", "--open-mode=append",
+                                  f"--output={state}/batch-{node}.log", f"--wrap={agent}"],
+                                 env=env, capture_output=True, text=True, timeout=30, check=True)
+            say(f"sbatch        Slurm job {out.stdout.strip()} on {node}: srun springback run "
+                f"--job {job_id} -- python train.py")
+
+    def preempt(self, node: str, state: Path) -> None:
+        self.cluster.run("sbatch", "--parsable", "-phigh", "-N1", f"-w{node}",
+                         "--job-name=high-priority", "--wrap=sleep 5", f"--output={state}/high.log")
+        say(f"PREEMPT {node}: a 5 s job of partition high (its agent drains within GraceTime "
+            f"{self.module.PREEMPT_GRACE_S} s, then its job requeues)")
+
+    def crash(self, node: str) -> None:
+        self.crashed = node
+        if self.cluster.cgroup is None:
+            self.cluster.set_down(node, reason="demo")
+            say(f"DOWN {node}: scontrol update state=down (its tasks get SIGKILL)")
+            return
+        killed = self.cluster.crash(node)
+        say(f"CRASH {node}: {len(killed)} processes of its cgroup SIGKILLed (slurmd, slurmstepd, "
+            "agent, rank); Slurm sets it DOWN after SlurmdTimeout")
+
+    def tick(self) -> None:
+        """Brings the crashed node back once Slurm has set it DOWN."""
+        if self.crashed is None:
+            return
+        state = self.cluster.node_states().get(self.crashed, "")
+        if state.startswith("down"):
+            if self.cluster.cgroup is None:
+                self.cluster.run("scontrol", "update", f"nodename={self.crashed}", "state=resume")
+            else:
+                self.cluster.restart(self.crashed)
+            say(f"{self.crashed} is DOWN in Slurm; {'resumed' if self.cluster.cgroup is None else 'its slurmd restarted (a reboot)'}: its requeued job runs there again")
+            self.crashed = None
+
+    def stop(self) -> None:
+        self.cluster.stop()
 
 
 class Processes:
@@ -135,6 +227,11 @@ def main() -> int:
     modes.add_argument("--moe", dest="mode", action="store_const", const="moe",
                        help="the mixture-of-experts variant (examples/tinylm/train_moe.py): "
                             "top-2 routing, experts sharded over ep on two nodes of two ranks")
+    modes.add_argument("--slurm", dest="mode", action="store_const", const="slurm",
+                       help="the example over three nodes of a local Slurm (slurmctld and three "
+                            "slurmd -N, as root): one sbatch agent job per node; node3 is "
+                            "preempted by a higher-priority partition's job, node2 crashes "
+                            "(its cgroup killed); both requeued jobs rejoin (docs/slurm.md)")
     p.set_defaults(mode="ddp")
     args = p.parse_args()
     if args.liveness_timeout_s is None:
@@ -151,6 +248,9 @@ def main() -> int:
     state.mkdir(parents=True, exist_ok=True)
     procs = Processes(state / "pids")
     procs.stop_leftovers()
+    slurm = SlurmDemo(state) if args.mode == "slurm" else None
+    if slurm is not None:
+        slurm.stop_leftovers()
     for child in state.iterdir():
         if child.name != "pids":
             shutil.rmtree(child) if child.is_dir() else child.unlink()
@@ -163,6 +263,8 @@ def main() -> int:
     signal.signal(signal.SIGTERM, on_signal)
     try:
         # -- the cluster ------------------------------------------------------
+        if slurm is not None:
+            slurm.start()
         client_port, peer_port = free_port(), free_port()
         etcd_url = f"http://127.0.0.1:{client_port}"
         procs.start("etcd", ["etcd", "--data-dir", str(state / "etcd"),
@@ -213,10 +315,12 @@ def main() -> int:
 
         for i in first_workers:
             start_worker(f"worker-{i}")
+        if slurm is not None:
+            slurm.submit_agents(job.id, coordinators, env, state)
 
         # -- the live view and the faults -------------------------------------
         kill_at, join_at = args.max_steps // 4, args.max_steps // 2
-        killed_at_t: float | None = None
+        faults: list[tuple[str, float]] = []
         joined = False
         seen_generations: set[int] = set()
         t_start = time.time()
@@ -230,13 +334,22 @@ def main() -> int:
                     say(f"generation {e['generation']}: world size {e['world_size']}, resumes "
                         f"after step {e['step']}, state from {src}  ({e['reason']})")
             step = steps[-1]["step"] if steps else 0
-            if killed_at_t is None and step >= kill_at:
-                killed_at_t = time.time()
-                procs.kill("worker-2")
-                say(f"SIGKILL worker-2 at step {step} (agent and its ranks)")
+            if not faults and step >= kill_at:
+                faults.append(("node3 preempted" if slurm else "worker-2 SIGKILL", time.time()))
+                if slurm is not None:
+                    slurm.preempt("node3", state)
+                else:
+                    procs.kill("worker-2")
+                    say(f"SIGKILL worker-2 at step {step} (agent and its ranks)")
             if not joined and step >= join_at:
                 joined = True
-                start_worker("worker-4")
+                if slurm is not None:
+                    faults.append(("node2 crash", time.time()))
+                    slurm.crash("node2")
+                else:
+                    start_worker("worker-4")
+            if slurm is not None:
+                slurm.tick()
             job = client.get_job(job.id)
             if job.status.state in (pb.JOB_STATE_SUCCEEDED, pb.JOB_STATE_FAILED,
                                     pb.JOB_STATE_CANCELLED):
@@ -265,22 +378,40 @@ def main() -> int:
                 procs.procs[name].wait(timeout=30)
             except subprocess.TimeoutExpired:
                 pass
+        if slurm is not None:  # the agents' jobs end: their ranks wrote their audit
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and any(
+                    s.split()[1] == "R" for s in slurm.cluster.run(
+                        "squeue", "-h", "-o", "%i %t").splitlines() if s.strip()):
+                time.sleep(0.5)
 
         # -- the closing summary ----------------------------------------------
         events = read_events(metrics)
-        summarize(events, audit, spec, killed_at_t, job, check_exactly_once)
+        departures = None
+        if slurm is not None:
+            _, generations = client.list_job_events(job.id)
+            departures = [(g.generation, g.DESCRIPTOR.fields_by_name["kind"].enum_type
+                           .values_by_number[g.kind].name.split("KIND_", 1)[-1].lower(),
+                           g.world_size, g.reason) for g in generations]
+        summarize(events, audit, spec, faults, job, check_exactly_once, departures)
         return 0 if job.status.state == pb.JOB_STATE_SUCCEEDED else 1
     except KeyboardInterrupt:
         interrupted = True
         say("interrupted")
         return 130
     finally:
+        if slurm is not None:
+            slurm.stop()
         procs.stop_all()
         say(f"all demo processes stopped{' (interrupted)' if interrupted else ''}; "
             f"logs in {state}")
 
 
-def summarize(events, audit, spec, killed_at_t, job, check_exactly_once) -> None:  # noqa: ANN001
+def summarize(events, audit, spec, faults, job, check_exactly_once,  # noqa: ANN001
+              changes=None) -> None:  # noqa: ANN001
+    """The closing summary; `faults`: (what, when) of each injected fault;
+    `changes`: the job's generations (number, kind, world, reason) from its
+    events, printed with their kinds (the Slurm demo: preempted, node_lost)."""
     steps = [e for e in events if e["event"] == "step"]
     gens = [e for e in events if e["event"] == "generation"]
     print()
@@ -293,12 +424,17 @@ def summarize(events, audit, spec, killed_at_t, job, check_exactly_once) -> None
     for g in gens:
         print(f"  gen {g['generation']:>3}  world {g['world_size']}  from step {g['step']:>4}  "
               f"{g['reason']}")
-    # recovery: time from the kill to the first step of the next generation
+    if changes:
+        print("job events           (springback job events: the kind of each change)")
+        for number, kind, world, reason in changes:
+            print(f"  gen {number:>3}  {kind:<11} world {world}  {reason[:60]}")
+    # recovery: time from a fault to the first step of a later generation
     recoveries = []
-    if killed_at_t is not None:
-        after = [s for s in steps if s["t"] > killed_at_t and s["world_size"] == 2]
+    for what, t in faults:
+        gen_at = max((s["generation"] for s in steps if s["t"] <= t), default=-1)
+        after = [s for s in steps if s["t"] > t and s["generation"] > gen_at]
         if after:
-            recoveries.append(("worker-2 SIGKILL", after[0]["t"] - killed_at_t))
+            recoveries.append((what, after[0]["t"] - t))
     for g in gens[1:]:
         before = [s for s in steps if s["t"] < g["t"]]
         after = [s for s in steps if s["t"] > g["t"]]
