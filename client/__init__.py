@@ -6,6 +6,8 @@
 - `errors`: the one exception hierarchy and its mapping to gRPC status codes.
 - `spec`: job-spec parsing and validation (the client checks before sending,
   the coordinator again on receipt).
+- `layout`: the parallel layout's rules (defaults, which worlds fit, the dp
+  split, rank <-> coordinate <-> piece), for the spec, planner and ranks.
 - `env`: the environment variables the agent sets for its ranks.
 - `metrics`: the Prometheus `/metrics` endpoint served by coordinator and agent.
 - `summary`: the JSON views of API objects (CLI `--json`, dashboard).

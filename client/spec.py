@@ -17,6 +17,7 @@ import yaml
 from google.protobuf.message import Message
 
 from springback.client.jobdir import dot_segments
+from springback.client.layout import validate as validate_layout
 from springback.client.errors import InvalidArgument
 from springback.v1 import types_pb2
 
@@ -299,7 +300,8 @@ def load_spec_file(path: str) -> types_pb2.JobSpec:
 def validate(spec: types_pb2.JobSpec) -> types_pb2.JobSpec:
     """A copy of `spec` with defaults filled in; raises on the first bad field.
 
-    Defaults: min_workers 1, max_workers = min_workers, layout degrees 1,
+    Defaults: min_workers 1, max_workers = min_workers, the layout's as
+    `client.layout.validate` fills them in (degrees 1, min_pp = pp),
     failures as in `service.failures` (3 per step in 600 s, plans awaited
     300 s, a lost state restarts from step 0: `DEFAULT_ON_STATE_LOST`),
     peer_copies.every_steps `DEFAULT_PEER_COPY_EVERY_STEPS` (0 disables
@@ -319,12 +321,7 @@ def validate(spec: types_pb2.JobSpec) -> types_pb2.JobSpec:
         raise InvalidArgument(
             "max_workers", f"{out.max_workers} is below min_workers {out.min_workers}"
         )
-    for degree in ("tp", "pp", "ep"):
-        setattr(out.layout, degree, getattr(out.layout, degree) or 1)
-    out.layout.min_pp = out.layout.min_pp or out.layout.pp
-    if out.layout.min_pp > out.layout.pp:
-        raise InvalidArgument("layout.min_pp", f"{out.layout.min_pp} is above layout.pp "
-                              f"{out.layout.pp} (the most stages)")
+    validate_layout(out.layout)
     out.failures.max_per_step = out.failures.max_per_step or DEFAULT_MAX_PER_STEP
     out.failures.window_s = out.failures.window_s or DEFAULT_WINDOW_S
     out.failures.plan_wait_s = out.failures.plan_wait_s or DEFAULT_PLAN_WAIT_S

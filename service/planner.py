@@ -12,19 +12,15 @@ Rules, in order:
 * Candidates are the live, non-draining members: survivors of the previous
   plan first (in their old node-rank order), then joiners by join order.
 * The active set is the longest prefix of candidates, at most max_workers,
-  whose world size is a multiple of tp * pp, whose dp (world / (tp * pp)) is
-  a multiple of ep and, when the spec fixes ``layout.shard``, of shard.
+  whose world fits the spec's layout (`client/layout.py`'s `fault`).
   Fewer than min_workers active means WAIT; when enough members are live but
-  no prefix satisfies the layout, the WAIT plan's reason names the layout
-  field at fault. The rest are hot spares.
-* Layout (see `worker/state/mesh.py` for the mesh the ranks build from it): global
-  ranks are ordered pp (outermost), then dp, then tp (innermost), so with
-  equal ranks per node and tp dividing them a TP group stays inside one
-  node. dp splits into replicate x shard (HSDP): the spec's ``layout.shard``
-  when set, else shard = gcd(dp, ranks per node / tp), i.e. shard inside a
-  node and replicate across nodes, so a lost node leaves a full replica (1
-  when tp does not divide the ranks per node, or the nodes differ in size:
-  then every dp rank keeps a full replica, like DDP).
+  no prefix fits the layout, the WAIT plan's reason names the layout field
+  at fault. The rest are hot spares.
+* Layout: the rules of `client/layout.py` (the module that keeps them, read
+  by the ranks too): its `resolve` splits dp into replicate x shard for the
+  active members, and global ranks are ordered pp, replicate, shard, tp, so
+  with equal ranks per node and tp dividing them a TP group stays inside
+  one node and, by default, a lost node leaves a full replica.
 * Survivors keep their node rank when it is still in range; the others fill
   the vacant ranks in candidate order. Global ranks are contiguous in
   node-rank order, so with equal ranks per node a survivor keeps its ranks.
@@ -37,7 +33,7 @@ Rules, in order:
 * Pieces: when nodes hold different pieces of the state (pipeline stages,
   or FSDP shards over single-rank nodes; equal ranks per node), every node
   rank of the new plan goes to a survivor that held the (stage, shard)
-  pieces that rank will hold: the survivor that had that node rank if it
+  pieces that rank will hold (`MeshLayout.pieces`): the survivor that had that node rank if it
   held them, else the first survivor in order that did; only then do the
   other candidates fill the rest. So a piece with a live holder is never
   left to a spare while holders of another piece fill the world (HSDP 2 x 2
@@ -57,10 +53,10 @@ Rules, in order:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
+from springback.client import layout as layouts
 from springback.v1 import types_pb2 as pb
 
 _TERMINAL = (pb.JOB_STATE_SUCCEEDED, pb.JOB_STATE_FAILED, pb.JOB_STATE_CANCELLED)
@@ -119,19 +115,6 @@ def _ordered_candidates(
     return [t[2] for t in survivors] + [t[2] for t in joiners], old_rank
 
 
-def _layout_fault(world: int, spec: pb.JobSpec) -> str:
-    """Why a world of `world` ranks cannot take the spec's layout ('' when it can)."""
-    tp, pp = max(spec.layout.tp, 1), max(spec.layout.pp, 1)
-    if not world or world % (tp * pp):
-        return f"layout.tp * layout.pp = {tp * pp} does not divide the world of {world} ranks"
-    dp = world // (tp * pp)
-    if dp % max(spec.layout.ep, 1):
-        return f"layout.ep = {spec.layout.ep} does not divide the data-parallel size {dp}"
-    if spec.layout.shard and dp % spec.layout.shard:
-        return f"layout.shard = {spec.layout.shard} does not divide the data-parallel size {dp}"
-    return ""
-
-
 def _active_count(candidates: Sequence[pb.Member], spec: pb.JobSpec) -> tuple[int, str]:
     """(members to activate, '') or (0, why the layout fails the largest
     world that has enough members; '' when too few are live)."""
@@ -140,25 +123,17 @@ def _active_count(candidates: Sequence[pb.Member], spec: pb.JobSpec) -> tuple[in
     for m in candidates[:limit]:
         prefix.append(prefix[-1] + m.num_local_ranks)
     for n in range(limit, max(spec.min_workers, 1) - 1, -1):
-        if not _layout_fault(prefix[n], spec):
+        if not layouts.fault(prefix[n], spec.layout):
             return n, ""
     if limit >= max(spec.min_workers, 1):
-        return 0, _layout_fault(prefix[limit], spec)
+        return 0, layouts.fault(prefix[limit], spec.layout)
     return 0, ""
 
 
-def resolve_layout(spec: pb.JobSpec, active: Sequence[pb.Member]) -> pb.ParallelLayout:
-    """The generation's layout for the `active` members (see the module
-    docstring's layout rule); the world must satisfy `_layout_fault`."""
-    tp, pp, ep = spec.layout.tp or 1, spec.layout.pp or 1, spec.layout.ep or 1
-    world = sum(m.num_local_ranks for m in active)
-    dp = world // (tp * pp)
-    shard = spec.layout.shard
-    if not shard:
-        sizes = {m.num_local_ranks for m in active}
-        per_node = sizes.pop() if len(sizes) == 1 else 0
-        shard = math.gcd(dp, per_node // tp) if per_node and per_node % tp == 0 else 1
-    return pb.ParallelLayout(dp=dp, tp=tp, pp=pp, ep=ep, replicate=dp // shard, shard=shard)
+def resolve_layout(spec: pb.JobSpec, active: Sequence[pb.Member]) -> layouts.MeshLayout:
+    """The generation's layout for the `active` members (`client.layout.resolve`);
+    their world must fit the spec's layout (`client.layout.fault`)."""
+    return layouts.resolve(spec.layout, (m.num_local_ranks for m in active))
 
 
 def _assign_ranks(plan: pb.Plan, active: Sequence[pb.Member], old_rank: dict[str, int]) -> None:
@@ -187,8 +162,7 @@ def _fewer_stages(candidates: Sequence[pb.Member], spec: pb.JobSpec,
     stages: the spec with the most stages (down to min_pp) that a world of
     the live members fits, and that world's member count; `spec` and `n`
     unchanged when none does."""
-    lowest = max(spec.layout.min_pp or spec.layout.pp, 1)  # 0: fixed at pp
-    for pp in range(spec.layout.pp - 1, lowest - 1, -1):
+    for pp in layouts.fewer_stages(spec.layout):
         fewer = pb.JobSpec()
         fewer.CopyFrom(spec)
         fewer.layout.pp = pp
@@ -196,15 +170,6 @@ def _fewer_stages(candidates: Sequence[pb.Member], spec: pb.JobSpec,
         if count:
             return fewer, count
     return spec, n
-
-
-def _pieces(layout: pb.ParallelLayout, first_rank: int, size: int) -> frozenset[tuple[int, int]]:
-    """The (pipeline stage, shard index) pairs of a node's ranks under
-    `layout`: the rows of the state it holds (ranks are ordered pp, then
-    replicate, shard and tp, see `worker/state/mesh.py`)."""
-    tp, shard = max(layout.tp, 1), max(layout.shard, 1)
-    per_stage = max(layout.replicate, 1) * shard * tp
-    return frozenset((r // per_stage, (r // tp) % shard) for r in range(first_rank, first_rank + size))
 
 
 def _placed(candidates: Sequence[pb.Member], n: int, previous: pb.Plan | None,
@@ -227,10 +192,11 @@ def _placed(candidates: Sequence[pb.Member], n: int, previous: pb.Plan | None,
     new, old = resolve_layout(spec, candidates[:n]), previous.layout
     if (new.pp, new.shard, new.tp) != (old.pp, old.shard, old.tp):
         return None  # the pieces themselves change: no survivor holds a new one whole
-    wanted = [_pieces(new, j * size, size) for j in range(n)]
-    if all(w == wanted[0] for w in wanted) and len(wanted[0]) == max(new.pp, 1) * max(new.shard, 1):
+    wanted = [new.pieces(j * size, size) for j in range(n)]
+    if all(w == wanted[0] for w in wanted) and len(wanted[0]) == new.pp * new.shard:
         return None  # every node holds every piece: any node serves any place
-    held = {m.member_id: (m.node_rank, _pieces(previous.layout, m.first_rank, m.num_local_ranks))
+    held_layout = layouts.MeshLayout.of(old)
+    held = {m.member_id: (m.node_rank, held_layout.pieces(m.first_rank, m.num_local_ranks))
             for m in previous.members}
     slots: list[pb.Member | None] = [None] * n
     taken: set[str] = set()
@@ -305,7 +271,7 @@ def make_plan(
     chosen = {m.id for m in active}
     plan.spares.extend(m.id for m in candidates if m.id not in chosen)
     plan.world_size = sum(m.num_local_ranks for m in active)
-    plan.layout.CopyFrom(resolve_layout(spec, active))
+    plan.layout.CopyFrom(resolve_layout(spec, active).message())
     head = next(m for m in active if m.id == plan.members[0].member_id)
     plan.master_addr = head.host
     plan.master_port = head.rendezvous_port
