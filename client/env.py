@@ -55,6 +55,10 @@ TOKEN = "SPRINGBACK_TOKEN"
 TOKEN_FILE = "SPRINGBACK_TOKEN_FILE"
 """File whose first line is the bearer token (the CLI's ``--token-file``);
 never passed on to ranks."""
+STORAGE_CREDENTIALS_FILE = "SPRINGBACK_STORAGE_CREDENTIALS_FILE"
+"""`springback run --storage-credentials`: a file (0600) of the job's ``AWS_*``
+storage credentials, which become the agent's and its ranks' only ``AWS_*``
+variables (`worker/agent/storagecreds.py`); never passed on to ranks."""
 CONTROL_DIR = "SPRINGBACK_CONTROL_DIR"
 """Directory where the agent publishes the current plan to its ranks."""
 COLLECTIVE_TIMEOUT_S = "SPRINGBACK_COLLECTIVE_TIMEOUT_S"

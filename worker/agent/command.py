@@ -15,7 +15,7 @@ import sys
 from collections.abc import Callable
 
 from springback.client import env as E
-from springback.worker.agent import slurm
+from springback.worker.agent import slurm, storagecreds
 from springback.worker.agent.config import AgentConfig
 from springback.worker.agent.launch import (
     RankOutput,
@@ -63,6 +63,11 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drained-exit-code", type=int, default=EXIT_OK, metavar="N",
                    help="exit status after a drain (SIGTERM, preemption notice); e.g. 143 lets "
                         "a Kubernetes Job replace a drained pod (default 0)")
+    p.add_argument("--storage-credentials", metavar="FILE",
+                   default=os.environ.get(E.STORAGE_CREDENTIALS_FILE) or None,
+                   help="this job's storage credentials, AWS_NAME=VALUE lines in a file only "
+                        "this user can read: the agent's and its ranks' only AWS_* variables "
+                        f"(${E.STORAGE_CREDENTIALS_FILE})")
     add_torchrun_arguments(p)
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- the rank command")
 
@@ -148,6 +153,9 @@ def run_main(args: argparse.Namespace, standalone: Standalone | None = None) -> 
         if not args.standalone and not args.job:
             raise ValueError("--job is required (or --standalone)")
         config = _config_from_args(args, args.job or "standalone", coordinator)
+        if args.storage_credentials:
+            names = storagecreds.apply(args.storage_credentials)
+            log.info("storage credentials from %s: %s", args.storage_credentials, ", ".join(names))
         if standalone is None or not args.standalone:
             return _run_agent(config, args.drained_exit_code)
         nnodes = parse_nnodes(args.nnodes)
