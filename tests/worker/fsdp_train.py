@@ -25,7 +25,10 @@ With a layout of tp > 1 the hidden and output layers are tensor parallel
 (column-wise, row-wise) on ``mesh["tp"]`` under FSDP2.
 
 Environment knobs: TINY_STEP_SLEEP_S slows each step; FSDP_BUILD_RAISE=1
-makes the build function raise (a bug in the user's code).
+makes the build function raise (a bug in the user's code); FSDP_BALLAST_MB=N
+adds a frozen, seeded N MiB parameter sharded like the rest (``ballast.``):
+state large enough that a reshard's transfer can be cut by a kill from
+outside. Never trained, it is left out of the digests and pieces.
 """
 
 import json
@@ -42,7 +45,7 @@ from torch.distributed.fsdp import fully_shard
 
 from draws import record_draw
 from pace import StepPace
-from pieces import flat, record_pieces, state_digest
+from pieces import flat, record_pieces, state_digest, without_ballast
 from springback.worker import Session
 from springback.client.env import AUDIT_DIR
 
@@ -64,12 +67,23 @@ class Counter(torch.nn.Module):
         return self.weight[indices]
 
 
+class Ballast(torch.nn.Module):
+    """FSDP_BALLAST_MB: a frozen parameter, only held and moved."""
+
+    def __init__(self, mib: int) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.rand(mib * 2**18), requires_grad=False)
+
+
 class Net(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.hidden = torch.nn.Linear(8, 16)
         self.out = torch.nn.Linear(16, 1)
         self.counter = Counter()
+        ballast_mb = int(os.environ.get("FSDP_BALLAST_MB", "0"))
+        if ballast_mb:
+            self.ballast = Ballast(ballast_mb)
 
     def forward(self, x: torch.Tensor, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.out(torch.tanh(self.hidden(x))).sum(dim=1), self.counter(indices)
@@ -103,17 +117,18 @@ def build(mesh):  # noqa: ANN001, ANN201 - the form a user writes
         parallelize_module(model, mesh["tp"], {"hidden": ColwiseParallel(),
                                                "out": RowwiseParallel()})
     dp = mesh["replicate", "shard"]
-    for unit in (model.hidden, model.out, model.counter):
-        fully_shard(unit, mesh=dp)
+    for unit in (model.hidden, model.out, model.counter, getattr(model, "ballast", None)):
+        if unit is not None:
+            fully_shard(unit, mesh=dp)
     fully_shard(model, mesh=dp)
-    trained = [p for n, p in model.named_parameters() if not n.startswith("counter.")]
+    trained = [p for n, p in model.named_parameters() if not n.startswith(("counter.", "ballast."))]
     return model, torch.optim.AdamW(trained, lr=0.05)
 
 
 def digest(model: torch.nn.Module, opt: torch.optim.Optimizer) -> str:
     """Collective: SHA-256 of the gathered full state."""
-    return state_digest({**flat(get_model_state_dict(model, options=FULL)),
-                         **flat(get_optimizer_state_dict(model, opt, options=FULL))})
+    return state_digest(without_ballast({**flat(get_model_state_dict(model, options=FULL)),
+                                         **flat(get_optimizer_state_dict(model, opt, options=FULL))}))
 
 
 def record(gen, when: str, step: int) -> None:  # noqa: ANN001

@@ -15,6 +15,8 @@ import os
 import re
 import subprocess
 
+from sbtest import wait_for
+
 CPU_ROOT = "/sys/fs/cgroup/cpu"
 _RECEIVED = re.compile(r"bytes_received:(\d+)")
 
@@ -51,11 +53,20 @@ class CpuCap:
             _move(self.path, pid)
 
     def remove(self) -> None:
+        """Moves the live processes back and removes the group once it is
+        empty: a killed member stays in it until its parent (or init) reaps it."""
         if not os.path.isdir(self.path):
             return
-        with open(os.path.join(self.path, "cgroup.procs")) as f:
-            for pid in f.read().split():
-                _move(CPU_ROOT, int(pid))
+        procs = os.path.join(self.path, "cgroup.procs")
+
+        def emptied() -> bool:
+            with open(procs) as f:
+                for pid in f.read().split():
+                    _move(CPU_ROOT, int(pid))
+            with open(procs) as f:
+                return not f.read().split()
+
+        wait_for(emptied, 30, f"{self.path} to empty")
         os.rmdir(self.path)
 
     def __enter__(self) -> CpuCap:

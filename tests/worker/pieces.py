@@ -52,6 +52,12 @@ def state_digest(state: dict[str, Any]) -> str:
     return h.hexdigest()
 
 
+def without_ballast(state: dict[str, Any]) -> dict[str, Any]:
+    """A flat state less the frozen ``ballast.`` entries (fsdp_train.py's
+    FSDP_BALLAST_MB: seeded, never trained, only there to be moved)."""
+    return {k: v for k, v in state.items() if not k.startswith("ballast.")}
+
+
 def record_pieces(gen, step: int) -> None:  # noqa: ANN001
     """No collective: writes this rank's pieces of the state it holds after
     `step` (atomically: a rank killed mid-write leaves no file)."""
@@ -61,7 +67,7 @@ def record_pieces(gen, step: int) -> None:  # noqa: ANN001
     pieces, whole = {}, {}
     for part in (get_model_state_dict(gen.model),
                  get_optimizer_state_dict(gen.model, gen.optimizer)):
-        for key, value in flat(part).items():
+        for key, value in without_ballast(flat(part)).items():
             if isinstance(value, DTensor):
                 (chunk,) = value.__create_chunk_list__()
                 pieces[key] = (tuple(value.shape), tuple(chunk.offsets),

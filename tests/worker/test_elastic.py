@@ -280,9 +280,12 @@ class TestJoin:
         ballast = 256 * 2**20
         env = {"TINY_STEP_SLEEP_S": "0.3", "TINY_BALLAST_MB": str(ballast // 2**20),
                "TINY_LOG": "info"}
-        a, b = (cluster.start(n, env=env) for n in ("a", "b"))
+        # collectives may wait 10 s, not the liveness timeout's 2 s: the capped
+        # holders' chunks are slow, and the generation must break on the kill
+        slow_ok = ("--collective-timeout-s", "10")
+        a, b = (cluster.start(n, *slow_ok, env=env) for n in ("a", "b"))
         cluster.wait_world(2, min_step=5)
-        c = cluster.start("c", env=env)
+        c = cluster.start("c", *slow_ok, env=env)
         joiner = wait_for(lambda: children(c.pid), 60, "the joiner's rank")[0]
         holders = [a.pid, *children(a.pid), b.pid, *children(b.pid)]
         with CpuCap("holders", percent=10) as cap:

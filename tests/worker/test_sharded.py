@@ -11,7 +11,8 @@ import signal
 from pathlib import Path
 
 import pytest
-from cluster import steps
+from cluster import children, steps
+from inflight import CpuCap, bytes_received
 from pieces import assembled_digests
 from sbtest import wait_for
 from springback.v1 import types_pb2 as pb
@@ -94,6 +95,49 @@ def test_hsdp_join_2_to_4_then_node_loss_4_to_2_reshard_in_memory_bit_identical(
     assert_resharded_bit_identical(cluster.root, world=4)
     assert_resharded_bit_identical(cluster.root, world=2)
     cluster.audit()  # exactly once: sampler records and the applied counter
+
+
+INFLIGHT = {"name": "sharded-inflight", "min_workers": 1, "max_workers": 3,
+            "data": {"num_samples": NUM_SAMPLES, "global_batch_size": BATCH, "seed": 1},
+            "max_steps": 60}
+
+
+@pytest.mark.parametrize("cluster", [INFLIGHT], indirect=True)
+def test_hsdp_a_holder_sigkilled_while_a_joiner_receives_its_shards_keeps_the_state_in_memory(
+        cluster):
+    """Issue 50's second fault with teeth, sharded: replicas a and b
+    (shard 2 each) train, c joins; while the joiner's ranks receive their
+    shards, node b is SIGKILLed from outside, timed by the bytes the joiner
+    has received. No checkpoint exists: the state can only come from a."""
+    ballast = 256 * 2**20  # each joiner rank receives its half
+    fsdp = {"script": FSDP_TRAIN, "nproc": 2,
+            "env": {"TINY_STEP_SLEEP_S": "0.2", "FSDP_BALLAST_MB": str(ballast // 2**20)}}
+    # collectives may wait 10 s, not the liveness timeout's 2 s: the capped
+    # holders' chunks are slow, and the generation must break on the kill
+    slow_ok = ("--collective-timeout-s", "10")
+    a = cluster.start("a", *slow_ok, **fsdp)
+    b = cluster.start("b", *slow_ok, **fsdp)
+    cluster.wait_world(4, min_step=3, timeout_s=120)
+    c = cluster.start("c", *slow_ok, **fsdp)
+    joiners = wait_for(lambda: len(ranks := children(c.pid)) == 2 and ranks, 60,
+                       "the joiner's two ranks")
+    with CpuCap("holders", percent=20) as cap:
+        cap.add([p for agent in (a, b) for p in (agent.pid, *children(agent.pid))])
+        received = wait_for(
+            lambda: (n := sum(bytes_received(r) for r in joiners)) > ballast // 4 and n,
+            120, "a quarter of the shards at the joiner", interval_s=0.02)
+        b.signal_node(signal.SIGKILL)
+    print(f"node b killed with {received} of {ballast} bytes at the joiner")
+    assert received < ballast * 3 // 4, f"the kill came late: {received} bytes received"
+    cluster.fast_forward()
+    job = cluster.wait_succeeded(timeout_s=150)
+    assert b.wait(30) == -signal.SIGKILL
+    for agent in (a, c):
+        assert agent.wait(30) == 0, agent.log()
+    assert job.status.num_restores == 0, job.status
+    assert sorted(r["step"] for r in steps(cluster.root)) == list(range(1, 61))
+    assert_resharded_bit_identical(cluster.root, world=4)
+    cluster.audit()
 
 
 TP = {**SPEC, "name": "tp", "layout": {"tp": 2, "shard": 1}}
