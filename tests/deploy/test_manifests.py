@@ -138,7 +138,7 @@ class TestKubernetesManifests:
             text = (BASE / name).read_text()
             # the TLS Secrets (-tls) are cert-manager's (see TestTls); the others the operator's
             mounted = re.findall(r"secret: \{secretName: ([\w-]+)", text)
-            for secret in set(re.findall(r"secretKeyRef: \{name: ([\w-]+)", text)) | {
+            for secret in set(re.findall(r"secret(?:KeyRef|Ref): \{name: ([\w-]+)", text)) | {
                     s for s in mounted if not s.endswith("-tls")}:
                 assert f"kubectl -n {NAMESPACE} create secret generic {secret}" in text, (
                     f"{name}: the Secret {secret} is used but its kubectl command is not documented")
@@ -631,6 +631,16 @@ class TestEtcdAuth:
             etcd.stop(kill=True)
 
 
+def secrets_of(spec: dict) -> set[str]:
+    """Every Secret a pod reads: env, envFrom and volumes."""
+    names = {v["secret"]["secretName"] for v in spec.get("volumes", []) if "secret" in v}
+    for c in spec.get("initContainers", []) + spec["containers"]:
+        names |= {e["secretRef"]["name"] for e in c.get("envFrom", []) if "secretRef" in e}
+        names |= {e["valueFrom"]["secretKeyRef"]["name"] for e in c.get("env", [])
+                  if "secretKeyRef" in e.get("valueFrom", {})}
+    return names
+
+
 class TestWorkers:
     @property
     def job(self) -> dict:
@@ -674,7 +684,21 @@ class TestWorkers:
         assert claims["checkpoints"]["persistentVolumeClaim"]["claimName"] == (
             by_kind("PersistentVolumeClaim", "springback-checkpoints")["metadata"]["name"])
         assert mounts["checkpoints"] == "/var/lib/springback/checkpoints"
-        assert self.agent["envFrom"] == [{"secretRef": {"name": "springback-s3", "optional": True}}]
+        assert self.agent["envFrom"] == [{"secretRef": {"name": "springback-job-s3", "optional": True}}]
+
+    def test_storage_credentials_are_the_jobs_own_secret_that_no_other_pod_takes(self):
+        # one Secret per job, like its join credential (issue 44): a name shared
+        # by every job (springback-s3, as before) or read by any other pod fails
+        job_secrets = {"springback-job-credential", "springback-job-s3"}
+        used = secrets_of(pod_spec(self.job))
+        assert {s for s in used if s != "springback-worker-tls"} == job_secrets, used
+        for doc in every_document():
+            if doc["kind"] in WORKLOAD_KINDS and doc != self.job:
+                others = secrets_of(pod_spec(doc)) & job_secrets
+                assert not others, f"{doc['metadata']['name']} takes the job's Secrets {others}"
+        text = "".join((BASE / n).read_text() for n in MANIFESTS)
+        assert "springback-s3" not in text.replace("springback-job-s3", ""), (
+            "a storage Secret shared by every job")
 
     def test_the_gpu_overlay_yields_a_valid_job_with_one_gpu_per_rank(self):
         kustomization = yaml.safe_load((K8S / "gpu" / "kustomization.yaml").read_text())
