@@ -83,7 +83,7 @@ def test_hsdp_join_2_to_4_then_node_loss_4_to_2_reshard_in_memory_bit_identical(
     cluster.wait_world(2, min_step=max(r["step"] for r in steps(cluster.root)) + 2,
                        timeout_s=90)
     # the survivors' resets, on the mesh's own groups too, name the lost ranks:
-    # they report them as evidence (service/evidence.py), not left to the liveness timeout
+    # they report them as evidence (service/core/evidence.py), not left to the liveness timeout
     assert "reported lost peer rank" in a.log(), a.log()
     cluster.fast_forward()  # the last fault is past: no more slow steps
     job = cluster.wait_succeeded(timeout_s=120)
@@ -102,16 +102,25 @@ INFLIGHT = {"name": "sharded-inflight", "min_workers": 1, "max_workers": 3,
             "max_steps": 60}
 
 
-@pytest.mark.parametrize("cluster", [INFLIGHT], indirect=True)
+@pytest.mark.parametrize("cluster,ballast_mib,shard", [
+    # shard 2: each joiner rank receives its half of the ballast
+    pytest.param(INFLIGHT, 256, 2, id="hsdp"),
+    # tp 2 x shard 1 (the TP test's layout): the ballast, not tensor parallel,
+    # is held whole by both TP ranks of a replica, so each joiner rank receives
+    # all of it: 128 MiB each, the same 256 MiB at the joiner as "hsdp"
+    pytest.param({**INFLIGHT, "name": "tp-inflight", "layout": {"tp": 2, "shard": 1}}, 128, 1,
+                 id="tp"),
+], indirect=["cluster"])
 def test_hsdp_a_holder_sigkilled_while_a_joiner_receives_its_shards_keeps_the_state_in_memory(
-        cluster):
+        cluster, ballast_mib, shard):
     """Issue 50's second fault with teeth, sharded: replicas a and b
-    (shard 2 each) train, c joins; while the joiner's ranks receive their
-    shards, node b is SIGKILLed from outside, timed by the bytes the joiner
-    has received. No checkpoint exists: the state can only come from a."""
-    ballast = 256 * 2**20  # each joiner rank receives its half
+    (shard 2 each, or tp 2 each) train, c joins; while the joiner's ranks
+    receive their shards, node b is SIGKILLed from outside, timed by the bytes
+    the joiner has received. No checkpoint exists: the state can only come
+    from a."""
+    ballast = 2 * ballast_mib * 2**20 // shard  # what the joiner's two ranks receive
     fsdp = {"script": FSDP_TRAIN, "nproc": 2,
-            "env": {"TINY_STEP_SLEEP_S": "0.2", "FSDP_BALLAST_MB": str(ballast // 2**20)}}
+            "env": {"TINY_STEP_SLEEP_S": "0.2", "FSDP_BALLAST_MB": str(ballast_mib)}}
     # collectives may wait 10 s, not the liveness timeout's 2 s: the capped
     # holders' chunks are slow, and the generation must break on the kill
     slow_ok = ("--collective-timeout-s", "10")
