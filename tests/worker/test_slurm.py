@@ -29,7 +29,7 @@ from slurmcluster import CRED_EXPIRE_S, FREEZER_ROOT, PREEMPT_GRACE_S, SlurmClus
 from springback.cli.slurm import KeeperConfig
 from springback.client.api import Client
 from springback.client import env as E
-from springback.service.membership import _member_id
+from springback.service.core.membership import _member_id
 from springback.v1 import types_pb2 as pb
 from springback.worker.agent import slurm
 from springback.worker.train.audit import check_exactly_once
@@ -752,3 +752,32 @@ class TestNodeCrash:
             except AssertionError:
                 pass  # it runs
             _reset(slurm_cluster)
+
+
+@pytest.mark.slurm
+class TestSlurmDemo:
+    @pytest.mark.timeout(300)
+    def test_demo_slurm_trains_through_a_preemption_and_a_crash_and_leaves_nothing(
+            self, tmp_path):
+        """``deploy/local/demo.py --slurm`` end to end (its own Slurm,
+        etcd, coordinators and sbatch agents; 300 steps): node3 preempted,
+        node2 crashed, the job SUCCEEDED with every sample exactly once, both
+        kinds in its events, and nothing left in its cgroups afterwards."""
+        why = missing()
+        if why:
+            pytest.skip(why)
+        root = Path(__file__).resolve().parents[2]
+        state = tmp_path / "demo"
+        out = subprocess.run(
+            [sys.executable, str(root / "deploy" / "local" / "demo.py"), "--slurm",
+             "--max-steps", "300", "--state-dir", str(state)],
+            capture_output=True, text=True, timeout=280, check=False)
+        print(out.stdout[-6000:], out.stderr[-3000:])
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+        assert "JOB_STATE_SUCCEEDED at step 300" in out.stdout
+        assert "PREEMPT node3" in out.stdout
+        events = out.stdout.split("job events", 1)[1].split("recovery", 1)[0]
+        assert " preempted " in events and " node_lost " in events, events
+        assert "every sample consumed exactly once" in out.stdout
+        left = SlurmCluster(state / "slurm")
+        assert left.cgroup is None or not left.cgroup.exists(), "processes left in its cgroups"
