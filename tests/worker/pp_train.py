@@ -30,7 +30,12 @@ Failure semantics are the library's: a dead peer in a pipeline send, a
 reduction or the digest's gathers raises what a failed collective raises,
 which ends the generation (``with gen:``) for the next plan.
 
-Environment knobs: TINY_STEP_SLEEP_S slows each step.
+Environment knobs: TINY_STEP_SLEEP_S slows each step; PP_BALLAST_MB=N adds
+a frozen, seeded parameter of N / 4 MiB to each layer (``ballast.<layer>``,
+kept and deleted with its layer, so each stage of pp = 2 holds N / 2 MiB,
+replicated on its dp ranks): state large enough that a join's transfer can
+be cut by a kill from outside. Never trained, it is left out of the digests
+(``own_state``).
 """
 
 import hashlib
@@ -50,6 +55,15 @@ from springback.worker import Session, stage_layers
 
 NUM_LAYERS, MICROBATCHES = 4, 2
 WIDTHS = (8, 16, 16, 16, 1)
+BALLAST_MB = int(os.environ.get("PP_BALLAST_MB", "0"))
+
+
+class Ballast(torch.nn.Module):
+    """PP_BALLAST_MB: a frozen parameter, only held and moved."""
+
+    def __init__(self, mib: float) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.rand(int(mib * 2**18)), requires_grad=False)
 
 
 class Net(torch.nn.Module):
@@ -60,6 +74,9 @@ class Net(torch.nn.Module):
         self.layers = torch.nn.ModuleDict({str(i): torch.nn.Linear(WIDTHS[i], WIDTHS[i + 1])
                                            for i in range(NUM_LAYERS)})
         self.counter: torch.nn.Module | None = Counter()
+        if BALLAST_MB:  # one per layer, with it in its stage
+            self.ballast = torch.nn.ModuleDict({str(i): Ballast(BALLAST_MB / NUM_LAYERS)
+                                                for i in range(NUM_LAYERS)})
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for name, layer in self.layers.items():
@@ -75,8 +92,9 @@ class Counter(torch.nn.Module):
                                          requires_grad=False)
 
 
-REPLICATED = [name for name, _ in Net().named_parameters()]
-"""Every parameter of every stage: plain tensors, the same on a stage's dp ranks."""
+with torch.device("meta"):  # names only: no ballast allocated
+    REPLICATED = [name for name, _ in Net().named_parameters()]
+    """Every parameter of every stage: plain tensors, the same on a stage's dp ranks."""
 
 
 def stage_of(model: Net, mesh) -> Net:  # noqa: ANN001
@@ -85,6 +103,8 @@ def stage_of(model: Net, mesh) -> Net:  # noqa: ANN001
     for i in range(NUM_LAYERS):
         if i not in kept:
             del model.layers[str(i)]
+            if BALLAST_MB:
+                del model.ballast[str(i)]
     if NUM_LAYERS - 1 not in kept:
         model.counter = None
     return model
@@ -93,7 +113,8 @@ def stage_of(model: Net, mesh) -> Net:  # noqa: ANN001
 def build(mesh):  # noqa: ANN001, ANN201 - the form a user writes
     torch.manual_seed(0)
     model = stage_of(Net(), mesh)
-    trained = [p for n, p in model.named_parameters() if not n.startswith("counter.")]
+    trained = [p for n, p in model.named_parameters()
+               if not n.startswith(("counter.", "ballast."))]
     return model, torch.optim.AdamW(trained, lr=0.05)
 
 
@@ -150,9 +171,11 @@ def train_step(model: Net, opt: torch.optim.Optimizer, schedule: ScheduleGPipe, 
 
 
 def own_state(model: Net, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    """This rank's stage of the model and optimizer state, by global key."""
+    """This rank's stage of the model and optimizer state, by global key
+    (less the ballast)."""
     out: dict[str, torch.Tensor] = {f"param/{n}": p.detach().clone()
-                                    for n, p in model.named_parameters()}
+                                    for n, p in model.named_parameters()
+                                    if not n.startswith("ballast.")}
     for n, p in model.named_parameters():
         for name, value in opt.state.get(p, {}).items():
             out[f"optim/{n}/{name}"] = torch.as_tensor(value).clone()

@@ -15,8 +15,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from cluster import steps
-from sbtest import run_gloo_peers
+from cluster import children, steps
+from inflight import CpuCap, bytes_received
+from sbtest import run_gloo_peers, wait_for
 from test_elastic import cluster  # noqa: F401 - the fixture
 from test_sharded import SPEC
 
@@ -225,4 +226,49 @@ def test_a_pipeline_re_partitions_over_the_surviving_stages_and_grows_back(clust
     for generation in held.values():
         for rank, h in generation.items():
             assert h["layers"] == _layers(rank, h["pp"]), generation
+    cluster.audit()
+
+
+PP_INFLIGHT = {**PP, "name": "pipeline-inflight", "max_workers": 6, "max_steps": 60}
+
+
+@pytest.mark.soak
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("cluster", [PP_INFLIGHT], indirect=True)
+def test_pipeline_a_holder_sigkilled_while_joiners_receive_their_stages_keeps_them_in_memory(
+        cluster):
+    """Issue 50's second fault with teeth, pipelined: four single-rank nodes,
+    pp = 2 x dp = 2, each layer carrying a frozen ballast (PP_BALLAST_MB, so
+    each stage holds half of it); e and f join (world 6, dp = 3), and while
+    the joiners' stages are in flight from their holders, node d is SIGKILLed
+    from outside, timed by the bytes the joiners have received. No checkpoint
+    and no peer copies: the stages can only come from the live replicas."""
+    ballast = 256 * 2**20  # each joiner's stage holds half of it
+    pp = {"script": PP_TRAIN, "nproc": 1,
+          "env": {"TINY_STEP_SLEEP_S": "0.2", "PP_BALLAST_MB": str(ballast // 2**20)}}
+    # collectives may wait 10 s, not the liveness timeout's 2 s: the capped
+    # holders' chunks are slow, and the generation must break on the kill
+    slow_ok = ("--collective-timeout-s", "10")
+    holders = [cluster.start(n, *slow_ok, **pp) for n in ("a", "b", "c", "d")]
+    cluster.wait_world(4, min_step=3, timeout_s=150)
+    e, f = (cluster.start(n, *slow_ok, **pp) for n in ("e", "f"))
+    joiners = wait_for(lambda: len(ranks := children(e.pid) + children(f.pid)) == 2 and ranks,
+                       60, "the joiners' ranks")
+    with CpuCap("holders", percent=20) as cap:
+        cap.add([p for agent in holders for p in (agent.pid, *children(agent.pid))])
+        received = wait_for(
+            lambda: (n := sum(bytes_received(r) for r in joiners)) > ballast // 4 and n,
+            120, "a quarter of the stages at the joiners", interval_s=0.02)
+        holders[3].signal_node(signal.SIGKILL)
+    print(f"node d killed with {received} of {ballast} bytes at the joiners")
+    assert received < ballast * 3 // 4, f"the kill came late: {received} bytes received"
+    cluster.fast_forward()
+    job = cluster.wait_succeeded(timeout_s=180)
+    assert holders[3].wait(30) == -signal.SIGKILL
+    for agent in (*holders[:3], e, f):
+        assert agent.wait(30) == 0, agent.log()
+    assert job.status.num_state_losses == 0 and job.status.num_restores == 0, job.status
+    assert not job.status.last_checkpoint.uri, job.status
+    assert sorted(r["step"] for r in steps(cluster.root)) == list(range(1, 61))
+    assert_stages_bit_identical(cluster.root, world=4)  # after the kill: a, b, c and a joiner
     cluster.audit()
