@@ -30,7 +30,12 @@ Failure semantics are the library's: a dead peer in a dispatch, a reduction
 or the digests' gathers raises what a failed collective raises, which ends
 the generation (``with gen:``) for the next plan.
 
-Environment knobs: TINY_STEP_SLEEP_S slows each step.
+Environment knobs: TINY_STEP_SLEEP_S slows each step; MOE_BALLAST_MB=N adds
+a frozen, seeded N MiB parameter stacked per expert and sharded like the
+experts (``ballast.``: ``[E, ...]``, ``(Replicate(), Shard(0))``), so each
+rank of an expert group holds N / ep MiB: state large enough that a
+reshard's transfer can be cut by a kill from outside. Never trained, it is
+left out of the digests and pieces.
 """
 
 import json
@@ -125,6 +130,16 @@ def local(p: torch.Tensor) -> torch.Tensor:
     return p.to_local(grad_placements=grads)
 
 
+class Ballast(torch.nn.Module):
+    """MOE_BALLAST_MB: a frozen parameter, only held and moved."""
+
+    def __init__(self, mesh, mib: int) -> None:  # noqa: ANN001
+        super().__init__()
+        self.weight = _on(mesh, torch.rand(NUM_EXPERTS, mib * 2**18 // NUM_EXPERTS),
+                          (Replicate(), Shard(0)))
+        self.weight.requires_grad_(False)
+
+
 class Counter(torch.nn.Module):
     def __init__(self, mesh) -> None:  # noqa: ANN001
         super().__init__()
@@ -140,6 +155,9 @@ class Net(torch.nn.Module):
         super().__init__()
         self.moe = Moe(mesh)
         self.counter = Counter(mesh)
+        ballast_mb = int(os.environ.get("MOE_BALLAST_MB", "0"))
+        if ballast_mb:
+            self.ballast = Ballast(mesh, ballast_mb)
 
     def forward(self, x: torch.Tensor, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.moe(x), self.counter(indices)
@@ -148,7 +166,8 @@ class Net(torch.nn.Module):
 def build(mesh):  # noqa: ANN001, ANN201 - the form a user writes
     torch.manual_seed(0)
     model = Net(expert_mesh(mesh))
-    trained = [p for n, p in model.named_parameters() if not n.startswith("counter.")]
+    trained = [p for n, p in model.named_parameters()
+               if not n.startswith(("counter.", "ballast."))]
     return model, torch.optim.AdamW(trained, lr=0.05)
 
 

@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from cluster import steps
-from sbtest import run_gloo_peers
+from cluster import children, steps
+from inflight import CpuCap, bytes_received
+from sbtest import run_gloo_peers, wait_for
 from test_elastic import cluster  # noqa: F401 - the fixture
 from test_sharded import SPEC, assert_resharded_bit_identical
 
@@ -88,3 +89,51 @@ def test_expert_parallel_node_loss_then_join_reshard_the_experts_in_memory_bit_i
         for rank, h in held.items():
             assert h["ep"] == 2 and h["experts"] == [2 * (rank % 2), 2 * (rank % 2) + 2], held
     cluster.audit()  # exactly once: sampler records and the applied counter
+
+
+EP_INFLIGHT = {**{k: v for k, v in EP.items() if k != "checkpoint"}, "name": "expert-inflight",
+               "max_workers": 3, "max_steps": 60}
+"""No checkpoint: the experts can only come from a live expert group."""
+
+
+@pytest.mark.soak
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("cluster", [EP_INFLIGHT], indirect=True)
+def test_expert_parallel_a_holder_sigkilled_while_a_joiner_receives_its_experts_keeps_them(
+        cluster):
+    """Issue 50's second fault with teeth, expert parallel: expert groups a
+    and b (ep = 2 each) train with a frozen ballast stacked per expert
+    (MOE_BALLAST_MB, sharded like the experts), c joins (world 6); while the
+    joiner's ranks receive their experts, node b is SIGKILLed from outside,
+    timed by the bytes the joiner has received. The experts can only come
+    from a."""
+    ballast = 256 * 2**20  # each joiner rank receives its half: ep = 2
+    moe = {"script": MOE_TRAIN, "nproc": 2,
+           "env": {"TINY_STEP_SLEEP_S": "0.2", "MOE_BALLAST_MB": str(ballast // 2**20)}}
+    # collectives may wait 10 s, not the liveness timeout's 2 s: the capped
+    # holders' chunks are slow, and the generation must break on the kill
+    slow_ok = ("--collective-timeout-s", "10")
+    a = cluster.start("a", *slow_ok, **moe)
+    b = cluster.start("b", *slow_ok, **moe)
+    cluster.wait_world(4, min_step=3, timeout_s=150)
+    c = cluster.start("c", *slow_ok, **moe)
+    joiners = wait_for(lambda: len(ranks := children(c.pid)) == 2 and ranks, 60,
+                       "the joiner's two ranks")
+    with CpuCap("holders", percent=20) as cap:
+        cap.add([p for agent in (a, b) for p in (agent.pid, *children(agent.pid))])
+        received = wait_for(
+            lambda: (n := sum(bytes_received(r) for r in joiners)) > ballast // 4 and n,
+            120, "a quarter of the experts at the joiner", interval_s=0.02)
+        b.signal_node(signal.SIGKILL)
+    print(f"node b killed with {received} of {ballast} bytes at the joiner")
+    assert received < ballast * 3 // 4, f"the kill came late: {received} bytes received"
+    cluster.fast_forward()
+    job = cluster.wait_succeeded(timeout_s=180)
+    assert b.wait(30) == -signal.SIGKILL
+    for agent in (a, c):
+        assert agent.wait(30) == 0, agent.log()
+    assert job.status.num_state_losses == 0 and job.status.num_restores == 0, job.status
+    assert not job.status.last_checkpoint.uri, job.status
+    assert sorted(r["step"] for r in steps(cluster.root)) == list(range(1, 61))
+    assert_resharded_bit_identical(cluster.root, world=4)  # a and c, after the kill
+    cluster.audit()
