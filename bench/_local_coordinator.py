@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from springback.cli.local import EtcdServer
-from springback.service.server import CoordinatorConfig, CoordinatorServer
+from springback.service.transport.server import CoordinatorConfig, CoordinatorServer
 
 LEADERSHIP_TIMEOUT_S = 20
 

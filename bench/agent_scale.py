@@ -49,7 +49,7 @@ from agentsim import SimFleet, kill_leader, start_replicas  # noqa: E402
 from sbtest import CoordinatorProcess  # noqa: E402
 from springback.client.api import Client  # noqa: E402
 from springback.cli.local import EtcdServer  # noqa: E402
-from springback.service.store import Store  # noqa: E402
+from springback.service.etcd.store import Store  # noqa: E402
 
 
 

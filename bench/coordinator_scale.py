@@ -24,9 +24,9 @@ import time
 import grpc
 
 from _local_coordinator import local_coordinator
-from springback.service import keys
-from springback.service.planner import Progress, make_plan
-from springback.service.server import CoordinatorServer
+from springback.service.etcd import keys
+from springback.service.policy.planner import Progress, make_plan
+from springback.service.transport.server import CoordinatorServer
 from springback.client.spec import spec_from_dict
 from springback.v1 import job_service_pb2 as js
 from springback.v1 import types_pb2 as pb
@@ -55,7 +55,7 @@ def run(server: CoordinatorServer, args: argparse.Namespace) -> None:
     spec = spec_from_dict({"name": "scale", "min_workers": 1, "max_workers": args.members + 10,
                            "data": {"num_samples": 10**9, "global_batch_size": 4096},
                            "max_steps": 10**9})
-    from springback.service.jobs import JobControl
+    from springback.service.core.jobs import JobControl
 
     job = JobControl(coordinator).create(spec)
     store = server.store

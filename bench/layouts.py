@@ -432,7 +432,7 @@ def run_layout(ctx, args, name: str, q: mp.Queue) -> tuple[dict, dict]:  # noqa:
     """Publishes the Session phase's plan as the nodes' agents would and runs
     the layout's ranks: (recovery result, overhead result)."""
     from springback.client import plans
-    from springback.service.planboard import Posted
+    from springback.service.transport.planboard import Posted
     from springback.v1 import types_pb2 as pb
     from springback.worker.control import PlanPublisher
 

@@ -8,7 +8,7 @@ one rank of examples/tinylm) and injects, one after the other:
   the bench waits until that standby has finished its set-up): target <= 3 s;
 * a lost node (SIGKILL of one agent with its ranks): detected by its peers
   (they see its connections reset and its agent's plan stream ends:
-  service/evidence.py), independent of the liveness timeout; target <= 1 s
+  service/core/evidence.py), independent of the liveness timeout; target <= 1 s
   with the default liveness timeout (5 s).
 
 Recovery time = first completed step of the new generation - the kill. Lost

@@ -15,7 +15,7 @@ import time
 from typing import Any
 
 
-from springback.service import planner
+from springback.service.policy import planner
 from springback.client.jobdir import job_directory, outside_job_directory
 from springback.client.api import Client
 from springback.client.summary import history_summary

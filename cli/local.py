@@ -29,8 +29,8 @@ from etcd3.etcdrpc import auth_pb2
 from springback.client import env as E
 from springback.client.polling import wait_until
 from springback.client.errors import StoreUnavailable
-from springback.service import keys
-from springback.service.store import EtcdSecurity, Store, StoreDenied
+from springback.service.etcd import keys
+from springback.service.etcd.store import EtcdSecurity, Store, StoreDenied
 
 
 class EtcdNotFound(RuntimeError):

@@ -28,7 +28,7 @@ from rich.text import Text
 
 from springback import __version__
 from springback.service import logs
-from springback.service.pacing import DEFAULT_BUDGET_PER_S
+from springback.service.policy.pacing import DEFAULT_BUDGET_PER_S
 from springback.client import env
 from springback.cli.history import add_job_commands, history_if_finished
 from springback.cli.slurm import add_slurm_command
@@ -38,7 +38,7 @@ from springback.client.errors import InvalidArgument
 from springback.v1 import types_pb2 as pb
 
 if TYPE_CHECKING:
-    from springback.service.store import EtcdSecurity
+    from springback.service.etcd.store import EtcdSecurity
 
 
 ETCD_CREDENTIALS_DIR = "etcd-credentials"
@@ -206,7 +206,7 @@ def _ckpt_command(args: argparse.Namespace) -> int:
 
 def _etcd_security(args: argparse.Namespace) -> EtcdSecurity | None:
     """The --etcd-* flags; the password is read from its file (never a flag)."""
-    from springback.service.store import EtcdSecurity  # noqa: F811 (at run time)
+    from springback.service.etcd.store import EtcdSecurity  # noqa: F811 (at run time)
 
     password = None
     if args.etcd_password_file:
@@ -224,7 +224,7 @@ def _etcd_security(args: argparse.Namespace) -> EtcdSecurity | None:
 
 
 def _coordinator_command(args: argparse.Namespace) -> int:
-    from springback.service.server import CoordinatorConfig, CoordinatorServer
+    from springback.service.transport.server import CoordinatorConfig, CoordinatorServer
 
     config = CoordinatorConfig(
         etcd=args.etcd, etcd_security=_etcd_security(args), listen=args.listen, advertise=args.advertise, token=args.token,
@@ -258,7 +258,7 @@ def _up_command(args: argparse.Namespace) -> int:
     `springback.cli.etcd_credentials`), and a coordinator on it."""
     from springback.cli.etcd_credentials import local_credentials
     from springback.cli.local import EtcdServer
-    from springback.service.server import CoordinatorConfig, CoordinatorServer
+    from springback.service.transport.server import CoordinatorConfig, CoordinatorServer
 
     def config(endpoint: str, security: EtcdSecurity | None = None) -> CoordinatorConfig:
         return CoordinatorConfig(

@@ -5,7 +5,7 @@ planner fixes each generation's layout (``Plan.layout``, a ``ParallelLayout``:
 pp x dp x tp with dp = replicate x shard, ep over dp) from the world its
 active members make; every rank reads its coordinates from it. This module
 keeps all three, pure (no torch, no I/O), so the client, the coordinator
-(`service/planner.py`) and the ranks (`worker/state/mesh.py`, which builds
+(`service/policy/planner.py`) and the ranks (`worker/state/mesh.py`, which builds
 the torch `DeviceMesh`) compute one thing one way:
 
 * Defaults (`validate`): tp, pp and ep 0 mean 1; min_pp 0 means pp (the

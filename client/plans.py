@@ -1,7 +1,7 @@
 """A plan's nodes, read the same way from a whole plan and from a member's slice.
 
 The coordinator keeps whole plans (every member, in node_rank order); what a
-member is sent is its own slice (service/planboard.py): its own entry in
+member is sent is its own slice (service/transport/planboard.py): its own entry in
 ``members`` and the shape of the rest in ``nodes``, every node's size as runs
 of equal size (one run for the usual job of equal nodes), so a plan costs
 each member O(1) bytes whatever the number of nodes. Ranks need the shape,

@@ -22,7 +22,7 @@ from springback.client.errors import InvalidArgument
 from springback.v1 import types_pb2
 
 DEFAULT_MAX_PER_STEP = 3
-"""failures.max_per_step when the spec leaves it 0 (see service/failures.py)."""
+"""failures.max_per_step when the spec leaves it 0 (see service/policy/failures.py)."""
 DEFAULT_WINDOW_S = 600
 """failures.window_s when the spec leaves it 0."""
 DEFAULT_PLAN_WAIT_S = 300

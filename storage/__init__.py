@@ -26,7 +26,7 @@ Public API for the training library (worker) -- one ``Checkpointer`` per rank::
     clean_partial(base_uri, current_generation=gen)           # e.g. once per new generation
     prune_to_record(base_uri, [r.uri for r in retained], current_generation=gen)
                                                    # after a commit: storage converges to etcd's record;
-                                                   # retention is the coordinator's rule alone (service/commits.py)
+                                                   # retention is the coordinator's rule alone (service/core/commits.py)
     verify(ckpt_uri) -> list[str]                  # problems, each naming the bad file
 
 Semantics (commit protocol, failures) are in ``commit.py``, ``checkpointer.py`` and

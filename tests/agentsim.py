@@ -25,8 +25,8 @@ import grpc
 
 from sbtest import CoordinatorProcess, wait_for
 from springback.client.channel import LOCAL_READ, Backoff, _service_config, connect
-from springback.service import keys
-from springback.service.store import Store
+from springback.service.etcd import keys
+from springback.service.etcd.store import Store
 from springback.v1 import job_service_pb2 as js
 from springback.v1 import types_pb2 as pb
 from springback.v1 import worker_service_pb2 as ws

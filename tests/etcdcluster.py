@@ -14,7 +14,7 @@ import os
 import etcd3
 
 from springback.cli.local import EtcdServer, EtcdServerTls
-from springback.service.store import EtcdSecurity
+from springback.service.etcd.store import EtcdSecurity
 
 
 class EtcdCluster:

@@ -112,9 +112,9 @@ def scrape(address: str, token: str | None = None) -> dict[str, float]:
     return samples
 
 
-def leader_of(store) -> str | None:  # noqa: ANN001 (a springback.service.store.Store)
+def leader_of(store) -> str | None:  # noqa: ANN001 (a springback.service.etcd.store.Store)
     """The address in the leader record, or None while no replica leads."""
-    from springback.service import keys
+    from springback.service.etcd import keys
 
     entry = store.get(keys.LEADER)
     return entry.value.decode() if entry else None

@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.timeout(180)]
 
 IMPORTS = """
 import json, sys
-import springback, springback.cli.main, springback.service.coordinator, springback.worker
+import springback, springback.cli.main, springback.service.core.coordinator, springback.worker
 import springback.integrations, springback.storage.resume
 from springback.worker import Session
 print(json.dumps({"file": springback.__file__, "modules": sorted(

@@ -10,7 +10,7 @@ import grpc
 import pytest
 import torch
 
-from springback.service import keys
+from springback.service.etcd import keys
 from springback.storage import Checkpointer, job_checkpoint_uri
 from springback.v1 import types_pb2 as pb
 from springback.v1 import worker_service_pb2 as ws

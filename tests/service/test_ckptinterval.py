@@ -10,8 +10,8 @@ import pytest
 from sbtest import wait_for
 from springback.client import spec as specs
 from springback.client.errors import InvalidArgument
-from springback.service import ckptinterval
-from springback.service.ckptinterval import Observed
+from springback.service.policy import ckptinterval
+from springback.service.policy.ckptinterval import Observed
 from springback.v1 import types_pb2 as pb
 from springback.v1 import worker_service_pb2 as ws
 

@@ -9,7 +9,7 @@ import pytest
 
 from agentsim import join
 from sbtest import wait_for
-from springback.service import keys
+from springback.service.etcd import keys
 from springback.v1 import types_pb2 as pb
 from springback.v1 import worker_service_pb2 as ws
 

@@ -12,7 +12,8 @@ import pytest
 from sbtest import OPERATOR_TOKEN, wait_for
 from springback.client.api import Client
 from springback.client.channel import connect
-from springback.service import credentials, keys
+from springback.service.transport import credentials
+from springback.service.etcd import keys
 from springback.v1 import types_pb2 as pb
 from springback.v1 import worker_service_pb2 as ws
 from springback.v1 import worker_service_pb2_grpc as ws_grpc

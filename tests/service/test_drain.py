@@ -10,7 +10,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from sbtest import leader_of, wait_for
-from springback.service import keys
+from springback.service.etcd import keys
 from springback.client.api import ApiError, Client
 from springback.v1 import types_pb2 as pb
 

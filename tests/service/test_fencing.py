@@ -22,7 +22,7 @@ import pytest
 
 from netproxy import NetProxy
 from sbtest import leader_of, scrape, wait_for
-from springback.service import keys
+from springback.service.etcd import keys
 from springback.client.api import ApiError, Client
 from springback.cli.local import free_port
 from springback.v1 import job_service_pb2 as js

@@ -14,9 +14,9 @@ import grpc
 import pytest
 
 from sbtest import wait_for
-from springback.service import keys
-from springback.service.election import Election
-from springback.service.interceptors import LeaderForwarding
+from springback.service.etcd import keys
+from springback.service.etcd.election import Election
+from springback.service.transport.interceptors import LeaderForwarding
 from springback.client.api import ApiError, Client
 from springback.cli.local import EtcdServer
 from springback.v1 import types_pb2 as pb

@@ -1,4 +1,4 @@
-"""The leader's in-memory state of a job (`service/jobstate.py`): dropped whole
+"""The leader's in-memory state of a job (`service/core/jobstate.py`): dropped whole
 on a leadership change and on the job's deletion, against a real coordinator
 and etcd."""
 

@@ -9,7 +9,7 @@ import pytest
 
 from netproxy import DOWN, NetProxy
 from sbtest import wait_for
-from springback.service import keys
+from springback.service.etcd import keys
 from springback.v1 import types_pb2 as pb
 from springback.v1 import worker_service_pb2 as ws
 from springback.v1 import worker_service_pb2_grpc as ws_grpc
@@ -90,7 +90,7 @@ class TestBoundedInput:
         assert registered(coordinator, job.id) == []
 
     def test_free_text_reasons_are_truncated(self, coordinator, client, make_spec):
-        from springback.service.servicers import MAX_REASON_CHARS
+        from springback.service.transport.servicers import MAX_REASON_CHARS
 
         job = client.create_job(make_spec(max_workers=2))
         with grpc.insecure_channel(coordinator.address) as channel:

@@ -11,7 +11,8 @@ from sbtest import OPERATOR_TOKEN, VIEWER_TOKEN, wait_for
 from springback.cli.main import main
 from springback.client.api import ApiError, Client
 from springback.client.channel import connect
-from springback.service import credentials, keys
+from springback.service.transport import credentials
+from springback.service.etcd import keys
 from springback.v1 import job_service_pb2 as js
 from springback.v1 import job_service_pb2_grpc as js_grpc
 from springback.v1 import worker_service_pb2 as ws

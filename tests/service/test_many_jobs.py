@@ -9,7 +9,7 @@ import pytest
 from agentsim import SimFleet, kill_leader, start_replicas
 from sbtest import wait_for
 from springback.client.api import Client
-from springback.service.store import Store
+from springback.service.etcd.store import Store
 
 NUM_JOBS, NUM_AGENTS = 100, 10
 SETTLE_S = 40.0  # every job, not the average, holds its plan within this

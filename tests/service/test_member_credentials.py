@@ -10,7 +10,8 @@ import pytest
 from sbtest import OPERATOR_TOKEN, VIEWER_TOKEN, wait_for
 from springback.client.api import ApiError, Client
 from springback.client.channel import connect
-from springback.service import credentials, keys
+from springback.service.transport import credentials
+from springback.service.etcd import keys
 from springback.v1 import job_service_pb2 as js
 from springback.v1 import job_service_pb2_grpc as js_grpc
 from springback.v1 import types_pb2 as pb
@@ -265,7 +266,7 @@ def test_the_viewer_token_reads_jobs_and_the_dashboard_and_changes_nothing(
 
 
 def test_a_viewer_token_needs_an_operator_token_that_differs():
-    from springback.service.server import CoordinatorConfig
+    from springback.service.transport.server import CoordinatorConfig
 
     for config in ({"viewer_token": VIEWER}, {"viewer_token": TOKEN, "token": TOKEN}):
         with pytest.raises(ValueError) as e:

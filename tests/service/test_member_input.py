@@ -11,9 +11,9 @@ import grpc
 import pytest
 
 from sbtest import wait_for
-from springback.service import keys
-from springback.service.membership import members_cap
-from springback.service.servicers import MAX_REASON_CHARS
+from springback.service.etcd import keys
+from springback.service.core.membership import members_cap
+from springback.service.transport.servicers import MAX_REASON_CHARS
 from springback.v1 import types_pb2 as pb
 from springback.v1 import worker_service_pb2 as ws
 from springback.v1 import worker_service_pb2_grpc as ws_grpc

@@ -12,9 +12,9 @@ import pytest
 
 from sbtest import wait_for
 from springback.client.api import Client
-from springback.service import keys
-from springback.service.coordinator import MEMBER_CHECK_S
-from springback.service.failures import UNSTARTED_FACTOR
+from springback.service.etcd import keys
+from springback.service.core.coordinator import MEMBER_CHECK_S
+from springback.service.policy.failures import UNSTARTED_FACTOR
 from springback.v1 import types_pb2 as pb
 from springback.v1 import worker_service_pb2 as ws
 from springback.v1 import worker_service_pb2_grpc as ws_grpc
@@ -521,7 +521,7 @@ class TestCommits:
 
 
 class TestCrashLoopCounting:
-    """What counts toward ``failures.max_per_step`` (service/failures.py)."""
+    """What counts toward ``failures.max_per_step`` (service/policy/failures.py)."""
 
     def test_live_ranks_breaks_of_generations_that_never_started_count_apart(
             self, coordinator, client, workers, make_spec):

@@ -16,7 +16,7 @@ import pytest
 from agentsim import SimMember
 from netproxy import NetProxy
 from sbtest import wait_for
-from springback.service import keys
+from springback.service.etcd import keys
 from springback.client.api import Client
 from springback.v1 import worker_service_pb2 as ws
 

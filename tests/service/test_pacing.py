@@ -1,5 +1,5 @@
 """Paced liveness: a replica tells its members a longer heartbeat interval as
-they grow, so its heartbeat rate stays within its budget (service/pacing.py)."""
+they grow, so its heartbeat rate stays within its budget (service/policy/pacing.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from sbtest import wait_for
-from springback.service.pacing import HeartbeatPacer
+from springback.service.policy.pacing import HeartbeatPacer
 from springback.v1 import worker_service_pb2 as ws
 
 _JOIN = "/springback.v1.WorkerService/JoinJob"

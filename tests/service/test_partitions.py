@@ -13,7 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from agentsim import SimMember
 from netproxy import NetProxy
 from sbtest import wait_for
-from springback.service import keys
+from springback.service.etcd import keys
 from springback.client.api import Client
 from springback.v1 import worker_service_pb2 as ws
 from springback.v1 import worker_service_pb2_grpc as ws_grpc

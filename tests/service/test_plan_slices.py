@@ -11,8 +11,8 @@ import pytest
 
 from sbtest import wait_for
 from springback.client import plans
-from springback.service import keys
-from springback.service.store import Store
+from springback.service.etcd import keys
+from springback.service.etcd.store import Store
 from springback.v1 import types_pb2 as pb
 from springback.v1 import worker_service_pb2 as ws
 
@@ -88,7 +88,7 @@ def test_a_1000_member_plan_reaches_each_member_in_at_most_1_kb(start_coordinato
 
 
 def test_only_the_members_a_plan_places_are_sent_its_rendezvous_secret():
-    from springback.service.planboard import Posted
+    from springback.service.transport.planboard import Posted
 
     plan = pb.Plan(job_id="j", generation=3, action=pb.PLAN_ACTION_RUN, world_size=2,
                    rendezvous_secret="ab" * 16)
@@ -103,7 +103,7 @@ def test_only_the_members_a_plan_places_are_sent_its_rendezvous_secret():
 
 
 def test_every_generation_gets_a_fresh_128_bit_rendezvous_secret():
-    from springback.service.replan import Inputs, replan
+    from springback.service.policy.replan import Inputs, replan
 
     job = pb.Job(id="j")
     job.spec.min_workers, job.spec.max_workers = 1, 1

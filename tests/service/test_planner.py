@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from springback.service.planner import Progress, make_plan
+from springback.service.policy.planner import Progress, make_plan
 from springback.v1 import types_pb2 as pb
 
 pytestmark = pytest.mark.timeout(60)

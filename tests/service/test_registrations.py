@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from springback.client.errors import StoreUnavailable
-from springback.service.planstreams import Registrations
+from springback.service.transport.planstreams import Registrations
 
 
 class _Store:

@@ -11,8 +11,8 @@ import pytest
 from agentsim import SimFleet, SimMember, _interval_in, kill_leader, members_placed, start_replicas
 from sbtest import OPERATOR_TOKEN, wait_for
 from springback.client.api import Client
-from springback.service import keys
-from springback.service.store import Store
+from springback.service.etcd import keys
+from springback.service.etcd.store import Store
 from springback.v1 import types_pb2 as pb
 from springback.v1 import worker_service_pb2 as ws
 

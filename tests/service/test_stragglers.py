@@ -1,6 +1,6 @@
-"""The straggler policy's decisions (service/stragglers.py, spec
+"""The straggler policy's decisions (service/policy/stragglers.py, spec
 ``controls.straggler``): pure, on hand-made per-member timing; and the
-planner's side (a member set aside is planned as a spare, service/replan.py)."""
+planner's side (a member set aside is planned as a spare, service/policy/replan.py)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 
 from springback.client.errors import InvalidArgument
 from springback.client.spec import spec_from_dict
-from springback.service import replan, stragglers
-from springback.service.stragglers import Eviction, Stragglers
+from springback.service.policy import replan, stragglers
+from springback.service.policy.stragglers import Eviction, Stragglers
 from springback.v1 import job_service_pb2 as js
 from springback.v1 import types_pb2 as pb
 

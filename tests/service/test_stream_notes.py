@@ -1,5 +1,5 @@
-"""Plan-stream notes reach the leader's peers'-evidence rule (service/streamnotes.py,
-service/evidence.py), against a real coordinator and etcd: streams are told
+"""Plan-stream notes reach the leader's peers'-evidence rule (service/transport/streamnotes.py,
+service/core/evidence.py), against a real coordinator and etcd: streams are told
 apart by id, so notes from two replicas in any order cannot make a live
 agent look vanished."""
 

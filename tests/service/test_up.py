@@ -92,7 +92,7 @@ def test_etcd_on_picked_ports_starts_again_when_one_was_taken_meanwhile(tmp_path
         try:
             assert etcd.client_port != taken
             assert "address already in use" in (tmp_path / "etcd" / "etcd.log").read_text()
-            from springback.service.store import Store
+            from springback.service.etcd.store import Store
 
             store = Store(etcd.endpoint)
             store.get("/springback/v1/ping")  # it serves, on the fresh port
@@ -189,7 +189,7 @@ class TestUpsEtcdTakesOnlyItsCredentials:
 
     def test_a_plain_etcd_from_before_is_taken_over_and_other_credentials_are_refused(self, tmp_path):
         from springback.cli.local import EtcdServer
-        from springback.service.store import Store
+        from springback.service.etcd.store import Store
 
         before = EtcdServer(str(tmp_path / "etcd"))  # the plain http etcd of an older `up`
         before.start()

@@ -369,7 +369,7 @@ class TestRetentionAndCleanup:
     @pytest.mark.parametrize(("keep_last", "keep_every", "left"),
                              [(0, 0, [1, 2, 3, 4, 5, 6]), (2, 0, [5, 6]), (2, 3, [3, 5, 6])])
     def test_storage_keeps_what_the_coordinators_retention_rule_records(self, base_uri, keep_last, keep_every, left):
-        from springback.service.commits import retained  # the one retention rule
+        from springback.service.core.commits import retained  # the one retention rule
 
         sd = make_state(12)
         infos = {step: save_all_ranks(base_uri, step, [sd])[0] for step in range(1, 7)}

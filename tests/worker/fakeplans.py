@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from springback.service.planboard import Posted
+from springback.service.transport.planboard import Posted
 from springback.v1 import types_pb2 as pb
 from springback.client import env as E
 from springback.worker.control import PlanPublisher

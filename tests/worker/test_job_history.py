@@ -10,7 +10,7 @@ import sys
 import pytest
 from cluster import AgentProcess, steps
 from sbtest import wait_for
-from springback.service.history import History, change_kind
+from springback.service.core.history import History, change_kind
 from springback.v1 import job_service_pb2 as js
 from springback.v1 import types_pb2 as pb
 
@@ -114,7 +114,7 @@ def test_delete_with_checkpoints_removes_their_files(tmp_path, client, coordinat
 
 class TestHistoryRecords:
     def test_a_generation_records_the_start_its_ranks_report(self, etcd_endpoint):
-        from springback.service.store import Store
+        from springback.service.etcd.store import Store
 
         store = Store(etcd_endpoint)
         try:

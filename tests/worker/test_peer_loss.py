@@ -1,4 +1,4 @@
-"""A lost node is fenced on its peers' evidence (service/evidence.py), well
+"""A lost node is fenced on its peers' evidence (service/core/evidence.py), well
 before its lease expires; a stopped node, whose sockets stay open, is not."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Stop rules (spec ``controls.stop``, service/stoprules.py) end to end: real
+"""Stop rules (spec ``controls.stop``, service/policy/stoprules.py) end to end: real
 etcd, a real coordinator, a real node agent training tiny_train.py."""
 
 from __future__ import annotations

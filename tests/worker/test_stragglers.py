@@ -1,4 +1,4 @@
-"""The straggler policy (spec ``controls.straggler``, service/stragglers.py)
+"""The straggler policy (spec ``controls.straggler``, service/policy/stragglers.py)
 end to end: real etcd, a real coordinator, four real agents whose gloo ranks
 train tiny_train.py. One agent's rank becomes ~2x slower mid-run (a sleep in
 its compute from step SLOW_FROM, TINY_COMPUTE_SLEEP_FROM_STEP): it is set

@@ -42,7 +42,7 @@ sleeps that long in every step between the batch and the forward pass, i.e.
 in the compute before the step's first collective (a slow node: set it on
 one agent only; per-member timing, worker/train/ranktiming.py);
 TINY_COMPUTE_SLEEP_FROM_STEP=S sleeps it only from step S on (a node that
-becomes slow mid-run: the straggler policy, service/stragglers.py).
+becomes slow mid-run: the straggler policy, service/policy/stragglers.py).
 TINY_BALLAST_MB=N adds a frozen parameter of N MiB (seeded, never trained) to
 the model: held state large enough that a joiner's hand-over takes long enough
 to be cut by a kill from outside.

@@ -240,7 +240,7 @@ class Agent:
         # Ranks never get the operator token (not even inherited from this
         # agent's environment, nor where its file is): only this member's own
         # credential, which makes only this member's calls
-        # (service/credentials.py); a standby, started before the join, is
+        # (service/transport/credentials.py); a standby, started before the join, is
         # handed it at activation (`_identity`).
         environ.pop(E.TOKEN, None)
         environ.pop(E.TOKEN_FILE, None)
@@ -315,7 +315,7 @@ class Agent:
         alone: every rank of a job crashing at once is one event, and on a
         loaded machine the second agent's report comes after the first one's
         replan; reported for that new generation, it counted as a second
-        failure without progress (`service/failures.py`)."""
+        failure without progress (`service/policy/failures.py`)."""
         assert self.member is not None
         generation = self._plan.generation if self._plan else 0
         stats = rankstats.read_all(self._publisher.directory).get(local_rank) if pid else None

@@ -61,7 +61,7 @@ SLURM_NTASKS_PER_NODE = "SLURM_NTASKS_PER_NODE"
 """``--ntasks-per-node`` when given: one agent per node wants 1."""
 
 MAX_JOIN_TOKEN = 128
-"""The coordinator's limit on a join token (service/membership.py)."""
+"""The coordinator's limit on a join token (service/core/membership.py)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -26,7 +26,7 @@ Once the group is connected every rank publishes the local addresses of its
 sockets under the generation's prefix and reads its peers': gloo's error for
 a peer whose process died ("connection closed by peer [ip]:port") then names
 the peer's rank (`lost_peer_rank`), which the coordinator takes as evidence
-that the peer's node is gone (service/evidence.py). What a peer publishes is
+that the peer's node is gone (service/core/evidence.py). What a peer publishes is
 checked against this rank's own connections: only an address that is the far
 end of one of them is taken, and one that two ranks claim is taken for
 neither (`_publish_endpoints`), so a wrong entry cannot make the coordinator
@@ -288,7 +288,7 @@ def shut_peer_connections() -> int:
     The file descriptors stay open: gloo still owns and closes them. Peers see
     "connection closed by peer" naming this rank, which the coordinator takes
     as half the evidence of a lost node only; this rank's agent is alive, so
-    no fence follows (service/evidence.py). Returns how many were shut; never
+    no fence follows (service/core/evidence.py). Returns how many were shut; never
     raises."""
     peers = set(_endpoint_ranks)
     if not peers:

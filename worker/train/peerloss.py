@@ -5,7 +5,7 @@ When a collective fails with gloo's "connection closed/reset by peer
 rank sends that to the coordinator (`StepReporter.report_lost_peer`: a
 ReportFailure with ``lost_peer`` and ``lost_rank``), which finds the member
 that runs it in the plan and fences it at once if its agent is gone too
-(service/evidence.py), instead of waiting for its lease to expire. A peer
+(service/core/evidence.py), instead of waiting for its lease to expire. A peer
 of the reporter's own node is not reported (its agent reports its own
 ranks' crashes); the rank knows its own node's ranks from its slice of the
 plan, not the other members' names.

@@ -154,7 +154,7 @@ class StepReporter:
     def report_lost_peer(self, plan: pb.Plan, *, rank: int, peer: int) -> bool:
         """Tells the coordinator that `rank` saw `peer`, a rank of another
         node, reset its connection in `plan`'s generation
-        (worker/train/peerloss.py, service/evidence.py). Best effort, never raises:
+        (worker/train/peerloss.py, service/core/evidence.py). Best effort, never raises:
         one call with a `LOST_PEER_TIMEOUT_S` deadline; a refusal (a stale
         generation: another report already replanned; the peer already
         fenced) or an unreachable coordinator is logged, and the liveness

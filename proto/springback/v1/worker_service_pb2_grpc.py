@@ -162,7 +162,7 @@ class WorkerServiceServicer:
     def ReportPlanStreams(self, request, context):
         """Between coordinator replicas, not for agents: a follower tells the leader
         which plan streams it opened and which ended, for the peers'-evidence
-        rule (service/evidence.py). Served by the leader (forwarded there).
+        rule (service/core/evidence.py). Served by the leader (forwarded there).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

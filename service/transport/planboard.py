@@ -30,9 +30,9 @@ import threading
 from typing import Any
 
 from springback.client import plans
-from springback.service import keys
+from springback.service.etcd import keys
 from springback.client.errors import SpringbackError
-from springback.service.store import Entry, Store
+from springback.service.etcd.store import Entry, Store
 from springback.v1 import types_pb2 as pb
 from springback.v1 import worker_service_pb2 as ws
 

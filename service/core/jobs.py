@@ -10,8 +10,8 @@ from __future__ import annotations
 import uuid
 
 from springback.client import spec as specs
-from springback.service import keys
-from springback.service.coordinator import Coordinator, timestamp_now
+from springback.service.etcd import keys
+from springback.service.core.coordinator import Coordinator, timestamp_now
 from springback.client.errors import Conflict, InvalidArgument, NotFound
 from springback.v1 import job_service_pb2 as js
 from springback.v1 import types_pb2 as pb

@@ -29,10 +29,11 @@ from typing import cast
 
 from etcd3.utils import prefix_range_end
 
-from springback.service import keys, planner
+from springback.service.etcd import keys
+from springback.service.policy import planner
 from springback.client.errors import FailedPrecondition, NotFound
-from springback.service.store import Store
-from springback.service.writer import FencedWriter
+from springback.service.etcd.store import Store
+from springback.service.etcd.writer import FencedWriter
 from springback.v1 import job_service_pb2 as js
 from springback.v1 import types_pb2 as pb
 

@@ -24,19 +24,21 @@ import threading
 import time
 from collections.abc import Callable, Collection, Iterator, Sequence
 
-from springback.service import ckptinterval, keys, planner, replan
-from springback.service.history import change_kind
-from springback.service.replan import timestamp_now  # noqa: F401 (used by membership, jobs, commits)
-from springback.service.writer import FencedWriter
-from springback.service.election import Election
-from springback.service.history import History, delete_job
-from springback.service.jobstate import JobState, Measures, PlanView
-from springback.service.stoprules import StopRules
-from springback.service import stragglers
+from springback.service.policy import ckptinterval, planner, replan
+from springback.service.etcd import keys
+from springback.service.core.history import change_kind
+from springback.service.policy.replan import timestamp_now  # noqa: F401 (used by membership, jobs, commits)
+from springback.service.etcd.writer import FencedWriter
+from springback.service.etcd.election import Election
+from springback.service.core.history import History, delete_job
+from springback.service.core.jobstate import JobState, Measures, PlanView
+from springback.service.policy.stoprules import StopRules
+from springback.service.policy import stragglers
+from springback.service.core import setaside
 from springback.client.errors import (
     Conflict, FailedPrecondition, NotFound, NotLeader, StaleGeneration,
 )
-from springback.service.store import Store
+from springback.service.etcd.store import Store
 from springback.v1 import job_service_pb2 as js
 from springback.v1 import types_pb2 as pb
 
@@ -472,7 +474,7 @@ class Coordinator:
             timing = (state.member_timing[1] if member_timing
                       and state.member_timing[0] == generation else None)
         if timing:
-            stragglers.act(self, job_id, generation, progress.step, timing, time.time())
+            setaside.act(self, job_id, generation, progress.step, timing, time.time())
         state = self.job_state(job_id)
         max_steps = state.max_steps
         if max_steps is None:

@@ -26,11 +26,11 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
-from springback.service import keys
+from springback.service.etcd import keys
 from springback.client.errors import NotFound, StoreUnavailable
-from springback.service.liveness import EtcdReachability
-from springback.service.planboard import PlanBoard, Posted
-from springback.service.store import Store
+from springback.service.etcd.liveness import EtcdReachability
+from springback.service.transport.planboard import PlanBoard, Posted
+from springback.service.etcd.store import Store
 from springback.v1 import types_pb2 as pb
 
 WAIT_S = 30.0

@@ -72,10 +72,10 @@ from google.protobuf.message import DecodeError
 from springback.client.channel import DEFAULT_TIMEOUT_S, LOCAL_READ, connect
 from springback.client.errors import SpringbackError, grpc_code
 from springback.client.polling import wait_until
-from springback.service import credentials
-from springback.service.election import Election
-from springback.service.membership import validate_join
-from springback.service.revocation import Revocation
+from springback.service.transport import credentials
+from springback.service.etcd.election import Election
+from springback.service.core.membership import validate_join
+from springback.service.transport.revocation import Revocation
 from springback.v1 import job_service_pb2 as js
 from springback.v1 import worker_service_pb2 as ws
 

@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from springback.client.errors import Conflict
-from springback.service.store import Store
+from springback.service.etcd.store import Store
 
 Fence = Callable[[], list[Any]]
 

@@ -30,12 +30,12 @@ from collections.abc import AsyncIterator
 import grpc
 from etcd3 import etcdrpc
 
-from springback.service.coordinator import Coordinator
+from springback.service.core.coordinator import Coordinator
 from springback.client.errors import NotFound, StoreUnavailable
-from springback.service.liveness import PROBE_TIMEOUT_S, EtcdReachability
-from springback.service.pacing import HeartbeatPacer
-from springback.service.planboard import PlanBoard
-from springback.service.store import EtcdSecurity, parse_endpoints
+from springback.service.etcd.liveness import PROBE_TIMEOUT_S, EtcdReachability
+from springback.service.policy.pacing import HeartbeatPacer
+from springback.service.transport.planboard import PlanBoard
+from springback.service.etcd.store import EtcdSecurity, parse_endpoints
 
 log = logging.getLogger(__name__)
 

@@ -27,9 +27,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from springback.service import keys
+from springback.service.etcd import keys
 from springback.client.errors import StoreUnavailable
-from springback.service.store import EtcdSecurity, Store
+from springback.service.etcd.store import EtcdSecurity, Store
 
 log = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from springback.service import ckptinterval, planner, stragglers
+from springback.service.policy import ckptinterval, planner, stragglers
 from springback.v1 import types_pb2 as pb
 
 log = logging.getLogger(__name__)

@@ -2,7 +2,7 @@
 
 Collected at scrape time on the leader (other replicas export none, so a
 Prometheus scraping every replica sees each job once): one read of the job
-records and one of each job's history (`service/history.py`) per scrape.
+records and one of each job's history (`service/core/history.py`) per scrape.
 Counters (recoveries, failures, restores, steps redone) are derived from the
 history in etcd, so they survive leader changes and never go backwards while
 the job exists. Badput by cause (`client.badput`) is derived the same way,
@@ -23,8 +23,8 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from springback.client import badput
-from springback.service.coordinator import Coordinator
-from springback.service.history import FAILURE_KINDS
+from springback.service.core.coordinator import Coordinator
+from springback.service.core.history import FAILURE_KINDS
 from springback.v1 import job_service_pb2 as js
 from springback.v1 import types_pb2 as pb
 

@@ -50,7 +50,7 @@ def checkpoint(job_id: str, step: int) -> str:
 
 
 def history(job_id: str) -> str:
-    """Prefix of a job's `GenerationEvent`s (its history, `service/history.py`)."""
+    """Prefix of a job's `GenerationEvent`s (its history, `service/core/history.py`)."""
     return f"{HISTORY}{job_id}/"
 
 

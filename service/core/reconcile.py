@@ -23,9 +23,10 @@ import time
 from springback.client.errors import (
     Conflict, FailedPrecondition, NotFound, NotLeader, SpringbackError, StoreUnavailable,
 )
-from springback.service import keys, planner
-from springback.service.coordinator import Coordinator
-from springback.service.jobstate import Unsettled
+from springback.service.etcd import keys
+from springback.service.policy import planner
+from springback.service.core.coordinator import Coordinator
+from springback.service.core.jobstate import Unsettled
 from springback.v1 import job_service_pb2 as js
 from springback.v1 import types_pb2 as pb
 

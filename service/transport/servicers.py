@@ -21,21 +21,22 @@ from typing import Any, TypeVar
 import grpc
 from google.protobuf.duration_pb2 import Duration
 
-from springback.service.commits import Commits
-from springback.service.coordinator import Coordinator
+from springback.service.core.commits import Commits
+from springback.service.core.coordinator import Coordinator
 from springback.client.errors import (
     FailedPrecondition, InvalidArgument, SpringbackError, grpc_code,
 )
-from springback.service import rankpause, streamnotes
-from springback.service.evidence import PeerLossEvidence
-from springback.service.streamnotes import StreamNotes
-from springback.service.heartbeats import Heartbeats
-from springback.service.interceptors import in_thread
-from springback.service.jobs import JobControl
-from springback.service.liveness import EtcdReachability
-from springback.service.membership import Membership
-from springback.service.planner import Progress
-from springback.service.planstreams import PlanStreams
+from springback.service.core import rankpause
+from springback.service.transport import streamnotes
+from springback.service.core.evidence import PeerLossEvidence
+from springback.service.transport.streamnotes import StreamNotes
+from springback.service.transport.heartbeats import Heartbeats
+from springback.service.transport.interceptors import in_thread
+from springback.service.core.jobs import JobControl
+from springback.service.etcd.liveness import EtcdReachability
+from springback.service.core.membership import Membership
+from springback.service.policy.planner import Progress
+from springback.service.transport.planstreams import PlanStreams
 from springback.v1 import job_service_pb2 as js
 from springback.v1 import job_service_pb2_grpc as js_grpc
 from springback.v1 import worker_service_pb2 as ws

@@ -64,8 +64,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from springback.client import plans
-from springback.service import fencing, keys
-from springback.service.coordinator import Coordinator
+from springback.service.core import fencing
+from springback.service.etcd import keys
+from springback.service.core.coordinator import Coordinator
 from springback.client.errors import FailedPrecondition, SpringbackError
 from springback.v1 import job_service_pb2 as js
 from springback.v1 import types_pb2 as pb

@@ -14,7 +14,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from springback.service import planner
+from springback.service.policy import planner
 from springback.v1 import job_service_pb2 as js
 from springback.v1 import types_pb2 as pb
 

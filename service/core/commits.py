@@ -37,8 +37,9 @@ retired checkpoint whose delete failed earlier.
 
 from __future__ import annotations
 
-from springback.service import fencing, keys
-from springback.service.coordinator import Coordinator, timestamp_now
+from springback.service.core import fencing
+from springback.service.etcd import keys
+from springback.service.core.coordinator import Coordinator, timestamp_now
 from springback.client.jobdir import outside_job_directory
 from springback.client.errors import Conflict, FailedPrecondition, InvalidArgument, NotFound
 from springback.v1 import job_service_pb2 as js

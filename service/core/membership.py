@@ -21,20 +21,22 @@ import uuid
 
 import grpc
 
-from springback.service import fencing, keys, planner
-from springback.service.coordinator import Coordinator, timestamp_now
+from springback.service.core import fencing
+from springback.service.etcd import keys
+from springback.service.policy import planner
+from springback.service.core.coordinator import Coordinator, timestamp_now
 from springback.client.errors import (
     FailedPrecondition, InvalidArgument, NotFound, SpringbackError,
 )
-from springback.service.failures import (
+from springback.service.policy.failures import (
     DEFAULT_MAX_PER_STEP,
     DEFAULT_STORAGE_OUTAGE_S,
     DEFAULT_WINDOW_S,
     UNSTARTED_FACTOR,
     FailureStreaks,
 )
-from springback.service.liveness import EtcdReachability
-from springback.service.store import Store
+from springback.service.etcd.liveness import EtcdReachability
+from springback.service.etcd.store import Store
 from springback.v1 import job_service_pb2 as js
 from springback.v1 import types_pb2 as pb
 

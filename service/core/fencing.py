@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from springback.service import keys
-from springback.service.coordinator import Coordinator, JobMutation
+from springback.service.etcd import keys
+from springback.service.core.coordinator import Coordinator, JobMutation
 from springback.client.errors import Conflict, FailedPrecondition, NotFound, StaleGeneration
 from springback.v1 import job_service_pb2 as js
 from springback.v1 import types_pb2 as pb

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import logging
 
-from springback.service import fencing
-from springback.service.coordinator import Coordinator
+from springback.service.core import fencing
+from springback.service.core.coordinator import Coordinator
 from springback.v1 import job_service_pb2 as js
 from springback.v1 import types_pb2 as pb
 

@@ -7,7 +7,7 @@ Content-Security-Policy can forbid inline scripts; no external assets):
 * ``/`` — every job: state, generation, world size, progress, loss, newest
   checkpoint, timestamps.
 * ``/jobs/{id}`` — one job: its summary, goodput, the generation timeline
-  (`service/history.py`), its committed checkpoints, and plots of the world
+  (`service/core/history.py`), its committed checkpoints, and plots of the world
   size and the step rate over time.
 * ``/jobs/{id}/world.svg``, ``/jobs/{id}/steps.svg`` — those plots, drawn by
   matplotlib (SVG, Agg-free object API, so no display is needed).
@@ -47,14 +47,14 @@ import threading
 import time
 from collections import deque
 
-from springback.service import planner
+from springback.service.policy import planner
 from springback.client import badput
 from springback.client.metrics import Page
 from springback.client.summary import event_summary, job_summary
-from springback.service.coordinator import Coordinator
-from springback.service.jobstate import SERIES_POINTS
+from springback.service.core.coordinator import Coordinator
+from springback.service.core.jobstate import SERIES_POINTS
 from springback.client.errors import NotFound
-from springback.service.jobmetrics import goodput, recovery_times
+from springback.service.transport.jobmetrics import goodput, recovery_times
 from springback.v1 import types_pb2 as pb
 
 _JOB_PAGE = re.compile(

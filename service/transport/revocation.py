@@ -25,10 +25,10 @@ from __future__ import annotations
 
 import asyncio
 
-from springback.service import keys
-from springback.service.coordinator import Coordinator
-from springback.service.credentials import MemberCredential
-from springback.service.store import Store
+from springback.service.etcd import keys
+from springback.service.core.coordinator import Coordinator
+from springback.service.transport.credentials import MemberCredential
+from springback.service.etcd.store import Store
 
 
 class Revocation:

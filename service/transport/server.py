@@ -41,24 +41,24 @@ from springback.client import env as E
 from springback.client import metrics
 from springback.client.channel import MAX_MESSAGE_BYTES, read_file
 from springback.client.polling import wait_until
-from springback.service.coordinator import Coordinator
-from springback.service.dashboard import Dashboard
-from springback.service.election import Election
-from springback.service.evidence import PeerLossEvidence
-from springback.service.health import Health
-from springback.service.heartbeats import Heartbeats, LeaseRenewer
-from springback.service.pacing import DEFAULT_BUDGET_PER_S, HeartbeatPacer
-from springback.service.jobmetrics import JobMetrics
-from springback.service import credentials
-from springback.service.interceptors import BearerAuth, CallCounter, LeaderForwarding
-from springback.service.liveness import EtcdReachability
-from springback.service.planboard import PlanBoard
-from springback.service.planstreams import PlanStreams
-from springback.service.reconcile import Reconciler
-from springback.service.revocation import Revocation
-from springback.service.servicers import JobServicer, WorkerServicer
-from springback.service.store import EtcdSecurity, Store, parse_endpoints
-from springback.service.streamnotes import StreamNotes
+from springback.service.core.coordinator import Coordinator
+from springback.service.transport.dashboard import Dashboard
+from springback.service.etcd.election import Election
+from springback.service.core.evidence import PeerLossEvidence
+from springback.service.transport.health import Health
+from springback.service.transport.heartbeats import Heartbeats, LeaseRenewer
+from springback.service.policy.pacing import DEFAULT_BUDGET_PER_S, HeartbeatPacer
+from springback.service.transport.jobmetrics import JobMetrics
+from springback.service.transport import credentials
+from springback.service.transport.interceptors import BearerAuth, CallCounter, LeaderForwarding
+from springback.service.etcd.liveness import EtcdReachability
+from springback.service.transport.planboard import PlanBoard
+from springback.service.transport.planstreams import PlanStreams
+from springback.service.core.reconcile import Reconciler
+from springback.service.transport.revocation import Revocation
+from springback.service.transport.servicers import JobServicer, WorkerServicer
+from springback.service.etcd.store import EtcdSecurity, Store, parse_endpoints
+from springback.service.transport.streamnotes import StreamNotes
 from springback.v1 import job_service_pb2, job_service_pb2_grpc, worker_service_pb2
 from springback.v1 import worker_service_pb2_grpc
 

@@ -38,9 +38,9 @@ import grpc
 
 from springback.client.channel import DEFAULT_TIMEOUT_S, connect
 from springback.client.errors import SpringbackError
-from springback.service import credentials
-from springback.service.election import Election
-from springback.service.evidence import PeerLossEvidence
+from springback.service.transport import credentials
+from springback.service.etcd.election import Election
+from springback.service.core.evidence import PeerLossEvidence
 from springback.v1 import worker_service_pb2 as ws
 from springback.v1 import worker_service_pb2_grpc as ws_grpc
 
