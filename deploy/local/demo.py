@@ -172,9 +172,15 @@ class Processes:
         proc = subprocess.Popen(argv, stdout=kw.pop("stdout", open(log, "ab")),  # noqa: SIM115
                                 stderr=open(log, "ab"), start_new_session=True, **kw)
         self.procs[name] = proc
-        with open(self.pidfile, "a") as f:
-            f.write(f"{proc.pid}\n")
+        self.record(proc)
         return proc
+
+    def record(self, proc: subprocess.Popen | None) -> None:
+        """Records a process started elsewhere (the demo's etcd, which
+        `EtcdServer` starts and stops) for `stop_leftovers`."""
+        if proc is not None:
+            with open(self.pidfile, "a") as f:
+                f.write(f"{proc.pid}\n")
 
     def kill(self, name: str) -> None:
         proc = self.procs[name]
@@ -239,7 +245,8 @@ def main() -> int:
     script, spec_file, nproc, first_workers = MODES[args.mode]
 
     from springback.client.api import Client
-    from springback.cli.local import free_port
+    from springback.cli.etcd_credentials import local_credentials
+    from springback.cli.local import EtcdServer
     from springback.client.spec import load_spec_file
     from springback.v1 import types_pb2 as pb
     from springback.worker.train.audit import check_exactly_once
@@ -256,6 +263,7 @@ def main() -> int:
             shutil.rmtree(child) if child.is_dir() else child.unlink()
     metrics, audit = state / "metrics.jsonl", state / "audit"
     interrupted = False
+    etcd = None
 
     def on_signal(signum: int, _frame: object) -> None:
         raise KeyboardInterrupt
@@ -265,20 +273,21 @@ def main() -> int:
         # -- the cluster ------------------------------------------------------
         if slurm is not None:
             slurm.start()
-        client_port, peer_port = free_port(), free_port()
-        etcd_url = f"http://127.0.0.1:{client_port}"
-        procs.start("etcd", ["etcd", "--data-dir", str(state / "etcd"),
-                             "--listen-client-urls", etcd_url, "--advertise-client-urls",
-                             etcd_url, "--listen-peer-urls", f"http://127.0.0.1:{peer_port}",
-                             "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer_port}",
-                             "--initial-cluster", f"default=http://127.0.0.1:{peer_port}"],
-                    state / "etcd.log")
-        say(f"etcd          {etcd_url}")
+        # etcd as `springback up` starts it: loopback, TLS with client
+        # certificates and etcd's auth (the coordinators as a user limited to
+        # /springback/), credentials made in a 0700 directory of the state
+        etcd = EtcdServer(str(state / "etcd"),
+                          tls=local_credentials(str(state / "etcd-credentials")))
+        etcd.start()  # an interrupt meanwhile: the finally stops it
+        procs.record(etcd.process)
+        say(f"etcd          {etcd.endpoint} (TLS, client certificates, auth; "
+            f"credentials in {state / 'etcd-credentials'})")
         addresses = []
         for i in (1, 2):
             proc = procs.start(f"coordinator-{i}", [
-                PY, "-m", "springback.cli", "--json", "coordinator", "--etcd", etcd_url,
-                "--listen", "127.0.0.1:0", "--liveness-timeout-s", str(args.liveness_timeout_s)],
+                PY, "-m", "springback.cli", "--json", "coordinator", "--etcd", etcd.endpoint,
+                *etcd.coordinator_flags(), "--listen", "127.0.0.1:0",
+                "--liveness-timeout-s", str(args.liveness_timeout_s)],
                 state / f"coordinator-{i}.log", stdout=subprocess.PIPE)
             line = proc.stdout.readline()
             if not line:
@@ -403,6 +412,8 @@ def main() -> int:
         if slurm is not None:
             slurm.stop()
         procs.stop_all()
+        if etcd is not None:
+            etcd.stop()
         say(f"all demo processes stopped{' (interrupted)' if interrupted else ''}; "
             f"logs in {state}")
 
