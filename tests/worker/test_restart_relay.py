@@ -59,11 +59,11 @@ def test_a_lost_generation_start_report_is_sent_again(start_coordinator, make_sp
         plan = pb.Plan(job_id=job.id, generation=running.generation, action=pb.PLAN_ACTION_RUN,
                        spec=job.spec, members=[pb.PlanMember(member_id=member.id, first_rank=0,
                                                              num_local_ranks=1)])
-        agent = SimpleNamespace(
-            agent_store=lambda: None, config=SimpleNamespace(job_id=job.id),
-            member=member, _stub=stub, _plan=plan,
-            _publisher=SimpleNamespace(directory=str(tmp_path)))
-        ranks = RestartRanks(agent)  # type: ignore[arg-type]
+        port = SimpleNamespace(  # the part of runner.AgentPort the relay uses
+            config=SimpleNamespace(job_id=job.id, host="127.0.0.1"),
+            member_id=lambda: member.id, stub=lambda: stub, plan=lambda: plan,
+            control_dir=lambda: str(tmp_path))
+        ranks = RestartRanks(port, rendezvous=SimpleNamespace(get=lambda: None))  # type: ignore[arg-type]
         ranks.generation, ranks._me = plan.generation, plan.members[0]
         # rank 0 of this generation restored the commit of step 10
         write_progress(str(tmp_path), Progress(generation=plan.generation, step=12,

@@ -4,6 +4,7 @@ torch or the training library (a contract in pyproject.toml): it must start its
 ranks before torch's import would have finished.
 
 `node` is the agent (`Agent`), `config` what it runs, `command` its command
-line; `ranks` (library mode) and `restart` (restart mode) supervise the rank
-processes; `startup`, `launch`, `watchdog`, `ranklogs`, `preemption` and
+line; a `runner.RankRunner` runs the rank processes, seeing the agent through
+`runner.AgentPort`: `library` (library mode, over `ranks`) or `restart`
+(restart mode), picked by `command.runner_for`; `startup`, `launch`, `watchdog`, `ranklogs`, `preemption` and
 `metrics` are the pieces it drives."""

@@ -28,6 +28,9 @@ from springback.worker.agent.launch import (
     parse_streams,
 )
 from springback.worker.agent.node import EXIT_OK, Agent
+from springback.worker.agent.library import LibraryRanks
+from springback.worker.agent.restart import RestartRanks
+from springback.worker.agent.runner import RunnerFactory
 from springback.worker.agent.preemption import CLOUDS, CloudNotice, FileNotice, PreemptionSource
 
 log = logging.getLogger("springback.agent")
@@ -109,10 +112,16 @@ def _notices(args: argparse.Namespace) -> list[PreemptionSource]:
     return sources
 
 
+def runner_for(mode: str) -> RunnerFactory:
+    """The one place an agent's mode picks what runs its ranks (`runner.py`):
+    live ranks for a Session script, torchrun's restarts for an unmodified one."""
+    return RestartRanks if mode == "restart" else LibraryRanks
+
+
 def _run_agent(config: AgentConfig, drained_exit_code: int = EXIT_OK) -> int:
     """Runs one agent with signal handling; a drained agent that ended
     cleanly exits with `drained_exit_code`."""
-    agent = Agent(config)
+    agent = Agent(config, runner_for(config.mode))
     log.info("mode %s: %s", config.mode, " ".join(config.command))
 
     def on_signal(signum: int, _frame: object) -> None:

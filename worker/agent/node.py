@@ -2,8 +2,10 @@
 
 One agent per node. It first checks that the job exists and the token is
 accepted (GetJob, within ``--connect-timeout-s``), so a typo fails before any
-rank starts. In library mode it then starts its ranks and joins once their
-set-up is done (`ranks.py`); in restart mode (`restart.py`) it joins and
+rank starts. Its ranks are run by a `RankRunner` (`runner.py`, picked by
+`command.runner_for`), which sees the agent only through its `AgentLink`: in
+library mode (`library.py`) it starts the ranks and joins once their set-up
+is done (`ranks.py`); in restart mode (`restart.py`) it joins and
 (re)starts the ranks on every generation. It holds the node's rendezvous store
 address (a port, named in JoinJob: in library mode a listening socket whose
 TCPStore the process of local rank 0 serves, in restart mode a TCPStore
@@ -48,13 +50,10 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import signal
-import subprocess
 import tempfile
 import threading
 import time
 import uuid
-from typing import Any
 
 import grpc
 
@@ -72,15 +71,18 @@ from springback.worker.agent.metrics import node_registry
 from springback.worker.control import PlanPublisher
 from springback.worker.agent.watchdog import RankWatchdog
 from springback.worker.agent.ranklogs import RankLogs, job_logs_base, rank_label
-from springback.worker.agent.ranks import LocalRanks, with_parent_death
-from springback.worker.agent.restart import RestartRanks
 from springback.worker.agent.config import AgentConfig
+from springback.worker.agent.runner import (
+    EXIT_ERROR,
+    EXIT_FENCED,
+    EXIT_OK,
+    RankRunner,
+    RunnerFactory,
+)
 from springback.worker.agent.startup import (
     DrainedBeforeJoin,
     JobFinished,
-    RendezvousStore,
     StartupClock,
-    StoreSocket,
     StartupRefused,
     check_job,
     join_job,
@@ -88,15 +90,18 @@ from springback.worker.agent.startup import (
 
 log = logging.getLogger("springback.agent")
 
-EXIT_OK, EXIT_ERROR, EXIT_FENCED = 0, 1, 3
+__all__ = ["EXIT_ERROR", "EXIT_FENCED", "EXIT_OK", "Agent", "AgentLink"]
+
 RPC_TIMEOUT_S = 5.0
 
 
 class Agent:
     """One node's agent; `run` blocks until the job ends, the node drained, or
-    the agent gives up, and returns the process exit status."""
+    the agent gives up, and returns the process exit status. Its ranks are run
+    by the `RankRunner` that `runner` makes (`runner.py`; chosen by
+    `command.runner_for`), which sees this agent through an `AgentLink`."""
 
-    def __init__(self, config: AgentConfig) -> None:
+    def __init__(self, config: AgentConfig, runner: RunnerFactory) -> None:
         self.config = config
         # The agent's own token (a job's join credential, or the operator's)
         # only checks the job and joins it; the member's calls then carry the
@@ -104,12 +109,6 @@ class Agent:
         self._channel = connect(config.coordinator or parse_addresses(None), token=config.token)
         self._join_stub = wgrpc.WorkerServiceStub(self._channel)
         self._stub = self._join_stub
-        # Library mode: no torch in the agent; local rank 0 serves the store on
-        # this socket. Restart mode: the agent's own store, whose torch import
-        # runs beside the ranks' set-up.
-        self._rendezvous: RendezvousStore | StoreSocket = (
-            RendezvousStore(config.host) if config.mode == "restart"
-            else StoreSocket(config.host))
         self._workdir = tempfile.mkdtemp(prefix=f"springback-agent-{config.job_id}-")
         self._drain_reason: str | None = None
         self._drain_preempted = False  # the scheduler takes the node back (see request_drain)
@@ -118,25 +117,17 @@ class Agent:
         self._fenced = threading.Event()
         self._stop = threading.Event()
         self._rank_logs = RankLogs(
-            label_of=lambda p: rank_label(p, self._local.ranks, self._plan,
+            label_of=lambda p: rank_label(p, self._runner.ranks, self._plan,
                                           self.member.id if self.member else None),
             member_of=lambda: self.member.id if self.member else None,
             base_uri_of=lambda: job_logs_base(self._plan, self.config.job_id))
-        self._local = LocalRanks(config.command, self._workdir, keep_spare=config.standby,
-                                 output=config.output, rank_logs=self._rank_logs.attach,
-                                 pass_fds=(self._rendezvous.fd,)
-                                 if isinstance(self._rendezvous, StoreSocket) else (),
-                                 ignore_sigterm=config.slurm is not None
-                                 and config.mode == "library")
-        self._restart = RestartRanks(self) if config.mode == "restart" else None
         self._ran = False  # a RUN plan included this member: its ranks may hold state
         self._num_restarts = 0
-        self._stop_deadline: float | None = None
-        self._hung: dict[int, str] = {}  # local rank -> why the watchdog killed it
         self.member: pb.Member | None = None
         self._num_joins = 0  # a Slurm task's join tokens count them (`_join_token`)
         self._member_credential = ""  # JoinJob's, for the ranks (empty without auth)
         self.liveness_timeout_s = 5.0
+        self._runner: RankRunner = runner(AgentLink(self))
 
     # -- membership ------------------------------------------------------------
 
@@ -159,7 +150,7 @@ class Agent:
         """JoinJob (`join_job`: retried until the connect timeout); raises
         RpcError for a permanent error (unknown job, bad token)."""
         req = wpb.JoinJobRequest(job_id=self.config.job_id, host=self.config.host,
-                                 rendezvous_port=self._rendezvous_port(),
+                                 rendezvous_port=self._runner.rendezvous_port(),
                                  num_local_ranks=self.config.nproc_per_node,
                                  join_token=self._join_token())
         resp = join_job(self._join_stub, req,
@@ -177,7 +168,6 @@ class Agent:
         self._fenced.clear()
         self._publisher = PlanPublisher(os.path.join(self._workdir, self.member.id))
         self._watchdog = RankWatchdog(self._publisher.directory, self._collective_timeout_s())
-        self._hung = {}  # a kill the fence cut short must not hide the next rank from it
         log.info("joined job %s as member %s (liveness %.1fs)", self.config.job_id,
                  self.member.id, self.liveness_timeout_s)
         member_id = self.member.id
@@ -188,18 +178,6 @@ class Agent:
                          name="heartbeat").start()
         threading.Thread(target=link.follow_plans, args=(self._on_plan,), daemon=True,
                          name="watch-plans").start()
-
-    def agent_store(self) -> Any:
-        """Restart mode: the agent's own TCPStore server (blocks until it is
-        created; RuntimeError when it could not be)."""
-        if not isinstance(self._rendezvous, RendezvousStore):
-            raise RuntimeError("only a restart-mode agent hosts a store itself")
-        return self._rendezvous.get()
-
-    def _rendezvous_port(self) -> int:
-        if isinstance(self._rendezvous, StoreSocket):
-            return self._rendezvous.port
-        return int(self._rendezvous.get().port)
 
     def _current(self, member_id: str) -> bool:
         return self.member is not None and self.member.id == member_id and not self._stop.is_set()
@@ -232,8 +210,6 @@ class Agent:
             E.COORDINATOR: self.config.coordinator or os.environ.get(E.COORDINATOR, ""),
             E.COLLECTIVE_TIMEOUT_S: str(timeout),
         })
-        if isinstance(self._rendezvous, StoreSocket):
-            environ[E.STORE_FD] = str(self._rendezvous.fd)
         if self.member is not None:  # a standby learns these when activated
             environ[E.MEMBER_ID] = self.member.id
             environ[E.CONTROL_DIR] = self._publisher.directory
@@ -267,55 +243,19 @@ class Agent:
                 "collective_timeout_s": self._collective_timeout_s(),
                 "credential": self._member_credential}
 
-    def _start_ranks(self, phases: StartupClock) -> None:
-        """Starts the local ranks as standbys, waits until every one has done
-        its set-up (up to `ready_timeout_s`), and only then joins: the
-        generation that admits this node does not wait for a cold start.
-        Raises RuntimeError if a rank exits during set-up, DrainedBeforeJoin
-        on a drain request meanwhile. In restart mode only joins: ranks start
-        with the first plan that runs this node."""
-        if self._restart is not None:
-            self._join()
-            phases.done("join")
-            return
-        standbys = self._local.start_all(
-            self.config.nproc_per_node, self._rank_env(0), timeout_s=self.config.ready_timeout_s,
-            abort=lambda: self._drain_reason is not None)
-        phases.done("ranks' set-up (their imports and script up to Session())")
-        if self._drain_reason is not None:
-            raise DrainedBeforeJoin(self._drain_reason)
-        if not all(s.ready() for s in standbys):
-            log.warning("ranks not ready after %.0fs: joining anyway", self.config.ready_timeout_s)
-        self._join()
-        phases.done("join")
-        for lr, standby in enumerate(standbys):
-            standby.activate(lr, self._identity())
-        self._local.ensure_spare(self._rank_env(0))
-
-    def _launch_rank(self, local_rank: int, environ: dict[str, str], *,
-                     attempt: int) -> subprocess.Popen:
-        """Starts one restart-mode rank (dies with the agent, output as configured)."""
-        return self.config.output.launch(with_parent_death(self.config.command), environ,
-                                         local_rank=local_rank, attempt=f"attempt_{attempt}")
-
-    def _running_ranks(self) -> list[subprocess.Popen]:
-        ranks = self._restart.ranks if self._restart is not None else self._local.ranks
-        return list(ranks.values())
-
     def _kill_ranks(self) -> None:
-        if self._restart is not None:
-            self._restart.kill_all()
-        self._local.kill_all()
+        self._runner.kill_all()
 
     def _report_failure(self, local_rank: int, code: int, reason: str | None = None,
-                        pid: int = 0) -> None:
+                        pid: int = 0, error: str = "") -> None:
         """Reports a local rank's exit for the generation it was in: the newest
         one the rank process `pid` read (its statistics, `rankstats`), else the
         agent's newest plan (a rank that never read one). Not the agent's plan
         alone: every rank of a job crashing at once is one event, and on a
         loaded machine the second agent's report comes after the first one's
         replan; reported for that new generation, it counted as a second
-        failure without progress (`service/policy/failures.py`)."""
+        failure without progress (`service/policy/failures.py`). `error`: the
+        rank's last error line, added to the default reason."""
         assert self.member is not None
         generation = self._plan.generation if self._plan else 0
         stats = rankstats.read_all(self._publisher.directory).get(local_rank) if pid else None
@@ -323,8 +263,6 @@ class Agent:
             generation = min(generation, int(stats["seen_generation"]))
         if not reason:
             reason = f"local rank {local_rank} of {self.member.id} exited with status {code}"
-            proc = self._local.ranks.get(local_rank)
-            error = self._rank_logs.last_error(proc) if proc is not None and proc.pid == pid else ""
             if error:
                 reason += f": {error}"
         log.warning("%s; reporting failure", reason)
@@ -360,7 +298,7 @@ class Agent:
             self._check_job()
             phases.done("job check")
             self._rank_logs.start()
-            self._start_ranks(phases)
+            self._runner.start(phases)
             log.info("start-up: %s", phases.summary())
             return self._supervise()
         except (JobFinished, DrainedBeforeJoin) as e:
@@ -384,7 +322,7 @@ class Agent:
             self._stop.set()
             self._kill_ranks()
             self._rank_logs.close()
-            self._rendezvous.close()
+            self._runner.close()
             shutil.rmtree(self._workdir, ignore_errors=True)
 
     def _supervise(self) -> int:
@@ -395,7 +333,7 @@ class Agent:
                     log.warning("fenced: ranks stopped, exiting")
                     return EXIT_FENCED
                 log.warning("fenced: ranks stopped, joining again as a new member")
-                self._start_ranks(StartupClock())
+                self._runner.start(StartupClock())
             if self._drain_reason is None:
                 for source in self.config.preemption:
                     reason = source.poll()
@@ -404,60 +342,10 @@ class Agent:
                         break
             if self._drain_reason is not None:
                 return self._drain()
-            status = (self._restart.check() if self._restart is not None
-                      else self._check_ranks())
+            status = self._runner.check()
             if status is not None:
                 return status
             time.sleep(0.05)
-
-    def _check_ranks(self) -> int | None:
-        """Restarts failed ranks; returns an exit status once all ranks are done.
-
-        After a STOP plan (job finished or cancelled) nothing is restarted, and
-        ranks still running after ``drain_timeout_s`` are killed."""
-        plan = self._plan
-        stopping = plan is not None and plan.action == pb.PLAN_ACTION_STOP
-        if not stopping:
-            self._kill_hung_ranks()
-        for lr, p in list(self._local.ranks.items()):
-            code = p.poll()
-            if code is None or code == 0 or stopping:
-                continue
-            if self._fenced.is_set():
-                return None
-            self._report_failure(lr, code, self._hung.pop(lr, None), pid=p.pid)
-            self._num_restarts += 1
-            if self._num_restarts > self.config.max_restarts:
-                log.error("more than %d rank failures: giving up", self.config.max_restarts)
-                self._leave("too many rank failures")
-                return EXIT_ERROR
-            if self._local.replace(lr, self._identity(), self._rank_env(lr)):
-                log.info("warm standby took the place of local rank %d", lr)
-        codes = [p.poll() for p in self._local.ranks.values()]
-        if codes and all(c == 0 for c in codes) or stopping and all(c is not None for c in codes):
-            log.info("all local ranks finished")
-            self._leave("ranks finished")
-            return EXIT_OK
-        if stopping:
-            if self._stop_deadline is None:
-                self._stop_deadline = time.monotonic() + self.config.drain_timeout_s
-            elif time.monotonic() > self._stop_deadline:
-                log.warning("job stopped but ranks still running after %.0fs: killing them",
-                            self.config.drain_timeout_s)
-                self._kill_ranks()
-                self._leave("job stopped")
-                return EXIT_OK
-        return None
-
-    def _kill_hung_ranks(self) -> None:
-        """SIGKILLs the local ranks the watchdog finds hung (`worker/agent/watchdog.py`);
-        the next poll reports each as a crashed rank, with why it was killed."""
-        running = [(lr, p.pid) for lr, p in self._local.ranks.items()
-                   if p.poll() is None and lr not in self._hung]
-        for lr, why in self._watchdog.hung(running):
-            log.error("%s: killing it", why)
-            self._hung[lr] = why
-            self._local.ranks[lr].kill()
 
     def _drain(self) -> int:
         assert self.member is not None
@@ -484,21 +372,13 @@ class Agent:
         except grpc.RpcError as e:
             log.warning("DrainMember failed (%s); leaving without handing over",
                         e.code().name)
-        if self._restart is not None:  # as torchrun: the ranks get the signal
-            self._restart.signal_all(signal.SIGTERM)
+        self._runner.drain_signal()
         if not wait_until(lambda: self._fenced.is_set() or all(
-                p.poll() is not None for p in self._running_ranks()),
+                p.poll() is not None for p in list(self._runner.ranks.values())),
                 timeout_s=deadline - time.monotonic()):
             log.warning("drain deadline of %.0fs passed: killing ranks",
                         self.config.drain_timeout_s)
-        if self._restart is None:  # library mode: a rank's own exit is its step boundary
-            codes = {lr: p.poll() for lr, p in self._local.ranks.items()}
-            if all(c == 0 for c in codes.values()):
-                log.info("drain: every local rank left at a step boundary (exit status 0)")
-            else:  # a signal (Slurm's SIGKILL, a script's own SIGTERM handler) or a crash
-                log.warning("drain: local ranks that did not leave cleanly "
-                            "(exit status; None: still running, killed now): %s",
-                            {lr: c for lr, c in codes.items() if c != 0})
+        self._runner.drained()
         self._kill_ranks()
         self._leave(reason, preempted=self._drain_preempted)
         log.info("drained")
@@ -513,3 +393,66 @@ class Agent:
                                 timeout=RPC_TIMEOUT_S)
         except grpc.RpcError as e:
             log.warning("LeaveJob failed (%s): the member expires by itself", e.code().name)
+
+
+class AgentLink:
+    """The `runner.AgentPort` of an agent: all a `RankRunner` sees of it."""
+
+    def __init__(self, agent: Agent) -> None:
+        self._agent = agent
+
+    @property
+    def config(self) -> AgentConfig:
+        return self._agent.config
+
+    @property
+    def workdir(self) -> str:
+        return self._agent._workdir
+
+    @property
+    def rank_logs(self) -> RankLogs:
+        return self._agent._rank_logs
+
+    def plan(self) -> pb.Plan | None:
+        return self._agent._plan
+
+    def member_id(self) -> str:
+        member = self._agent.member
+        assert member is not None, "a runner asks for the member after the join"
+        return member.id
+
+    def control_dir(self) -> str | None:
+        publisher = getattr(self._agent, "_publisher", None)
+        return publisher.directory if publisher is not None else None
+
+    def stub(self) -> wgrpc.WorkerServiceStub:
+        return self._agent._stub
+
+    def join(self) -> None:
+        self._agent._join()
+
+    def identity(self) -> dict:
+        return self._agent._identity()
+
+    def rank_env(self, local_rank: int) -> dict[str, str]:
+        return self._agent._rank_env(local_rank)
+
+    def drain_reason(self) -> str | None:
+        return self._agent._drain_reason
+
+    def fenced(self) -> bool:
+        return self._agent._fenced.is_set()
+
+    def hung_ranks(self, running: list[tuple[int, int]]) -> list[tuple[int, str]]:
+        return list(self._agent._watchdog.hung(running))
+
+    def report_failure(self, local_rank: int, code: int, reason: str | None = None,
+                       pid: int = 0, error: str = "") -> None:
+        self._agent._report_failure(local_rank, code, reason, pid=pid, error=error)
+
+    def count_failure(self) -> bool:
+        self._agent._num_restarts += 1
+        return self._agent._num_restarts > self._agent.config.max_restarts
+
+    def leave(self, reason: str) -> None:
+        self._agent._leave(reason)

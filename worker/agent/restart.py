@@ -54,7 +54,7 @@ import signal
 import subprocess
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
@@ -63,12 +63,12 @@ from springback.v1 import worker_service_pb2 as wpb
 from springback.client import plans
 from springback.client.polling import wait_until
 from springback.client import env as E
-from springback.worker.agent.startup import serve_store
+from springback.worker.agent.ranks import with_parent_death
+from springback.worker.agent.runner import AgentPort
+from springback.worker.agent.startup import RendezvousStore, StartupClock, serve_store
 
 if TYPE_CHECKING:
     import torch.distributed as dist
-
-    from springback.worker.agent.node import Agent
 
 log = logging.getLogger("springback.agent")
 
@@ -161,11 +161,15 @@ class GenerationStores:
 
 
 class RestartRanks:
-    """The restart-mode supervisor of one agent's ranks; `check` is polled by
-    the agent's main loop and returns an exit status once the agent is done."""
+    """The restart-mode runner of one agent's ranks (`runner.RankRunner`);
+    `check` is polled by the agent's main loop and returns an exit status once
+    the agent is done. `rendezvous`: the node's store (by default the agent's
+    own TCPStore server, `startup.RendezvousStore`, whose torch import runs
+    beside the agent's start-up)."""
 
-    def __init__(self, agent: Agent) -> None:
-        self.agent = agent
+    def __init__(self, port: AgentPort, rendezvous: Any = None) -> None:
+        self._port = port
+        self._rendezvous = RendezvousStore(port.config.host) if rendezvous is None else rendezvous
         self.ranks: dict[int, subprocess.Popen] = {}
         self.generation = 0        # generation of the running ranks (0: none yet)
         self._me: pb.PlanMember | None = None
@@ -174,16 +178,36 @@ class RestartRanks:
         self._finished = False     # every rank of this generation exited 0
         self._done_sent = False    # ... and the coordinator was told
         self._finish_deadline: float | None = None
-        self._stores = GenerationStores(agent.agent_store(), agent.config.job_id)
+        self._stores = GenerationStores(self._rendezvous.get(), port.config.job_id)
         self._relayed_step = 0
         self._start_sent = False
         self._relayed_checkpoint = 0
         self._next_relay = 0.0
 
+    # -- the runner's part -------------------------------------------------------
+
+    def rendezvous_port(self) -> int:
+        return int(self._rendezvous.get().port)
+
+    def start(self, phases: StartupClock) -> None:
+        """Only joins: ranks start with the first plan that runs this node."""
+        self._port.join()
+        phases.done("join")
+
+    def drain_signal(self) -> None:
+        """As torchrun: the ranks get the signal."""
+        self.signal_all(signal.SIGTERM)
+
+    def drained(self) -> None:
+        """Nothing to say: the ranks were signalled."""
+
+    def close(self) -> None:
+        self._rendezvous.close()
+
     # -- the loop ------------------------------------------------------------------
 
     def check(self) -> int | None:
-        plan = self.agent._plan
+        plan = self._port.plan()
         if plan is None:
             return None
         if plan.action == pb.PLAN_ACTION_STOP:
@@ -203,8 +227,8 @@ class RestartRanks:
             self._report_done(plan)  # the last try did not reach the coordinator
         if self._finished and self._finish_deadline and time.monotonic() > self._finish_deadline:
             log.warning("ranks finished but no STOP plan within %.0fs: leaving",
-                        self.agent.config.drain_timeout_s)
-            self.agent._leave("ranks finished")
+                        self._port.config.drain_timeout_s)
+            self._port.leave("ranks finished")
             return 0
         return None
 
@@ -224,52 +248,59 @@ class RestartRanks:
             return
 
         def abandon() -> bool:
-            latest = self.agent._plan
+            latest = self._port.plan()
             return (latest is not None and latest.generation > plan.generation
-                    or self.agent._drain_reason is not None or self.agent._fenced.is_set())
+                    or self._port.drain_reason() is not None or self._port.fenced())
 
         port = self._stores.master_port(plan, me, abandon)
         if port is None:
             if not abandon():
                 self._failure_reported = True
-                self.agent._report_failure(
+                self._port.report_failure(
                     -1, 0, reason=f"master port of generation {plan.generation} not "
                                   f"published within {MASTER_PORT_TIMEOUT_S:.0f}s")
             return
         restart_count = self._num_starts
         self._num_starts += 1
         for lr in range(me.num_local_ranks):
-            environ = self.agent._rank_env(lr)
-            error_file = os.path.join(self.agent._workdir, f"attempt_{restart_count}", str(lr),
+            environ = self._port.rank_env(lr)
+            error_file = os.path.join(self._port.workdir, f"attempt_{restart_count}", str(lr),
                                       "error.json")
             os.makedirs(os.path.dirname(error_file), exist_ok=True)
             environ.update(torchrun_env(plan=plan, me=me, local_rank=lr, master_port=port,
                                         restart_count=restart_count,
-                                        max_restarts=self.agent.config.max_restarts,
+                                        max_restarts=self._port.config.max_restarts,
                                         error_file=error_file, environ=environ))
             if plan.spec.checkpoint.uri:  # one directory per job, as in library mode
                 environ[E.CHECKPOINT_URI] = self._checkpoint_uri(plan)
             if plan.restore.kind == pb.RESTORE_KIND_CHECKPOINT:  # e.g. `job restore --step N`
                 environ[E.RESTORE_MAX_STEP] = str(plan.restore.checkpoint.step)
-            self.ranks[lr] = self.agent._launch_rank(lr, environ, attempt=restart_count)
+            self.ranks[lr] = self._launch(lr, environ, attempt=restart_count)
         log.info("generation %d: started ranks %d..%d of %d (restart %d)", plan.generation,
                  me.first_rank, me.first_rank + me.num_local_ranks - 1, plan.world_size,
                  restart_count)
 
+    def _launch(self, local_rank: int, environ: dict[str, str], *,
+                attempt: int) -> subprocess.Popen:
+        """Starts one rank (dies with the agent, output as configured)."""
+        config = self._port.config
+        return config.output.launch(with_parent_death(config.command), environ,
+                                    local_rank=local_rank, attempt=f"attempt_{attempt}")
+
     def _on_failure(self, local_rank: int, code: int) -> int | None:
         self._failure_reported = True
-        self.agent._report_failure(local_rank, code)
-        self.agent._num_restarts += 1
+        self._port.report_failure(local_rank, code)
+        over = self._port.count_failure()
         self.stop_all()  # like torchrun: one failed worker stops the node's group
-        if self.agent._num_restarts > self.agent.config.max_restarts:
-            log.error("more than %d rank failures: giving up", self.agent.config.max_restarts)
-            self.agent._leave("too many rank failures")
+        if over:
+            log.error("more than %d rank failures: giving up", self._port.config.max_restarts)
+            self._port.leave("too many rank failures")
             return 1
         return None
 
     def _on_finished(self, plan: pb.Plan) -> None:
         self._finished = True
-        self._finish_deadline = time.monotonic() + self.agent.config.drain_timeout_s
+        self._finish_deadline = time.monotonic() + self._port.config.drain_timeout_s
         self._relay(final=True)
         if self._me is None or self._me.first_rank != 0:
             log.info("all local ranks exited 0; waiting for the job to stop")
@@ -292,13 +323,13 @@ class RestartRanks:
         drain timeout, then are killed; then the member leaves."""
         if any(p.poll() is None for p in self.ranks.values()):
             if self._finish_deadline is None:
-                self._finish_deadline = time.monotonic() + self.agent.config.drain_timeout_s
+                self._finish_deadline = time.monotonic() + self._port.config.drain_timeout_s
             if time.monotonic() < self._finish_deadline:
                 return None
             log.warning("job stopped but ranks still running after %.0fs: killing them",
-                        self.agent.config.drain_timeout_s)
+                        self._port.config.drain_timeout_s)
         self.stop_all()
-        self.agent._leave("job stopped")
+        self._port.leave("job stopped")
         return 0
 
     # -- progress relay ------------------------------------------------------------
@@ -306,7 +337,8 @@ class RestartRanks:
     def _relay(self, final: bool = False) -> None:
         """Relays global rank 0's progress file (see `springback.storage.resume`)."""
         me = self._me
-        if me is None or me.first_rank != 0 or not hasattr(self.agent, "_publisher"):
+        control_dir = self._port.control_dir()
+        if me is None or me.first_rank != 0 or control_dir is None:
             return
         now = time.monotonic()
         if not final and now < self._next_relay:
@@ -317,7 +349,7 @@ class RestartRanks:
         from springback.storage.resume import read_progress
 
         try:
-            progress = read_progress(self.agent._publisher.directory)
+            progress = read_progress(control_dir)
         except (OSError, ValueError, TypeError) as e:
             log.warning("unreadable rank progress: %s", e)
             return
@@ -339,7 +371,7 @@ class RestartRanks:
         if ckpt and ckpt["step"] > self._relayed_checkpoint:
             self._relayed_checkpoint = ckpt["step"]
             self._commit(ckpt)
-        plan = self.agent._plan
+        plan = self._port.plan()
         cap = plan.spec.max_steps - 1 if plan is not None and plan.spec.max_steps else progress.step
         step = min(progress.step, cap)
         if step > self._relayed_step:
@@ -352,11 +384,10 @@ class RestartRanks:
         but the start report is the only word of where the generation resumed
         (restores, steps redone), so it is not marked sent and the caller
         sends it again."""
-        agent = self.agent
         restored = pb.RESTORE_KIND_CHECKPOINT if step else pb.RESTORE_KIND_NONE
         try:
-            agent._stub.ReportStep(wpb.ReportStepRequest(
-                job_id=agent.config.job_id, member_id=self._member_id(), generation=self.generation,
+            self._port.stub().ReportStep(wpb.ReportStepRequest(
+                job_id=self._port.config.job_id, member_id=self._member_id(), generation=self.generation,
                 step=step, loss=loss, generation_start=start,
                 restored_from=restored if start else pb.RESTORE_KIND_UNSPECIFIED),
                 timeout=RPC_TIMEOUT_S)
@@ -369,18 +400,15 @@ class RestartRanks:
         return True
 
     def _member_id(self) -> str:
-        member = self.agent.member
-        assert member is not None, "restart mode runs after the agent joined"
-        return member.id
+        return self._port.member_id()
 
     def _commit(self, ckpt: dict) -> None:
-        agent = self.agent
         ref = pb.CheckpointRef(step=ckpt["step"], uri=ckpt["uri"], world_size=ckpt["world_size"],
                                size_bytes=ckpt["size_bytes"],
                                cursor=pb.DataCursor(epoch=ckpt["epoch"], offset=ckpt["offset"]))
         try:
-            resp = agent._stub.CommitCheckpoint(wpb.CommitCheckpointRequest(
-                job_id=agent.config.job_id, member_id=self._member_id(),
+            resp = self._port.stub().CommitCheckpoint(wpb.CommitCheckpointRequest(
+                job_id=self._port.config.job_id, member_id=self._member_id(),
                 generation=self.generation, checkpoint=ref), timeout=RPC_TIMEOUT_S)
             log.info("checkpoint of step %d recorded", ref.step)
         except grpc.RpcError as e:
@@ -400,7 +428,7 @@ class RestartRanks:
         next commit."""
         from springback.storage import prune_to_record
 
-        plan = self.agent._plan
+        plan = self._port.plan()
         if plan is None or not plan.spec.checkpoint.uri:
             return
         try:
