@@ -99,6 +99,9 @@ def _human_job(job: pb.Job, events: list | None = None) -> str:
     if s["state_losses"]:
         lines.append(f"STATE LOST {s['state_losses']} times: {s['steps_lost']} trained steps "
                      f"thrown away (started from scratch)")
+    if job.status.num_store_intrusions:  # docs/security.md: an outsider at the store
+        lines.append(f"INTRUSION  {job.status.num_store_intrusions} attempts on the rendezvous "
+                     f"store; last: {job.status.last_store_intrusion}")
     if s["checkpoint_error"]:
         lines.append(f"ckpt error {s['checkpoint_error']}")
     if "badput" in s:

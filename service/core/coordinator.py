@@ -440,7 +440,8 @@ class Coordinator:
                         progress: planner.Progress, checkpoint_stall_s: float = 0.0,
                         stall_total_s: float = 0.0,
                         step_quantiles: tuple[float, float, float] = (0.0, 0.0, 0.0),
-                        member_timing: Sequence[pb.MemberTiming] = ()) -> int:
+                        member_timing: Sequence[pb.MemberTiming] = (),
+                        store_intrusion: str = "") -> int:
         """Accepts a step report from a member of the current generation.
 
         In memory only. The member's registration is read from etcd at most
@@ -452,7 +453,9 @@ class Coordinator:
         changes it. The report's time and `checkpoint_stall_s` are kept for
         the auto checkpoint interval (`ckptinterval`); the time and
         `stall_total_s` (the generation's stalls summed) for badput by cause;
-        `member_timing` (rank 0's per-member step timing) for `get_job`.
+        `member_timing` (rank 0's per-member step timing) for `get_job`;
+        `store_intrusion` (rank 0 found an outsider's keys in the generation's
+        store) is recorded on the job (`_record_intrusion`).
         """
         self.require_leader()
         now = time.monotonic()
@@ -484,6 +487,8 @@ class Coordinator:
                       and state.member_timing[0] == generation else None)
         if timing:
             setaside.act(self, job_id, generation, progress.step, timing, time.time())
+        if store_intrusion:
+            self._record_intrusion(job_id, store_intrusion)
         state = self.job_state(job_id)
         max_steps = state.max_steps
         if max_steps is None:
@@ -494,6 +499,24 @@ class Coordinator:
             self.change_with_retry(job_id, f"reached max_steps {max_steps}", succeed,
                                    kind=js.CHANGE_KIND_FINISH)
         return self.current_generation(job_id)
+
+    def _record_intrusion(self, job_id: str, found: str) -> None:
+        """Counts an intrusion attempt on the job's rendezvous store (what
+        rank 0 `found`, which names its generation) in the job's status and
+        says it in its message: one etcd write, no new generation; a
+        repeated report of the same finding changes nothing."""
+        said = f"rendezvous store intrusion attempt: {found}"
+
+        def record(job: pb.Job) -> str:
+            status = job.status
+            if status.last_store_intrusion == found:
+                return status.message
+            status.num_store_intrusions += 1
+            status.last_store_intrusion = found
+            log.warning("job %s: %s", job_id, said)
+            return said
+
+        self.change_with_retry(job_id, said, record, kind=js.CHANGE_KIND_OTHER)
 
     def record_generation_start(self, job_id: str, member_id: str, generation: int,
                                 progress: planner.Progress, restored_from: int,

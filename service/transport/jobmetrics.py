@@ -80,6 +80,9 @@ class JobMetrics(Collector):
                         ("generations", "Generations made.", ["job"]),
                         ("restores", "Generations that restored a committed checkpoint.", ["job"]),
                         ("steps_redone", "Steps trained again after a restore.", ["job"]),
+                        ("store_intrusions", "Generations whose rank 0 found keys under the "
+                         "rendezvous store's guessable names (an outsider tried to enter: "
+                         "docs/security.md).", ["job"]),
                         ("failures", "Generations made because of a failure, by kind.",
                          ["job", "kind"]),
                         ("badput_seconds", "Wall time by cause (client/badput.py; useful "
@@ -127,6 +130,7 @@ class JobMetrics(Collector):
             counters["restores"].add_metric(
                 label, sum(e.restore == pb.RESTORE_KIND_CHECKPOINT for e in events))
             counters["steps_redone"].add_metric(label, sum(e.steps_redone for e in events))
+            counters["store_intrusions"].add_metric(label, s.num_store_intrusions)
             for kind, kind_name in FAILURE_KINDS.items():
                 counters["failures"].add_metric(
                     [job.id, kind_name], sum(e.kind == kind for e in events))

@@ -309,7 +309,7 @@ class WorkerServicer(ws_grpc.WorkerServiceServicer):
             checkpoint_stall_s=request.checkpoint_stall_s,
             stall_total_s=request.checkpoint_stall_total_s,
             step_quantiles=(request.step_p50_s, request.step_p90_s, request.step_p99_s),
-            member_timing=request.member_timing)
+            member_timing=request.member_timing, store_intrusion=request.store_intrusion)
         return ws.ReportStepResponse(generation=generation)
 
     @_handle

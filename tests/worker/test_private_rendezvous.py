@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from cluster import AgentProcess, steps
 from sbtest import wait_for
+from springback.service.transport.jobmetrics import JobMetrics
 from springback.v1 import types_pb2 as pb
 from springback.worker.agent.startup import listen_on, self_address
 from springback.worker.rank import rendezvous
@@ -75,9 +76,24 @@ def _check_privacy(root, client, coordinator, job_id: str, agent: AgentProcess,
     assert store.add(secret + "arrived", 0) == 2
     assert store.check([secret + "endpoints/0", secret + "endpoints/1"])
 
+    # the attempt is on the job: rank 0 found the intruder's keys under the
+    # guessable names and reported them; counted once, said in the message
+    job = wait_for(lambda: (j := client.get_job(job_id)).status.num_store_intrusions and j, 20,
+                   "the intrusion on the job")
+    assert job.status.num_store_intrusions == 1
+    intrusion = job.status.last_store_intrusion
+    assert intrusion.startswith(f"generation {plan.generation}: "), intrusion
+    old = f"springback/{job_id}/g{plan.generation}//"
+    assert old + "arrived" in intrusion and old + "endpoints/1" in intrusion, intrusion
+    assert secret not in intrusion and plan.rendezvous_secret not in intrusion
+    metrics = {m.name: m for m in JobMetrics(coordinator.coordinator).collect()}
+    assert [s.value for s in metrics["springback_job_store_intrusions"].samples
+            if s.labels["job"] == job_id and s.name.endswith("_total")] == [1]
+
     job = wait_for(lambda: (j := client.get_job(job_id)).status.state in ENDED and j, 40,
                    "the job to end")
     assert job.status.state == pb.JOB_STATE_SUCCEEDED, job.status.message
+    assert job.status.num_store_intrusions == 1  # once per generation, not per report
     assert job.status.step == MAX_STEPS
     # no generation broke: every step from the intrusion on ran in the same one
     after = [r for r in steps(root) if r["step"] > 5]

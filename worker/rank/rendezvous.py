@@ -186,7 +186,77 @@ def form_group(*, job_id: str, generation: int, secret: str, rank: int, world_si
                             world_size=world_size,
                             timeout=datetime.timedelta(seconds=collective_timeout_s))
     _exchange_endpoints(prefix, rank, world_size)
+    global _watch
+    if rank == 0 and secret:  # without a secret the guessable names are the real ones
+        try:  # its own connection: the reporter's thread uses it
+            own = dist.TCPStore(master_addr, master_port, is_master=False,
+                                wait_for_workers=False, timeout=datetime.timedelta(seconds=5))
+            _watch = IntrusionWatch(own, job_id, generation, world_size)
+        except Exception as e:  # noqa: BLE001 - the watch must not stop the generation
+            log.warning("generation %d: no look for an intruder's keys: %s", generation, e)
     return dist.PrefixStore("sb/", prefix)
+
+
+INTRUSION_CHECK_S = 1.0
+"""Least time between two of rank 0's looks for an intruder's keys."""
+INTRUSION_RANKS = 4
+"""The first ranks whose guessable ``endpoints/<r>`` names are looked at."""
+
+
+class IntrusionWatch:
+    """Rank 0's look for keys under the names an outsider can guess: the
+    layout before `Plan.rendezvous_secret`, ``springback/<job>/g<N>//arrived``
+    and ``…//endpoints/<r>`` (the first `INTRUSION_RANKS` ranks), of this
+    generation and the next (job ids and generations are no secret). No
+    rank writes there (every key lies under the secret), so such a key is
+    a party without the plan trying to count itself in or claim a rank's
+    address. Keys under any other name cannot be seen this way (the store
+    does not say who asked for what); they are read by no rank either.
+
+    Called from the step reporter's thread only (its own connection to the
+    store, a clone): `found` looks at most every `INTRUSION_CHECK_S`, one
+    `check` per name (TCPStore's check is true only when every key named
+    exists), and once something was found says the same from then on."""
+
+    def __init__(self, store: dist.Store, job_id: str, generation: int,
+                 world_size: int) -> None:
+        self._store: dist.Store | None = store
+        self.generation = generation
+        self.names = [plans.store_prefix(job_id, g, "") + "/" + key
+                      for g in (generation, generation + 1)
+                      for key in ("arrived", *(f"endpoints/{r}"
+                                               for r in range(min(world_size, INTRUSION_RANKS))))]
+        self._next_at = 0.0
+        self._found = ""
+
+    def found(self) -> str:
+        """What was found under the guessable names ("" while nothing)."""
+        now = time.monotonic()
+        if self._found or self._store is None or now < self._next_at:
+            return self._found
+        self._next_at = now + INTRUSION_CHECK_S
+        try:
+            there = [name for name in self.names if self._store.check([name])]
+        except Exception as e:  # noqa: BLE001 - the store went with its generation
+            log.info("generation %d: looking for keys under the store's guessable names: %s",
+                     self.generation, e)
+            self._store = None
+            return ""
+        if there:
+            self._found = (f"generation {self.generation}: keys under the rendezvous store's "
+                           f"guessable names (no rank writes there): {', '.join(there)}")
+            log.warning("%s: a party without the plan tried to enter", self._found)
+        return self._found
+
+
+_watch: IntrusionWatch | None = None  # rank 0's, of the generation it is in
+
+
+def store_intrusion(generation: int) -> str:
+    """`IntrusionWatch.found` of `generation` ("" when this process watches
+    no store of that generation: not rank 0, or the group was left)."""
+    watch = _watch
+    return watch.found() if watch is not None and watch.generation == generation else ""
 
 
 def _reset_group_count() -> None:
@@ -240,6 +310,8 @@ def leave_group(release_timeout_s: float = 5.0, *, broken: bool = False,
     cleared first: they hold the failed collective's tensors (the vote in
     flight, a gather's buffers) and would keep that wait from ending until its
     timeout."""
+    global _watch
+    _watch = None
     if broken:
         shut_peer_connections()
     seen: set[int] = set()

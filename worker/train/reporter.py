@@ -34,6 +34,7 @@ from typing import cast
 import grpc
 
 from springback.client.channel import connect
+from springback.worker.rank import rendezvous
 from springback.worker.train.ranktiming import MemberTimings
 from springback.v1 import types_pb2 as pb
 from springback.v1 import worker_service_pb2 as wpb
@@ -70,6 +71,7 @@ class StepReporter:
         self._next_step_at = 0.0  # monotonic: the next step report goes no earlier
         self.coordinator_generation = 0
         self.accepted: tuple[int, int] = (0, 0)  # (generation, step) of the last report taken
+        self._intrusion_taken = 0  # the generation whose store intrusion the coordinator took
         self.num_failures = 0
         self._thread = threading.Thread(target=self._loop, name="springback-reporter",
                                         daemon=True)
@@ -235,7 +237,9 @@ class StepReporter:
             cursor=pb.DataCursor(epoch=epoch, offset=offset), checkpoint_stall_s=stall_s,
             checkpoint_stall_total_s=stall_total_s, step_p50_s=quantiles[0],
             step_p90_s=quantiles[1], step_p99_s=quantiles[2],
-            member_timing=timings.report() if timings is not None else [])
+            member_timing=timings.report() if timings is not None else [],
+            store_intrusion=(rendezvous.store_intrusion(generation)
+                             if self._intrusion_taken != generation else ""))
 
     def _loop(self) -> None:
         while (req := self._next()) is not None:
@@ -245,6 +249,8 @@ class StepReporter:
                 self.coordinator_generation = resp.generation
                 if not req.generation_start:
                     self.accepted = (req.generation, req.step)
+                if req.store_intrusion:
+                    self._intrusion_taken = req.generation
             except grpc.RpcError as e:
                 fenced = e.code() in (grpc.StatusCode.FAILED_PRECONDITION,
                                       grpc.StatusCode.NOT_FOUND,

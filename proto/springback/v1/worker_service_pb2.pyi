@@ -101,7 +101,7 @@ class WatchPlansResponse(_message.Message):
     def __init__(self, plan: _Optional[_Union[_types_pb2.Plan, _Mapping]] = ...) -> None: ...
 
 class ReportStepRequest(_message.Message):
-    __slots__ = ("job_id", "member_id", "generation", "step", "samples_consumed", "loss", "cursor", "generation_start", "restored_from", "state_lost", "checkpoint_stall_s", "startup_s", "rendezvous_s", "transfer_s", "checkpoint_stall_total_s", "step_p50_s", "step_p90_s", "step_p99_s", "member_timing")
+    __slots__ = ("job_id", "member_id", "generation", "step", "samples_consumed", "loss", "cursor", "generation_start", "restored_from", "state_lost", "checkpoint_stall_s", "startup_s", "rendezvous_s", "transfer_s", "checkpoint_stall_total_s", "step_p50_s", "step_p90_s", "step_p99_s", "member_timing", "store_intrusion")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
@@ -121,6 +121,7 @@ class ReportStepRequest(_message.Message):
     STEP_P90_S_FIELD_NUMBER: _ClassVar[int]
     STEP_P99_S_FIELD_NUMBER: _ClassVar[int]
     MEMBER_TIMING_FIELD_NUMBER: _ClassVar[int]
+    STORE_INTRUSION_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     member_id: str
     generation: int
@@ -140,7 +141,8 @@ class ReportStepRequest(_message.Message):
     step_p90_s: float
     step_p99_s: float
     member_timing: _containers.RepeatedCompositeFieldContainer[_types_pb2.MemberTiming]
-    def __init__(self, job_id: _Optional[str] = ..., member_id: _Optional[str] = ..., generation: _Optional[int] = ..., step: _Optional[int] = ..., samples_consumed: _Optional[int] = ..., loss: _Optional[float] = ..., cursor: _Optional[_Union[_types_pb2.DataCursor, _Mapping]] = ..., generation_start: _Optional[bool] = ..., restored_from: _Optional[_Union[_types_pb2.RestoreKind, str]] = ..., state_lost: _Optional[str] = ..., checkpoint_stall_s: _Optional[float] = ..., startup_s: _Optional[float] = ..., rendezvous_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., checkpoint_stall_total_s: _Optional[float] = ..., step_p50_s: _Optional[float] = ..., step_p90_s: _Optional[float] = ..., step_p99_s: _Optional[float] = ..., member_timing: _Optional[_Iterable[_Union[_types_pb2.MemberTiming, _Mapping]]] = ...) -> None: ...
+    store_intrusion: str
+    def __init__(self, job_id: _Optional[str] = ..., member_id: _Optional[str] = ..., generation: _Optional[int] = ..., step: _Optional[int] = ..., samples_consumed: _Optional[int] = ..., loss: _Optional[float] = ..., cursor: _Optional[_Union[_types_pb2.DataCursor, _Mapping]] = ..., generation_start: _Optional[bool] = ..., restored_from: _Optional[_Union[_types_pb2.RestoreKind, str]] = ..., state_lost: _Optional[str] = ..., checkpoint_stall_s: _Optional[float] = ..., startup_s: _Optional[float] = ..., rendezvous_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., checkpoint_stall_total_s: _Optional[float] = ..., step_p50_s: _Optional[float] = ..., step_p90_s: _Optional[float] = ..., step_p99_s: _Optional[float] = ..., member_timing: _Optional[_Iterable[_Union[_types_pb2.MemberTiming, _Mapping]]] = ..., store_intrusion: _Optional[str] = ...) -> None: ...
 
 class ReportStepResponse(_message.Message):
     __slots__ = ("generation",)
