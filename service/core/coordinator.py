@@ -23,7 +23,6 @@ import random
 import threading
 import time
 from collections.abc import Callable, Collection, Iterator, Sequence
-from typing import TypeVar
 
 from springback.service.policy import ckptinterval, planner, replan
 from springback.service.etcd import keys
@@ -49,8 +48,6 @@ JobMutation = Callable[[pb.Job], "str | None"]
 """Changes a job record in place; may return the change's reason instead of
 the caller's (what it found decides what is said)."""
 
-T = TypeVar("T")
-
 CHANGE_ATTEMPTS = 5
 """Rounds of `change_with_retry`: changes of one job race in etcd, not on a lock."""
 
@@ -61,21 +58,6 @@ FAILURE_CHANGES = (js.CHANGE_KIND_NODE_LOST, js.CHANGE_KIND_RANK_FAILURE)
 """`ChangeKind`s that count as failures for
 the auto checkpoint interval's MTBF (a drain is planned, not a failure)."""
 
-
-
-def retry_on_conflict(attempt: Callable[[], T]) -> T:
-    """`attempt()`, called again on `Conflict` (`CHANGE_ATTEMPTS` calls, a
-    short jittered pause between them so that writers that collided spread
-    out); then `Conflict` (nothing written). An attempt that decides from its
-    own reads (which member is the last holder…) decides afresh each time."""
-    for n in range(CHANGE_ATTEMPTS):
-        try:
-            return attempt()
-        except Conflict:
-            if n == CHANGE_ATTEMPTS - 1:
-                raise
-            time.sleep(random.uniform(0, 0.01 * 2 ** n))  # backoff, not a synchronisation
-    raise AssertionError("unreachable")
 
 class Coordinator:
     """Jobs and generations of one coordinator replica (acts only as leader)."""
@@ -416,8 +398,17 @@ class Coordinator:
 
     def change_with_retry(self, job_id: str, reason: str, mutate: JobMutation | None = None,
                           *, kind: js.ChangeKind, **kwargs) -> pb.Job:  # noqa: ANN003
-        """`change`, retried on `Conflict` (`retry_on_conflict`)."""
-        return retry_on_conflict(lambda: self.change(job_id, reason, mutate, kind=kind, **kwargs))
+        """`change`, retried on `Conflict` (`CHANGE_ATTEMPTS` attempts, a short
+        jittered pause between them so that writers that collided spread out);
+        then `Conflict` (nothing written)."""
+        for attempt in range(CHANGE_ATTEMPTS):
+            try:
+                return self.change(job_id, reason, mutate, kind=kind, **kwargs)
+            except Conflict:
+                if attempt == CHANGE_ATTEMPTS - 1:
+                    raise
+                time.sleep(random.uniform(0, 0.01 * 2 ** attempt))  # backoff, not a synchronisation
+        raise AssertionError("unreachable")
 
     # -- progress and fencing ---------------------------------------------------
 

@@ -24,7 +24,7 @@ import grpc
 from springback.service.core import fencing
 from springback.service.etcd import keys
 from springback.service.policy import planner
-from springback.service.core.coordinator import Coordinator, retry_on_conflict, timestamp_now
+from springback.service.core.coordinator import Coordinator, timestamp_now
 from springback.client.errors import (
     FailedPrecondition, InvalidArgument, NotFound, SpringbackError,
 )
@@ -209,40 +209,29 @@ class Membership:
         coordinator = self.coordinator
         coordinator.require_leader()
         key = keys.member(job_id, member_id)
+        entry = coordinator.store.get(key, pb.Member)
+        if entry is None:
+            raise NotFound(f"member {member_id!r} of job {job_id!r} is not registered")
+        holders = set(coordinator.get_job(job_id).status.state_holders)
+        others = [
+            m for m in coordinator.members(job_id)
+            if m.id != member_id and m.id in holders and not m.draining
+        ]
+        if member_id in holders and not others:
+            return True
+        member = entry.value
+        member.draining = True
+        txn = coordinator.store.txn
 
-        def attempt() -> bool:
-            # Decided afresh on each attempt: members draining at once (every
-            # node of a Slurm job preempted together) each change the plan,
-            # so all but one attempt conflict, and the last of them finds
-            # itself the last holder instead of leaving nobody to checkpoint.
-            entry = coordinator.store.get(key, pb.Member)
-            if entry is None:
-                raise NotFound(f"member {member_id!r} of job {job_id!r} is not registered")
-            holders = set(coordinator.get_job(job_id).status.state_holders)
-            others = [
-                e for e in coordinator.store.get_prefix(keys.members(job_id), pb.Member)
-                if e.value.id != member_id and e.value.id in holders and not e.value.draining
-            ]
-            if member_id in holders and not others:
-                return True
-            member = entry.value
-            member.draining = True
-            txn = coordinator.store.txn
+        def mark_draining() -> list:
+            return [txn.put(key, member.SerializeToString(), lease=entry.lease_id)]
 
-            def mark_draining() -> list:
-                return [txn.put(key, member.SerializeToString(), lease=entry.lease_id)]
-
-            coordinator.change(
-                job_id, f"{member_id} draining: {reason or 'no reason given'}",
-                kind=js.CHANGE_KIND_PREEMPTED if preempted else js.CHANGE_KIND_DRAIN,
-                extra_ops=mark_draining, draining={member_id},
-                # the holders it leaves the state to are still holders, not draining
-                extra_compare=[txn.mod(keys.member(job_id, e.value.id)) == e.mod_revision
-                               for e in others],
-            )
-            return False
-
-        return retry_on_conflict(attempt)
+        coordinator.change_with_retry(
+            job_id, f"{member_id} draining: {reason or 'no reason given'}",
+            kind=js.CHANGE_KIND_PREEMPTED if preempted else js.CHANGE_KIND_DRAIN,
+            extra_ops=mark_draining, draining={member_id},
+        )
+        return False
 
     def report_failure(self, job_id: str, member_id: str, generation: int, reason: str,
                        state_kept: bool = False, job_fatal: bool = False,

@@ -118,36 +118,6 @@ class TestGenerations:
         assert plan.world_size == 4 and plan.generation == generation + 1
         assert [m.member_id for m in plan.members] == members + [fourth]
 
-    @pytest.mark.parametrize("nodes", [3, 4])
-    def test_every_member_draining_at_once_leaves_exactly_one_to_checkpoint(
-        self, coordinator, client, workers, make_spec, nodes
-    ):
-        # Every node of a Slurm job preempted together: the drains arrive at
-        # once. Each decides whether it is the last holder of the state from
-        # what it read; one that lands after another changed the plan must
-        # decide again, or every drain leaves the state to the others and no
-        # one writes the drain checkpoint (all the state lost).
-        job = client.create_job(make_spec(min_workers=1, max_workers=nodes))
-        members = [join(workers, job.id, 8101 + i) for i in range(nodes)]
-        started(workers, coordinator, job.id, members[0])
-        gate = threading.Barrier(nodes)
-        answers: dict[str, bool] = {}
-
-        def drain(member: str) -> None:
-            gate.wait(timeout=10)
-            answers[member] = workers.DrainMember(ws.DrainMemberRequest(
-                job_id=job.id, member_id=member, reason="preempted"), timeout=20).checkpoint
-
-        threads = [threading.Thread(target=drain, args=(m,)) for m in members]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=30)
-        assert sorted(answers) == sorted(members)
-        assert sorted(answers.values()) == [False] * (nodes - 1) + [True], answers
-        (last,) = [m for m, checkpoint in answers.items() if checkpoint]
-        assert [m.member_id for m in plan_of(coordinator, job.id).members] == [last]
-
     def test_graceful_leave_and_drain_make_a_generation_without_the_member(
         self, coordinator, client, workers, make_spec
     ):
