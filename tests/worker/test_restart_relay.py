@@ -10,6 +10,7 @@ import grpc
 import pytest
 
 from sbtest import wait_for
+from springback.client.workers import MemberCalls
 from springback.storage.resume import Progress, write_progress
 from springback.v1 import types_pb2 as pb
 from springback.v1 import worker_service_pb2 as ws
@@ -61,7 +62,8 @@ def test_a_lost_generation_start_report_is_sent_again(start_coordinator, make_sp
                                                              num_local_ranks=1)])
         port = SimpleNamespace(  # the part of runner.AgentPort the relay uses
             config=SimpleNamespace(job_id=job.id, host="127.0.0.1"),
-            member_id=lambda: member.id, stub=lambda: stub, plan=lambda: plan,
+            member_id=lambda: member.id, calls=lambda: MemberCalls(stub, job.id, member.id),
+            plan=lambda: plan,
             control_dir=lambda: str(tmp_path))
         ranks = RestartRanks(port, rendezvous=SimpleNamespace(get=lambda: None))  # type: ignore[arg-type]
         ranks.generation, ranks._me = plan.generation, plan.members[0]

@@ -60,6 +60,7 @@ import grpc
 from springback.client import plans
 from springback.client.channel import connect, parse_addresses
 from springback.client.polling import wait_until
+from springback.client.workers import MemberCalls
 from springback.client.metrics import serve as serve_metrics
 from springback.v1 import types_pb2 as pb
 from springback.v1 import worker_service_pb2 as wpb
@@ -161,6 +162,8 @@ class Agent:
         if resp.member_credential:  # a previous member's channel closes when dropped
             self._stub = wgrpc.WorkerServiceStub(connect(
                 self.config.coordinator or parse_addresses(None), token=resp.member_credential))
+        self._calls = MemberCalls(self._stub, self.config.job_id, resp.member.id,
+                                  timeout_s=RPC_TIMEOUT_S)
         self.liveness_timeout_s = resp.liveness_timeout.ToTimedelta().total_seconds() or 5.0
         self._heartbeat_s = (resp.heartbeat_interval.ToTimedelta().total_seconds()
                              or self.liveness_timeout_s / 3)
@@ -266,12 +269,7 @@ class Agent:
             if error:
                 reason += f": {error}"
         log.warning("%s; reporting failure", reason)
-        try:
-            self._stub.ReportFailure(wpb.ReportFailureRequest(
-                job_id=self.config.job_id, member_id=self.member.id, generation=generation,
-                reason=reason), timeout=RPC_TIMEOUT_S)
-        except grpc.RpcError as e:  # the peers' collectives fail anyway; keep going
-            log.warning("ReportFailure failed: %s %s", e.code().name, e.details())
+        self._calls.report_failure(generation, reason)  # a failure: logged, keep going
 
     # -- main loop -------------------------------------------------------------
 
@@ -361,17 +359,11 @@ class Agent:
         # once, and ranks with checkpointing save at the boundary where they
         # see the marker, i.e. no later than where they switch.
         self._publisher.request_drain()
-        try:
-            resp = self._stub.DrainMember(wpb.DrainMemberRequest(
-                job_id=self.config.job_id, member_id=self.member.id, reason=reason,
-                preempted=self._drain_preempted), timeout=RPC_TIMEOUT_S)
-            if resp.checkpoint:
-                log.warning("coordinator asks for a drain checkpoint (no survivor holds "
-                            "the state); the ranks write it, then stop")
-                self._publisher.request_last_holder_stop()
-        except grpc.RpcError as e:
-            log.warning("DrainMember failed (%s); leaving without handing over",
-                        e.code().name)
+        resp = self._calls.drain_member(reason, preempted=self._drain_preempted)
+        if resp is not None and resp.checkpoint:
+            log.warning("coordinator asks for a drain checkpoint (no survivor holds "
+                        "the state); the ranks write it, then stop")
+            self._publisher.request_last_holder_stop()
         self._runner.drain_signal()
         if not wait_until(lambda: self._fenced.is_set() or all(
                 p.poll() is not None for p in list(self._runner.ranks.values())),
@@ -386,13 +378,7 @@ class Agent:
 
     def _leave(self, reason: str, *, preempted: bool = False) -> None:
         assert self.member is not None
-        try:
-            self._stub.LeaveJob(wpb.LeaveJobRequest(job_id=self.config.job_id,
-                                                    member_id=self.member.id, reason=reason,
-                                                    preempted=preempted),
-                                timeout=RPC_TIMEOUT_S)
-        except grpc.RpcError as e:
-            log.warning("LeaveJob failed (%s): the member expires by itself", e.code().name)
+        self._calls.leave_job(reason, preempted=preempted)
 
 
 class AgentLink:
@@ -425,8 +411,8 @@ class AgentLink:
         publisher = getattr(self._agent, "_publisher", None)
         return publisher.directory if publisher is not None else None
 
-    def stub(self) -> wgrpc.WorkerServiceStub:
-        return self._agent._stub
+    def calls(self) -> MemberCalls:
+        return self._agent._calls
 
     def join(self) -> None:
         self._agent._join()

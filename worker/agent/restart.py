@@ -56,10 +56,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import grpc
-
 from springback.v1 import types_pb2 as pb
-from springback.v1 import worker_service_pb2 as wpb
 from springback.client import plans
 from springback.client.polling import wait_until
 from springback.client import env as E
@@ -76,7 +73,6 @@ STOP_GRACE_S = 5.0
 """SIGTERM to SIGKILL when a generation's ranks are stopped."""
 MASTER_PORT_TIMEOUT_S = 60.0
 RELAY_INTERVAL_S = 0.5
-RPC_TIMEOUT_S = 5.0
 TORCHRUN_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
 
 
@@ -385,15 +381,9 @@ class RestartRanks:
         (restores, steps redone), so it is not marked sent and the caller
         sends it again."""
         restored = pb.RESTORE_KIND_CHECKPOINT if step else pb.RESTORE_KIND_NONE
-        try:
-            self._port.stub().ReportStep(wpb.ReportStepRequest(
-                job_id=self._port.config.job_id, member_id=self._member_id(), generation=self.generation,
-                step=step, loss=loss, generation_start=start,
-                restored_from=restored if start else pb.RESTORE_KIND_UNSPECIFIED),
-                timeout=RPC_TIMEOUT_S)
-        except grpc.RpcError as e:
-            log.warning("ReportStep(step=%d%s) failed: %s %s", step,
-                        ", generation start" if start else "", e.code().name, e.details())
+        if self._port.calls().report_step(
+                self.generation, step, loss, start=start,
+                restored_from=restored if start else pb.RESTORE_KIND_UNSPECIFIED) is None:
             return False
         self._relayed_step = max(self._relayed_step, step)
         self._start_sent = self._start_sent or start
@@ -406,36 +396,22 @@ class RestartRanks:
         ref = pb.CheckpointRef(step=ckpt["step"], uri=ckpt["uri"], world_size=ckpt["world_size"],
                                size_bytes=ckpt["size_bytes"],
                                cursor=pb.DataCursor(epoch=ckpt["epoch"], offset=ckpt["offset"]))
-        try:
-            resp = self._port.stub().CommitCheckpoint(wpb.CommitCheckpointRequest(
-                job_id=self._port.config.job_id, member_id=self._member_id(),
-                generation=self.generation, checkpoint=ref), timeout=RPC_TIMEOUT_S)
-            log.info("checkpoint of step %d recorded", ref.step)
-        except grpc.RpcError as e:
-            log.warning("CommitCheckpoint(step=%d) failed: %s %s", ref.step, e.code().name,
-                        e.details())
-            return
-        self._prune(resp.retained)
+        self._port.calls().commit_then_prune(self.generation, ref, self._prune)
 
     def _checkpoint_uri(self, plan: pb.Plan) -> str:
         from springback.storage import job_checkpoint_uri  # restart mode only: see _relay
 
         return job_checkpoint_uri(plan.spec.checkpoint.uri, plan.job_id)
 
-    def _prune(self, retained: list[pb.CheckpointRef]) -> None:
-        """Deletes what the coordinator's record no longer holds (retention is
-        the coordinator's rule); a failure is logged and found again after the
-        next commit."""
+    def _prune(self, retained: list[str]) -> None:
+        """Deletes what the coordinator's record (`retained` URIs) no longer
+        holds (retention is the coordinator's rule)."""
         from springback.storage import prune_to_record
 
         plan = self._port.plan()
         if plan is None or not plan.spec.checkpoint.uri:
             return
-        try:
-            prune_to_record(self._checkpoint_uri(plan), [r.uri for r in retained],
-                            current_generation=self.generation)
-        except Exception as e:  # noqa: BLE001 - storage errors of any kind: retried next time
-            log.warning("deleting retired checkpoints failed: %s", e)
+        prune_to_record(self._checkpoint_uri(plan), retained, current_generation=self.generation)
 
     # -- stopping ----------------------------------------------------------------
 

@@ -21,8 +21,8 @@ import subprocess
 from collections.abc import Callable
 from typing import Protocol
 
+from springback.client.workers import MemberCalls
 from springback.v1 import types_pb2 as pb
-from springback.v1 import worker_service_pb2_grpc as wgrpc
 from springback.worker.agent.config import AgentConfig
 from springback.worker.agent.ranklogs import RankLogs
 from springback.worker.agent.startup import StartupClock
@@ -53,8 +53,8 @@ class AgentPort(Protocol):
         """The current member's control directory (`control.py`); None before
         the first join."""
 
-    def stub(self) -> wgrpc.WorkerServiceStub:
-        """The current member's WorkerService stub (its credential)."""
+    def calls(self) -> MemberCalls:
+        """The current member's WorkerService calls (its credential; `client/workers.py`)."""
 
     def join(self) -> None:
         """Joins the job as a new member (JoinJob; heartbeats and the plan

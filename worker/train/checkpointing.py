@@ -42,12 +42,11 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any, cast
 
-import grpc
 import torch
 import torch.distributed as dist
 
 from springback.v1 import types_pb2 as pb
-from springback.v1 import worker_service_pb2 as wpb
+from springback.client.workers import MemberCalls
 from springback.worker.rank.context import RankContext
 from springback.worker.state.mesh import MeshLayout
 from springback.worker.rank.rendezvous import handed_to_gloo
@@ -168,43 +167,30 @@ class GenerationCheckpoints:
             self._ckpt.wait_snapshot()
             self._ckpt.close(0)
 
-    def _stub(self):  # noqa: ANN202
+    def _calls(self) -> MemberCalls | None:
         reporter = self._ctx.reporter
-        return None if reporter is None else reporter.stub
+        if reporter is None:
+            return None
+        env = self._ctx.env
+        return MemberCalls(reporter.stub, env.job_id, env.member_id, timeout_s=RPC_TIMEOUT_S)
 
     def _on_commit(self, info: Any) -> None:
         from springback.storage import prune_to_record
 
-        stub = self._stub()
-        if stub is None:
+        calls = self._calls()
+        if calls is None:
             return
-        env = self._ctx.env
-        try:
-            resp = stub.CommitCheckpoint(wpb.CommitCheckpointRequest(
-                job_id=env.job_id, member_id=env.member_id, generation=self._plan.generation,
-                checkpoint=info.to_checkpoint_ref()), timeout=RPC_TIMEOUT_S)
-        except grpc.RpcError as e:
-            log.warning("CommitCheckpoint of step %d rejected: %s %s", info.manifest.step,
-                        e.code().name, e.details())
-            return
-        try:  # what this commit retired is no longer in the record: pruned too
-            prune_to_record(self.base_uri, [r.uri for r in resp.retained],
-                            current_generation=self._plan.generation)
-        except Exception as e:  # noqa: BLE001 - the next commit's prune retries
-            log.warning("deleting unrecorded checkpoints failed, retried after the next "
-                        "commit: %s", e)
+        generation = self._plan.generation
+        # what this commit retired is no longer in the record: pruned too
+        calls.commit_then_prune(generation, info.to_checkpoint_ref(), lambda retained: (
+            prune_to_record(self.base_uri, retained, current_generation=generation)))
 
     def _on_error(self, exc: BaseException) -> None:
-        stub = self._stub()
-        if stub is None:
+        calls = self._calls()
+        if calls is None:
             return
-        env = self._ctx.env
-        try:
-            stub.ReportCheckpointError(wpb.ReportCheckpointErrorRequest(
-                job_id=env.job_id, member_id=env.member_id, generation=self._plan.generation,
-                error=f"rank {self._rank}: {type(exc).__name__}: {exc}"), timeout=RPC_TIMEOUT_S)
-        except grpc.RpcError as e:
-            log.warning("ReportCheckpointError failed: %s", e.code().name)
+        calls.report_checkpoint_error(self._plan.generation,
+                                      f"rank {self._rank}: {type(exc).__name__}: {exc}")
 
 
 def gather_holders(state: dict[str, Any], world_size: int) -> PlainHolders:
