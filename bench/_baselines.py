@@ -103,7 +103,9 @@ def _torchft_record(system: str, t0: float, kills: int, events: list[dict], node
             "useful": useful, "first": steps[0]["t"], "executed": len(steps),
             "generations": len({(s["world_size"]) for s in steps}), "kills": kills,
             "steps": steps, "key": "world_size", "kill_times": nodes.kill_times,
-            "note": unfinished_note(nodes, args, useful) or "kills any node"}
+            "note": unfinished_note(nodes, args, useful) or (
+                "no straggler policy: the slow node's pace" if getattr(args, "straggler", False)
+                else "kills any node")}
 
 
 def _trace_to_done(run_trace: Callable[..., tuple[float, int]], read: Callable[[Path], list[dict]],
@@ -133,7 +135,7 @@ def torchft_side(args: Any, work: Path, nodes: Any, run_trace: Callable[..., tup
 
     def start_node(name: str) -> None:
         nodes.start(name, [args.python, str(BENCH / "_torchft_train.py")],
-                    dict(env, GOODPUT_NODE=name))
+                    dict(env, GOODPUT_NODE=name, **slow_env(args, name)))
 
     try:
         t0, kills = _trace_to_done(run_trace, read, nodes, start_node, events_path, args,
@@ -268,6 +270,15 @@ def _end(events: list[dict], steps: list[dict]) -> dict:
     """The run's "done" event; for a run stopped at --timeout-s, its last step
     (the final lineage then ends there)."""
     return next((e for e in events if e["event"] == "done"), steps[-1])
+
+
+def slow_env(args: Any, name: str) -> dict[str, str]:
+    """The straggler trace's slowdown (goodput.py --straggler) for node `name`:
+    only the --slow-node'th of the first nodes gets it."""
+    if not getattr(args, "straggler", False) or not name.endswith(f"-node{args.slow_node}"):
+        return {}
+    return {"GOODPUT_COMPUTE_SLEEP_S": str(args.slow_sleep_s),
+            "GOODPUT_COMPUTE_SLEEP_FROM_STEP": str(args.slow_from_step)}
 
 
 def unfinished_note(nodes: Any, args: Any, useful: int) -> str:

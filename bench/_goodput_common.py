@@ -6,6 +6,11 @@ torchrun + DCP baseline, so the two differ only in how they survive failures;
 The model is a small MLP regression whose samples are a fixed function of their
 index (any rank can build any batch). A step sleeps GOODPUT_STEP_SLEEP_S
 (default 0.06 s) to stand in for compute without loading the 2-core machine.
+GOODPUT_COMPUTE_SLEEP_S, set on one node only, sleeps that much more in every
+step from step GOODPUT_COMPUTE_SLEEP_FROM_STEP on, before the forward pass
+(i.e. in the compute before the step's first collective): a node that becomes
+slow mid-run (goodput.py --straggler; tests/worker/tiny_train.py's
+TINY_COMPUTE_SLEEP_S is the same injection).
 """
 
 from __future__ import annotations
@@ -20,6 +25,15 @@ GLOBAL_BATCH = 24
 SEED = 0
 STEP_SLEEP_S = float(os.environ.get("GOODPUT_STEP_SLEEP_S", "0.06"))
 MAX_STEPS = int(os.environ.get("GOODPUT_MAX_STEPS", "1000"))
+COMPUTE_SLEEP_S = float(os.environ.get("GOODPUT_COMPUTE_SLEEP_S", "0"))
+COMPUTE_SLEEP_FROM_STEP = int(os.environ.get("GOODPUT_COMPUTE_SLEEP_FROM_STEP", "0"))
+
+
+def slow_compute(step: int) -> None:
+    """A slow node's extra compute in `step` (GOODPUT_COMPUTE_SLEEP_S from
+    GOODPUT_COMPUTE_SLEEP_FROM_STEP on; nothing on the other nodes)."""
+    if COMPUTE_SLEEP_S and step >= COMPUTE_SLEEP_FROM_STEP:
+        time.sleep(COMPUTE_SLEEP_S)
 
 
 def make_model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:

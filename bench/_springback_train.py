@@ -25,6 +25,7 @@ def main() -> int:
         with gen:
             ddp = gen.ddp(model)
             for batch in gen.batches():
+                C.slow_compute(batch.step)  # a slow node's compute (goodput.py --straggler)
                 gen.report(loss=C.train_step(ddp, opt, batch.indices, batch.loss_scale))
     return 0
 

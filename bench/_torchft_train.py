@@ -56,6 +56,7 @@ def main() -> int:
         step = manager.current_step() + 1
         world = manager.num_participants()
         rank = manager.participating_rank() or 0
+        C.slow_compute(step)  # a slow node's compute (goodput.py --straggler)
         x, y = C.features(C.step_indices(step, world, rank).to(torch.float32))
         per_sample = (model(x).squeeze(1) - y) ** 2
         # the all-reduce averages over participants: local sum x world / G = global mean

@@ -47,7 +47,34 @@ global batch and --step-sleep-s as the DDP form):
   group down; torchrun restarts it when the replacement joins, and it heals
   from the live group over torchft's HTTP transport.
 
-Reported per system: goodput = useful steps x median undisturbed step / wall
+``--straggler`` runs a slow-node trace instead (no kills): --nodes 4 one-rank
+nodes, one of them (--slow-node, the last) made slower from step
+--slow-from-step on by --slow-sleep-s more compute per step (a sleep before
+its forward pass: about 2x its step; _goodput_common.slow_compute, the same
+injection as tests/worker/tiny_train.py's TINY_COMPUTE_SLEEP_S), on three
+systems one after the other:
+
+    .bench-venv/bin/python bench/goodput.py --straggler [--max-steps 600]
+        [--slow-from-step 150] [--slow-sleep-s 0.07] [--straggler-window-steps 30]
+        [--straggler-change-cost-s 5]
+
+* Springback with ``controls.straggler`` on (window --straggler-window-steps,
+  factor 1.5 and cool-down 600 s, the defaults; change_cost_s
+  --straggler-change-cost-s: the policy's prior before any change was
+  measured is 30 s, more than this short job's saving; a change measured by
+  the kill traces costs under 0.5 s): the slow node is set aside and the job
+  goes on at world 3 (no spare); the same job with the policy off; and
+  torchft (heartbeat: the first of --torchft-heartbeat-ms), which has no
+  straggler policy: its quorum trains at the slow node's pace to the end.
+
+Reported per system: goodput = useful steps x the side's median step before
+the slowdown (the fast nodes' pace) / wall time (from the nodes' start to the
+last step); the step rate (steps/s) before the slowdown, while slowed (to the
+eviction step of the "on" run) and after it (from 10 steps past it), the same
+step windows on every side; the eviction's step and the policy's message; and
+the goodput ratios on / off and on / torchft.
+
+Reported per system (kill traces): goodput = useful steps x median undisturbed step / wall
 time (wall time from the moment the nodes are started to the job's last step,
 so start-up counts); time to the first step; lost seconds per kill = (wall -
 time to the first step - useful x median step) / kills; steps redone
@@ -183,19 +210,31 @@ def run_trace(nodes: Nodes, start_node: Callable[[str], None], done: Callable[[]
     return t0, kills
 
 
-def median_step(steps: list[dict], key: str) -> float:
+def median_step(steps: list[dict], key: str, below: int | None = None) -> float:
+    """The median of consecutive steps' intervals in one generation (`below`:
+    of steps before that one only)."""
     d = [b["t"] - a["t"] for a, b in zip(steps, steps[1:])
-         if b[key] == a[key] and b["step"] == a["step"] + 1]
+         if b[key] == a[key] and b["step"] == a["step"] + 1
+         and (below is None or b["step"] < below)]
     return statistics.median(d) if d else float("nan")
 
 
-def springback_side(args, work: Path, checkpoint: str = "") -> dict:  # noqa: ANN001
+def straggler_spec(args) -> dict:  # noqa: ANN001
+    """The job's `controls` for the straggler trace's "on" side."""
+    return {"straggler": {"enabled": True, "window_steps": args.straggler_window_steps,
+                          "change_cost_s": args.straggler_change_cost_s}}
+
+
+def springback_side(args, work: Path, checkpoint: str = "",  # noqa: ANN001
+                    straggler: bool | None = None) -> dict:
     """`checkpoint`: the job's checkpoint.every_steps ("auto" or a count; "":
-    no checkpoints, the survivors' memory only)."""
-    from _baselines import unfinished_note
+    no checkpoints, the survivors' memory only). `straggler`: the straggler
+    trace, with the policy on (True) or off (False)."""
+    from _baselines import slow_env, unfinished_note
     from _local_coordinator import local_coordinator
     from springback.client.api import Client
     from springback.v1 import types_pb2 as pb
+    from springback.v1.job_service_pb2 import CHANGE_KIND_CONTROL
 
     metrics = work / "metrics.jsonl"
     nodes = Nodes(work)
@@ -208,6 +247,7 @@ def springback_side(args, work: Path, checkpoint: str = "") -> dict:  # noqa: AN
                 **({"layout": {"shard": args.shard}} if args.sharded else {}),
                 "data": {"num_samples": 4096, "global_batch_size": 24, "seed": 0},
                 "max_steps": args.max_steps,
+                **({"controls": straggler_spec(args)} if straggler else {}),
                 **({"checkpoint": {"uri": f"file://{work}/ckpt", "every_steps": (
                     checkpoint if checkpoint == "auto" else int(checkpoint))}}
                    if checkpoint else {})})
@@ -220,7 +260,8 @@ def springback_side(args, work: Path, checkpoint: str = "") -> dict:  # noqa: AN
                                    "--coordinator", server.address, "--max-restarts", "100", "--",
                                    PY, str(BENCH / ("_springback_sharded_train.py"
                                                     if args.sharded else
-                                                    "_springback_train.py"))], env)
+                                                    "_springback_train.py"))],
+                            dict(env, **slow_env(args, name)))
 
             final = {}
 
@@ -241,6 +282,12 @@ def springback_side(args, work: Path, checkpoint: str = "") -> dict:  # noqa: AN
 
             t0, kills = run_trace(nodes, start_node, done, lambda alive: list(alive), args,
                                   "springback")
+            _, generations = client.list_job_events(job.id)
+            evicted = next((e for e in generations if e.kind == CHANGE_KIND_CONTROL), None)
+            if evicted is not None:  # the step its generation started at
+                final["evicted_at"] = next(e.start_step for e in generations
+                                           if e.generation == evicted.generation)
+                final["evicted_reason"] = evicted.reason
         finally:
             nodes.stop_all()
     events = _read(metrics)
@@ -250,23 +297,43 @@ def springback_side(args, work: Path, checkpoint: str = "") -> dict:  # noqa: AN
     useful = final["step"]
     label = f"springback{' hsdp' if args.sharded else ''} lt {args.liveness_timeout_s:g}s" + (
         f" ckpt {checkpoint}" if checkpoint else "")
+    if straggler is not None:
+        label = f"springback policy {'on' if straggler else 'off'}"
     return {"system": label, "t0": t0,
             "end": steps[-1]["t"], "useful": useful, "first": steps[0]["t"],
             "executed": len(steps), "generations": len(gens), "kills": kills,
             "redone": final.get("redone", 0), "steps": steps, "key": "generation",
             "kill_times": nodes.kill_times,
-            "note": unfinished_note(nodes, args, useful) or "kills any node"}
+            "evicted_at": final.get("evicted_at"), "evicted_reason": final.get("evicted_reason"),
+            "note": unfinished_note(nodes, args, useful) or (
+                "kills any node" if straggler is None else
+                f"set aside at step {final['evicted_at']}" if "evicted_at" in final else
+                "nobody set aside")}
 
 
-def _parse() -> argparse.Namespace:
+def _parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--nodes", type=int, help="default 3; 4 with --sharded")
+    p.add_argument("--nodes", type=int, help="default 3; 4 with --sharded or --straggler")
     p.add_argument("--sharded", action="store_true",
                    help="HSDP (replicate x shard) on both sides: Springback's sharded Session "
                    "vs torchft's fault tolerant HSDP; the Blocks model")
     p.add_argument("--shard", type=int, default=2, help="--sharded: the shard degree "
                    "(torchft: the nodes of one replica group)")
-    p.add_argument("--max-steps", type=int, default=1500)
+    p.add_argument("--straggler", action="store_true",
+                   help="a slow-node trace instead of kills: Springback with controls.straggler "
+                   "on, off, and torchft, on one node made slower mid-run")
+    p.add_argument("--slow-node", type=int, default=None,
+                   help="--straggler: the node made slow (default the last)")
+    p.add_argument("--slow-from-step", type=int, default=150,
+                   help="--straggler: the step its slowdown starts at")
+    p.add_argument("--slow-sleep-s", type=float, default=0.07,
+                   help="--straggler: its extra compute per step (about 2x its step)")
+    p.add_argument("--straggler-window-steps", type=int, default=30,
+                   help="--straggler: controls.straggler.window_steps (30: the default)")
+    p.add_argument("--straggler-change-cost-s", type=float, default=5.0,
+                   help="--straggler: controls.straggler.change_cost_s (the policy's prior, "
+                   "30 s, is above this short job's saving)")
+    p.add_argument("--max-steps", type=int, help="default 1500; 600 with --straggler")
     p.add_argument("--step-sleep-s", type=float, default=0.06)
     p.add_argument("--kill-every-s", type=float, default=20.0)
     p.add_argument("--replace-after-s", type=float, default=5.0)
@@ -293,10 +360,23 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--work-dir", help="logs and state (default: a new temp dir)")
     p.add_argument("--plot", help="write a PNG timeline (steps over time, kills marked) here")
     p.add_argument("--json", help="append the summary as one JSON line to this file")
-    args = p.parse_args()
-    args.nodes = args.nodes or (4 if args.sharded else 3)
-    args.only = args.only or ("springback,torchft" if args.sharded else
+    args = p.parse_args(argv)
+    args.nodes = args.nodes or (4 if args.sharded or args.straggler else 3)
+    args.max_steps = args.max_steps or (600 if args.straggler else 1500)
+    args.only = args.only or ("springback,torchft" if args.sharded or args.straggler else
                               "springback,torchft,torchrun")
+    if args.straggler:
+        if args.sharded or "torchrun" in args.only.split(",") or args.springback_checkpoints \
+                or args.repeat > 1:
+            p.error("--straggler runs Springback (policy on and off) and torchft only (no "
+                    "--sharded, torchrun, --springback-checkpoints or --repeat)")
+        args.slow_node = args.nodes - 1 if args.slow_node is None else args.slow_node
+        if not 0 <= args.slow_node < args.nodes:
+            p.error(f"--slow-node {args.slow_node} is not one of the {args.nodes} nodes")
+        if not 10 < args.slow_from_step < args.max_steps:
+            p.error(f"--slow-from-step {args.slow_from_step} must be between 10 and "
+                    f"--max-steps {args.max_steps}")
+        args.kill_every_s = float("inf")  # no kills: the slow node is the only fault
     if args.sharded:
         if args.shard < 2 or args.nodes % args.shard:
             p.error(f"--shard {args.shard} must be at least 2 and divide --nodes {args.nodes}")
@@ -310,7 +390,10 @@ def _sides(args: argparse.Namespace, work: Path) -> list[tuple[str, Callable[[],
     import _baselines as B
     wanted = set(args.only.split(","))
     sides: list[tuple[str, Callable[[], dict]]] = []
-    if "springback" in wanted:
+    if "springback" in wanted and args.straggler:  # on first: its eviction step is the windows'
+        sides += [(f"springback-policy-{x}", lambda x=x: springback_side(
+            args, work / f"springback-policy-{x}", straggler=x == "on")) for x in ("on", "off")]
+    elif "springback" in wanted:
         sides.append(("springback", lambda: springback_side(args, work / "springback")))
     for every in (x for x in args.springback_checkpoints.split(",") if x):
         d = work / f"springback-ckpt-{every}"
@@ -318,7 +401,8 @@ def _sides(args: argparse.Namespace, work: Path) -> list[tuple[str, Callable[[],
                       lambda d=d, every=every: springback_side(args, d, every)))
     if "torchft" in wanted:
         side = B.torchft_hsdp_side if args.sharded else B.torchft_side
-        for hb in (int(x) for x in args.torchft_heartbeat_ms.split(",") if x):
+        beats = [int(x) for x in args.torchft_heartbeat_ms.split(",") if x]
+        for hb in beats[:1] if args.straggler else beats:  # no kills: one is enough
             d = work / f"torchft-hb{hb}"
             sides.append((f"torchft-hb{hb}", lambda d=d, hb=hb: side(
                 args, d, Nodes(d), run_trace, _read, hb)))
@@ -340,6 +424,69 @@ def _summary(r: dict, plain_s: float) -> dict:
             "step_ms": med * 1000, "overhead_ms": (med - plain_s) * 1000,
             "lost_per_kill_s": lost / r["kills"] if r["kills"] else float("nan"),
             "goodput": r["useful"] * med / wall, "note": r["note"]}
+
+
+def _rate(steps: list[dict], first: int, last: int) -> float:
+    """Steps per second from step `first` to step `last` (the first records at
+    or after them); nan when the run did not reach them."""
+    a = next((s for s in steps if s["step"] >= first), None)
+    b = next((s for s in steps if s["step"] >= last), None)
+    if a is None or b is None or b["t"] <= a["t"]:
+        return float("nan")
+    return (b["step"] - a["step"]) / (b["t"] - a["t"])
+
+
+def _straggler_rows(results: list[dict], args: argparse.Namespace) -> list[dict]:
+    """The straggler trace's numbers per side: goodput against the side's own
+    pace before the slowdown, and its step rate in the same step windows on
+    every side (before the slowdown; while slowed, to the "on" run's eviction;
+    from 10 steps after it to the end)."""
+    slow, end = args.slow_from_step, args.max_steps
+    evicted = next((r["evicted_at"] for r in results if r.get("evicted_at")), None)
+    windows = {"before": (10, slow - 2),
+               "during": (slow + 2, evicted - 2 if evicted else end),
+               "after": (evicted + 10, end) if evicted else None}
+    rows = []
+    for r in results:
+        med = median_step(r["steps"], r["key"], below=slow)
+        wall = r["end"] - r["t0"]
+        rows.append({"system": r["system"], "wall_s": wall, "first_step_s": r["first"] - r["t0"],
+                     "useful": r["useful"], "executed": r["executed"],
+                     "evicted_at": r.get("evicted_at"), "fast_step_ms": med * 1000,
+                     **{f"rate_{k}": _rate(r["steps"], *w) if w else float("nan")
+                        for k, w in windows.items()},
+                     "goodput": r["useful"] * med / wall, "note": r["note"],
+                     "reason": r.get("evicted_reason")})
+    return rows
+
+
+def _print_straggler(rows: list[dict], args: argparse.Namespace,
+                     failures: dict[str, str]) -> None:
+    print(f"\nstraggler trace: {args.nodes} nodes, node {args.slow_node} +"
+          f"{args.slow_sleep_s * 1000:.0f} ms of compute per step from step "
+          f"{args.slow_from_step}, {args.max_steps} steps; load average "
+          f"{[round(x, 2) for x in os.getloadavg()]}")
+    print("goodput = useful steps x the side's median step before the slowdown / wall; "
+          "rates in steps/s over the same step windows on every side")
+    print(f"{'system':<24}{'wall s':>8}{'1st step s':>11}{'useful':>8}{'fast ms':>9}"
+          f"{'evicted@':>9}{'before':>8}{'during':>8}{'after':>8}{'goodput':>9}  note")
+    for r in rows:
+        at = "-" if r["evicted_at"] is None else str(r["evicted_at"])
+        print(f"{r['system']:<24}{r['wall_s']:>8.1f}{r['first_step_s']:>11.1f}{r['useful']:>8}"
+              f"{r['fast_step_ms']:>9.1f}{at:>9}{r['rate_before']:>8.2f}{r['rate_during']:>8.2f}"
+              f"{r['rate_after']:>8.2f}{r['goodput']:>9.1%}  {r['note']}")
+    for name, why in failures.items():
+        print(f"{name:<24}FAILED: {why}")
+    on = next((r for r in rows if r["system"] == "springback policy on"), None)
+    if on is not None and on["reason"]:
+        print(f"policy on: {on['reason']}")
+    for r in rows:
+        if on is not None and r is not on:
+            print(f"{on['system']} / {r['system']}: goodput {on['goodput'] / r['goodput']:.2f}x, "
+                  f"wall {on['wall_s']:.1f} vs {r['wall_s']:.1f} s")
+    if any(r["system"].startswith("torchft") for r in rows):
+        print("torchft has no straggler policy: its quorum waits for the slow node every "
+              "step to the end")
 
 
 def _medians(rows: list[dict]) -> list[dict]:
@@ -399,9 +546,17 @@ def main() -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="springback-goodput-"))
-    print(f"trace: {args.nodes} nodes{f' (HSDP, shard {args.shard})' if args.sharded else ''}, SIGKILL one node every {args.kill_every_s:.0f} s, "
-          f"replacement {args.replace_after_s:.0f} s later; max_steps {args.max_steps}; "
-          f"logs in {work}; load average {[round(x, 2) for x in os.getloadavg()]}", flush=True)
+    if args.straggler:
+        print(f"trace: {args.nodes} nodes, node {args.slow_node} slower by "
+              f"{args.slow_sleep_s * 1000:.0f} ms of compute per step from step "
+              f"{args.slow_from_step}, no kills; max_steps {args.max_steps}; logs in {work}; "
+              f"load average {[round(x, 2) for x in os.getloadavg()]}", flush=True)
+    else:
+        print(f"trace: {args.nodes} nodes{f' (HSDP, shard {args.shard})' if args.sharded else ''}"
+              f", SIGKILL one node every {args.kill_every_s:.0f} s, "
+              f"replacement {args.replace_after_s:.0f} s later; max_steps {args.max_steps}; "
+              f"logs in {work}; load average {[round(x, 2) for x in os.getloadavg()]}",
+              flush=True)
     import _baselines as B
     plain_s = B.plain_step_s(args.nodes, sharded=args.sharded)
     results, failures = [], {}
@@ -419,8 +574,12 @@ def main() -> int:
         except Exception as exc:  # noqa: BLE001 - report the failed side, keep the others
             failures[name] = f"{type(exc).__name__}: {exc}"
             print(f"  [{name}] FAILED: {failures[name]} (logs in {work / name})", flush=True)
-    rows = [_summary(r, plain_s) for r in results]
-    _print_table(rows, plain_s, failures)
+    if args.straggler:
+        rows = _straggler_rows(results, args)
+        _print_straggler(rows, args, failures)
+    else:
+        rows = [_summary(r, plain_s) for r in results]
+        _print_table(rows, plain_s, failures)
     if args.plot and results:
         from _goodput_plot import timeline
         timeline(results, args, args.plot)
@@ -429,7 +588,11 @@ def main() -> int:
         with open(args.json, "a") as f:
             f.write(json.dumps({"trace": {"kill_every_s": args.kill_every_s,
                                           "max_steps": args.max_steps,
-                                          "sharded": args.sharded},
+                                          "sharded": args.sharded,
+                                          **({"slow_node": args.slow_node,
+                                              "slow_from_step": args.slow_from_step,
+                                              "slow_sleep_s": args.slow_sleep_s}
+                                             if args.straggler else {})},
                                 "load_average": os.getloadavg(), "plain_ms": plain_s * 1000,
                                 "rows": rows, "failures": failures}) + "\n")
     return 1 if failures else 0
