@@ -609,6 +609,34 @@ class TestLastHolderDrain:
         cluster.audit()
 
 
+    @pytest.mark.parametrize("cluster", [{**CHECKPOINTED, "max_workers": 3}], indirect=True)
+    def test_every_node_drained_at_once_commits_the_last_step_run_and_nothing_is_redone(
+            self, cluster):
+        # A whole job preempted together: the drains reach the coordinator at
+        # once and the plan the ranks leave for places none of them. Whatever
+        # boundary they first saw the drain at, the step they stopped after
+        # is the one committed.
+        slow = {"TINY_STEP_SLEEP_S": "0.2"}
+        agents = [cluster.start(n, env=slow) for n in ("a", "b", "c")]
+        cluster.wait_world(3, min_step=13)
+        for agent in agents:
+            agent.process.send_signal(signal.SIGTERM)
+        for agent in agents:
+            assert agent.wait(60) == 0, agent.log()
+        drained_at = max(r["step"] for r in steps(cluster.root))
+        job = cluster.job()
+        assert job.status.last_checkpoint.step == drained_at, (job.status.last_checkpoint,
+                                                               drained_at)
+        assert job.status.state == pb.JOB_STATE_PENDING and not job.status.members
+        cluster.start("d", env=slow)
+        cluster.fast_forward()  # the drain is past: d's steps need not be slow
+        cluster.wait_succeeded()
+        records = steps(cluster.root)
+        resumed = [r for r in records if r["step"] > 0 and r["world_size"] == 1]
+        assert min(r["step"] for r in resumed) == drained_at + 1  # no step lost or redone
+        cluster.audit()
+
+
 SOAK = {**SPEC, "max_steps": 400, "checkpoint": {"uri": "set by the fixture", "every_steps": 50}}
 
 
