@@ -17,7 +17,7 @@ import otherhost
 import pytest
 import torch.distributed as dist
 
-from cluster import AgentProcess, steps
+from cluster import FAST_FORWARD, AgentProcess, steps
 from sbtest import wait_for
 from springback.service.transport.jobmetrics import JobMetrics
 from springback.v1 import types_pb2 as pb
@@ -40,8 +40,12 @@ def test_a_party_without_the_plan_finds_no_key_of_the_generation_and_the_job_tra
         tmp_path, client, coordinator):
     with otherhost.other_host() as intruder:
         job_id = client.create_job(SPEC).id
+        # slow steps: the job must outlast the intruder's run and the test's
+        # own connection to the store (40 steps at 0.1 s could end before
+        # them); the test fast-forwards once its checks are done
         agent = AgentProcess(tmp_path, "a", job_id, coordinator.address,
-                             "--host", intruder.node_address, nproc=2)
+                             "--host", intruder.node_address, nproc=2,
+                             env={"TINY_STEP_SLEEP_S": "0.5"})
         try:
             _check_privacy(tmp_path, client, coordinator, job_id, agent, intruder)
         finally:
@@ -90,6 +94,7 @@ def _check_privacy(root, client, coordinator, job_id: str, agent: AgentProcess,
     assert [s.value for s in metrics["springback_job_store_intrusions"].samples
             if s.labels["job"] == job_id and s.name.endswith("_total")] == [1]
 
+    (root / FAST_FORWARD).touch()  # the checks are done: no more slow steps
     job = wait_for(lambda: (j := client.get_job(job_id)).status.state in ENDED and j, 40,
                    "the job to end")
     assert job.status.state == pb.JOB_STATE_SUCCEEDED, job.status.message
