@@ -274,6 +274,7 @@ class Coordinator:
         checkpoints = self.list_checkpoints(job_id)
         job = self._with_progress(job_entry.value)
         ended = planner.is_terminal(job.status.state)
+        paused = job.status.state == pb.JOB_STATE_PAUSED
         if mutate is not None:
             said = mutate(job)
             if isinstance(said, str):  # what the mutation found decides what is said
@@ -289,7 +290,7 @@ class Coordinator:
             previous_signature=self._signature_of(job_id, previous) if previous else None,
             members=members, checkpoints=checkpoints, progress=progress, reason=reason,
             stateless=stateless, draining=draining, force_generation=force_generation,
-            ended=ended,
+            ended=ended, paused=paused,
         ))
         self.last_replan_s = decision.planning_s
         history_ops = self.history.on_change(job, decision.plan if decision.new_generation else None,

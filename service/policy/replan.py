@@ -66,6 +66,11 @@ class Inputs:
     ended: bool = False
     """The job had ended (a terminal state) before the caller's mutation: its
     status message, which says why it ended, is kept."""
+    paused: bool = False
+    """The job was paused before the caller's mutation: while it stays
+    paused its status message, which says why it paused (a stop rule's
+    figures, the bad steps), is kept; a commit or a member's change that
+    lands after the pause does not replace it."""
 
 
 @dataclass(frozen=True)
@@ -146,7 +151,8 @@ def _stamp_generation(status: pb.JobStatus, plan: pb.Plan, previous: pb.Plan | N
     status.members.extend(m.member_id for m in plan.members if plan.world_size)
 
 
-def _update_status(status: pb.JobStatus, plan: pb.Plan, ended: bool) -> None:
+def _update_status(status: pb.JobStatus, plan: pb.Plan, ended: bool, paused: bool) -> None:
+    kept = ended or (paused and status.state == pb.JOB_STATE_PAUSED)
     if not planner.is_terminal(status.state):
         if plan.action == pb.PLAN_ACTION_RUN:
             status.state = pb.JOB_STATE_RUNNING
@@ -154,7 +160,7 @@ def _update_status(status: pb.JobStatus, plan: pb.Plan, ended: bool) -> None:
             status.state = pb.JOB_STATE_PENDING
     del status.spares[:]
     status.spares.extend(plan.spares)
-    if not ended:  # an ended job's message says why it ended; members leaving later keep it
+    if not kept:  # an ended (or still paused) job's message says why; later changes keep it
         status.message = plan.reason  # the planner may say why the job waits (a layout)
     status.updated_at.CopyFrom(timestamp_now())
 
@@ -185,7 +191,7 @@ def replan(inputs: Inputs) -> Decision:
                       or signature != inputs.previous_signature)
     if new_generation:
         _stamp_generation(job.status, plan, previous, requested)
-    _update_status(job.status, plan, inputs.ended)
+    _update_status(job.status, plan, inputs.ended, inputs.paused)
     plan_write: pb.Plan | None = plan if new_generation else None
     if not new_generation and previous is not None and list(plan.spares) != list(previous.spares):
         plan_write = pb.Plan()

@@ -123,6 +123,27 @@ class TestEarlierGenerations:
         assert [(c.step, c.generation) for c in client.list_checkpoints(job.id)] == [(5, trained)]
 
 
+class TestPausedJobs:
+    def test_a_commit_after_a_pause_keeps_the_message_that_says_why_it_paused(
+        self, coordinator, client, workers, make_spec
+    ):
+        # A checkpoint in flight when a stop rule pauses the job commits after
+        # the pause; the job's message must still say why it paused.
+        job = client.create_job(make_spec(max_workers=1, checkpoint={"uri": "file:///tmp/c9"}))
+        a = join(workers, job.id, 9521)
+        generation = generation_of(coordinator, job.id)
+        report_start(workers, job.id, a, generation, 0)
+        paused = client.pause_job(job.id).status
+        assert paused.state == pb.JOB_STATE_PAUSED and paused.message
+        commit(workers, job.id, a, generation_of(coordinator, job.id), 5,
+               f"file:///tmp/c9/{job.id}/step-5")
+        status = client.get_job(job.id).status
+        assert status.last_checkpoint.step == 5
+        assert (status.state, status.message) == (pb.JOB_STATE_PAUSED, paused.message)
+        resumed = client.resume_job(job.id).status  # resumed: the message moves on
+        assert resumed.state != pb.JOB_STATE_PAUSED and resumed.message != paused.message
+
+
 class TestFencedMembers:
     def test_an_expired_member_is_refused_before_its_expiry_is_replanned(
         self, coordinator, client, workers, make_spec
