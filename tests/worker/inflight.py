@@ -13,11 +13,17 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 
+from cluster import children
 from sbtest import wait_for
 
 CPU_ROOT = "/sys/fs/cgroup/cpu"
+SLOW_COLLECTIVES = ("--collective-timeout-s", "10")
+"""Agent flags for these tests: collectives may wait 10 s, not the liveness
+timeout's 2 s: the capped holders' chunks are slow, and the generation must
+break on the kill, not on a timeout before it."""
 _RECEIVED = re.compile(r"bytes_received:(\d+)")
 
 
@@ -82,3 +88,21 @@ def _move(group: str, pid: int) -> None:
             f.write(str(pid))
     except ProcessLookupError:
         pass  # it ended meanwhile
+
+
+def kill_mid_transfer(victim, holders: list, receivers: list[int], total: int,  # noqa: ANN001
+                      what: str, *, percent: float, timeout_s: float = 120) -> int:
+    """Caps the `holders` (agents, with their ranks) to `percent` of a core,
+    waits until the `receivers` (rank pids) have received a quarter of the
+    `total` bytes in flight, SIGKILLs `victim`'s node (agent and ranks) and
+    lifts the cap. Asserts the kill came before three quarters had landed;
+    returns the bytes received at the kill."""
+    with CpuCap("holders", percent=percent) as cap:
+        cap.add([p for agent in holders for p in (agent.pid, *children(agent.pid))])
+        received = wait_for(
+            lambda: (n := sum(bytes_received(r) for r in receivers)) > total // 4 and n,
+            timeout_s, f"a quarter of the {what} at the joiner", interval_s=0.02)
+        victim.signal_node(signal.SIGKILL)
+    print(f"node {victim.name} killed with {received} of {total} bytes at the joiner")
+    assert received < total * 3 // 4, f"the kill came late: {received} bytes received"
+    return received

@@ -18,7 +18,7 @@ from draws import check_draws
 from metadata_server import MetadataServer
 from cluster import FAST_FORWARD, AgentProcess, children, steps
 from fakeplans import assert_replicas_identical
-from inflight import CpuCap, bytes_received
+from inflight import SLOW_COLLECTIVES, kill_mid_transfer
 from sbtest import scrape, wait_for
 from springback.cli.local import free_port
 from springback.v1 import types_pb2 as pb
@@ -280,22 +280,11 @@ class TestJoin:
         ballast = 256 * 2**20
         env = {"TINY_STEP_SLEEP_S": "0.3", "TINY_BALLAST_MB": str(ballast // 2**20),
                "TINY_LOG": "info"}
-        # collectives may wait 10 s, not the liveness timeout's 2 s: the capped
-        # holders' chunks are slow, and the generation must break on the kill
-        slow_ok = ("--collective-timeout-s", "10")
-        a, b = (cluster.start(n, *slow_ok, env=env) for n in ("a", "b"))
+        a, b = (cluster.start(n, *SLOW_COLLECTIVES, env=env) for n in ("a", "b"))
         cluster.wait_world(2, min_step=5)
-        c = cluster.start("c", *slow_ok, env=env)
+        c = cluster.start("c", *SLOW_COLLECTIVES, env=env)
         joiner = wait_for(lambda: children(c.pid), 60, "the joiner's rank")[0]
-        holders = [a.pid, *children(a.pid), b.pid, *children(b.pid)]
-        with CpuCap("holders", percent=10) as cap:
-            cap.add(holders)
-            # the hand-over's first quarter landed; the rest is still to come
-            received = wait_for(lambda: (n := bytes_received(joiner)) > ballast // 4 and n,
-                                90, "a quarter of the state at the joiner", interval_s=0.02)
-            b.signal_node(signal.SIGKILL)
-        print(f"node b killed with {received} of {ballast} bytes at the joiner")
-        assert received < ballast * 3 // 4, f"the kill came late: {received} bytes received"
+        kill_mid_transfer(b, [a, b], [joiner], ballast, "state", percent=10, timeout_s=90)
         cluster.fast_forward()
         job = cluster.wait_succeeded()
         assert job.status.step == MAX_STEPS

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from cluster import children, steps
-from inflight import CpuCap, bytes_received
+from inflight import SLOW_COLLECTIVES, kill_mid_transfer
 from sbtest import run_gloo_peers, wait_for
 from test_elastic import cluster  # noqa: F401 - the fixture
 from test_sharded import SPEC, assert_resharded_bit_identical
@@ -110,23 +110,13 @@ def test_expert_parallel_a_holder_sigkilled_while_a_joiner_receives_its_experts_
     ballast = 256 * 2**20  # each joiner rank receives its half: ep = 2
     moe = {"script": MOE_TRAIN, "nproc": 2,
            "env": {"TINY_STEP_SLEEP_S": "0.2", "MOE_BALLAST_MB": str(ballast // 2**20)}}
-    # collectives may wait 10 s, not the liveness timeout's 2 s: the capped
-    # holders' chunks are slow, and the generation must break on the kill
-    slow_ok = ("--collective-timeout-s", "10")
-    a = cluster.start("a", *slow_ok, **moe)
-    b = cluster.start("b", *slow_ok, **moe)
+    a = cluster.start("a", *SLOW_COLLECTIVES, **moe)
+    b = cluster.start("b", *SLOW_COLLECTIVES, **moe)
     cluster.wait_world(4, min_step=3, timeout_s=150)
-    c = cluster.start("c", *slow_ok, **moe)
+    c = cluster.start("c", *SLOW_COLLECTIVES, **moe)
     joiners = wait_for(lambda: len(ranks := children(c.pid)) == 2 and ranks, 60,
                        "the joiner's two ranks")
-    with CpuCap("holders", percent=20) as cap:
-        cap.add([p for agent in (a, b) for p in (agent.pid, *children(agent.pid))])
-        received = wait_for(
-            lambda: (n := sum(bytes_received(r) for r in joiners)) > ballast // 4 and n,
-            120, "a quarter of the experts at the joiner", interval_s=0.02)
-        b.signal_node(signal.SIGKILL)
-    print(f"node b killed with {received} of {ballast} bytes at the joiner")
-    assert received < ballast * 3 // 4, f"the kill came late: {received} bytes received"
+    kill_mid_transfer(b, [a, b], joiners, ballast, "experts", percent=20)
     cluster.fast_forward()
     job = cluster.wait_succeeded(timeout_s=180)
     assert b.wait(30) == -signal.SIGKILL

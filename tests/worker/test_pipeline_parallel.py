@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from cluster import children, steps
-from inflight import CpuCap, bytes_received
+from inflight import SLOW_COLLECTIVES, kill_mid_transfer
 from sbtest import run_gloo_peers, wait_for
 from test_elastic import cluster  # noqa: F401 - the fixture
 from test_sharded import SPEC
@@ -246,22 +246,12 @@ def test_pipeline_a_holder_sigkilled_while_joiners_receive_their_stages_keeps_th
     ballast = 256 * 2**20  # each joiner's stage holds half of it
     pp = {"script": PP_TRAIN, "nproc": 1,
           "env": {"TINY_STEP_SLEEP_S": "0.2", "PP_BALLAST_MB": str(ballast // 2**20)}}
-    # collectives may wait 10 s, not the liveness timeout's 2 s: the capped
-    # holders' chunks are slow, and the generation must break on the kill
-    slow_ok = ("--collective-timeout-s", "10")
-    holders = [cluster.start(n, *slow_ok, **pp) for n in ("a", "b", "c", "d")]
+    holders = [cluster.start(n, *SLOW_COLLECTIVES, **pp) for n in ("a", "b", "c", "d")]
     cluster.wait_world(4, min_step=3, timeout_s=150)
-    e, f = (cluster.start(n, *slow_ok, **pp) for n in ("e", "f"))
+    e, f = (cluster.start(n, *SLOW_COLLECTIVES, **pp) for n in ("e", "f"))
     joiners = wait_for(lambda: len(ranks := children(e.pid) + children(f.pid)) == 2 and ranks,
                        60, "the joiners' ranks")
-    with CpuCap("holders", percent=20) as cap:
-        cap.add([p for agent in holders for p in (agent.pid, *children(agent.pid))])
-        received = wait_for(
-            lambda: (n := sum(bytes_received(r) for r in joiners)) > ballast // 4 and n,
-            120, "a quarter of the stages at the joiners", interval_s=0.02)
-        holders[3].signal_node(signal.SIGKILL)
-    print(f"node d killed with {received} of {ballast} bytes at the joiners")
-    assert received < ballast * 3 // 4, f"the kill came late: {received} bytes received"
+    kill_mid_transfer(holders[3], holders, joiners, ballast, "stages", percent=20)
     cluster.fast_forward()
     job = cluster.wait_succeeded(timeout_s=180)
     assert holders[3].wait(30) == -signal.SIGKILL

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from cluster import children, steps
-from inflight import CpuCap, bytes_received
+from inflight import SLOW_COLLECTIVES, kill_mid_transfer
 from pieces import assembled_digests
 from sbtest import wait_for
 from springback.v1 import types_pb2 as pb
@@ -121,23 +121,13 @@ def test_hsdp_a_holder_sigkilled_while_a_joiner_receives_its_shards_keeps_the_st
     ballast = 2 * ballast_mib * 2**20 // shard  # what the joiner's two ranks receive
     fsdp = {"script": FSDP_TRAIN, "nproc": 2,
             "env": {"TINY_STEP_SLEEP_S": "0.2", "FSDP_BALLAST_MB": str(ballast_mib)}}
-    # collectives may wait 10 s, not the liveness timeout's 2 s: the capped
-    # holders' chunks are slow, and the generation must break on the kill
-    slow_ok = ("--collective-timeout-s", "10")
-    a = cluster.start("a", *slow_ok, **fsdp)
-    b = cluster.start("b", *slow_ok, **fsdp)
+    a = cluster.start("a", *SLOW_COLLECTIVES, **fsdp)
+    b = cluster.start("b", *SLOW_COLLECTIVES, **fsdp)
     cluster.wait_world(4, min_step=3, timeout_s=120)
-    c = cluster.start("c", *slow_ok, **fsdp)
+    c = cluster.start("c", *SLOW_COLLECTIVES, **fsdp)
     joiners = wait_for(lambda: len(ranks := children(c.pid)) == 2 and ranks, 60,
                        "the joiner's two ranks")
-    with CpuCap("holders", percent=20) as cap:
-        cap.add([p for agent in (a, b) for p in (agent.pid, *children(agent.pid))])
-        received = wait_for(
-            lambda: (n := sum(bytes_received(r) for r in joiners)) > ballast // 4 and n,
-            120, "a quarter of the shards at the joiner", interval_s=0.02)
-        b.signal_node(signal.SIGKILL)
-    print(f"node b killed with {received} of {ballast} bytes at the joiner")
-    assert received < ballast * 3 // 4, f"the kill came late: {received} bytes received"
+    kill_mid_transfer(b, [a, b], joiners, ballast, "shards", percent=20)
     cluster.fast_forward()
     job = cluster.wait_succeeded(timeout_s=150)
     assert b.wait(30) == -signal.SIGKILL
