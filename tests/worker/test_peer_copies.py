@@ -50,6 +50,8 @@ def test_a_lost_fsdp_node_is_recovered_from_its_peer_copy_without_reading_a_chec
     committed, killed_at = lose_an_active_node_after_a_commit(cluster)
     cluster.fast_forward()  # the last fault is past: no more slow steps
     job = cluster.wait_succeeded(timeout_s=150)
+    for agent in cluster.agents:  # SUCCEEDED comes at the last step's report: the
+        assert agent.wait(30) == 0, agent.log()  # ranks' clean-end records come after it
     assert job.status.num_restores == 0, job.status  # no checkpoint read ...
     for agent in cluster.agents:
         assert "restoring checkpoint" not in agent.log(), agent.log()
