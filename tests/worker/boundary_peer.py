@@ -1,5 +1,5 @@
 """One rank of tests/worker/test_boundary.py: two steps of step-boundary votes
-on a real gloo group; the last rank votes late at step 1. Prints one JSON line."""
+on a real gloo group; the last rank votes late at step 1, every rank drains at step 2. Prints one JSON line."""
 
 import json
 import sys
@@ -27,7 +27,7 @@ def main(rank: int, port: int) -> int:
                                       draining=rank == 1, last_holder=False, ended_t=1.0,
                                       bad=rank == 2, timing=(rank + 0.25, 2.0 * rank)))
     out["vote_s"] = time.monotonic() - t0
-    agreed = boundary.vote(Vote(step=2, generation_seen=5, loss_share=-2.0, draining=False,
+    agreed = boundary.vote(Vote(step=2, generation_seen=5, loss_share=-2.0, draining=True,
                                 last_holder=rank == 0, ended_t=2.0))
     out["step1"] = agreed.__dict__
     out["step2"] = boundary.settle().__dict__

@@ -48,7 +48,7 @@ def main(rank: int, port: int) -> int:
                 opt.step()
                 opt.zero_grad()
         a = boundary.vote(B.Vote(step=step, generation_seen=5 + (rank == 1 and step == 2),
-                                 loss_share=float(rank + step), draining=rank == 2 and step == 4,
+                                 loss_share=float(rank + step), draining=(rank == 2 and step == 4) or step in (3, 5),
                                  last_holder=False, ended_t=float(step),
                                  bad=rank == 0 and step == 2,
                                  timing=(float(10 * step + rank), float(rank))))

@@ -53,7 +53,7 @@ def main(rank: int, port: int) -> int:
         counted[0] = 0
         step(n)
         a = boundary.vote(B.Vote(step=n, generation_seen=5 + (rank == 1 and n == 2),
-                                 loss_share=float(rank + n), draining=rank == 1 and n == 4,
+                                 loss_share=float(rank + n), draining=(rank == 1 and n == 4) or n == 5,
                                  last_holder=False, ended_t=float(n), bad=rank == 0 and n == 2,
                                  timing=(float(10 * n + rank), float(rank))))
         agreed.append(a.__dict__ if a else None)

@@ -38,13 +38,16 @@ def test_ranks_agree_on_the_newest_generation_without_waiting_for_the_vote():
     for r in results:
         assert r["first"] is None and r["after"] is None
         # MAX of the generation seen; the loss shares summed; any rank's flag;
-        # every rank's timing in its own slot (-1: none)
+        # every rank draining only when each is; every rank's timing in its
+        # own slot (-1: none)
         assert r["step1"] == {"step": 1, "newest_generation": 7, "loss": 6.0,
-                              "draining": True, "last_holder": False, "ended_t": 1.0,
+                              "draining": True, "every_draining": False,
+                              "last_holder": False, "ended_t": 1.0,
                               "bad": True, "compute_s": [0.25, 1.25, 2.25],
                               "collective_s": [0.0, 2.0, 4.0]}
         assert r["step2"] == {"step": 2, "newest_generation": 5, "loss": -6.0,
-                              "draining": False, "last_holder": True, "ended_t": 2.0,
+                              "draining": True, "every_draining": True,
+                              "last_holder": True, "ended_t": 2.0,
                               "bad": False, "compute_s": [-1.0] * 3,
                               "collective_s": [-1.0] * 3}
     # the step loop does not wait for the all-reduce: the prompt ranks' vote of
@@ -74,11 +77,12 @@ def test_votes_carried_in_ddp_s_all_reduce_agree_alike_and_train_the_same_model(
     for r in results:
         assert r["same"], "the carrying DDP trained a different model"
         # the vote of step k is read at the end of step k + 1 (the last at settle)
-        agreed = [a and (a["step"], a["newest_generation"], a["loss"], a["draining"], a["bad"])
-                  for a in r["agreed"]]
-        assert agreed == [None, (1, 5, 6.0, False, False), (2, 6, 9.0, False, True),
-                          (3, 5, 12.0, False, False), (4, 5, 15.0, True, False),
-                          (5, 5, 18.0, False, False)]
+        # (every rank drains at step 3, carried, and at step 5, all-reduced alone)
+        agreed = [a and (a["step"], a["newest_generation"], a["loss"], a["draining"],
+                         a["every_draining"], a["bad"]) for a in r["agreed"]]
+        assert agreed == [None, (1, 5, 6.0, False, False, False), (2, 6, 9.0, False, False, True),
+                          (3, 5, 12.0, True, True, False), (4, 5, 15.0, True, False, False),
+                          (5, 5, 18.0, True, True, False)]
         # each rank's timing in its own slot, carried in the bucket as well
         assert [a and (a["compute_s"], a["collective_s"]) for a in r["agreed"]] == [None] + [
             ([10.0 * k, 10.0 * k + 1, 10.0 * k + 2], [0.0, 1.0, 2.0]) for k in range(1, 6)]
@@ -95,11 +99,11 @@ def test_a_pipeline_s_votes_ride_its_optimizer_steps_and_no_rank_steps_past_a_de
     out = run_peers(STEP_VOTE_PEER, 2)[0]  # rank 1 dies before step 6, printing nothing
     r = json.loads(out.strip().splitlines()[-1])
     # the vote of step k is read at the end of step k + 1 (the last at settle)
-    agreed = [a and (a["step"], a["newest_generation"], a["loss"], a["draining"], a["bad"])
-              for a in r["agreed"]]
-    assert agreed == [None, (1, 5, 3.0, False, False), (2, 6, 5.0, False, True),
-                      (3, 5, 7.0, False, False), (4, 5, 9.0, True, False),
-                      (5, 5, 11.0, False, False)]
+    agreed = [a and (a["step"], a["newest_generation"], a["loss"], a["draining"],
+                     a["every_draining"], a["bad"]) for a in r["agreed"]]
+    assert agreed == [None, (1, 5, 3.0, False, False, False), (2, 6, 5.0, False, False, True),
+                      (3, 5, 7.0, False, False, False), (4, 5, 9.0, True, False, False),
+                      (5, 5, 11.0, True, True, False)]
     assert [a and (a["compute_s"], a["collective_s"]) for a in r["agreed"]] == [None] + [
         ([10.0 * k, 10.0 * k + 1], [0.0, 1.0]) for k in range(1, 6)]
     # one all-reduce a step: the optimizer step's wait for the world, which

@@ -16,6 +16,7 @@ import sockreset
 from applied import check_applied
 from draws import check_draws
 from metadata_server import MetadataServer
+from netproxy import NetProxy
 from cluster import FAST_FORWARD, AgentProcess, children, steps
 from fakeplans import assert_replicas_identical
 from inflight import SLOW_COLLECTIVES, kill_mid_transfer
@@ -47,8 +48,12 @@ def cluster(request, tmp_path, client, coordinator_address):
         job_id = created.id
         api = client
 
-        def start(self, name: str, *extra: str, **kw) -> AgentProcess:
-            agent = AgentProcess(tmp_path, name, created.id, coordinator_address, *extra, **kw)
+        def start(self, name: str, *extra: str, coordinator: str | None = None,
+                  **kw) -> AgentProcess:
+            """Agent `name` of the job, talking to the coordinator at
+            `coordinator` (a proxy in front of it) or directly."""
+            agent = AgentProcess(tmp_path, name, created.id, coordinator or coordinator_address,
+                                 *extra, **kw)
             agents.append(agent)
             return agent
 
@@ -622,6 +627,34 @@ class TestLastHolderDrain:
         cluster.wait_succeeded()
         records = steps(cluster.root)
         resumed = [r for r in records if r["step"] > 0 and r["world_size"] == 1]
+        assert min(r["step"] for r in resumed) == drained_at + 1  # no step lost or redone
+        cluster.audit()
+
+    @pytest.mark.parametrize("cluster", [{**CHECKPOINTED, "max_workers": 3}], indirect=True)
+    def test_every_node_drained_stops_where_it_saw_the_drain_not_when_the_plan_comes(
+            self, cluster, coordinator_address):
+        # The same, with the plan that places none of them late: every
+        # segment between the agents (and their ranks) and the coordinator
+        # is delayed 0.5 s, so the plan comes boundaries after the ranks see
+        # the drain. They stop where every node is draining, not when the
+        # plan comes: the steps between would be trained, then redone.
+        slow = {"TINY_STEP_SLEEP_S": "0.2"}
+        with NetProxy(coordinator_address) as link:
+            agents = [cluster.start(n, coordinator=link.address, env=slow)
+                      for n in ("a", "b", "c")]
+            cluster.wait_world(3, min_step=13)
+            link.delay(0.5)
+            for agent in agents:
+                agent.process.send_signal(signal.SIGTERM)
+            for agent in agents:
+                assert agent.wait(60) == 0, agent.log()
+        drained_at = max(r["step"] for r in steps(cluster.root))
+        assert cluster.job().status.last_checkpoint.step == drained_at
+        cluster.start("d", env=slow)
+        cluster.fast_forward()  # the drain is past: d's steps need not be slow
+        job = cluster.wait_succeeded()
+        assert job.status.steps_redone == 0, job.status
+        resumed = [r for r in steps(cluster.root) if r["step"] > 0 and r["world_size"] == 1]
         assert min(r["step"] for r in resumed) == drained_at + 1  # no step lost or redone
         cluster.audit()
 

@@ -85,9 +85,11 @@ import torch.distributed as dist
 from springback.worker.rank.rendezvous import handed_to_gloo
 from springback.worker.train.ranktiming import UNKNOWN, RankTiming
 
-_FIXED = 4  # generation seen, draining, last holder, bad; then per rank: loss, compute, collective
+_FIXED = 5  # generation seen, draining, last holder, bad, steady; then per rank: loss, compute,
+# collective ("steady": a rank whose node is not draining; its max is 0 when every node drains)
 _PER_RANK = 3  # per-rank slot rows of an own all-reduce: loss, compute, collective
-_CARRIED = 7  # rows of per-rank slots a carried vote adds: the fixed four and the per-rank three
+_CARRIED = 7  # rows of per-rank slots a carried vote adds: generation seen, draining, last holder,
+# bad, loss, compute, collective (every rank draining is the min of its draining row: no "steady")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,9 +115,10 @@ class Agreed:
     step: int
     newest_generation: int
     loss: float  # the step's loss over the global batch
-    draining: bool
+    draining: bool  # some rank's node is draining
     last_holder: bool
     ended_t: float  # this rank's own end of that step
+    every_draining: bool = False  # every rank's node is draining
     bad: bool = False  # some rank's loss or gradient was not finite: not applied
     compute_s: tuple[float, ...] = ()  # by global rank: each rank's `Vote.timing`
     collective_s: tuple[float, ...] = ()
@@ -237,6 +240,7 @@ class StepBoundary:
         t[1] = 1.0 if vote.draining else 0.0
         t[2] = 1.0 if vote.last_holder else 0.0
         t[3] = 1.0 if vote.bad else 0.0
+        t[4] = 0.0 if vote.draining else 1.0
         t[_FIXED + self.rank] = vote.loss_share
         t[_FIXED + self.world_size + self.rank] = vote.timing[0]
         t[_FIXED + 2 * self.world_size + self.rank] = vote.timing[1]
@@ -259,6 +263,7 @@ class StepBoundary:
              collective) = packed[n:].view(_CARRIED, -1).tolist()
             return Agreed(step=vote.step, newest_generation=int(max(generation)),
                           loss=float(sum(loss)), draining=max(draining) > 0,
+                          every_draining=min(draining) > 0,
                           last_holder=max(last_holder) > 0, ended_t=vote.ended_t,
                           bad=max(bad) > 0, compute_s=tuple(compute),
                           collective_s=tuple(collective))
@@ -297,9 +302,9 @@ carry_votes_hook.__annotations__ = {"boundary": StepBoundary, "bucket": dist.Gra
 
 def _wait(vote: Vote, t: torch.Tensor, work: dist.Work) -> Agreed:
     work.wait()
-    generation, draining, last_holder, bad, *slots = t.tolist()
+    generation, draining, last_holder, bad, steady, *slots = t.tolist()
     n = len(slots) // _PER_RANK
     return Agreed(step=vote.step, newest_generation=int(generation),
-                  loss=float(sum(slots[:n])), draining=draining > 0,
+                  loss=float(sum(slots[:n])), draining=draining > 0, every_draining=steady == 0,
                   last_holder=last_holder > 0, ended_t=vote.ended_t, bad=bad > 0,
                   compute_s=tuple(slots[n:2 * n]), collective_s=tuple(slots[2 * n:]))

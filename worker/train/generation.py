@@ -295,7 +295,7 @@ class Generation:
         if self._copies is not None:
             self._copies.after_step(batch.step)
         newer = agreed is not None and agreed.newest_generation > self.generation
-        stop = agreed is not None and agreed.last_holder  # the state leaves with us
+        stop = agreed is not None and (agreed.last_holder or self._everyone_leaves(agreed))
         final = batch.step >= self.max_steps
         if self._checkpoints is not None:
             drain = (agreed is not None and agreed.draining
@@ -327,6 +327,16 @@ class Generation:
         if newer:
             self._record_state("switch")
         return newer
+
+    def _everyone_leaves(self, agreed: Agreed) -> bool:
+        """Every rank's node is draining and the plan has no spare to take
+        the state: it leaves with the ranks whatever the coordinator plans
+        next, so they stop at this boundary, where the drain checkpoint is
+        written (a switch to the plan that places none of them could come
+        boundaries later, and the steps trained meanwhile would be redone
+        after the restore). Without checkpoint.uri they wait for that plan."""
+        return (agreed.every_draining and self._checkpoints is not None
+                and not self.plan.spares)
 
     def _vote(self, batch: Batch, *, bad: bool = False) -> Vote:
         """This rank's contribution to the agreement at the end of `batch`'s step."""
