@@ -239,6 +239,7 @@ class Coordinator:
         kind: js.ChangeKind,
         stateless: Collection[str] = (),
         draining: Collection[str] = (),
+        named: Collection[str] = (),
         force_generation: bool = False,
         extra_ops: Callable[[], list] | None = None,
         extra_compare: Collection = (),
@@ -257,7 +258,9 @@ class Coordinator:
         forced: a rank crashed, an operator restore). `stateless` members lost
         their in-memory state (a rank crashed) and stop being state holders.
         `draining` members are planned as if their draining flag (written by
-        `extra_ops`) were set. `extra_compare` joins the transaction's
+        `extra_ops`) were set. `named`: the members `reason` names (a
+        departure it names is not named again, `_naming_departures`); a
+        reason said by `mutate` names none. `extra_compare` joins the transaction's
         comparisons (a caller's own reads that must still hold when the write
         lands, see `fencing`).
         Raises `Conflict` if a concurrent writer won (nothing is written),
@@ -278,10 +281,10 @@ class Coordinator:
         if mutate is not None:
             said = mutate(job)
             if isinstance(said, str):  # what the mutation found decides what is said
-                reason = said
+                reason, named = said, ()
         progress = self.job_state(job_id).progress  # after mutate: a start sets it
         previous = plan_entry.value if plan_entry else None
-        reason, departed = self._naming_departures(job_id, previous, members, reason)
+        reason, departed = self._naming_departures(job_id, previous, members, reason, named)
         kind = change_kind({kind, *departed}, job.status.state)
         failure = kind in FAILURE_CHANGES
         decision = replan.replan(replan.Inputs(
@@ -362,10 +365,11 @@ class Coordinator:
             self.job_state(job_id).departures[member_id] = (why, kind)
 
     def _naming_departures(self, job_id: str, previous: pb.Plan | None,
-                           members: list[pb.Member], reason: str
+                           members: list[pb.Member], reason: str, named: Collection[str]
                            ) -> tuple[str, list[js.ChangeKind]]:
         """`reason`, preceded by the members of `previous` (active or spare)
-        that are no longer registered and that `reason` does not name, each
+        that are no longer registered and that the caller did not say
+        `reason` names (`named`: its text is never searched), each
         with its noted departure or, when none was noted (its lease expired),
         \"lost ... (liveness timeout)\"; and the kinds of every such departure
         (named in `reason` or not: its text does not decide a kind). A
@@ -381,7 +385,7 @@ class Coordinator:
             noted = {m: departures.get(m, (f"lost {m} (liveness timeout)",
                                            js.CHANGE_KIND_NODE_LOST))
                      for m in gone}
-        notes = [why for m, (why, _) in noted.items() if m not in reason]
+        notes = [why for m, (why, _) in noted.items() if m not in named]
         kinds = [kind for _, kind in noted.values()]
         return ("; ".join([*notes, reason]) if notes else reason), kinds
 

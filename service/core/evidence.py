@@ -208,6 +208,7 @@ class PeerLossEvidence:
             coordinator.note_departure(job_id, member_id, reason, js.CHANGE_KIND_NODE_LOST)
             coordinator.store.revoke_lease(entry.lease_id)
             self.num_fenced += 1
-            coordinator.change_with_retry(job_id, reason, kind=js.CHANGE_KIND_NODE_LOST)
+            coordinator.change_with_retry(job_id, reason, kind=js.CHANGE_KIND_NODE_LOST,
+                                          named={member_id})
         except SpringbackError as e:  # etcd down, leadership lost: the lease decides
             log.warning("fencing %s of job %s on peer evidence: %s", member_id, job_id, e)

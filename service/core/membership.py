@@ -192,7 +192,7 @@ class Membership:
         kind = js.CHANGE_KIND_PREEMPTED if preempted else js.CHANGE_KIND_LEAVE
         coordinator.note_departure(job_id, member_id, left, kind)
         coordinator.store.revoke_lease(entry.lease_id)  # deletes the key with it
-        coordinator.change_with_retry(job_id, left, kind=kind)
+        coordinator.change_with_retry(job_id, left, kind=kind, named={member_id})
 
     def drain(self, job_id: str, member_id: str, reason: str, preempted: bool = False) -> bool:
         """Announces that a member is leaving soon (preemption, SIGTERM).

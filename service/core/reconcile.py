@@ -195,7 +195,8 @@ class Reconciler:
         # a loss and a join in one pass: the loss wins (`history.KIND_PRECEDENCE`)
         kind = (js.CHANGE_KIND_NODE_LOST if lost else js.CHANGE_KIND_JOIN if joined
                 else js.CHANGE_KIND_START)
-        c.change(job.id, reason, kind=kind)
+        c.change(job.id, reason, kind=kind,
+                 named={*lost[:NAMED_IN_REASON], *joined[:NAMED_IN_REASON]})
 
     def _apply_stop_rules(self, job: pb.Job) -> None:
         """Pauses or fails `job` (its spec's ``controls.stop.action``) when one
