@@ -1,7 +1,10 @@
 """A job paused by its own ranks (spec ``controls.bad_step``): rank 0 reports
 that the ranks agreed the job must pause (``ReportFailureRequest.job_pause``,
 `worker/train/badstep.py`), and the leader pauses it with the ranks' reason
-as its message and a CONTROL generation event (docs/controls.md)."""
+as its message and a CONTROL generation event (docs/controls.md). The ranks
+own the message whole, its ``controls.bad_step: `` prefix included
+(`badstep.BadSteps.record`, the same text a standalone run raises as
+`BadStepLimit`): the leader adds nothing to it."""
 
 from __future__ import annotations
 
@@ -14,9 +17,6 @@ from springback.v1 import types_pb2 as pb
 
 log = logging.getLogger(__name__)
 
-PREFIX = "controls.bad_step: "
-"""What the job's message starts with (a reason that does not is prefixed)."""
-
 
 def pause_for_ranks(coordinator: Coordinator, job_id: str, member_id: str, generation: int,
                     reason: str) -> int:
@@ -28,7 +28,6 @@ def pause_for_ranks(coordinator: Coordinator, job_id: str, member_id: str, gener
     running (paused meanwhile, waiting, ended) is left as it is and nothing
     is written: the call is idempotent. Returns the job's generation."""
     coordinator.require_leader()
-    message = reason if reason.startswith(PREFIX) else PREFIX + reason
     current = coordinator.get_job(job_id)
     if current.status.state != pb.JOB_STATE_RUNNING:
         fencing.report_fence(coordinator, job_id, member_id, generation, older=True)
@@ -38,7 +37,7 @@ def pause_for_ranks(coordinator: Coordinator, job_id: str, member_id: str, gener
         if job.status.state == pb.JOB_STATE_RUNNING:
             job.status.state = pb.JOB_STATE_PAUSED
 
-    job = fencing.change_as_member(coordinator, job_id, member_id, generation, message, pause,
+    job = fencing.change_as_member(coordinator, job_id, member_id, generation, reason, pause,
                                    kind=js.CHANGE_KIND_CONTROL, older=True)
-    log.warning("job %s: %s", job_id, message)
+    log.warning("job %s: %s", job_id, reason)
     return job.status.generation
