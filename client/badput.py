@@ -25,6 +25,11 @@ so the causes sum to the wall time (no "other" bucket):
   lost, a rank failure), from this generation's last step report to the
   next one's creation: the time the failure went unnoticed.
 
+`change_costs` splits what each kill and each join cost the survivors into
+detection, reforming, build, fill, first step and redone (these causes,
+renamed, and the first step's time beyond the median step), for the goodput
+bench's breakdown.
+
 Limits: times are taken where the leader received reports (step reports
 come at most every 0.25 s, so detection may include up to that much
 training); rank spans are clipped to the window they belong to; a span the
@@ -34,6 +39,7 @@ ranks did not report (an older rank) falls to the window's rest.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from springback.v1 import job_service_pb2 as js
@@ -144,4 +150,125 @@ def cost(job: pb.Job, rows: Sequence[tuple[js.GenerationEvent, float, dict[str, 
     out["cost_per_useful_step"] = total / steps if total is not None and steps else None
     out["cost_per_1000_samples"] = (total / samples * 1000 if total is not None and samples
                                     else None)
+    return out
+
+
+KILLS = _FAILURES
+"""The change kinds of a kill: a node lost, a rank failure."""
+
+CHANGE_COLUMNS = ("detection", "reforming", "build", "fill", "first_step", "redone")
+"""The columns of a change's cost (`ChangeCost`), in the order shown."""
+
+
+@dataclass(frozen=True)
+class ChangeCost:
+    """What one kill or join cost the job's survivors, in seconds (see
+    `change_costs`)."""
+
+    generation: int
+    kind: str
+    """"kill" or "join"."""
+    change_kind: int
+    at_s: float
+    """The generation's creation, in seconds after the job's first generation."""
+    started: bool
+    """The generation's ranks reported a first step (False: it was replaced first)."""
+    detection: float
+    reforming: float
+    build: float
+    fill: float
+    first_step: float | None
+    """None: not measured (see `change_costs`)."""
+    redone: float
+    steps_redone: int
+
+    @property
+    def total(self) -> float:
+        return sum(v for k in CHANGE_COLUMNS if (v := getattr(self, k)) is not None)
+
+
+def change_costs(job: pb.Job, events: Sequence[js.GenerationEvent],
+                 now: float) -> list[ChangeCost]:
+    """Every generation made by a kill (`KILLS`) or a join, oldest first, with
+    the time it cost the survivors split by where it went; every column but
+    ``first_step`` is a cause of `generation_causes` (via `per_generation`),
+    renamed:
+
+    * ``detection``: the previous generation's ``detection`` (its last step
+      report to this generation's creation: the failure unnoticed); 0 for a
+      join.
+    * ``reforming``: this generation's ``reforming`` (rank 0's rendezvous,
+      the plan reaching the ranks, the old generation's last step; a
+      joiner's process start while rank 0 waits for it at the rendezvous is
+      here too).
+    * ``build``: its ``startup`` (rank 0's process start, imports and model
+      build: a new rank 0 only).
+    * ``fill``: its ``state_transfer`` (agreeing on and moving the state).
+    * ``redone``: its ``redone`` (steps trained again x the step time);
+      ``steps_redone``: how many.
+    * ``first_step``: the generation's first step beyond its median step:
+      from the start report to the first step report (both where the leader
+      received them) less rank 0's step p50 (``step_s`` when no p50 came),
+      at least 0 and at most its ``useful`` (where `generation_causes` counts
+      it). None when it cannot be measured: the generation never reported a
+      first step, no start report came (``started_at`` is then the first
+      step's), or no step time is known. Step reports wait at most 0.25 s
+      after the previous one, so a first step faster than that after the
+      previous generation's last report reads up to that much long.
+
+    The job's first RUN generation has no survivors and is not a change;
+    other kinds (drain, leave, operator, control, a generation made again)
+    are not listed. A kill whose generation waits for members (WAIT) shows
+    its wait in none of the columns (it is ``waiting``)."""
+    rows = per_generation(job, events, now)
+    if not rows:
+        return []
+    origin = _t(rows[0][0].created_at) or now
+    out = []
+    seen_run = False
+    for i, (event, _, causes) in enumerate(rows):
+        first_run = event.action == pb.PLAN_ACTION_RUN and not seen_run
+        seen_run = seen_run or event.action == pb.PLAN_ACTION_RUN
+        kind = ("kill" if event.kind in KILLS else "join" if event.kind == js.CHANGE_KIND_JOIN
+                else None)
+        if kind is None or first_run:
+            continue
+        out.append(ChangeCost(
+            generation=event.generation, kind=kind, change_kind=event.kind,
+            at_s=(_t(event.created_at) or origin) - origin,
+            started=_t(event.first_step_at) is not None,
+            detection=rows[i - 1][2]["detection"] if i else 0.0,
+            reforming=causes["reforming"], build=causes["startup"],
+            fill=causes["state_transfer"], first_step=_first_step_excess(event, causes),
+            redone=causes["redone"], steps_redone=event.steps_redone))
+    return out
+
+
+def _first_step_excess(event: js.GenerationEvent, causes: dict[str, float]) -> float | None:
+    started, first = _t(event.started_at), _t(event.first_step_at)
+    median = event.step_p50_s or event.step_s
+    if started is None or first is None or first <= started or median <= 0:
+        return None
+    return min(max(first - started - median, 0.0), causes["useful"])
+
+
+def change_summary(costs: Sequence[ChangeCost]) -> dict[str, dict[str, Any]]:
+    """Per kind ("kill", "join"; a kind with no change is absent): ``count``,
+    ``total`` and ``mean`` (each a dict of `CHANGE_COLUMNS` and ``total``,
+    seconds; ``first_step`` over the changes that measured it, None when
+    none did), ``steps_redone`` and ``first_step_measured`` (how many)."""
+    out: dict[str, dict[str, Any]] = {}
+    for kind in ("kill", "join"):
+        mine = [c for c in costs if c.kind == kind]
+        if not mine:
+            continue
+        total: dict[str, Any] = {}
+        mean: dict[str, Any] = {}
+        for col in (*CHANGE_COLUMNS, "total"):
+            values = [v for c in mine if (v := getattr(c, col)) is not None]
+            total[col] = sum(values) if values else None
+            mean[col] = sum(values) / len(values) if values else None
+        out[kind] = {"count": len(mine), "total": total, "mean": mean,
+                     "steps_redone": sum(c.steps_redone for c in mine),
+                     "first_step_measured": sum(c.first_step is not None for c in mine)}
     return out

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
 from springback.client import badput
 from springback.v1 import job_service_pb2 as js
 from springback.v1 import types_pb2 as pb
@@ -66,3 +68,108 @@ def test_a_negative_price_in_a_spec_file_is_named():
         with pytest.raises(InvalidArgument) as e:
             specs.spec_from_dict({**base, "price_per_node_hour": bad})
         assert e.value.field == "price_per_node_hour" and problem in e.value.problem
+
+
+def _kill_then_join() -> tuple[pb.Job, list[js.GenerationEvent]]:
+    """A first world, a node lost (2 steps redone), a join, the end; every
+    span a different value, so a column taking another's shows."""
+    job = pb.Job()
+    job.finished_at.FromSeconds(135)
+    return job, [
+        event(1, 100, action=pb.PLAN_ACTION_WAIT, kind=js.CHANGE_KIND_START),
+        event(2, 101, started_at=104, first_step_at=104.5, last_step_at=110, startup_s=2.0),
+        event(3, 113, kind=js.CHANGE_KIND_NODE_LOST, started_at=116, first_step_at=116.75,
+              last_step_at=124, startup_s=0.25, rendezvous_s=0.5, transfer_s=1.25,
+              steps_redone=2, step_s=0.5, step_p50_s=0.25),
+        event(4, 126, started_at=128, first_step_at=128.5, last_step_at=135,
+              rendezvous_s=1.5, transfer_s=0.125, step_s=0.5, step_p50_s=0.25),
+        event(5, 135, action=pb.PLAN_ACTION_STOP, kind=js.CHANGE_KIND_FINISH),
+    ]
+
+
+def test_a_kill_and_a_join_are_split_into_where_their_time_went():
+    job, events = _kill_then_join()
+    kill, join = badput.change_costs(job, events, now=999)  # the first world is no change
+    assert (kill.generation, kill.kind, kill.at_s, kill.started) == (3, "kill", 13, True)
+    # detection: the first world's last step (110) to the loss's generation (113);
+    # 3 s before the start report: 1.25 fill, 0.25 build, 0.5 rendezvous + 1.0 rest
+    assert (kill.detection, kill.reforming, kill.build, kill.fill) == (3, 1.5, 0.25, 1.25)
+    # the first step: 0.75 s from the start report, the median step 0.25 s
+    assert kill.first_step == 0.5 and kill.redone == 1.0 and kill.steps_redone == 2
+    assert kill.total == 7.5
+    # a join is no failure: the survivors trained until it was made
+    assert (join.generation, join.kind, join.detection, join.build) == (4, "join", 0, 0)
+    assert (join.reforming, join.fill, join.first_step, join.redone) == (1.875, 0.125, 0.25, 0)
+    summary = badput.change_summary([kill, join])
+    assert summary["kill"]["count"] == 1 and summary["kill"]["total"]["total"] == 7.5
+    assert summary["join"]["mean"]["reforming"] == 1.875
+    assert summary["kill"]["steps_redone"] == 2
+
+
+# (the field set on the changed generation, its value, the column it must land in)
+ONE_CAUSE = [("startup_s", 0.75, "build"), ("rendezvous_s", 0.75, "reforming"),
+             ("transfer_s", 0.75, "fill"), ("steps_redone", 3, "redone")]
+
+
+@pytest.mark.parametrize("field,value,column", ONE_CAUSE)
+@pytest.mark.parametrize("kind", [js.CHANGE_KIND_NODE_LOST, js.CHANGE_KIND_RANK_FAILURE,
+                                  js.CHANGE_KIND_JOIN])
+def test_each_cause_lands_in_its_own_column_and_no_other(field, value, column, kind):
+    # the change's generation starts the moment it is made, its predecessor's
+    # last step report came when it was made: only `field` costs anything
+    job = pb.Job()
+    events = [event(1, 100, started_at=100, first_step_at=100.25, last_step_at=110,
+                    step_p50_s=0.25),
+              event(2, 110, kind=kind, started_at=110 + (value if field.endswith("_s") else 0),
+                    last_step_at=120, step_s=0.25, **{field: value})]
+    (cost,) = badput.change_costs(job, events, now=120)
+    expected = value * 0.25 if column == "redone" else value
+    assert {c: getattr(cost, c) for c in badput.CHANGE_COLUMNS} == {
+        c: expected if c == column else (None if c == "first_step" else 0.0)
+        for c in badput.CHANGE_COLUMNS}
+
+
+@pytest.mark.parametrize("kind", [js.CHANGE_KIND_NODE_LOST, js.CHANGE_KIND_JOIN])
+def test_only_a_failure_is_detected(kind):
+    job = pb.Job()
+    events = [event(1, 100, started_at=100, last_step_at=107),
+              event(2, 110, kind=kind, started_at=110, last_step_at=120)]
+    (cost,) = badput.change_costs(job, events, now=120)
+    assert cost.detection == (3 if kind == js.CHANGE_KIND_NODE_LOST else 0)
+    assert cost.reforming == cost.build == cost.fill == cost.redone == 0
+
+
+def test_a_first_step_not_measured_is_none_not_zero():
+    job = pb.Job()
+    events = [
+        event(1, 100, started_at=100, last_step_at=110),
+        # no start report came: started_at is the first step's (the leader copies it)
+        event(2, 110, kind=js.CHANGE_KIND_NODE_LOST, started_at=111, first_step_at=111,
+              last_step_at=120, step_p50_s=0.25),
+        # no step time reported
+        event(3, 120, kind=js.CHANGE_KIND_JOIN, started_at=121, first_step_at=122,
+              last_step_at=130),
+        # replaced before its ranks started
+        event(4, 130, kind=js.CHANGE_KIND_NODE_LOST),
+        event(5, 131, kind=js.CHANGE_KIND_JOIN, started_at=132, first_step_at=133.5,
+              last_step_at=140, step_p50_s=0.5),
+    ]
+    costs = badput.change_costs(job, events, now=140)
+    assert [c.first_step for c in costs] == [None, None, None, 1.0]
+    assert [c.started for c in costs] == [True, True, False, True]
+    assert costs[2].reforming == 1  # the replaced generation's whole second
+    summary = badput.change_summary(costs)
+    assert summary["kill"]["first_step_measured"] == 0
+    assert summary["kill"]["mean"]["first_step"] is None
+    assert summary["join"]["mean"]["first_step"] == 1.0  # over the one that measured it
+    assert summary["join"]["count"] == 2
+
+
+def test_the_first_world_and_other_changes_are_no_kill_or_join():
+    job = pb.Job()
+    events = [event(1, 100, action=pb.PLAN_ACTION_WAIT, kind=js.CHANGE_KIND_START),
+              event(2, 101, kind=js.CHANGE_KIND_JOIN, started_at=102, last_step_at=110),
+              event(3, 110, kind=js.CHANGE_KIND_DRAIN, started_at=111, last_step_at=115),
+              event(4, 115, kind=js.CHANGE_KIND_OTHER, started_at=116, last_step_at=120)]
+    assert badput.change_costs(job, events, now=120) == []
+    assert badput.change_summary([]) == {}
