@@ -233,6 +233,7 @@ def springback_side(args, work: Path, checkpoint: str = "",  # noqa: ANN001
     from _baselines import slow_env, unfinished_note
     from _local_coordinator import local_coordinator
     from springback.client.api import Client
+    from springback.client.badput import change_costs
     from springback.v1 import types_pb2 as pb
     from springback.v1.job_service_pb2 import CHANGE_KIND_CONTROL
 
@@ -282,7 +283,8 @@ def springback_side(args, work: Path, checkpoint: str = "",  # noqa: ANN001
 
             t0, kills = run_trace(nodes, start_node, done, lambda alive: list(alive), args,
                                   "springback")
-            _, generations = client.list_job_events(job.id)
+            record, generations = client.list_job_events(job.id)
+            final["changes"] = change_costs(record, generations, now=time.time())
             evicted = next((e for e in generations if e.kind == CHANGE_KIND_CONTROL), None)
             if evicted is not None:  # the step its generation started at
                 final["evicted_at"] = next(e.start_step for e in generations
@@ -303,7 +305,7 @@ def springback_side(args, work: Path, checkpoint: str = "",  # noqa: ANN001
             "end": steps[-1]["t"], "useful": useful, "first": steps[0]["t"],
             "executed": len(steps), "generations": len(gens), "kills": kills,
             "redone": final.get("redone", 0), "steps": steps, "key": "generation",
-            "kill_times": nodes.kill_times,
+            "kill_times": nodes.kill_times, "changes": final.get("changes", []),
             "evicted_at": final.get("evicted_at"), "evicted_reason": final.get("evicted_reason"),
             "note": unfinished_note(nodes, args, useful) or (
                 "kills any node" if straggler is None else
@@ -537,6 +539,51 @@ def _print_table(rows: list[dict], plain_s: float, failures: dict[str, str]) -> 
                   f"per-step overhead {sb['overhead_ms']:+.1f} vs {r['overhead_ms']:+.1f} ms")
 
 
+def _fmt(v: float | None, width: int) -> str:
+    return f"{'-':>{width}}" if v is None else f"{v:>{width}.2f}"
+
+
+def _print_changes(system: str, costs: list) -> None:
+    """Where each kill's and each join's time went (client/badput.py's
+    change_costs, from the job's generation events): one row per change, then
+    the total and the mean per kind."""
+    from springback.client.badput import CHANGE_COLUMNS, change_summary
+
+    print(f"\n{system}: where a kill's and a join's time goes (seconds the survivors lost, "
+          "from the job's generation events)")
+    heads = ("detect", "wait", "reform", "build", "fill", "1st step", "redone")
+    head = "".join(f"{h:>9}" for h in heads)
+    print(f"{'change':<18}{'at s':>7}{head}{'total':>9}{'steps redone':>14}")
+    for c in costs:
+        cells = "".join(_fmt(getattr(c, k), 9) for k in CHANGE_COLUMNS)
+        name = f"{c.kind} g{c.generation}" + (" (waits)" if c.waits else "" if c.started
+                                              else " (replaced)")
+        print(f"{name:<18}{c.at_s:>7.1f}{cells}{c.total:>9.2f}{c.steps_redone:>14}")
+    for kind, s in change_summary(costs).items():
+        for what in ("total", "mean"):
+            cells = "".join(_fmt(s[what][k], 9) for k in CHANGE_COLUMNS)
+            redone = s["steps_redone"] if what == "total" else s["steps_redone"] / s["count"]
+            label = f"{kind} {what} ({s['count']})" if what == "total" else f"{kind} {what}"
+            print(f"{label:<18}{'':>7}{cells}{_fmt(s[what]['total'], 9)}{redone:>14.1f}")
+        if s["first_step_measured"] < s["count"]:
+            print(f"  {kind}: first step measured for {s['first_step_measured']} of "
+                  f"{s['count']} (not for one that waited or was replaced before its first step, "
+                  "nor without a start report or a step time); totals count it where measured")
+    print("detect: last step report to the change; wait: too few members left, waiting for a "
+          "join (the next row); reform: rendezvous + plan reaching the "
+          "ranks (a joiner's start while rank 0 waits for it); build: rank 0's process start "
+          "and model build; fill: state transfer; 1st step: the first step beyond the median "
+          "step; redone: steps trained again x the step time")
+
+
+def _change_json(results: list[dict]) -> list[dict]:
+    from dataclasses import asdict
+
+    from springback.client.badput import change_summary
+    return [{"system": r["system"], "rows": [dict(asdict(c), total=c.total) for c in r["changes"]],
+             "summary": change_summary(r["changes"])} for r in results if r.get("changes")]
+
+
 def main() -> int:
     args = _parse()
     args.python = PY
@@ -580,6 +627,9 @@ def main() -> int:
     else:
         rows = [_summary(r, plain_s) for r in results]
         _print_table(rows, plain_s, failures)
+    for r in results:
+        if r.get("changes"):
+            _print_changes(r["system"], r["changes"])
     if args.plot and results:
         from _goodput_plot import timeline
         timeline(results, args, args.plot)
@@ -594,7 +644,8 @@ def main() -> int:
                                               "slow_sleep_s": args.slow_sleep_s}
                                              if args.straggler else {})},
                                 "load_average": os.getloadavg(), "plain_ms": plain_s * 1000,
-                                "rows": rows, "failures": failures}) + "\n")
+                                "rows": rows, "changes": _change_json(results),
+                                "failures": failures}) + "\n")
     return 1 if failures else 0
 
 

@@ -156,7 +156,7 @@ def cost(job: pb.Job, rows: Sequence[tuple[js.GenerationEvent, float, dict[str, 
 KILLS = _FAILURES
 """The change kinds of a kill: a node lost, a rank failure."""
 
-CHANGE_COLUMNS = ("detection", "reforming", "build", "fill", "first_step", "redone")
+CHANGE_COLUMNS = ("detection", "waiting", "reforming", "build", "fill", "first_step", "redone")
 """The columns of a change's cost (`ChangeCost`), in the order shown."""
 
 
@@ -171,9 +171,13 @@ class ChangeCost:
     change_kind: int
     at_s: float
     """The generation's creation, in seconds after the job's first generation."""
+    waits: bool
+    """A WAIT generation (too few members: a kill that left fewer than min_workers)."""
     started: bool
-    """The generation's ranks reported a first step (False: it was replaced first)."""
+    """The generation's ranks reported a first step (False: it waited, or was
+    replaced first)."""
     detection: float
+    waiting: float
     reforming: float
     build: float
     fill: float
@@ -192,11 +196,14 @@ def change_costs(job: pb.Job, events: Sequence[js.GenerationEvent],
     """Every generation made by a kill (`KILLS`) or a join, oldest first, with
     the time it cost the survivors split by where it went; every column but
     ``first_step`` is a cause of `generation_causes` (via `per_generation`),
-    renamed:
+    renamed (the total is every column but ``first_step``'s None):
 
     * ``detection``: the previous generation's ``detection`` (its last step
       report to this generation's creation: the failure unnoticed); 0 for a
       join.
+    * ``waiting``: its ``waiting`` (a WAIT generation: the kill left fewer
+      than ``min_workers``; the survivors wait for a join, whose own
+      generation is the next row).
     * ``reforming``: this generation's ``reforming`` (rank 0's rendezvous,
       the plan reaching the ranks, the old generation's last step; a
       joiner's process start while rank 0 waits for it at the rendezvous is
@@ -218,8 +225,7 @@ def change_costs(job: pb.Job, events: Sequence[js.GenerationEvent],
 
     The job's first RUN generation has no survivors and is not a change;
     other kinds (drain, leave, operator, control, a generation made again)
-    are not listed. A kill whose generation waits for members (WAIT) shows
-    its wait in none of the columns (it is ``waiting``)."""
+    are not listed."""
     rows = per_generation(job, events, now)
     if not rows:
         return []
@@ -236,8 +242,9 @@ def change_costs(job: pb.Job, events: Sequence[js.GenerationEvent],
         out.append(ChangeCost(
             generation=event.generation, kind=kind, change_kind=event.kind,
             at_s=(_t(event.created_at) or origin) - origin,
+            waits=event.action == pb.PLAN_ACTION_WAIT,
             started=_t(event.first_step_at) is not None,
-            detection=rows[i - 1][2]["detection"] if i else 0.0,
+            detection=rows[i - 1][2]["detection"] if i else 0.0, waiting=causes["waiting"],
             reforming=causes["reforming"], build=causes["startup"],
             fill=causes["state_transfer"], first_step=_first_step_excess(event, causes),
             redone=causes["redone"], steps_redone=event.steps_redone))

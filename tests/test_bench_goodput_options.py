@@ -1,5 +1,6 @@
 """bench/goodput.py's options for the straggler trace (--straggler): parsing
-only, no bench run (the bench is run by hand; docs/benchmarks.md)."""
+only, no bench run (the bench is run by hand; docs/benchmarks.md); and its
+breakdown table of a kill's and a join's time, from hand-made costs."""
 
 from __future__ import annotations
 
@@ -66,3 +67,34 @@ def test_straggler_trace_refuses(goodput, argv, capsys):
     with pytest.raises(SystemExit):
         goodput._parse(argv)
     assert "--s" in capsys.readouterr().err
+
+
+def test_the_breakdown_table_puts_each_cost_in_its_column(goodput, capsys):
+    import json
+
+    from springback.client.badput import ChangeCost
+    from springback.v1 import job_service_pb2 as js
+
+    kill = ChangeCost(generation=3, kind="kill", change_kind=js.CHANGE_KIND_NODE_LOST, at_s=13,
+                      waits=False, started=True, detection=5.0, waiting=0.0, reforming=1.5,
+                      build=0.25, fill=0.75, first_step=None, redone=2.0, steps_redone=4)
+    join = ChangeCost(generation=4, kind="join", change_kind=js.CHANGE_KIND_JOIN, at_s=20,
+                      waits=False, started=True, detection=0.0, waiting=0.0, reforming=3.0,
+                      build=0.0, fill=0.5, first_step=0.125, redone=0.0, steps_redone=0)
+    goodput._print_changes("springback lt 5s", [kill, join])
+    lines = capsys.readouterr().out.splitlines()
+    rows = {line.split()[0] + " " + line.split()[1]: line.split()[2:] for line in lines
+            if line.startswith(("kill", "join"))}
+    # detect, wait, reform, build, fill, 1st step, redone, total, steps redone
+    assert rows["kill g3"] == ["13.0", "5.00", "0.00", "1.50", "0.25", "0.75", "-", "2.00",
+                               "9.50", "4"]
+    assert rows["join g4"] == ["20.0", "0.00", "0.00", "3.00", "0.00", "0.50", "0.12", "0.00",
+                               "3.62", "0"]
+    assert rows["kill mean"] == ["5.00", "0.00", "1.50", "0.25", "0.75", "-", "2.00", "9.50",
+                                 "4.0"]
+    assert any("kill: first step measured for 0 of 1" in line for line in lines)
+    out = json.loads(json.dumps(goodput._change_json(
+        [{"system": "springback lt 5s", "changes": [kill, join]}, {"system": "torchft"}])))
+    assert [r["generation"] for r in out[0]["rows"]] == [3, 4] and len(out) == 1
+    assert out[0]["summary"]["join"]["mean"]["first_step"] == 0.125
+    assert out[0]["rows"][0]["total"] == 9.5

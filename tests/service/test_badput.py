@@ -94,6 +94,7 @@ def test_a_kill_and_a_join_are_split_into_where_their_time_went():
     # detection: the first world's last step (110) to the loss's generation (113);
     # 3 s before the start report: 1.25 fill, 0.25 build, 0.5 rendezvous + 1.0 rest
     assert (kill.detection, kill.reforming, kill.build, kill.fill) == (3, 1.5, 0.25, 1.25)
+    assert kill.waiting == 0 and not kill.waits
     # the first step: 0.75 s from the start report, the median step 0.25 s
     assert kill.first_step == 0.5 and kill.redone == 1.0 and kill.steps_redone == 2
     assert kill.total == 7.5
@@ -163,6 +164,18 @@ def test_a_first_step_not_measured_is_none_not_zero():
     assert summary["kill"]["mean"]["first_step"] is None
     assert summary["join"]["mean"]["first_step"] == 1.0  # over the one that measured it
     assert summary["join"]["count"] == 2
+
+
+def test_a_kill_that_leaves_too_few_members_waits_for_the_join():
+    job = pb.Job()
+    events = [event(1, 100, started_at=100, last_step_at=110),
+              event(2, 110.5, kind=js.CHANGE_KIND_NODE_LOST, action=pb.PLAN_ACTION_WAIT),
+              event(3, 112.5, kind=js.CHANGE_KIND_JOIN, started_at=113, last_step_at=120)]
+    kill, join = badput.change_costs(job, events, now=120)
+    assert (kill.waits, kill.started, kill.detection, kill.waiting) == (True, False, 0.5, 2)
+    assert kill.reforming == kill.build == kill.fill == kill.redone == 0
+    assert kill.first_step is None and kill.total == 2.5
+    assert (join.waits, join.waiting, join.reforming) == (False, 0, 0.5)
 
 
 def test_the_first_world_and_other_changes_are_no_kill_or_join():
