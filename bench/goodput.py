@@ -86,6 +86,12 @@ the steps of the final lineage: Springback's committed final step; for the
 baselines the distinct steps logged up to the final one. The load average is
 printed with the numbers: the machine is shared, and absolute goodput falls
 with its load (every system equally exposed, one after the other).
+
+After each Springback run of a kill trace: one row per kill and per join,
+the survivors' lost time split into detection, wait, reforming, build, fill,
+the first step beyond the median step and steps redone (client/badput.py's
+change_costs, from the job's generation events), with the total and the mean
+per kind (docs/benchmarks.md, "Where a kill's and a join's time goes").
 """
 
 from __future__ import annotations
