@@ -42,18 +42,25 @@ class MemberCalls:
         self.stub, self.job_id, self.member_id = stub, job_id, member_id
         self.timeout_s = timeout_s
 
-    def _call(self, method: str, request: Any, *, what: str = "", then: str = "") -> Any:
+    def _call(self, method: str, request: Any, *, what: str = "", then: str = "",
+              timeout_s: float | None = None) -> Any:
         try:
-            return getattr(self.stub, method)(request, timeout=self.timeout_s)
+            return getattr(self.stub, method)(request, timeout=timeout_s or self.timeout_s)
         except grpc.RpcError as e:
             log.warning("%s failed: %s %s%s", what or method, e.code().name, e.details(),
                         f"; {then}" if then else "")
             return None
 
-    def report_failure(self, generation: int, reason: str) -> wpb.ReportFailureResponse | None:
+    def report_failure(self, generation: int, reason: str, *, what: str = "",
+                       then: str = "the peers' collectives fail anyway",
+                       timeout_s: float | None = None, **fields: Any
+                       ) -> wpb.ReportFailureResponse | None:
+        """ReportFailure of `generation`; `fields` are the request's others
+        (``state_kept``, ``lost_peer``/``lost_rank``, ``job_fatal``,
+        ``job_pause``, ``storage_unavailable``: what the failure is)."""
         return self._call("ReportFailure", wpb.ReportFailureRequest(
-            job_id=self.job_id, member_id=self.member_id, generation=generation, reason=reason),
-            then="the peers' collectives fail anyway")
+            job_id=self.job_id, member_id=self.member_id, generation=generation, reason=reason,
+            **fields), what=what, then=then, timeout_s=timeout_s)
 
     def report_step(self, generation: int, step: int, loss: float, *, start: bool = False,
                     restored_from: pb.RestoreKind = pb.RESTORE_KIND_UNSPECIFIED

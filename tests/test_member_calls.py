@@ -80,3 +80,19 @@ def test_a_refused_commit_prunes_nothing_and_a_failed_prune_is_logged(caplog):
 
 if __name__ == "__main__":
     pytest.main([__file__])
+
+
+def test_a_rank_s_failure_report_says_what_failed_with_its_own_deadline(caplog):
+    caplog.set_level(logging.WARNING, "springback.client")
+    stub = Stub(retained=[])
+    calls = MemberCalls(stub, "job", "m1", timeout_s=5.0)
+    assert calls.report_failure(4, "rank 0 saw rank 3's connection reset", lost_peer=True,
+                                lost_rank=3, timeout_s=2.0) is not None
+    (method, request, timeout), = stub.calls
+    assert (method, timeout) == ("ReportFailure", 2.0)
+    assert (request.generation, request.lost_peer, request.lost_rank, request.state_kept) == (
+        4, True, 3, False)
+    refused = MemberCalls(Stub(retained=[], error=Refused()), "job", "m1")
+    assert refused.report_failure(4, "too many bad steps", state_kept=True, job_pause=True,
+                                  what="pause report", then="asked again") is None
+    assert "pause report failed: FAILED_PRECONDITION stale generation; asked again" in caplog.text

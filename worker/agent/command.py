@@ -134,8 +134,7 @@ def _run_agent(config: AgentConfig, drained_exit_code: int = EXIT_OK) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     status = agent.run()
-    drained = agent._drain_reason is not None  # noqa: SLF001 (set by on_signal or a notice)
-    return drained_exit_code if status == EXIT_OK and drained else status
+    return drained_exit_code if status == EXIT_OK and agent.drain_requested else status
 
 
 Standalone = Callable[[str, "tuple[int, int] | None", Callable[[str, str], int]], int]

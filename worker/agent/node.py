@@ -282,6 +282,12 @@ class Agent:
             self._drain_preempted = preempted
             self._drain_reason = reason
 
+    @property
+    def drain_requested(self) -> bool:
+        """A drain was requested (a signal, a preemption notice), whether or
+        not it has run yet."""
+        return self._drain_reason is not None
+
     def run(self) -> int:
         metrics_server = None
         try:

@@ -34,6 +34,7 @@ from typing import cast
 import grpc
 
 from springback.client.channel import connect
+from springback.client.workers import MemberCalls
 from springback.worker.rank import rendezvous
 from springback.worker.train.ranktiming import MemberTimings
 from springback.v1 import types_pb2 as pb
@@ -57,7 +58,9 @@ class StepReporter:
     def __init__(self, addresses: str, token: str | None, job_id: str, member_id: str) -> None:
         self._channel = connect(addresses, token=token)
         self._stub = wgrpc.WorkerServiceStub(self._channel)
-        self.stub = self._stub  # shared with the checkpoint commit path
+        self.stub = self._stub  # shared with the checkpoint commit path (its own MemberCalls)
+        self.calls = MemberCalls(self._stub, job_id, member_id, timeout_s=REPORT_TIMEOUT_S)
+        """This rank's failure reports (below), logged and dropped on error."""
         self._job_id = job_id
         self._member_id = member_id
         self._cond = threading.Condition()
@@ -141,14 +144,11 @@ class StepReporter:
         budget (the job then waits for storage). One call with a deadline;
         False when it failed (the caller re-sends while it waits for a plan).
         Sent by the calling thread, not queued: the step loop is stopped anyway."""
-        try:
-            resp = self._stub.ReportFailure(wpb.ReportFailureRequest(
-                job_id=self._job_id, member_id=self._member_id, generation=generation,
-                reason=reason, state_kept=True, storage_unavailable=storage_unavailable),
-                timeout=REPORT_TIMEOUT_S)
-        except grpc.RpcError as e:
-            log.warning("ReportFailure(generation=%d, state kept) failed: %s %s", generation,
-                        e.code().name, e.details())
+        resp = self.calls.report_failure(
+            generation, reason, state_kept=True, storage_unavailable=storage_unavailable,
+            what=f"ReportFailure(generation={generation}, state kept)",
+            then="sent again while the rank waits for a plan")
+        if resp is None:
             return False
         self.coordinator_generation = max(self.coordinator_generation, resp.generation)
         return True
@@ -161,14 +161,11 @@ class StepReporter:
         generation: another report already replanned; the peer already
         fenced) or an unreachable coordinator is logged, and the liveness
         timeout still fences a lost node. True when the report was taken."""
-        try:
-            self._stub.ReportFailure(wpb.ReportFailureRequest(
-                job_id=plan.job_id, member_id=self._member_id, generation=plan.generation,
-                reason=f"rank {rank} saw rank {peer}'s connection reset",
-                lost_peer=True, lost_rank=peer), timeout=LOST_PEER_TIMEOUT_S)
-        except grpc.RpcError as e:
-            log.warning("rank %d: report of lost peer rank %d not taken: %s %s", rank,
-                        peer, e.code().name, e.details())
+        if self.calls.report_failure(
+                plan.generation, f"rank {rank} saw rank {peer}'s connection reset",
+                lost_peer=True, lost_rank=peer, timeout_s=LOST_PEER_TIMEOUT_S,
+                what=f"rank {rank}: report of lost peer rank {peer}",
+                then="the liveness timeout fences a lost node") is None:
             return False
         log.warning("rank %d: reported lost peer rank %d", rank, peer)
         return True
@@ -179,14 +176,9 @@ class StepReporter:
         ends the job FAILED with `reason`. Never raises: one call with a
         `LOST_PEER_TIMEOUT_S` deadline; when it is not taken the rank's exit
         is still reported by its agent. True when the report was taken."""
-        try:
-            self._stub.ReportFailure(wpb.ReportFailureRequest(
-                job_id=plan.job_id, member_id=self._member_id, generation=plan.generation,
-                reason=reason, job_fatal=True), timeout=LOST_PEER_TIMEOUT_S)
-        except grpc.RpcError as e:
-            log.warning("fatal report not taken: %s %s", e.code().name, e.details())
-            return False
-        return True
+        return self.calls.report_failure(
+            plan.generation, reason, job_fatal=True, timeout_s=LOST_PEER_TIMEOUT_S,
+            what="fatal report", then="the agent reports the rank's exit") is not None
 
     def report_pause(self, plan: pb.Plan, reason: str) -> bool:
         """Asks the coordinator to pause the job by its own policy (the
@@ -194,14 +186,10 @@ class StepReporter:
         its message; the member keeps its state. Never raises: one call with
         a `LOST_PEER_TIMEOUT_S` deadline; False when it was not taken (the
         caller asks again at the next bad step)."""
-        try:
-            self._stub.ReportFailure(wpb.ReportFailureRequest(
-                job_id=plan.job_id, member_id=self._member_id, generation=plan.generation,
-                reason=reason, state_kept=True, job_pause=True), timeout=LOST_PEER_TIMEOUT_S)
-        except grpc.RpcError as e:
-            log.warning("pause report not taken: %s %s", e.code().name, e.details())
-            return False
-        return True
+        return self.calls.report_failure(
+            plan.generation, reason, state_kept=True, job_pause=True,
+            timeout_s=LOST_PEER_TIMEOUT_S, what="pause report",
+            then="asked again at the next bad step") is not None
 
     def close(self) -> None:
         self.flush()
