@@ -22,7 +22,7 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator
 
 from springback.service.policy import ckptinterval, planner, replan
 from springback.service.etcd import keys
@@ -32,11 +32,12 @@ from springback.service.etcd.writer import FencedWriter
 from springback.service.etcd.election import Election
 from springback.service.core.history import History, delete_job
 from springback.service.core.jobstate import JobState, Measures, PlanView
+from springback.service.core.leases import MemberLeases
 from springback.service.policy.stoprules import StopRules
 from springback.service.policy import stragglers
-from springback.service.core import setaside
+from springback.service.core import departures
 from springback.client.errors import (
-    Conflict, FailedPrecondition, NotFound, NotLeader, StaleGeneration,
+    Conflict, FailedPrecondition, NotFound, NotLeader,
 )
 from springback.service.etcd.store import Store
 from springback.v1 import job_service_pb2 as js
@@ -51,9 +52,6 @@ the caller's (what it found decides what is said)."""
 CHANGE_ATTEMPTS = 5
 """Rounds of `change_with_retry`: changes of one job race in etcd, not on a lock."""
 
-MEMBER_CHECK_S = 1.0
-"""A step reporter's registration is read from etcd at most this often (a
-report every step would otherwise be an etcd read every step)."""
 FAILURE_CHANGES = (js.CHANGE_KIND_NODE_LOST, js.CHANGE_KIND_RANK_FAILURE)
 """`ChangeKind`s that count as failures for
 the auto checkpoint interval's MTBF (a drain is planned, not a failure)."""
@@ -77,12 +75,11 @@ class Coordinator:
         # set by `kick`: the reconcile loop (`reconcile.Reconciler`) runs a pass now
         self.kicked = threading.Event()
         self._lock = threading.RLock()
-        self._changed = threading.Condition(self._lock)
+        # held to read or change a JobState (`reports`, `departures` too); watchers wait on it
+        self.changed = threading.Condition(self._lock)
         self._version = 0  # bumped on every change; watchers wait on it
         self._jobs: dict[str, JobState] = {}  # job id -> what this leader keeps of it
-        # member id -> lease id, and when found registered (member ids name no job)
-        self._lease_of: dict[str, int] = {}
-        self._member_checked: dict[str, float] = {}
+        self.leases = MemberLeases(store)  # member id -> lease id (a cache)
         # the stop rules' samples of running jobs (leader memory, `stoprules`)
         self.stop_rules = StopRules()
         self.stragglers = stragglers.Stragglers()  # controls.straggler's evidence
@@ -97,12 +94,11 @@ class Coordinator:
         """Drops what the leader keeps in memory (every job's `JobState`, the
         member leases, stop rules' samples, history not yet flushed; see
         `jobstate`) and wakes every watcher (they re-check leadership)."""
-        with self._changed:
+        with self.changed:
             self._forget(None)
-            self._lease_of.clear()
-            self._member_checked.clear()
+            self.leases.clear()
             self._version += 1
-            self._changed.notify_all()
+            self.changed.notify_all()
 
     def _forget(self, job_id: str | None) -> None:
         """Drops the in-memory state of job `job_id`, or of every job (None):
@@ -198,10 +194,11 @@ class Coordinator:
             return plan.generation if plan else 0
         view = self.job_state(job_id).plan
         if view is None:
-            view = self._remember(job_id, self.current_plan(job_id))
+            view = self.remember_plan(job_id, self.current_plan(job_id))
         return view.generation
 
-    def _remember(self, job_id: str, plan: pb.Plan | None) -> PlanView:
+    def remember_plan(self, job_id: str, plan: pb.Plan | None) -> PlanView:
+        """Caches `plan` (its generation, signature, members) as the job's current one."""
         signature = planner.signature(plan)
         view = PlanView(
             generation=plan.generation if plan else 0,
@@ -225,7 +222,8 @@ class Coordinator:
         entries = self.store.get_prefix(keys.members(job_id), pb.Member)
         for e in entries:
             e.value.join_order = e.create_revision
-        self._lease_of.update((e.value.id, e.lease_id) for e in entries)
+        for e in entries:
+            self.leases.remember(e.value.id, e.lease_id)
         return [e.value for e in entries]
 
     # -- the one write path -----------------------------------------------------
@@ -259,7 +257,7 @@ class Coordinator:
         their in-memory state (a rank crashed) and stop being state holders.
         `draining` members are planned as if their draining flag (written by
         `extra_ops`) were set. `named`: the members `reason` names (a
-        departure it names is not named again, `_naming_departures`); a
+        departure it names is not named again, `departures.naming`); a
         reason said by `mutate` names none. `extra_compare` joins the transaction's
         comparisons (a caller's own reads that must still hold when the write
         lands, see `fencing`).
@@ -284,7 +282,7 @@ class Coordinator:
                 reason, named = said, ()
         progress = self.job_state(job_id).progress  # after mutate: a start sets it
         previous = plan_entry.value if plan_entry else None
-        reason, departed = self._naming_departures(job_id, previous, members, reason, named)
+        reason, departed = departures.naming(self, job_id, previous, members, reason, named)
         kind = change_kind({kind, *departed}, job.status.state)
         failure = kind in FAILURE_CHANGES
         decision = replan.replan(replan.Inputs(
@@ -314,14 +312,14 @@ class Coordinator:
         self.writer.write_or_conflict(fence, compare, ops, f"job {job_id}")
         self._applied(job_id, decision, progress, reason)
         if failure and decision.new_generation:
-            with self._changed:
+            with self.changed:
                 self.job_state(job_id).measures.failures += 1
         return job
 
     def _observed(self, job: pb.Job, failure: bool) -> ckptinterval.Observed:
         """What the auto checkpoint interval of `job`'s next plan is chosen
         from; `failure`: the change being planned is itself a failure."""
-        with self._changed:
+        with self.changed:
             state = self._jobs.get(job.id)
             m = state.measures if state else Measures()
             started = job.started_at.ToNanoseconds() / 1e9 if job.started_at.seconds else 0.0
@@ -334,7 +332,7 @@ class Coordinator:
                  progress: planner.Progress | None, reason: str) -> None:
         """Caches what a landed change wrote, then wakes the watchers."""
         plan = decision.plan
-        with self._changed:
+        with self.changed:
             state = self.job_state(job_id)
             if state.progress is progress:
                 state.dirty = False  # a report that came meanwhile stays dirty
@@ -352,54 +350,20 @@ class Coordinator:
         if decision.new_generation:
             log.info("job %s generation %d (%s): world %d, %s", job_id, plan.generation,
                      pb.PlanAction.Name(plan.action), plan.world_size, reason)
-        self._notify(job_id, reason)
-
-    def note_departure(self, job_id: str, member_id: str, why: str,
-                       kind: js.ChangeKind) -> None:
-        """Records why a member goes (\"lost m-1 (peers: ...)\", \"m-1 left: ...\")
-        and as what `kind` of change, before its caller revokes its lease:
-        whichever change then replans without it (that caller's own, or a
-        progress flush, a start report or the reconcile loop that read the
-        membership first) names it so and records its kind."""
-        with self._lock:
-            self.job_state(job_id).departures[member_id] = (why, kind)
-
-    def _naming_departures(self, job_id: str, previous: pb.Plan | None,
-                           members: list[pb.Member], reason: str, named: Collection[str]
-                           ) -> tuple[str, list[js.ChangeKind]]:
-        """`reason`, preceded by the members of `previous` (active or spare)
-        that are no longer registered and that the caller did not say
-        `reason` names (`named`: its text is never searched), each
-        with its noted departure or, when none was noted (its lease expired),
-        \"lost ... (liveness timeout)\"; and the kinds of every such departure
-        (named in `reason` or not: its text does not decide a kind). A
-        generation's reason and kind thus say what changed the membership,
-        whichever writer happened to land that change first."""
-        if previous is None:
-            return reason, []
-        live = {m.id for m in members}
-        planned = [m.member_id for m in previous.members] + list(previous.spares)
-        gone = [m for m in planned if m not in live]
-        with self._lock:
-            departures = self.job_state(job_id).departures
-            noted = {m: departures.get(m, (f"lost {m} (liveness timeout)",
-                                           js.CHANGE_KIND_NODE_LOST))
-                     for m in gone}
-        notes = [why for m, (why, _) in noted.items() if m not in named]
-        kinds = [kind for _, kind in noted.values()]
-        return ("; ".join([*notes, reason]) if notes else reason), kinds
+        self.notify(job_id, reason)
 
     def _signature_of(self, job_id: str, plan: pb.Plan) -> tuple:
         view = self.job_state(job_id).plan
         if view is None or view.generation != plan.generation:
-            view = self._remember(job_id, plan)
+            view = self.remember_plan(job_id, plan)
         return view.signature
 
-    def _notify(self, job_id: str, event: str) -> None:
-        with self._changed:
+    def notify(self, job_id: str, event: str) -> None:
+        """Wakes every watcher, `event` the job's last change in words."""
+        with self.changed:
             self._version += 1
             self.job_state(job_id).event = event
-            self._changed.notify_all()
+            self.changed.notify_all()
 
     def change_with_retry(self, job_id: str, reason: str, mutate: JobMutation | None = None,
                           *, kind: js.ChangeKind, **kwargs) -> pb.Job:  # noqa: ANN003
@@ -415,183 +379,6 @@ class Coordinator:
                 time.sleep(random.uniform(0, 0.01 * 2 ** attempt))  # backoff, not a synchronisation
         raise AssertionError("unreachable")
 
-    # -- progress and fencing ---------------------------------------------------
-
-    def check_generation(self, job_id: str, generation: int) -> None:
-        """Raises `StaleGeneration` unless `generation` is the job's current one.
-
-        On the leader a report from a newer generation than the cached one
-        is checked against etcd: between a change's write and `_applied` a
-        plan is in etcd (members see it there) but not yet cached, and a
-        member's report from it is current, not stale (then cached here)."""
-        current = self.current_generation(job_id)
-        if generation > current and self.election.is_leader():
-            plan = self.current_plan(job_id)
-            if plan is not None and plan.generation > current:
-                current = self._remember(job_id, plan).generation
-        if generation != current:
-            raise StaleGeneration(job_id, generation, current)
-
-    def record_progress(self, job_id: str, member_id: str, generation: int,
-                        progress: planner.Progress, checkpoint_stall_s: float = 0.0,
-                        stall_total_s: float = 0.0,
-                        step_quantiles: tuple[float, float, float] = (0.0, 0.0, 0.0),
-                        member_timing: Sequence[pb.MemberTiming] = (),
-                        store_intrusion: str = "") -> int:
-        """Accepts a step report from a member of the current generation.
-
-        In memory only. The member's registration is read from etcd at most
-        every `MEMBER_CHECK_S`: a member whose lease expired is NOT_FOUND
-        within that long, and until the leader replans without it its reports
-        still come from the current generation's training, so counting them
-        is right. The job succeeds (one read, one write) when max_steps is
-        reached. The job's max_steps is read once per leadership: no request
-        changes it. The report's time and `checkpoint_stall_s` are kept for
-        the auto checkpoint interval (`ckptinterval`); the time and
-        `stall_total_s` (the generation's stalls summed) for badput by cause;
-        `member_timing` (rank 0's per-member step timing) for `get_job`;
-        `store_intrusion` (rank 0 found an outsider's keys in the generation's
-        store) is recorded on the job (`_record_intrusion`).
-        """
-        self.require_leader()
-        now = time.monotonic()
-        if now - self._member_checked.get(member_id, -MEMBER_CHECK_S) >= MEMBER_CHECK_S:
-            if self.store.get(keys.member(job_id, member_id)) is None:
-                self._member_checked.pop(member_id, None)
-                raise NotFound(f"member {member_id!r} of job {job_id!r} is not registered "
-                               "(expired or left): its reports no longer count")
-            self._member_checked[member_id] = now
-        with self._changed:
-            self.check_generation(job_id, generation)
-            state = self.job_state(job_id)
-            if state.plan is None or member_id not in state.plan.members:
-                raise StaleGeneration(job_id, generation, self.current_generation(job_id))
-            previous = state.progress
-            if previous is None or progress.step >= previous.step:
-                if previous is None or progress.step > previous.step:
-                    state.series.append((time.time(), progress.step, progress.loss))
-                state.progress = progress
-                state.dirty = True
-                if member_timing:
-                    state.member_timing = (generation, _named(state.plan, member_timing))
-                measures = state.measures
-                measures.step_reported(generation, progress.step, checkpoint_stall_s, now)
-                self.history.on_progress(job_id, generation, stall_total_s=stall_total_s,
-                                         step_s=measures.step_s, step_quantiles=step_quantiles)
-                self._notify(job_id, f"step {progress.step}")
-            timing = (state.member_timing[1] if member_timing
-                      and state.member_timing[0] == generation else None)
-        if timing:
-            setaside.act(self, job_id, generation, progress.step, timing, time.time())
-        if store_intrusion:
-            self._record_intrusion(job_id, store_intrusion)
-        state = self.job_state(job_id)
-        max_steps = state.max_steps
-        if max_steps is None:
-            max_steps = state.max_steps = self._job_entry(job_id).value.spec.max_steps
-        if progress.step >= max_steps and self.get_job(job_id).status.state == pb.JOB_STATE_RUNNING:
-            def succeed(job: pb.Job) -> None:
-                job.status.state = pb.JOB_STATE_SUCCEEDED
-            self.change_with_retry(job_id, f"reached max_steps {max_steps}", succeed,
-                                   kind=js.CHANGE_KIND_FINISH)
-        return self.current_generation(job_id)
-
-    def _record_intrusion(self, job_id: str, found: str) -> None:
-        """Counts an intrusion attempt on the job's rendezvous store (what
-        rank 0 `found`, which names its generation) in the job's status and
-        says it in its message: one etcd write, no new generation; a
-        repeated report of the same finding changes nothing."""
-        said = f"rendezvous store intrusion attempt: {found}"
-
-        def record(job: pb.Job) -> str:
-            status = job.status
-            if status.last_store_intrusion == found:
-                return status.message
-            status.num_store_intrusions += 1
-            status.last_store_intrusion = found
-            log.warning("job %s: %s", job_id, said)
-            return said
-
-        self.change_with_retry(job_id, said, record, kind=js.CHANGE_KIND_OTHER)
-
-    def record_generation_start(self, job_id: str, member_id: str, generation: int,
-                                progress: planner.Progress, restored_from: int,
-                                state_lost: str = "",
-                                spans: tuple[float, float, float] = (0.0, 0.0, 0.0)) -> None:
-        """Rank 0's word that generation `generation` agreed on the state of
-        `progress.step`, taken from `restored_from` (memory, a checkpoint, or
-        nothing).
-
-        This is what proves state holders: every member of the generation
-        holds that state now. A start behind the reported progress rewinds it
-        and counts the steps redone; a restore from a checkpoint is counted.
-        A start from nothing (`RESTORE_KIND_NONE`) behind the reported
-        progress is a *state loss* (the ranks' `state_lost` says why; the
-        DDP form's fresh start says nothing and is caught here all the same):
-        counted in ``num_state_losses`` and ``steps_lost``, marked on the
-        generation's event and the job's message, and with
-        ``failures.on_state_lost: fail`` the job ends FAILED instead.
-        `spans` (rank 0's start-up, rendezvous and transfer seconds) and the
-        report's arrival are recorded on the generation's event (badput).
-        One etcd write per generation. Raises `StaleGeneration` for an old
-        generation (nothing changes); idempotent for a repeated report.
-        """
-        self.require_leader()
-        with self._changed:
-            self.check_generation(job_id, generation)
-            view = self.job_state(job_id).plan
-            if view is None or member_id not in view.members:
-                raise StaleGeneration(job_id, generation, self.current_generation(job_id))
-            holders = sorted(view.members)
-        self.history.note_start(job_id, generation)
-        reason = f"generation {generation} started at step {progress.step} (state from " \
-                 f"{pb.RestoreKind.Name(restored_from).removeprefix('RESTORE_KIND_').lower()})"
-
-        rolled_back = [False]  # set by the attempt that lands (a retry sets it afresh)
-
-        def started(job: pb.Job) -> str | None:
-            status = job.status
-            rolled_back[0] = False
-            waited_for_storage = status.HasField("storage_unavailable_since")
-            status.ClearField("storage_unavailable_since")  # the store answered
-            if (not waited_for_storage and status.holders_step == progress.step
-                    and list(status.state_holders) == holders):
-                return status.message  # a repeated report: what was said stands
-            redone = max(status.step - progress.step, 0)
-            rolled_back[0] = redone > 0
-            lost = redone if restored_from == pb.RESTORE_KIND_NONE and redone else 0
-            status.steps_redone += redone
-            why, said = "", None
-            if lost:
-                why = state_lost or "no rank held the trained state and nothing was committed"
-                status.num_state_losses += 1
-                status.steps_lost += lost
-                said = f"state lost: {lost} trained steps (to step {status.step}) thrown " \
-                         f"away, generation {generation} started from scratch: {why}"
-                if job.spec.failures.on_state_lost == pb.STATE_LOST_POLICY_FAIL:
-                    status.state = pb.JOB_STATE_FAILED
-                    said = f"failed (failures.on_state_lost: fail): {said}"
-                log.error("job %s: %s", job_id, said)
-            self.history.on_start(job_id, generation, step=progress.step, steps_redone=redone,
-                                  restored_from=restored_from, state_lost=why, steps_lost=lost,
-                                  spans=spans)
-            if restored_from == pb.RESTORE_KIND_CHECKPOINT:
-                status.num_restores += 1
-            status.step = progress.step
-            status.samples_consumed = progress.samples_consumed
-            status.cursor.CopyFrom(progress.cursor)
-            del status.state_holders[:]
-            status.state_holders.extend(holders)
-            status.holders_step = progress.step
-            with self._changed:  # reports of the new generation count from here
-                self.job_state(job_id).progress = progress
-            return said
-
-        self.change_with_retry(job_id, reason, started, kind=js.CHANGE_KIND_OTHER)
-        if rolled_back[0]:
-            with self._changed:
-                self.job_state(job_id).measures.rollbacks += 1
-
     # -- watching -----------------------------------------------------------------
 
     def watch(self, job_id: str, alive: Callable[[], bool],
@@ -604,9 +391,9 @@ class Coordinator:
         seen = -1
         while alive():
             self.require_leader()
-            with self._changed:
+            with self.changed:
                 if seen == self._version:
-                    self._changed.wait(poll_s)
+                    self.changed.wait(poll_s)
                     continue
                 seen = self._version
                 state = self._jobs.get(job_id)
@@ -635,47 +422,8 @@ class Coordinator:
 
     # -- used by the membership and job-control layers ---------------------------------
 
-    def remember_lease(self, member_id: str, lease_id: int) -> None:
-        self._lease_of[member_id] = lease_id
-
-    def cached_lease(self, member_id: str) -> int | None:
-        """The member's lease id if this replica knows it (no I/O)."""
-        return self._lease_of.get(member_id)
-
-    def forget_member(self, member_id: str) -> None:
-        self._lease_of.pop(member_id, None)
-        self._member_checked.pop(member_id, None)
-
-    def lease_of(self, job_id: str, member_id: str, store: Store | None = None) -> int:
-        """The member's lease id (cached), read with `store` (default: ours) on a miss."""
-        lease = self._lease_of.get(member_id)
-        if lease is None:
-            entry = (store or self.store).get(keys.member(job_id, member_id))
-            if entry is None:
-                raise NotFound(
-                    f"member {member_id!r} of job {job_id!r} is not registered (expired or "
-                    "left): stop local ranks and join again"
-                )
-            lease = self._lease_of[member_id] = entry.lease_id
-        return lease
-
     def require_state(self, job: pb.Job, allowed: Collection[int], action: str) -> None:
         if job.status.state not in allowed:
             raise FailedPrecondition(
                 f"cannot {action} job {job.id}: it is {pb.JobState.Name(job.status.state)}"
             )
-
-
-def _named(plan: PlanView, timing: Sequence[pb.MemberTiming]) -> list[pb.MemberTiming]:
-    """Rank 0's per-node timing (by node rank: its plan slice names no other
-    member) with each node's member named from the leader's whole plan;
-    a node rank the plan does not have is dropped."""
-    by_node = {node_rank: member_id for member_id, node_rank, _, _ in plan.signature[1]}
-    out = []
-    for t in timing:
-        if t.node_rank in by_node:
-            named = pb.MemberTiming()
-            named.CopyFrom(t)
-            named.member_id = by_node[t.node_rank]
-            out.append(named)
-    return out

@@ -64,7 +64,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from springback.client import plans
-from springback.service.core import fencing
+from springback.service.core import departures, fencing
 from springback.service.etcd import keys
 from springback.service.core.coordinator import Coordinator
 from springback.client.errors import FailedPrecondition, SpringbackError
@@ -203,9 +203,9 @@ class PeerLossEvidence:
             entry = coordinator.store.get(keys.member(job_id, member_id), pb.Member)
             if entry is None:
                 return
-            coordinator.forget_member(member_id)
+            coordinator.leases.forget(member_id)
             reason = f"lost {member_id} (peers: {why})"
-            coordinator.note_departure(job_id, member_id, reason, js.CHANGE_KIND_NODE_LOST)
+            departures.note(coordinator, job_id, member_id, reason, js.CHANGE_KIND_NODE_LOST)
             coordinator.store.revoke_lease(entry.lease_id)
             self.num_fenced += 1
             coordinator.change_with_retry(job_id, reason, kind=js.CHANGE_KIND_NODE_LOST,

@@ -21,7 +21,7 @@ import uuid
 
 import grpc
 
-from springback.service.core import fencing
+from springback.service.core import departures, fencing
 from springback.service.etcd import keys
 from springback.service.policy import planner
 from springback.service.core.coordinator import Coordinator, timestamp_now
@@ -150,7 +150,7 @@ class Membership:
         member.joined_at.CopyFrom(timestamp_now())
         lease = store.grant_lease(max(2, math.ceil(self.liveness_timeout_s)))
         if coordinator.writer.create(key, member.SerializeToString(), lease=lease, fence=fence):
-            coordinator.remember_lease(member.id, lease.id)
+            coordinator.leases.remember(member.id, lease.id)
             lease_id = lease.id
         else:
             store.revoke_lease(lease.id)
@@ -175,7 +175,7 @@ class Membership:
             raise InvalidArgument(
                 "join_token", f"already used by member {found.id} ({found.host}:"
                 f"{found.rendezvous_port}, {found.num_local_ranks} ranks); use a new token per join")
-        self.coordinator.remember_lease(found.id, entry.lease_id)
+        self.coordinator.leases.remember(found.id, entry.lease_id)
         return found, entry.lease_id
 
     def leave(self, job_id: str, member_id: str, reason: str, preempted: bool = False) -> None:
@@ -185,12 +185,12 @@ class Membership:
         coordinator = self.coordinator
         coordinator.require_leader()
         entry = coordinator.store.get(keys.member(job_id, member_id))
-        coordinator.forget_member(member_id)
+        coordinator.leases.forget(member_id)
         if entry is None:
             return
         left = f"{member_id} left: {reason or 'no reason given'}"
         kind = js.CHANGE_KIND_PREEMPTED if preempted else js.CHANGE_KIND_LEAVE
-        coordinator.note_departure(job_id, member_id, left, kind)
+        departures.note(coordinator, job_id, member_id, left, kind)
         coordinator.store.revoke_lease(entry.lease_id)  # deletes the key with it
         coordinator.change_with_retry(job_id, left, kind=kind, named={member_id})
 

@@ -180,7 +180,7 @@ class Reconciler:
         plan = c.current_plan(job.id)
         planned = {m.member_id for m in plan.members} | set(plan.spares) if plan else set()
         for gone in planned - {m.id for m in members}:
-            c.forget_member(gone)  # fenced: its credential is refused now (`revocation`)
+            c.leases.forget(gone)  # fenced: its credential is refused now (`revocation`)
         if plan is not None and planned == alive:
             state.fingerprint = fingerprint
             return

@@ -415,7 +415,7 @@ class Dashboard:
         """Whole seconds since the member's lease was last renewed (granted
         TTL - TTL left); None for a lease this replica does not know, or
         when etcd does not answer."""
-        lease = self._coordinator.cached_lease(member_id)
+        lease = self._coordinator.leases.cached(member_id)
         if lease is None:
             return None
         try:

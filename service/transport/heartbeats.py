@@ -159,10 +159,10 @@ class Heartbeats:
         if self._liveness is not None:
             self._liveness.require_reachable()
         coordinator = self._coordinator
-        lease = coordinator.cached_lease(member_id)
+        lease = coordinator.leases.cached(member_id)
         if lease is None:
             store = self._liveness.store if self._liveness is not None else coordinator.store
-            lease = await asyncio.to_thread(coordinator.lease_of, job_id, member_id, store)
+            lease = await asyncio.to_thread(coordinator.leases.lease_of, job_id, member_id, store)
         try:
             ttl = await self._renewer.refresh(lease)
         except StoreUnavailable:
@@ -172,7 +172,7 @@ class Heartbeats:
                     self._liveness.mark_unreachable()
             raise
         if ttl <= 0:
-            coordinator.forget_member(member_id)
+            coordinator.leases.forget(member_id)
             raise NotFound(
                 f"member {member_id!r} of job {job_id!r} expired: stop local ranks and join again")
         self.pacer.seen(member_id, asyncio.get_running_loop().time())

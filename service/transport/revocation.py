@@ -11,7 +11,7 @@ the agent's new join brings a new credential. Lease ids are not reused, so a
 revoked credential never opens again.
 
 Cost: no I/O when this replica knows the member's lease and it is the
-credential's (`Coordinator.cached_lease`, learned at a join, a heartbeat or a
+credential's (`Coordinator.leases`, learned at a join, a heartbeat or a
 check here); otherwise one read of the member's key with the liveness store's
 short deadline, on a worker thread. The cached lease is dropped when this
 replica sees the member go: its leave, a heartbeat finding the lease expired,
@@ -45,11 +45,11 @@ class Revocation:
         cannot be read within the liveness deadline."""
         job_id, member_id, lease_id = member
         coordinator = self._coordinator
-        if coordinator.cached_lease(member_id) == lease_id:
+        if coordinator.leases.cached(member_id) == lease_id:
             return None
         entry = await asyncio.to_thread(self._store.get, keys.member(job_id, member_id))
         if entry is not None and entry.lease_id == lease_id:
-            coordinator.remember_lease(member_id, lease_id)
+            coordinator.leases.remember(member_id, lease_id)
             return None
         self.num_refused += 1
         return (f"the credential of member {member_id!r} of job {job_id!r} is revoked: the "

@@ -26,6 +26,7 @@ from springback.service.core.coordinator import Coordinator
 from springback.client.errors import (
     FailedPrecondition, InvalidArgument, SpringbackError, grpc_code,
 )
+from springback.service.core import reports
 from springback.service.core import rankpause
 from springback.service.transport import streamnotes
 from springback.service.core.evidence import PeerLossEvidence
@@ -298,14 +299,14 @@ class WorkerServicer(ws_grpc.WorkerServiceServicer):
         progress = Progress(step=request.step, samples_consumed=request.samples_consumed,
                             loss=request.loss, cursor=request.cursor)
         if request.generation_start:
-            self.coordinator.record_generation_start(
-                request.job_id, request.member_id, request.generation, progress,
+            reports.record_generation_start(
+                self.coordinator, request.job_id, request.member_id, request.generation, progress,
                 request.restored_from, state_lost=member_text(request.state_lost),
                 spans=(request.startup_s, request.rendezvous_s, request.transfer_s))
             return ws.ReportStepResponse(
                 generation=self.coordinator.current_generation(request.job_id))
-        generation = self.coordinator.record_progress(
-            request.job_id, request.member_id, request.generation, progress,
+        generation = reports.record_progress(
+            self.coordinator, request.job_id, request.member_id, request.generation, progress,
             checkpoint_stall_s=request.checkpoint_stall_s,
             stall_total_s=request.checkpoint_stall_total_s,
             step_quantiles=(request.step_p50_s, request.step_p90_s, request.step_p99_s),

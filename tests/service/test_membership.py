@@ -13,7 +13,8 @@ import pytest
 from sbtest import wait_for
 from springback.client.api import Client
 from springback.service.etcd import keys
-from springback.service.core.coordinator import MEMBER_CHECK_S
+from springback.service.core import departures
+from springback.service.core.leases import MEMBER_CHECK_S
 from springback.service.policy.failures import UNSTARTED_FACTOR
 from springback.v1 import types_pb2 as pb
 from springback.v1 import worker_service_pb2 as ws
@@ -155,10 +156,10 @@ class TestGenerations:
         leader = coordinator.coordinator
         # the reconcile loop stays out of it
         coordinator.reconciler.settle_s = coordinator.reconciler.max_settle_s = 600.0
-        leader.note_departure(job.id, b, f"lost {b} (peers: connections reset by ranks 0)",
-                              js.CHANGE_KIND_NODE_LOST)
+        departures.note(leader, job.id, b, f"lost {b} (peers: connections reset by ranks 0)",
+                        js.CHANGE_KIND_NODE_LOST)
         for gone in (b, c):  # b fenced on evidence, c's lease expired
-            leader.store.revoke_lease(leader.lease_of(job.id, gone))
+            leader.store.revoke_lease(leader.leases.lease_of(job.id, gone))
         leader.change_with_retry(job.id, "progress",  # the writer that lands first
                                  kind=js.CHANGE_KIND_OTHER)
         _, events = client.list_job_events(job.id)
