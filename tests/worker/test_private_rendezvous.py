@@ -19,12 +19,17 @@ import torch.distributed as dist
 
 from cluster import FAST_FORWARD, AgentProcess, steps
 from sbtest import wait_for
+from springback.client import plans
 from springback.service.transport.jobmetrics import JobMetrics
 from springback.v1 import types_pb2 as pb
 from springback.worker.agent.startup import listen_on, self_address
+from springback.worker.agent.storegate import StoreForwarder, store_proof
 from springback.worker.rank import rendezvous
 
 INTRUDER = str(Path(__file__).with_name("store_intruder.py"))
+GATE_INTRUDER = str(Path(__file__).with_name("gate_intruder.py"))
+TORCHRUN_EXAMPLE = str(Path(__file__).resolve().parents[2] / "examples" / "torchrun_ddp"
+                       / "train.py")
 MAX_STEPS = 40
 SPEC = {"name": "private", "min_workers": 1, "max_workers": 1,
         "data": {"num_samples": 256, "global_batch_size": 8, "seed": 1},
@@ -105,6 +110,82 @@ def _check_privacy(root, client, coordinator, job_id: str, agent: AgentProcess,
     assert after and {r["generation"] for r in after} == {plan.generation}
     assert sorted(r["step"] for r in steps(root)) == list(range(1, MAX_STEPS + 1))
     assert agent.wait(20) == 0, agent.log()
+
+
+RESTART_STEPS = 60
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.skipif(not otherhost.available(), reason="needs root and ip(8) for a netns")
+def test_in_restart_mode_a_party_without_the_plan_reaches_no_key_of_the_generations_store(
+        tmp_path, client, coordinator):
+    """An unmodified torchrun script: torch's keys are under no secret, so the
+    generation's store is reachable only through the gate, with the proof."""
+    with otherhost.other_host() as intruder:
+        job_id = client.create_job({
+            "name": "private-restart", "min_workers": 1, "max_workers": 1,
+            "data": {"num_samples": 64, "global_batch_size": 8},
+            "checkpoint": {"uri": f"file://{tmp_path}/ckpt"}, "max_steps": RESTART_STEPS}).id
+        log_path = tmp_path / "agent.log"
+        agent = subprocess.Popen(
+            [sys.executable, "-m", "springback.cli", "run", "--job", job_id, "--coordinator",
+             coordinator.address, "--mode", "restart", "--nproc-per-node", "2", "--host",
+             intruder.node_address, "--", sys.executable, TORCHRUN_EXAMPLE, "--steps",
+             str(RESTART_STEPS), "--checkpoint-every", "20", "--step-sleep-s", "0.5"],
+            stdout=open(log_path, "wb"), stderr=subprocess.STDOUT)
+        try:
+            _check_restart_privacy(client, coordinator, job_id, agent, log_path, intruder)
+        finally:
+            if agent.poll() is None:
+                agent.kill()
+                agent.wait()
+
+
+def _check_restart_privacy(client, coordinator, job_id: str, agent: subprocess.Popen,
+                           log_path: Path, intruder: otherhost.OtherHost) -> None:
+    wait_for(lambda: client.get_job(job_id).status.step >= 3, 90, "step 3")
+    plan = coordinator.coordinator.current_plan(job_id)
+    assert plan.master_addr == intruder.node_address and plan.world_size == 2
+    # the gate's port, as a port scan would find it (the test reads it where
+    # the members do, under the secret)
+    rendezvous_store = dist.TCPStore(plan.master_addr, plan.master_port, is_master=False,
+                                     wait_for_workers=False,
+                                     timeout=datetime.timedelta(seconds=10))
+    gate_port = int(rendezvous_store.get(
+        plans.store_prefix(job_id, plan.generation, plan.rendezvous_secret)
+        + "restart-master-port"))
+
+    out = subprocess.run(intruder.command(sys.executable, GATE_INTRUDER, plan.master_addr,
+                                          str(gate_port)),
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    found = json.loads(out.stdout.splitlines()[-1])
+    assert found["reached"] is False and found["num_keys"] is None, found  # nothing read
+    assert found["wrote"] is False, found
+    assert client.get_job(job_id).status.state == pb.JOB_STATE_RUNNING  # it ran meanwhile
+
+    # a member's way in (the proof) reaches torch's keys: the check above is
+    # not vacuous; and nothing of the intruder's is there
+    member = StoreForwarder((plan.master_addr, gate_port),
+                            store_proof(plan.rendezvous_secret, job_id, plan.generation),
+                            label="test")
+    try:
+        store = dist.TCPStore("127.0.0.1", member.port, is_master=False, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=10))
+        assert store.num_keys() > 0
+        assert not store.check(["forged/rank"])
+    finally:
+        member.close()
+    assert f"refused a connection from {intruder.address}:" in log_path.read_text()
+
+    job = wait_for(lambda: (j := client.get_job(job_id)).status.state in ENDED and j, 120,
+                   "the job to end")
+    assert job.status.state == pb.JOB_STATE_SUCCEEDED, job.status.message
+    assert job.status.step == RESTART_STEPS
+    assert agent.wait(60) == 0, log_path.read_text()
+    # one generation throughout: the intruder broke nothing
+    assert "generation %d: started ranks" % plan.generation in log_path.read_text()
+    assert log_path.read_text().count(": started ranks") == 1, log_path.read_text()
 
 
 class TestStoreListenAddress:

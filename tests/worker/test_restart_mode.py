@@ -73,7 +73,7 @@ def torchrun_reference(tmp_path: Path, run_id: str) -> list[dict]:
 
 def assert_same_as_torchrun(ours: list[dict], theirs: list[dict], restart: int) -> None:
     by_rank = {e["RANK"]: e for e in theirs}
-    ports = set()
+    ports: dict[str, set[int]] = {}
     for env in ours:
         expected = dict(by_rank[env["RANK"]], TORCHELASTIC_RESTART_COUNT=str(restart))
         mine = {k: v for k, v in env.items() if not k.startswith(SPRINGBACK_ONLY)}
@@ -81,10 +81,12 @@ def assert_same_as_torchrun(ours: list[dict], theirs: list[dict], restart: int) 
         for key in SAME_VALUE:  # absent from both when inherited unchanged (OMP_NUM_THREADS)
             assert mine.get(key) == expected.get(key), (key, mine.get(key), expected.get(key))
         assert socket.gethostbyname(mine["MASTER_ADDR"]).startswith("127.")
-        ports.add(int(mine["MASTER_PORT"]))
+        ports.setdefault(mine["GROUP_RANK"], set()).add(int(mine["MASTER_PORT"]))
         assert mine["TORCHELASTIC_ERROR_FILE"].endswith(
             f"attempt_{restart}/{mine['LOCAL_RANK']}/error.json")
-    assert len(ports) == 1  # one rendezvous store per generation
+    # one way to the generation's store per node: its agent's forwarder to the
+    # store's gate (worker/agent/storegate.py)
+    assert sorted(ports) == ["0", "1"] and all(len(p) == 1 for p in ports.values()), ports
 
 
 def ddp_job(client, tmp_path: Path, min_workers: int):

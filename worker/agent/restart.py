@@ -12,15 +12,22 @@ around it; the state comes back through the script's own checkpoint (see
 
 Like torchrun's c10d rendezvous (``TORCHELASTIC_USE_AGENT_STORE=True``),
 each generation gets a fresh TCPStore server, hosted by the agent of node
-rank 0: MASTER_ADDR:MASTER_PORT name it, and ``init_process_group`` connects
-to it as a client. That agent publishes the port under
+rank 0, to which ``init_process_group`` connects as a client. torch's keys
+there are not under any secret, so the store listens on 127.0.0.1 only and
+the network reaches it through an authenticated gate (`storegate`): node
+rank 0's agent opens a `storegate.StoreGate` on the node's advertised
+address (`startup.listen_on`) and publishes the gate's port under
 ``springback/<job>/g<generation>/<secret>/restart-master-port`` of its
 long-lived rendezvous store (the plan's master address; the secret is the
 plan's `rendezvous_secret`, so no party without the plan can point the other
-nodes' ranks at a store of its own), where the other agents read it. Both
-stores listen on the node's advertised address only (`startup.listen_on`).
-The generation's own store holds torch's keys, not under the secret: its
-port is random, but anyone who finds it can write there (docs/security.md).
+nodes' ranks at a store of its own), where the other agents read it. Every
+node's agent (node rank 0's too) runs a `storegate.StoreForwarder` on
+127.0.0.1 and gives its ranks that as MASTER_ADDR:MASTER_PORT; each of their
+connections reaches the gate with the generation's proof
+(`storegate.store_proof`, an HMAC under the secret) and is spliced through.
+A connection without the proof is closed before it reaches the store, and
+logged with its peer's address. The gate, the forwarder and the store end
+with the generation (`GenerationStores.end_generation`).
 
 Failure semantics:
 
@@ -34,6 +41,9 @@ Failure semantics:
   agent then waits for the STOP plan (at most the drain timeout) and leaves.
 * The master port not published within `MASTER_PORT_TIMEOUT_S` (node rank 0
   died before publishing it, and no newer plan came): reported as a failure.
+* The gate unreachable once published (node rank 0 died): the forwarder
+  closes the ranks' store connections, their ``init_process_group`` fails as
+  against a dead master, and the ranks' exit is handled as any other.
 * Progress: global rank 0's `springback.storage.resume` helper writes its
   step and commits to the control directory; the agent relays them with
   ReportStep / CommitCheckpoint (a rejected relay is logged and dropped).
@@ -63,6 +73,7 @@ from springback.client import env as E
 from springback.worker.agent.ranks import with_parent_death
 from springback.worker.agent.runner import AgentPort
 from springback.worker.agent.startup import RendezvousStore, StartupClock, serve_store
+from springback.worker.agent.storegate import LOOPBACK, StoreForwarder, StoreGate, store_proof
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -81,14 +92,16 @@ def torchrun_env(*, plan: pb.Plan, me: pb.PlanMember, local_rank: int, master_po
                  environ: dict[str, str]) -> dict[str, str]:
     """The variables torchrun sets for one worker, for this plan (torch 2.x
     ``LocalElasticAgent``; one role, ``default``). `environ` is the agent's
-    environment, for the variables torchrun passes through or defaults."""
+    environment, for the variables torchrun passes through or defaults.
+    MASTER_ADDR:MASTER_PORT is the node's `storegate.StoreForwarder`
+    (127.0.0.1:`master_port`), not the plan's master."""
     rank = me.first_rank + local_rank
     out = {
         E.RANK: str(rank), E.LOCAL_RANK: str(local_rank), E.WORLD_SIZE: str(plan.world_size),
         E.LOCAL_WORLD_SIZE: str(me.num_local_ranks),
         E.GROUP_RANK: str(me.node_rank), E.GROUP_WORLD_SIZE: str(plans.num_nodes(plan)),
         E.ROLE_NAME: "default", E.ROLE_RANK: str(rank), E.ROLE_WORLD_SIZE: str(plan.world_size),
-        E.MASTER_ADDR: plan.master_addr, E.MASTER_PORT: str(master_port),
+        E.MASTER_ADDR: LOOPBACK, E.MASTER_PORT: str(master_port),
         E.TORCHELASTIC_RUN_ID: plan.job_id,
         E.TORCHELASTIC_RESTART_COUNT: str(restart_count),
         E.TORCHELASTIC_MAX_RESTARTS: str(max_restarts),
@@ -107,13 +120,16 @@ def torchrun_env(*, plan: pb.Plan, me: pb.PlanMember, local_rank: int, master_po
 
 
 class GenerationStores:
-    """The per-generation TCPStore of the ranks' ``init_process_group``; see
-    the module docstring. Not thread-safe: used by the supervising thread."""
+    """The per-generation TCPStore of the ranks' ``init_process_group``, its
+    gate and the node's forwarder to it; see the module docstring. Not
+    thread-safe: used by the supervising thread."""
 
     def __init__(self, agent_store: dist.TCPStore, job_id: str) -> None:
         self._agent_store = agent_store
         self._job_id = job_id
         self._hosted: dist.TCPStore | None = None  # node rank 0: this generation's server
+        self._gate: StoreGate | None = None        # node rank 0: its door to the network
+        self._forwarder: StoreForwarder | None = None  # every node: the ranks' way to it
         self._clients: dict[tuple[str, int], dist.TCPStore] = {}
 
     def _key(self, plan: pb.Plan) -> str:
@@ -122,16 +138,41 @@ class GenerationStores:
 
     def master_port(self, plan: pb.Plan, me: pb.PlanMember,
                     abandon: Callable[[], bool]) -> int | None:
-        """Node rank 0: starts a new store server and publishes its port.
-        Others: waits for that port up to `MASTER_PORT_TIMEOUT_S`; None when
-        `abandon()` turned true (a newer plan, a drain) or the time ran out."""
+        """The port of this node's forwarder to the generation's store (on
+        127.0.0.1; the previous generation's stores end first). Node rank 0
+        starts the store (on 127.0.0.1) and its gate, and publishes the
+        gate's port; the others wait for that port up to
+        `MASTER_PORT_TIMEOUT_S`: None when `abandon()` turned true (a newer
+        plan, a drain) or the time ran out."""
+        self.end_generation()
+        proof = store_proof(plan.rendezvous_secret, self._job_id, plan.generation)
+        label = f"generation {plan.generation}"
+        gate: tuple[str, int] | None
+        if me.node_rank == 0:
+            self._hosted = serve_store(LOOPBACK)
+            self._gate = StoreGate(me.host, self._hosted.port, proof, label=label)
+            self._agent_store.set(self._key(plan), str(self._gate.port))
+            gate = self._gate.local_address
+        else:
+            port = self._published_port(plan, abandon)
+            gate = None if port is None else (plan.master_addr, port)
+        if gate is None:
+            return None
+        self._forwarder = StoreForwarder(gate, proof, label=label)
+        return self._forwarder.port
+
+    def end_generation(self) -> None:
+        """Closes the forwarder, the gate (their connections too) and the
+        hosted store. Idempotent; the ranks are stopped first."""
+        for relay in (self._forwarder, self._gate):
+            if relay is not None:
+                relay.close()
+        self._forwarder = self._gate = None
+        self._hosted = None  # its server stops with it
+
+    def _published_port(self, plan: pb.Plan, abandon: Callable[[], bool]) -> int | None:
         import torch.distributed as dist  # loaded by the agent's store already
 
-        if me.node_rank == 0:
-            self._hosted = None  # the previous generation's server stops with it
-            self._hosted = serve_store(me.host)
-            self._agent_store.set(self._key(plan), str(self._hosted.port))
-            return self._hosted.port
         key = self._key(plan)
 
         def published_port() -> int | None:
@@ -198,6 +239,7 @@ class RestartRanks:
         """Nothing to say: the ranks were signalled."""
 
     def close(self) -> None:
+        self._stores.end_generation()
         self._rendezvous.close()
 
     # -- the loop ------------------------------------------------------------------
@@ -231,6 +273,7 @@ class RestartRanks:
     def _switch(self, plan: pb.Plan) -> None:
         """Stops this generation's ranks and starts the next one's (if this node is in it)."""
         self.stop_all()
+        self._stores.end_generation()
         self.generation = plan.generation
         self._failure_reported = self._finished = self._done_sent = False
         self._finish_deadline = None
