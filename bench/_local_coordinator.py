@@ -14,7 +14,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from springback.cli.local import EtcdServer
-from springback.service.transport.server import CoordinatorConfig, CoordinatorServer
+from springback.service.transport.config import CoordinatorConfig
+from springback.service.transport.server import CoordinatorServer
 
 LEADERSHIP_TIMEOUT_S = 20
 

@@ -227,7 +227,8 @@ def _etcd_security(args: argparse.Namespace) -> EtcdSecurity | None:
 
 
 def _coordinator_command(args: argparse.Namespace) -> int:
-    from springback.service.transport.server import CoordinatorConfig, CoordinatorServer
+    from springback.service.transport.config import CoordinatorConfig
+    from springback.service.transport.server import CoordinatorServer
 
     config = CoordinatorConfig(
         etcd=args.etcd, etcd_security=_etcd_security(args), listen=args.listen, advertise=args.advertise, token=args.token,
@@ -261,7 +262,8 @@ def _up_command(args: argparse.Namespace) -> int:
     `springback.cli.etcd_credentials`), and a coordinator on it."""
     from springback.cli.etcd_credentials import local_credentials
     from springback.cli.local import EtcdServer
-    from springback.service.transport.server import CoordinatorConfig, CoordinatorServer
+    from springback.service.transport.config import CoordinatorConfig
+    from springback.service.transport.server import CoordinatorServer
 
     def config(endpoint: str, security: EtcdSecurity | None = None) -> CoordinatorConfig:
         return CoordinatorConfig(

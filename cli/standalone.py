@@ -46,7 +46,8 @@ def run_standalone(name: str, nnodes: tuple[int, int] | None,
     from springback.client.api import Client
     from springback.cli.etcd_credentials import local_credentials
     from springback.cli.local import EtcdServer
-    from springback.service.transport.server import CoordinatorConfig, CoordinatorServer
+    from springback.service.transport.config import CoordinatorConfig
+    from springback.service.transport.server import CoordinatorServer
 
     spec = standalone_spec(name, nnodes)
     state_dir = tempfile.mkdtemp(prefix="springback-standalone-")

@@ -22,7 +22,8 @@ from etcdtls import make_certs, random_password
 from sbtest import CoordinatorProcess
 from springback.client.api import Client
 from springback.cli.local import EtcdServer, EtcdServerTls
-from springback.service.transport.server import CoordinatorConfig, CoordinatorServer
+from springback.service.transport.config import CoordinatorConfig
+from springback.service.transport.server import CoordinatorServer
 
 SECURE_ETCD = "secure_etcd"
 """The marker that puts a test's `etcd` behind TLS and etcd's auth."""

@@ -18,7 +18,7 @@ keyed by a key derived from the operator token (`derive_key`: HKDF-SHA256,
 one key per kind of credential, so a MAC of one kind never verifies as
 another's, whatever the ids), so every replica (they share
 the token) issues and checks the same credentials; the only state a check
-reads is the member's own key, which exists anyway. `BearerAuth` (interceptors.py)
+reads is the member's own key, which exists anyway. `BearerAuth` (auth.py)
 lets such a credential make only `MEMBER_METHODS`, and only with the
 ``job_id`` and ``member_id`` it names; anything else is PERMISSION_DENIED,
 naming the role that would be needed. Changing the operator token revokes

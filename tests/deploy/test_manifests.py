@@ -569,7 +569,8 @@ class TestEtcdAuth:
         from etcdtls import CLIENT_CN, make_certs, random_password
         from springback.cli.local import EtcdServer
         from springback.client.api import Client
-        from springback.service.transport.server import CoordinatorConfig, CoordinatorServer
+        from springback.service.transport.config import CoordinatorConfig
+        from springback.service.transport.server import CoordinatorServer
         from springback.service.etcd.store import EtcdSecurity, Store, StoreDenied
 
         tls = make_certs(str(tmp_path / "certs"))  # no password: etcd starts without auth

@@ -13,7 +13,7 @@ from sbtest import wait_for
 from springback.cli.local import EtcdServer
 from springback.client.api import Client
 from springback.client.errors import InvalidArgument, StoreUnavailable
-from springback.service.transport.server import CoordinatorConfig
+from springback.service.transport.config import CoordinatorConfig
 from springback.service.etcd.store import EtcdSecurity, Store, StoreDenied
 from springback.v1 import worker_service_pb2 as ws
 from springback.v1 import worker_service_pb2_grpc as ws_grpc

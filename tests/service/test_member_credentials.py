@@ -266,7 +266,7 @@ def test_the_viewer_token_reads_jobs_and_the_dashboard_and_changes_nothing(
 
 
 def test_a_viewer_token_needs_an_operator_token_that_differs():
-    from springback.service.transport.server import CoordinatorConfig
+    from springback.service.transport.config import CoordinatorConfig
 
     for config in ({"viewer_token": VIEWER}, {"viewer_token": TOKEN, "token": TOKEN}):
         with pytest.raises(ValueError) as e:

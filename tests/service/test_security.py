@@ -183,7 +183,7 @@ class TestCallCounting:
 class TestSafeDefaults:
     @pytest.mark.parametrize("listen", ["0.0.0.0:0", "10.1.2.3:7070", "[::]:0", "coord.example:7070"])
     def test_a_reachable_listen_without_a_token_is_refused_naming_the_way_out(self, listen):
-        from springback.service.transport.server import CoordinatorConfig
+        from springback.service.transport.config import CoordinatorConfig
 
         with pytest.raises(ValueError) as e:
             CoordinatorConfig(etcd="http://127.0.0.1:2379", listen=listen)
@@ -194,7 +194,7 @@ class TestSafeDefaults:
 
     @pytest.mark.parametrize("listen", ["127.0.0.1:0", "127.0.0.2:7070", "localhost:0", "[::1]:0"])
     def test_loopback_needs_no_token(self, listen):
-        from springback.service.transport.server import CoordinatorConfig
+        from springback.service.transport.config import CoordinatorConfig
 
         CoordinatorConfig(etcd="http://127.0.0.1:2379", listen=listen)
 
@@ -213,7 +213,7 @@ class TestSafeDefaults:
 
     @pytest.mark.parametrize("listen", ["0.0.0.0:0", "10.1.2.3:9090", "[::]:0", "metrics.example:9090"])
     def test_a_reachable_metrics_listen_without_a_token_is_refused_naming_the_way_out(self, listen):
-        from springback.service.transport.server import CoordinatorConfig
+        from springback.service.transport.config import CoordinatorConfig
 
         with pytest.raises(ValueError) as e:
             CoordinatorConfig(etcd="http://127.0.0.1:2379", metrics_listen=listen)
@@ -308,7 +308,7 @@ class TestTokenStrength:
     @pytest.mark.parametrize("name", WEAK_TOKENS)
     @pytest.mark.parametrize("field", ["token", "viewer_token"])
     def test_a_weak_token_is_refused_naming_its_flag_and_not_quoting_it(self, name, field):
-        from springback.service.transport.server import CoordinatorConfig
+        from springback.service.transport.config import CoordinatorConfig
 
         weak = WEAK_TOKENS[name]
         config = {"token": TOKEN, field: weak}
@@ -322,7 +322,7 @@ class TestTokenStrength:
         import base64
         import secrets
 
-        from springback.service.transport.server import CoordinatorConfig
+        from springback.service.transport.config import CoordinatorConfig
 
         for _ in range(200):
             for token in (secrets.token_urlsafe(16), secrets.token_hex(16),

@@ -21,7 +21,7 @@ from springback.client.api import ApiError, Client
 from springback.client.channel import connect
 from springback.client.env import TLS_CA, TLS_CERT, TLS_KEY
 from springback.service.transport import credentials
-from springback.service.transport.interceptors import FORWARDED, ROLE_HEADER
+from springback.service.transport.auth import FORWARDED, ROLE_HEADER
 from springback.v1 import job_service_pb2 as js
 from springback.v1 import job_service_pb2_grpc as js_grpc
 from springback.v1 import types_pb2 as pb
