@@ -14,9 +14,9 @@ another replica) and ``on_change(False)`` runs, which the server turns into
 health NOT_SERVING, so clients' channels stop choosing this replica at all.
 The first successful probe restores both. Heartbeats themselves use the same
 short deadline, so one that meets a freshly cut link fails in time for the
-client to retry elsewhere; when the replica's lease stream to etcd has
-answered nothing for that long, the failure marks the replica cut off at once
-(a retry that lands here again is refused without waiting, see `heartbeats`).
+client to retry elsewhere; a failed heartbeat is not evidence of a cut (on a
+saturated machine the asyncio loop's lag makes renewals look late while etcd
+answers: see `heartbeats`), only the probe, on its own thread, is.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
 
 from springback.service.etcd import keys
 from springback.client.errors import StoreUnavailable
@@ -76,22 +75,6 @@ class EtcdReachability:
             raise StoreUnavailable(
                 f"this replica has not reached etcd for over {UNREACHABLE_AFTER_S:g} s; "
                 "send liveness calls to another replica")
-
-    def call(self, fn: Callable[[Store], Any]) -> Any:
-        """Runs ``fn(store)`` (etcd calls with the short deadline) for a liveness
-        call. Refused at once while cut off; an etcd failure inside counts as
-        evidence: the replica is cut off from then until a probe succeeds, so
-        a client's retry that lands here again is refused without waiting."""
-        self.require_reachable()
-        try:
-            return fn(self.store)
-        except StoreUnavailable:
-            self._set(False)
-            raise
-
-    def mark_unreachable(self) -> None:
-        """Evidence from a liveness call: cut off until a probe succeeds."""
-        self._set(False)
 
     def _set(self, reachable: bool) -> None:
         with self._lock:

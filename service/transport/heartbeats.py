@@ -12,12 +12,17 @@ the member should keep (`pacing`: longer as this replica's members grow).
 
 Failure semantics: a renewal not answered within ``PROBE_TIMEOUT_S`` fails
 the heartbeat with UNAVAILABLE, in time for the agent's channel to retry on
-another replica. The replica marks itself cut off from etcd (see `liveness`)
-only when its stream has answered *nothing* for that long, not when one
-renewal is slow under load: a loaded replica with a working etcd keeps
-serving. A broken stream fails the renewals waiting on it and is re-opened by
-the next heartbeat. A lease found expired (TTL 0) is NOT_FOUND: the member is
-fenced and must join again.
+another replica (the renewal already sent still reaches etcd). Whether the
+replica is cut off from etcd is decided by its probe alone (`liveness`), never
+by a slow renewal: on a saturated machine the loop's own lag makes renewals
+and the stream look late, and a replica that refused liveness on that
+evidence ended every plan stream and stopped renewing on a mere stall (in a
+2,000-agent join storm on a loaded machine both replicas flapped 35 times in
+a minute, the streams reconnected ~30,000 times, and hundreds of members
+expired). A stream that has answered nothing for ``STREAM_STUCK_S`` while a
+renewal waits is dropped and re-opened by the next heartbeat; a broken one
+fails the renewals waiting on it. A lease found expired (TTL 0) is
+NOT_FOUND: the member is fenced and must join again.
 """
 
 from __future__ import annotations
@@ -32,12 +37,19 @@ from etcd3 import etcdrpc
 
 from springback.service.core.coordinator import Coordinator
 from springback.client.errors import NotFound, StoreUnavailable
-from springback.service.etcd.liveness import PROBE_TIMEOUT_S, EtcdReachability
+from springback.service.etcd.liveness import (
+    PROBE_TIMEOUT_S,
+    UNREACHABLE_AFTER_S,
+    EtcdReachability,
+)
 from springback.service.policy.pacing import HeartbeatPacer
 from springback.service.transport.planboard import PlanBoard
 from springback.service.etcd.store import EtcdSecurity, parse_endpoints
 
 log = logging.getLogger(__name__)
+
+STREAM_STUCK_S = 2 * UNREACHABLE_AFTER_S
+"""A lease stream silent this long while a renewal waits is re-opened."""
 
 
 def _etcd_target(hosts: list[tuple[str, int]]) -> str:
@@ -80,6 +92,7 @@ class LeaseRenewer:
                                                           options=self._options))
         queue: asyncio.Queue[int] = asyncio.Queue()
         call = etcdrpc.LeaseStub(self._channel).LeaseKeepAlive(self._lines(queue))
+        self.last_answer_at = asyncio.get_running_loop().time()  # silent since it opened
         self._requests = queue
         self._reader = asyncio.ensure_future(self._read(call))
 
@@ -128,7 +141,7 @@ class LeaseRenewer:
         self._requests = None
 
     def silent_for(self) -> float:
-        """Seconds since the stream last answered anything."""
+        """Seconds since the stream last answered anything (or opened)."""
         return asyncio.get_running_loop().time() - self.last_answer_at
 
     async def close(self) -> None:
@@ -154,8 +167,8 @@ class Heartbeats:
         """Renews the member's lease; returns the job's current generation.
 
         NOT_FOUND when the member expired or left (fenced); UNAVAILABLE at once
-        while this replica is cut off from etcd, or when the renewal misses its
-        deadline (retry on another replica). Idempotent."""
+        while this replica is cut off from etcd (its probe says so), or when
+        the renewal misses its deadline (retry on another replica). Idempotent."""
         if self._liveness is not None:
             self._liveness.require_reachable()
         coordinator = self._coordinator
@@ -166,10 +179,8 @@ class Heartbeats:
         try:
             ttl = await self._renewer.refresh(lease)
         except StoreUnavailable:
-            if self._renewer.silent_for() > PROBE_TIMEOUT_S:
+            if self._renewer.silent_for() > STREAM_STUCK_S:
                 self._renewer.reset()
-                if self._liveness is not None:
-                    self._liveness.mark_unreachable()
             raise
         if ttl <= 0:
             coordinator.leases.forget(member_id)
