@@ -63,11 +63,12 @@ class MemberCalls:
             **fields), what=what, then=then, timeout_s=timeout_s)
 
     def report_step(self, generation: int, step: int, loss: float, *, start: bool = False,
-                    restored_from: pb.RestoreKind = pb.RESTORE_KIND_UNSPECIFIED
-                    ) -> wpb.ReportStepResponse | None:
+                    restored_from: pb.RestoreKind = pb.RESTORE_KIND_UNSPECIFIED,
+                    store_intrusion: str = "") -> wpb.ReportStepResponse | None:
         return self._call("ReportStep", wpb.ReportStepRequest(
             job_id=self.job_id, member_id=self.member_id, generation=generation, step=step,
-            loss=loss, generation_start=start, restored_from=restored_from),
+            loss=loss, generation_start=start, restored_from=restored_from,
+            store_intrusion=store_intrusion),
             what=f"ReportStep(step={step}{', generation start' if start else ''})")
 
     def commit_checkpoint(self, generation: int, ref: pb.CheckpointRef

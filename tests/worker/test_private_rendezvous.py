@@ -177,6 +177,15 @@ def _check_restart_privacy(client, coordinator, job_id: str, agent: subprocess.P
     finally:
         member.close()
     assert f"refused a connection from {intruder.address}:" in log_path.read_text()
+    # and the attempt is on the job, from node rank 0's relay (one count per
+    # report that says more refusals; no generation made)
+    job = wait_for(lambda: (j := client.get_job(job_id)).status.num_store_intrusions and j, 30,
+                   "the intrusion on the job")
+    intrusion = job.status.last_store_intrusion
+    assert intrusion.startswith(f"generation {plan.generation}: the store gate refused "), \
+        intrusion
+    assert f"the last from {intruder.address}:" in intrusion, intrusion
+    assert plan.rendezvous_secret not in intrusion
 
     job = wait_for(lambda: (j := client.get_job(job_id)).status.state in ENDED and j, 120,
                    "the job to end")

@@ -161,6 +161,18 @@ class GenerationStores:
         self._forwarder = StoreForwarder(gate, proof, label=label)
         return self._forwarder.port
 
+    def intrusion(self, generation: int) -> str:
+        """What this node's gate refused in `generation` (node rank 0), said
+        as a store intrusion (``ReportStepRequest.store_intrusion``: it names
+        the generation, and each new refusal reads differently); "" when
+        nothing was refused."""
+        gate = self._gate
+        if gate is None or not gate.refused:
+            return ""
+        return (f"generation {generation}: the store gate refused {gate.refused} "
+                f"connection(s) without the generation's proof, the last from "
+                f"{gate.last_refusal}")
+
     def end_generation(self) -> None:
         """Closes the forwarder, the gate (their connections too) and the
         hosted store. Idempotent; the ranks are stopped first."""
@@ -424,9 +436,11 @@ class RestartRanks:
         (restores, steps redone), so it is not marked sent and the caller
         sends it again."""
         restored = pb.RESTORE_KIND_CHECKPOINT if step else pb.RESTORE_KIND_NONE
+        intrusion = self._stores.intrusion(self.generation)
         if self._port.calls().report_step(
                 self.generation, step, loss, start=start,
-                restored_from=restored if start else pb.RESTORE_KIND_UNSPECIFIED) is None:
+                restored_from=restored if start else pb.RESTORE_KIND_UNSPECIFIED,
+                store_intrusion=intrusion) is None:
             return False
         self._relayed_step = max(self._relayed_step, step)
         self._start_sent = self._start_sent or start

@@ -219,7 +219,8 @@ class StoreGate(_Splicer):
     """Node rank 0: the generation store's door on the node's advertised
     address `host` (`listen_on`); a connection that opens with `proof` is
     spliced to 127.0.0.1:`store_port`, any other is closed (see the module
-    docstring). `refused`: connections closed for their proof."""
+    docstring). `refused`: connections closed for their proof;
+    `last_refusal`: the newest one, ``"<peer>: <why>"`` ("" while none)."""
 
     def __init__(self, host: str, store_port: int, proof: bytes, *, label: str,
                  proof_timeout_s: float = PROOF_TIMEOUT_S) -> None:
@@ -229,6 +230,7 @@ class StoreGate(_Splicer):
         self._proof_timeout_s = proof_timeout_s
         self._unproven = 0
         self.refused = 0
+        self.last_refusal = ""
         listening = listen_on(host)
         #: where a process on this node reaches the gate
         self.local_address: tuple[str, int] = (self_address(listening),
@@ -264,6 +266,7 @@ class StoreGate(_Splicer):
     def _refuse(self, peer: str, why: str) -> None:
         with self._lock:
             self.refused += 1
+            self.last_refusal = f"{peer}: {why}"
         log.warning("store gate of %s: refused a connection from %s: %s (not a member of the "
                     "generation; docs/security.md)", self._label, peer, why)
 
