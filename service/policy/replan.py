@@ -119,8 +119,9 @@ def _waiting_on_error(inputs: Inputs, holders: list[str], error: Exception) -> p
     """The WAIT plan of a job whose planner raised `error` (module docstring)."""
     job, previous = inputs.job, inputs.previous
     why = f"planner error: {type(error).__name__}: {error}"
-    if why not in job.status.message:  # once, not on every replan that meets it again
+    if job.status.planner_error != why:  # once, not at every replan that meets it again
         log.error("job %s: %s", job.id, why)
+    job.status.planner_error = why
     progress = inputs.progress or planner.Progress(step=job.status.step, cursor=job.status.cursor)
     plan = pb.Plan(job_id=job.id, spec=job.spec, action=pb.PLAN_ACTION_WAIT,
                    reason=f"{inputs.reason}; {why}" if inputs.reason else why,
@@ -181,6 +182,7 @@ def replan(inputs: Inputs) -> Decision:
     try:
         plan, planning_s = _make_plan(inputs, holders, requested)
         interval = ckptinterval.apply(plan, inputs.observed)
+        job.status.planner_error = ""
     except Exception as e:  # noqa: BLE001 (one job's error: its plan waits, named; see above)
         plan, planning_s, interval = _waiting_on_error(inputs, holders, e), 0.0, None
     if plan.action != pb.PLAN_ACTION_STOP:

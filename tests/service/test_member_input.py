@@ -172,7 +172,7 @@ class TestMembersFreeText:
 class TestAPlannerError:
     @pytest.mark.timeout(60)
     def test_waits_its_job_named_while_another_job_plans_on(
-            self, coordinator, client, workers, make_spec):
+            self, coordinator, client, workers, make_spec, caplog):
         """Member records `JoinJob` would refuse, written straight to etcd (by
         an older coordinator, say): their job's planner raises. That job waits,
         its message names the error, it is not replanned on every pass, and a
@@ -199,6 +199,17 @@ class TestAPlannerError:
                  "the other job replanned again")
         assert coordinator.store.get(keys.job(broken.id)).mod_revision == revision
         assert coordinator.reconciler.num_loop_errors == 0
+        status = client.get_job(broken.id).status
+        assert status.planner_error.startswith("planner error: ")
+        assert status.planner_error in status.message
+        # a third such member: replanned, the planner raises the same again
+        bad = pb.Member(id="m-bad2", job_id=broken.id, host="127.0.0.1", rendezvous_port=9802,
+                        num_local_ranks=2**32 - 1)
+        coordinator.store.put(keys.member(broken.id, bad.id), bad)
+        wait_for(lambda: "m-bad2" in coordinator.coordinator.current_plan(broken.id).spares, 10,
+                 "the broken job replanned with the third member")
+        logged = [r for r in caplog.records if "planner error" in r.getMessage()]
+        assert len(logged) == 1, logged  # logged once, not at each replan that meets it
 
 
 class TestAnUnreadableMemberRecord:

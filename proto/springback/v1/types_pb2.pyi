@@ -270,7 +270,7 @@ class CheckpointRef(_message.Message):
     def __init__(self, step: _Optional[int] = ..., uri: _Optional[str] = ..., generation: _Optional[int] = ..., world_size: _Optional[int] = ..., size_bytes: _Optional[int] = ..., cursor: _Optional[_Union[DataCursor, _Mapping]] = ..., committed_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
 class JobStatus(_message.Message):
-    __slots__ = ("state", "generation", "world_size", "members", "spares", "step", "samples_consumed", "loss", "last_checkpoint", "message", "checkpoint_error", "restore_step", "updated_at", "cursor", "num_restores", "steps_redone", "num_failures", "state_holders", "holders_step", "num_state_losses", "steps_lost", "storage_unavailable_since", "member_timing", "set_aside", "num_store_intrusions", "last_store_intrusion")
+    __slots__ = ("state", "generation", "world_size", "members", "spares", "step", "samples_consumed", "loss", "last_checkpoint", "message", "checkpoint_error", "restore_step", "updated_at", "cursor", "num_restores", "steps_redone", "num_failures", "state_holders", "holders_step", "num_state_losses", "steps_lost", "storage_unavailable_since", "member_timing", "set_aside", "num_store_intrusions", "last_store_intrusion", "planner_error")
     STATE_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -297,6 +297,7 @@ class JobStatus(_message.Message):
     SET_ASIDE_FIELD_NUMBER: _ClassVar[int]
     NUM_STORE_INTRUSIONS_FIELD_NUMBER: _ClassVar[int]
     LAST_STORE_INTRUSION_FIELD_NUMBER: _ClassVar[int]
+    PLANNER_ERROR_FIELD_NUMBER: _ClassVar[int]
     state: JobState
     generation: int
     world_size: int
@@ -323,7 +324,8 @@ class JobStatus(_message.Message):
     set_aside: _containers.RepeatedCompositeFieldContainer[SetAside]
     num_store_intrusions: int
     last_store_intrusion: str
-    def __init__(self, state: _Optional[_Union[JobState, str]] = ..., generation: _Optional[int] = ..., world_size: _Optional[int] = ..., members: _Optional[_Iterable[str]] = ..., spares: _Optional[_Iterable[str]] = ..., step: _Optional[int] = ..., samples_consumed: _Optional[int] = ..., loss: _Optional[float] = ..., last_checkpoint: _Optional[_Union[CheckpointRef, _Mapping]] = ..., message: _Optional[str] = ..., checkpoint_error: _Optional[str] = ..., restore_step: _Optional[int] = ..., updated_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., cursor: _Optional[_Union[DataCursor, _Mapping]] = ..., num_restores: _Optional[int] = ..., steps_redone: _Optional[int] = ..., num_failures: _Optional[int] = ..., state_holders: _Optional[_Iterable[str]] = ..., holders_step: _Optional[int] = ..., num_state_losses: _Optional[int] = ..., steps_lost: _Optional[int] = ..., storage_unavailable_since: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., member_timing: _Optional[_Iterable[_Union[MemberTiming, _Mapping]]] = ..., set_aside: _Optional[_Iterable[_Union[SetAside, _Mapping]]] = ..., num_store_intrusions: _Optional[int] = ..., last_store_intrusion: _Optional[str] = ...) -> None: ...
+    planner_error: str
+    def __init__(self, state: _Optional[_Union[JobState, str]] = ..., generation: _Optional[int] = ..., world_size: _Optional[int] = ..., members: _Optional[_Iterable[str]] = ..., spares: _Optional[_Iterable[str]] = ..., step: _Optional[int] = ..., samples_consumed: _Optional[int] = ..., loss: _Optional[float] = ..., last_checkpoint: _Optional[_Union[CheckpointRef, _Mapping]] = ..., message: _Optional[str] = ..., checkpoint_error: _Optional[str] = ..., restore_step: _Optional[int] = ..., updated_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., cursor: _Optional[_Union[DataCursor, _Mapping]] = ..., num_restores: _Optional[int] = ..., steps_redone: _Optional[int] = ..., num_failures: _Optional[int] = ..., state_holders: _Optional[_Iterable[str]] = ..., holders_step: _Optional[int] = ..., num_state_losses: _Optional[int] = ..., steps_lost: _Optional[int] = ..., storage_unavailable_since: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., member_timing: _Optional[_Iterable[_Union[MemberTiming, _Mapping]]] = ..., set_aside: _Optional[_Iterable[_Union[SetAside, _Mapping]]] = ..., num_store_intrusions: _Optional[int] = ..., last_store_intrusion: _Optional[str] = ..., planner_error: _Optional[str] = ...) -> None: ...
 
 class MemberTiming(_message.Message):
     __slots__ = ("member_id", "compute_p50_s", "collective_p50_s", "num_steps", "node_rank")
