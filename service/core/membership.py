@@ -139,14 +139,15 @@ class Membership:
         key = keys.member(job_id, member.id)
         store = coordinator.store
         cap = members_cap(job.spec)
-        if store.fingerprint(keys.members(job_id))[0] >= cap and not (
+        if store.count(keys.members(job_id)) >= cap and not (
                 join_token and self._registered(key, member)):  # a retry of a join that landed
             raise TooManyMembers(f"members: job {job_id} has its {cap} members "
                                  "(members_cap: max_workers plus as many spares, at least "
                                  f"{MIN_SPARE_SLOTS}); join when one leaves")
         # Create first, read the member only when that fails: a first attempt
-        # (nearly every join) costs the cap's count (two keys-only reads, no
-        # values), a lease grant and one transaction.
+        # (nearly every join) costs the cap's count (one count-only read: the
+        # newest-revision half of a fingerprint made etcd sort every member
+        # key at each join, O(N^2) in a storm), a lease grant and one transaction.
         member.joined_at.CopyFrom(timestamp_now())
         lease = store.grant_lease(max(2, math.ceil(self.liveness_timeout_s)))
         if coordinator.writer.create(key, member.SerializeToString(), lease=lease, fence=fence):

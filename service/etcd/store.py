@@ -297,6 +297,12 @@ class Store:
         return self._entries(response.kvs, message_type)
 
     @_translate
+    def count(self, prefix: str) -> int:
+        """The number of keys under `prefix`, in one count-only read (etcd
+        sends no key: the cost of a join's check against the members cap)."""
+        return int(self._client.get_prefix_response(prefix, count_only=True).count)
+
+    @_translate
     def fingerprint(self, prefix: str) -> tuple[int, int]:
         """(number of keys, newest mod revision) under `prefix`, in two small reads.
 
