@@ -165,6 +165,7 @@ class EtcdServer:
                     self.enable_auth()
                 return
             except RuntimeError:
+                self.stop(kill=True)  # e.g. its data refuses our password: not left running
                 taken = "address already in use" in self._tail(since=mark)
                 if not (taken and self._ports_ours and attempt < PORT_ATTEMPTS):
                     raise

@@ -12,6 +12,7 @@ import sys
 from collections.abc import Iterator
 
 import etcd3
+import psutil
 import grpc
 import pytest
 
@@ -213,3 +214,6 @@ class TestUpsEtcdTakesOnlyItsCredentials:
             capture_output=True, text=True, timeout=30)
         assert done.returncode == 2, (done.stdout, done.stderr)
         assert "made with other credentials" in done.stderr, done.stderr
+        data = str(tmp_path / "etcd")  # the refused start left no etcd running on its data
+        assert not [p.pid for p in psutil.process_iter(["cmdline"])
+                    if any(data in arg for arg in p.info["cmdline"] or [])]
