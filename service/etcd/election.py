@@ -54,6 +54,7 @@ class Election:
         self._lease_deadline = 0.0  # monotonic: we stop believing we lead at this time
         self._leader_cache: tuple[float, str | None] = (0.0, None)
         self._stop = threading.Event()
+        self._lock = threading.Lock()  # token and lease against a resignation
         self._thread = threading.Thread(target=self._run, name="election", daemon=True)
         self.num_errors = 0
 
@@ -90,16 +91,21 @@ class Election:
         return address
 
     def resign(self) -> None:
-        """Stops campaigning and gives up leadership now (best effort)."""
-        self._stop.set()
-        token, lease = self._token, self._lease
-        if token:
-            self._step_down("resigned")
+        """Stops campaigning and gives up leadership now (best effort): the
+        leader record goes with its lease before `on_lost` runs, so a successor
+        can win its next campaign at once. A campaign of ours still in flight
+        gives up what it wins (see `_campaign`)."""
+        with self._lock:
+            self._stop.set()
+            token, lease = self._token, self._lease
+            self._token, self._lease = 0, None
         if lease is not None:
             try:
                 self._store.revoke_lease(lease.id)
             except SpringbackError as e:
                 log.warning("resign: could not revoke lease: %s", e)
+        if token:
+            self._lost("resigned")
         self._thread.join(timeout=5)
 
     # -- loop ----------------------------------------------------------------
@@ -130,27 +136,38 @@ class Election:
             success=[txn.put(keys.LEADER, self.address, lease=lease)],
         )
         entry = self._store.get(keys.LEADER) if won else None
-        if entry is None or entry.lease_id != lease.id:
+        with self._lock:  # a resignation meanwhile wins over this campaign
+            elected = (entry is not None and entry.lease_id == lease.id
+                       and not self._stop.is_set())
+            if elected:
+                self._lease = lease
+                self._lease_deadline = started + self._ttl_s
+                self._token = entry.create_revision
+        if not elected:
             self._store.revoke_lease(lease.id)
             return
-        self._lease = lease
-        self._lease_deadline = started + self._ttl_s
-        self._token = entry.create_revision
         log.info("elected leader %s (token %d)", self.address, self._token)
         if self._on_elected:
             self._on_elected()
 
     def _renew(self) -> None:
         started = time.monotonic()
-        ttl = self._store.refresh_lease(self._lease.id)
+        lease = self._lease
+        if lease is None:  # resigned meanwhile
+            return
+        ttl = self._store.refresh_lease(lease.id)
         if ttl <= 0:
             self._step_down("leader lease expired")
             return
         self._lease_deadline = started + ttl
 
     def _step_down(self, reason: str) -> None:
+        with self._lock:
+            self._token = 0
+            self._lease = None
+        self._lost(reason)
+
+    def _lost(self, reason: str) -> None:
         log.warning("leader %s stepping down: %s", self.address, reason)
-        self._token = 0
-        self._lease = None
         if self._on_lost:
             self._on_lost()

@@ -365,9 +365,9 @@ class CoordinatorServer:
         self._stopped = True
         self._draining = True
         self._update_health()
-        self.reconciler.stop()
+        self.election.resign()  # first: a successor's campaign waits on nothing else here
+        self.reconciler.stop()  # a pass under way fails its fencing compares
         self.coordinator.leadership_changed()  # wakes the watchers: they end
-        self.election.resign()
         if self.config.drain_s:
             log.info("draining for %.1f s before stopping", self.config.drain_s)
             time.sleep(self.config.drain_s)  # the drain interval itself, not a synchronisation

@@ -177,3 +177,36 @@ class TestCallsDuringAnElection:
             forwarding.close()
             pool.shutdown()
             store.close()
+
+
+class TestResignation:
+    def test_a_campaign_in_flight_when_the_replica_resigns_leaves_no_leader_record(self, etcd):
+        """A replica told to stop (SIGTERM) while its campaign's transaction
+        is on the wire must not keep what that campaign wins: it would hold
+        the leader record, renewed by no one, for a whole lease TTL, and no
+        successor could be elected meanwhile (test_drain's hand-over)."""
+        store = etcd.store()
+        etcd_transaction = store.transaction
+        on_the_wire, go_on = threading.Event(), threading.Event()
+
+        def transaction(*args, **kwargs):  # the campaign's create-only put waits
+            on_the_wire.set()
+            assert go_on.wait(10)
+            return etcd_transaction(*args, **kwargs)
+
+        store.transaction = transaction  # type: ignore[method-assign]
+        election = Election(store, "127.0.0.1:1", ttl_s=10)
+        resigning = threading.Thread(target=election.resign)
+        try:
+            election.start()
+            assert on_the_wire.wait(10), "the replica never campaigned"
+            resigning.start()
+            wait_for(election._stop.is_set, 5, "the resignation to begin")  # noqa: SLF001
+            go_on.set()
+            resigning.join(10)
+            assert not resigning.is_alive()
+            assert store.get(keys.LEADER) is None
+            assert not election.is_leader()
+        finally:
+            go_on.set()
+            store.close()

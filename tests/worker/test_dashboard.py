@@ -302,12 +302,12 @@ def check_the_live_view(browser, server, client, base, job_id):
     assert all((a[1] - b[1]) * (a[3] - b[3]) <= 1e-9 for a, b in zip(first, first[1:]))
     # the series ends at the step and loss the API reports (read when the job
     # did not move between two reads of it)
-    def settled():
+    def settled(_):  # the series and the status of one quiet moment, or False
         before = client.get_job(job_id).status
         points = _get_json(f"{base}/jobs/{job_id}/series.json")["points"]
         after = client.get_job(job_id).status
-        return (before.step == after.step and points, points, after)
-    _, points, status = wait.until(lambda d: settled()[0] and settled(), "a quiet moment")
+        return before.step == after.step and points and (points, after)
+    points, status = wait.until(settled, "a quiet moment")
     assert points[-1][1:] == [status.step, pytest.approx(status.loss)]
     # the curve grows without a reload
     grown = wait.until(lambda d: (len(d.execute_script(PLOTTED)) > len(first)
