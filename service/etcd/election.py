@@ -139,7 +139,7 @@ class Election:
         with self._lock:  # a resignation meanwhile wins over this campaign
             elected = (entry is not None and entry.lease_id == lease.id
                        and not self._stop.is_set())
-            if elected:
+            if entry is not None and elected:
                 self._lease = lease
                 self._lease_deadline = started + self._ttl_s
                 self._token = entry.create_revision
