@@ -12,6 +12,7 @@ the certificates and the password).
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -49,19 +50,47 @@ machines this suite is sized for, so the test's own processes get about
 half the CPU they would on an idle machine (load ~ 2 + the test's)."""
 
 
+LOAD_VARIABLE = "SPRINGBACK_TEST_LOAD"
+"""Busy loops for the whole run (`_run_loaded`): the suite's loaded mode."""
+
+
+def _busy_loops(n: int) -> list[subprocess.Popen]:
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+
+
+def _stop(loops: list[subprocess.Popen]) -> None:
+    for p in loops:
+        p.kill()
+    for p in loops:
+        p.wait(timeout=10)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _run_loaded(worker_id: str) -> Iterator[None]:
+    """The suite's loaded mode: with ``SPRINGBACK_TEST_LOAD=N``, N CPU-bound
+    processes spin from the run's first test to its end (started by one
+    pytest-xdist worker only), so every test meets a machine as busy as a
+    shared CI runner's; without it, nothing."""
+    value = os.environ.get(LOAD_VARIABLE, "0")
+    if not value.isdigit():
+        raise pytest.UsageError(f"{LOAD_VARIABLE}={value!r}: a number of busy loops (0, 1, 2, ...)")
+    loops = _busy_loops(int(value)) if worker_id in ("master", "gw0") else []
+    try:
+        yield
+    finally:
+        _stop(loops)
+
+
 @pytest.fixture
 def loaded() -> Iterator[list[subprocess.Popen]]:
     """Weather, not lab conditions: `BUSY_LOOPS` CPU-bound processes run
     beside the test and are killed at its teardown. A test that takes it
     asserts what it asserts on an idle machine, only slower."""
-    loops = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(BUSY_LOOPS)]
+    loops = _busy_loops(BUSY_LOOPS)
     try:
         yield loops
     finally:
-        for p in loops:
-            p.kill()
-        for p in loops:
-            p.wait(timeout=10)
+        _stop(loops)
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -8,7 +8,10 @@
 # out one at a time (`--dist loadgroup`: tests marked `xdist_group` share a
 # worker). 0, the default, is one process: a 2-worker run took 1,197 s instead
 # of ~1,750 s but one liveness-bound test failed in it, its agents' 2 s leases
-# expiring under the doubled load (issue 50). It ends with the 20 slowest
+# expiring under the doubled load (issue 50).
+# SPRINGBACK_TEST_LOAD=N is the loaded mode: N busy loops spin for the
+# whole run (tests/conftest.py), weather every test must pass in. It ends
+# with the 20 slowest
 # tests (pyproject.toml) and the run's wall and CPU time.
 # Fails when pytest collected no test (its exit code 5), never silently passes.
 set -uo pipefail
