@@ -33,6 +33,7 @@ from springback.service.etcd.election import Election
 from springback.service.core.history import History, delete_job
 from springback.service.core.jobstate import JobState, Measures, PlanView
 from springback.service.core.leases import MemberLeases
+from springback.service.core.memberwatch import MemberWatch
 from springback.service.policy.stoprules import StopRules
 from springback.service.policy import stragglers
 from springback.service.core import departures
@@ -80,6 +81,8 @@ class Coordinator:
         self._version = 0  # bumped on every change; watchers wait on it
         self._jobs: dict[str, JobState] = {}  # job id -> what this leader keeps of it
         self.leases = MemberLeases(store)  # member id -> lease id (a cache)
+        # every job's members' fingerprint, watched (`memberwatch`): the reconcile loop's
+        self.member_watch = MemberWatch(store)
         # the stop rules' samples of running jobs (leader memory, `stoprules`)
         self.stop_rules = StopRules()
         self.stragglers = stragglers.Stragglers()  # controls.straggler's evidence
@@ -93,7 +96,9 @@ class Coordinator:
     def leadership_changed(self) -> None:
         """Drops what the leader keeps in memory (every job's `JobState`, the
         member leases, stop rules' samples, history not yet flushed; see
-        `jobstate`) and wakes every watcher (they re-check leadership)."""
+        `jobstate`; the members' watch, started again by the reconcile loop)
+        and wakes every watcher (they re-check leadership)."""
+        self.member_watch.stop()
         with self.changed:
             self._forget(None)
             self.leases.clear()

@@ -2,8 +2,10 @@
 into changes of the job (`Coordinator.change`).
 
 A background thread of every replica (`Reconciler`) that acts only while
-its replica leads. Each pass reads every job and its members' fingerprint
-from etcd and replans a job whose members no longer match its plan, once its
+its replica leads. Each pass reads every job, takes its members' fingerprint
+from the leader's watch on them (`memberwatch`: no read; from etcd, as a
+count and a sorted read per job, while that watch may have missed an event)
+and replans a job whose members no longer match its plan, once its
 membership has settled (`SETTLE_S`, `MAX_SETTLE_S`,
 `STORM_SETTLE_S_PER_MEMBER`: a join storm or a failure burst is one
 generation); then applies the job's stop rules (`stoprules`), flushes
@@ -23,7 +25,6 @@ import time
 from springback.client.errors import (
     Conflict, FailedPrecondition, NotFound, NotLeader, SpringbackError, StoreUnavailable,
 )
-from springback.service.etcd import keys
 from springback.service.policy import planner
 from springback.service.core.coordinator import Coordinator
 from springback.service.core.jobstate import Unsettled
@@ -94,6 +95,7 @@ class Reconciler:
             if self._stop.is_set() or not c.election.is_leader():
                 continue
             try:
+                c.member_watch.refresh()  # (re)started or checked; never raises
                 self.reconcile()
                 c.history.flush()
                 if time.monotonic() - last_flush >= c.progress_flush_s:
@@ -160,7 +162,7 @@ class Reconciler:
         c = self.coordinator
         if planner.is_terminal(job.status.state):
             return
-        fingerprint = c.store.fingerprint(keys.members(job.id))
+        fingerprint = c.member_watch.fingerprint(job.id)
         state = c.job_state(job.id)
         if state.fingerprint == fingerprint:
             return  # no member joined, left, expired or drained

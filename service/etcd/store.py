@@ -297,22 +297,41 @@ class Store:
         return self._entries(response.kvs, message_type)
 
     @_translate
-    def count(self, prefix: str) -> int:
-        """The number of keys under `prefix`, in one count-only read (etcd
-        sends no key: the cost of a join's check against the members cap)."""
-        return int(self._client.get_prefix_response(prefix, count_only=True).count)
+    def count(self, prefix: str, revision: int | None = None) -> int:
+        """The number of keys under `prefix` (at `revision`; None: now), in one
+        count-only read (etcd sends no key: the cost of a join's check
+        against the members cap)."""
+        return int(self._client.get_prefix_response(prefix, count_only=True,
+                                                    revision=revision).count)
 
-    @_translate
     def fingerprint(self, prefix: str) -> tuple[int, int]:
         """(number of keys, newest mod revision) under `prefix`, in two small reads.
 
         Any put, create or delete under the prefix changes it, so a caller can
-        skip re-reading an unchanged prefix.
+        skip re-reading an unchanged prefix. The newest revision costs etcd a
+        read and a sort of every key under the prefix (etcd 3.4): not for a
+        prefix that grows with the members on a hot path (`memberwatch`).
         """
-        count = self._client.get_prefix_response(prefix, count_only=True).count
-        newest = self._client.get_prefix_response(
-            prefix, sort_order="descend", sort_target="mod", keys_only=True, limit=1).kvs
-        return count, newest[0].mod_revision if newest else 0
+        count, newest, _ = self.fingerprint_at(prefix)
+        return count, newest
+
+    @_translate
+    def fingerprint_at(self, prefix: str) -> tuple[int, int, int]:
+        """`fingerprint` and the revision that both of its reads read at:
+        (number of keys, newest mod revision, revision)."""
+        response = self._client.get_prefix_response(
+            prefix, sort_order="descend", sort_target="mod", keys_only=True, limit=1)
+        revision = int(response.header.revision)
+        newest = response.kvs[0].mod_revision if response.kvs else 0
+        return self.count(prefix, revision), newest, revision
+
+    @_translate
+    def revisions(self, prefix: str) -> tuple[dict[str, int], int]:
+        """Key -> mod revision of every key under `prefix`, and the revision
+        read at, in one read of keys only (no values)."""
+        response = self._client.get_prefix_response(prefix, keys_only=True)
+        return ({kv.key.decode(): kv.mod_revision for kv in response.kvs},
+                int(response.header.revision))
 
     @_translate
     def leases(self, prefix: str) -> dict[str, int]:
@@ -346,11 +365,14 @@ class Store:
     # -- watches -----------------------------------------------------------
 
     @_translate
-    def watch_prefix(self, prefix: str, callback: Callable[[Any], None]) -> Any:
+    def watch_prefix(self, prefix: str, callback: Callable[[Any], None],
+                     start_revision: int | None = None) -> Any:
         """Calls ``callback`` (on the client's watch thread) with every response
-        for keys under `prefix` (``.events``: puts and deletes), or with an
-        exception when the watch broke (watch again). Returns the watch id."""
-        return self._client.add_watch_prefix_callback(prefix, callback)
+        for keys under `prefix` (``.events``: puts and deletes, from
+        `start_revision` on when given, else from now), or with an exception
+        (or None) when the watch broke (watch again). Returns the watch id."""
+        return self._client.add_watch_prefix_callback(prefix, callback,
+                                                      start_revision=start_revision)
 
     def cancel_watch(self, watch_id: Any) -> None:
         """Stops a watch; best effort (a broken connection already ended it)."""
