@@ -180,10 +180,12 @@ def test_a_lost_stage_without_a_replica_comes_back_from_its_peer_copy_on_a_spare
     cluster.audit()  # exactly once: the steps after the copy step were trained again
 
 
-PP_SHRINK = {**PP, "name": "pipeline-repartition", "max_workers": 4, "max_steps": 50,
+PP_SHRINK = {**PP, "name": "pipeline-repartition", "max_workers": 4, "max_steps": 150,
              "layout": {"pp": 4, "min_pp": 2}, "peer_copies": {"every_steps": 2}}
 """pp = 4 x dp = 1, allowed down to 2 stages; the peer copies hold each stage
-on the next node."""
+on the next node. max_steps leaves the joiner ~25 s of slow steps to start
+in (its ranks' imports took 8 s on a loaded machine: with 50 the job ended
+before it was admitted); `fast_forward` ends them once it is."""
 
 
 def _layers(stage: int, pp: int, num_layers: int = 4) -> list[int]:
