@@ -189,21 +189,10 @@ class EtcdServer:
                 "--listen-client-urls", client, "--advertise-client-urls", client,
                 "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
                 "--initial-cluster", self.initial_cluster or f"{self.name}={peer}", *tls,
-                *self._election_flags(),
             ],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )
         log.close()
-
-    def _election_flags(self) -> list[str]:
-        """A single member with no peers to disagree with: raft ticks of 10 ms,
-        so it elects itself within ~0.1 s of its start instead of 0.1-0.7 s
-        with etcd's 100 ms / 1 s defaults (`start` waits for that). A
-        cluster's members keep the defaults: short timeouts would make them
-        depose each other on a loaded machine."""
-        if self.initial_cluster is not None:
-            return []
-        return ["--heartbeat-interval", "10", "--election-timeout", "100"]
 
     def wait_serving(self, timeout_s: float = 20.0) -> None:
         """Blocks until this member answers a (quorum) read; raises on timeout."""
