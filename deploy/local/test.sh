@@ -6,9 +6,10 @@
 # The suite mostly waits (timeouts, liveness windows, process starts):
 # SPRINGBACK_TEST_WORKERS=N runs it on N pytest-xdist workers, tests handed
 # out one at a time (`--dist loadgroup`: tests marked `xdist_group` share a
-# worker). 0, the default, is one process: a 2-worker run took 1,197 s instead
-# of ~1,750 s but one liveness-bound test failed in it, its agents' 2 s leases
-# expiring under the doubled load (issue 50).
+# worker). 0, the default, is one process: a 2-worker run took 1,472 s
+# instead of ~2,100 s (956 tests) with two tests failing on timing they
+# assumed of an idle machine (fixed in 8df67cf); earlier one liveness-bound
+# test failed, its agents' 2 s leases expiring under the doubled load (issue 50).
 # SPRINGBACK_TEST_LOAD=N is the loaded mode: N busy loops spin for the
 # whole run (tests/conftest.py), weather every test must pass in. It ends
 # with the 20 slowest
