@@ -236,7 +236,7 @@ def _coordinator_command(args: argparse.Namespace) -> int:
         liveness_timeout_s=args.liveness_timeout_s, leader_ttl_s=args.leader_ttl_s,
         heartbeat_budget_per_s=args.heartbeat_budget_per_s,
         metrics_listen=args.metrics_listen, drain_s=args.drain_s, insecure=args.insecure,
-        viewer_token=args.viewer_token, tls_roles=args.tls_roles,
+        client_keepalive_s=args.client_keepalive_s, viewer_token=args.viewer_token, tls_roles=args.tls_roles,
         metrics_tls_cert=args.metrics_tls_cert, metrics_tls_key=args.metrics_tls_key,
     )
     server = CoordinatorServer(config)
@@ -365,6 +365,9 @@ def build_parser() -> argparse.ArgumentParser:
     coord.add_argument("--drain-s", type=float, default=5.0,
                        help="on SIGTERM: seconds of health NOT_SERVING, leadership handed over, "
                             "calls forwarded, before the server stops (default 5)")
+    coord.add_argument("--client-keepalive-s", type=float, default=30.0,
+                       help="ping a client connection silent this long; close it when the ping "
+                            "is not answered within as long again (default 30)")
     coord.set_defaults(handler=_coordinator_command)
 
     job = commands.add_parser("job", parents=[common], help="submit and control jobs")

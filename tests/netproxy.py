@@ -206,6 +206,7 @@ class NetProxy:
         self.address = f"{host}:{self._listener.getsockname()[1]}"
         self.num_accepted = 0
         self.num_refused = 0
+        self.refused_at: list[float] = []  # time.monotonic() of each refusal
         self._closed = False
         threading.Thread(target=self._accept, daemon=True, name="netproxy-accept").start()
 
@@ -310,6 +311,7 @@ class NetProxy:
                 refusing = self._refusing
             if refusing:
                 self.num_refused += 1
+                self.refused_at.append(time.monotonic())
                 _rst_close(client)
                 continue
             try:

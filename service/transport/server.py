@@ -281,6 +281,7 @@ class CoordinatorServer:
         self.dashboard = Dashboard(self.coordinator)
 
     async def _make_server(self, interceptors: list[grpc.aio.ServerInterceptor]) -> grpc.aio.Server:
+        keepalive_ms = int(self.config.client_keepalive_s * 1000)
         return grpc.aio.server(
             migration_thread_pool=futures.ThreadPoolExecutor(
                 max_workers=self.config.max_workers, thread_name_prefix="rpc"),
@@ -294,6 +295,17 @@ class CoordinatorServer:
                 ("grpc.keepalive_permit_without_calls", 1),
                 ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
                 ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
+                # the server's own pings find clients that vanished without a
+                # FIN (config.client_keepalive_s); unlimited, since a silent
+                # WatchPlans stream sends no data between generations
+                ("grpc.keepalive_time_ms", keepalive_ms),
+                ("grpc.keepalive_timeout_ms", keepalive_ms),
+                ("grpc.http2.ping_timeout_ms", keepalive_ms),  # else 60 s (gRPC >= 1.6x)
+                ("grpc.http2.max_pings_without_data", 0),
+                ("grpc.http2.min_time_between_pings_ms", keepalive_ms),
+                # no max connection age: an agent's channel already spreads
+                # over every replica (round robin), and a forced reconnect
+                # would cut its plan stream for nothing (docs/scale.md)
             ],
         )
 

@@ -19,6 +19,7 @@ from sbtest import wait_for
 from springback.service.etcd import keys
 from springback.client.api import Client
 from springback.v1 import worker_service_pb2 as ws
+from springback.v1 import worker_service_pb2_grpc as ws_grpc
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -94,3 +95,49 @@ class TestFaultyAgentLink:
             finally:
                 member.close()
                 client.close()
+
+    def test_an_agent_retries_a_refusing_replica_at_most_about_a_second_apart(
+        self, start_coordinator, make_spec
+    ):
+        # gRPC's default reconnect backoff (1 s, x1.6, +-20 %) leaves gaps of
+        # 2.0-3.1 s by the third try: a 3 s outage then costs a 5 s liveness.
+        coordinator = start_coordinator(liveness_timeout_s=30.0)
+        wait_for(coordinator.election.is_leader, 10, "the coordinator to lead")
+        job = Client(coordinator.address).create_job(make_spec(max_workers=1))
+        with NetProxy(coordinator.address) as link:
+            member = SimMember([link.address], job.id)
+            try:
+                link.refuse().reset()
+                wait_for(lambda: len(link.refused_at) >= 1, 10, "a first refused try")
+                first = link.refused_at[0]
+                wait_for(lambda: link.refused_at[-1] - first >= 7.0, 20, "7 s of refused tries")
+                link.heal()
+                gaps = [b - a for a, b in zip(link.refused_at, link.refused_at[1:])]
+                assert max(gaps) < 1.9, gaps  # 1 s +20 % jitter, and a loaded machine's lag
+                member.heartbeat_once()  # and it is back
+            finally:
+                member.close()
+
+
+class TestVanishedClient:
+    def test_a_plan_stream_whose_client_went_silent_is_closed_by_the_servers_pings(
+        self, start_coordinator, make_spec
+    ):
+        # A client whose host vanished sends no FIN: without the server's own
+        # keepalive pings its connection and stream would stay for gRPC's 2 h.
+        coordinator = start_coordinator(client_keepalive_s=1.0)
+        wait_for(coordinator.election.is_leader, 10, "the coordinator to lead")
+        job = Client(coordinator.address).create_job(make_spec())
+        with NetProxy(coordinator.address) as link:
+            channel = grpc.insecure_channel(link.address)  # no client keepalive
+            try:
+                stream = ws_grpc.WorkerServiceStub(channel).WatchPlans(
+                    ws.WatchPlansRequest(job_id=job.id), timeout=60)
+                wait_for(lambda: coordinator.plan_streams.num_open == 1, 10,
+                         "the stream to open on the replica")
+                link.hold()  # silent both ways: TCP stays up, nothing arrives
+                wait_for(lambda: coordinator.plan_streams.num_open == 0, 15,
+                         "the replica to close the silent client's stream")
+                stream.cancel()
+            finally:
+                channel.close()
