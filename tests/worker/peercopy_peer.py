@@ -5,7 +5,8 @@ Four gloo ranks on two "nodes" (ranks 0-1, 2-3) train a tiny FSDP2 model
 (shard=4) with peer copies every 2 steps through the library's own
 `StateAgreement` and `GenerationCopies`. The copy of step 2 completes; at
 step 4 node 1 dies before sending its copy: ranks 2 and 3 exit after the
-step, ranks 0 and 1 start the step-4 transfer and drop it unfinished. The
+step, ranks 0 and 1 start the step-4 transfer, fail to finish it (the copy
+stays in flight) and abandon it, its buffers kept. The
 two survivors then start generation 2: step 4's pieces do not cover node 1's
 rows, step 2's do. Rank 0 writes ``result.json``: the step the survivors
 rolled back to, the restore kind, and the gathered state's SHA-256 at that
@@ -86,7 +87,17 @@ def main(rank: int, root: str) -> None:
         if step == 4 and rank >= 2:
             os._exit(0)  # node 1 dies before it sends step 4's copy
         copies.after_step(step)
-    copies.abandon()  # the step-4 transfer never completes here
+    try:  # the step-4 transfer never completes here
+        copies.settle()
+        raise AssertionError("a copy from a dead node completed")
+    except (RuntimeError, dist.DistError):
+        pass
+    # a failed wait leaves the copy in flight, and abandoning it (twice: it is
+    # idempotent) keeps its buffers until the group is gone
+    assert copies._in_flight is not None
+    copies.abandon()
+    copies.abandon()
+    assert copies._abandoned is not None and copies._in_flight is None
     dist.destroy_process_group()
     store = dist.FileStore(os.path.join(root, "g2"), 2)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2)

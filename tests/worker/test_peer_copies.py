@@ -156,7 +156,9 @@ def test_a_replaced_pieces_buffer_is_filled_by_the_next_copy_and_one_of_another_
 def test_a_node_lost_mid_transfer_rolls_back_to_the_previous_complete_copy(tmp_path):
     """peercopy_peer.py: step 2's copies complete, node 1 dies before sending
     step 4's; the survivors' step-4 snapshots do not cover its rows, so they
-    roll back to step 2, bit for bit, instead of to a checkpoint."""
+    roll back to step 2, bit for bit, instead of to a checkpoint. The failed
+    step-4 transfer stays in flight for `abandon`, which keeps its buffers
+    past the group (gloo may still write into them)."""
     import json
     import os
     import subprocess

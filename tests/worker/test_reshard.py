@@ -111,3 +111,18 @@ def test_blocks_received_into_strided_views_land_bit_for_bit(tmp_path):
         assert result["strided"] == dict.fromkeys(keys, True), (rank, result)  # the path under test
         assert result["received"] > 0 and result["written"], (rank, result)
         assert result["differ"] == dict.fromkeys(keys, 0), (rank, result)
+
+
+LOST_PEER = os.path.join(os.path.dirname(__file__), "reshard_lost_peer.py")
+
+
+@pytest.mark.timeout(45)
+def test_a_sender_lost_mid_exchange_leaves_every_posted_receive_registered(tmp_path):
+    """reshard_lost_peer.py: the sender dies before it sends; the receiver's
+    first wait fails with its second receive still posted. Both receive
+    buffers must be registered with `handed_to_gloo` when the exchange
+    raises: registered only after the waits, they were not, `leave_group`
+    did not wait for gloo to let them go, and a rank aborted with glibc's
+    heap corruption in an FSDP x TP x PP reshard whose holder was killed."""
+    receiver, _ = run_gloo_peers(LOST_PEER, 2, str(tmp_path / "store"), timeout_s=40)
+    assert receiver == {"raised": True, "handed": 2, "left": True}, receiver

@@ -375,8 +375,10 @@ class GenerationCopies:
     def abandon(self) -> None:
         """Drops the copy in flight unfinished (the group is being torn down):
         its partly received buffers are never used (kept referenced until
-        this object goes, after the group: gloo may still write into them)."""
-        self._abandoned, self._in_flight = self._in_flight, None
+        this object goes, after the group: gloo may still write into them).
+        Idempotent."""
+        if self._in_flight is not None:
+            self._abandoned, self._in_flight = self._in_flight, None
 
     def _start(self, step: int, held: Held) -> None:
         if self._indexes is None:  # once per generation, at its first copy step
@@ -405,11 +407,15 @@ class GenerationCopies:
         self._in_flight = _InFlight(step, works, received, views)
 
     def _complete(self) -> None:
-        flight, self._in_flight = self._in_flight, None
+        """Waits for the copy in flight. A wait that fails (a peer died)
+        leaves the copy in flight, for `abandon` to keep its buffers until
+        the group is gone: gloo may still be writing into the others."""
+        flight = self._in_flight
         assert flight is not None
         for work in flight.works:
             if work is not None:
                 work.wait()
+        self._in_flight = None
         handed_to_gloo(*flight.views)
         self.store.copies.extend(flight.received)
         self.store.keep_from(flight.step)
