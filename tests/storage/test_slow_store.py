@@ -33,11 +33,7 @@ def test_periodic_checkpoints_to_a_slow_store_never_stall_the_step_loop(
     job.spec.checkpoint.every_steps = 2
     s3_env = {"SPRINGBACK_S3_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "testing",
               "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
-              "TINY_STEP_SLEEP_S": "0.1",
-              # the product's default, not FakeJob's 10 s: rank 0's final save,
-              # waited for on purpose, takes ~12 s while rank 1 waits in the
-              # step's collective
-              "SPRINGBACK_COLLECTIVE_TIMEOUT_S": "30"}
+              "TINY_STEP_SLEEP_S": "0.1"}
     try:
         injector.slow(REQUEST_DELAY_S)
         for m in ("a", "b"):
@@ -65,3 +61,40 @@ def test_periodic_checkpoints_to_a_slow_store_never_stall_the_step_loop(
     assert committed and committed[-1].step == MAX_STEPS
     assert all(verify(c.uri, storage_options=direct) == [] for c in committed)
     assert len(committed) < MAX_STEPS // 2  # some periodic ones were skipped
+
+
+FINAL_REQUEST_DELAY_S = 1.5
+COLLECTIVE_TIMEOUT_S = 4
+
+
+@pytest.mark.timeout(150)
+def test_the_final_checkpoint_on_a_slow_store_ends_the_job_in_its_generation(
+        tmp_path, s3_bucket, faulty_s3, make_s3_options, moto_endpoint):
+    """The final step's checkpoint is waited for; rank 0's commit makes about
+    five more requests than rank 1's write (~7.5 s here), longer than the
+    collective timeout (4 s). Rank 1 must wait for rank 0's commit in the
+    save, not in the step's last collective: before, it timed out there, the
+    generation broke as the job ended and the job never finished."""
+    bucket, _ = s3_bucket
+    endpoint, injector = faulty_s3
+    job = FakeJob(tmp_path, max_steps=4)
+    job.spec.checkpoint.uri = f"{bucket}/final"
+    s3_env = {"SPRINGBACK_S3_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "testing",
+              "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
+              "SPRINGBACK_COLLECTIVE_TIMEOUT_S": str(COLLECTIVE_TIMEOUT_S)}
+    try:
+        injector.slow(FINAL_REQUEST_DELAY_S)
+        for m in ("a", "b"):
+            job.spawn(m, s3_env)
+        job.publish(["a", "b"], "start")
+        job.finish(["a", "b"], timeout_s=120)
+    finally:
+        job.close()
+    assert [(r["step"], r["generation"]) for r in sorted(job.steps(), key=lambda r: r["step"])] \
+        == [(s, 1) for s in range(1, 5)]
+    for m in ("a", "b"):
+        assert "broke" not in (tmp_path / f"{m}.log").read_text(), m
+    direct = make_s3_options(moto_endpoint)
+    committed = committed_checkpoints(job_checkpoint_uri(f"{bucket}/final", "fake"),
+                                      storage_options=direct)
+    assert [c.step for c in committed] == [4]

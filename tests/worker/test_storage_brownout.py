@@ -135,3 +135,58 @@ def test_a_restore_through_an_s3_brownout_resumes_after_the_newest_commit_exactl
           f"{len(retried)} requests retried ({len(restore_retries)} restore reads), "
           f"{whole_loads} whole-load retries, {job.status.generation} generations, "
           f"{time.monotonic() - started:.0f}s")
+
+
+
+
+DRAIN_REQUEST_DELAY_S = 2.0
+
+
+@pytest.fixture
+def coordinator(start_coordinator):
+    """A leader with the product's default liveness timeout (5 s, so also the
+    agents' collective timeout), not the suite's 2 s: beside the suite's
+    loaded mode the agents' heartbeats were starved past 2 s."""
+    server = start_coordinator(liveness_timeout_s=5.0)
+    wait_for(server.election.is_leader, 10, "the coordinator to lead")
+    return server
+
+
+@pytest.mark.timeout(200)
+def test_a_drain_checkpoint_on_a_slow_store_commits_and_the_survivor_trains_on_from_it(
+        tmp_path: Path, client, coordinator_address, s3):
+    """One of two nodes drains while every S3 request takes 2 s. The drain
+    checkpoint is a collective of both nodes' ranks, waited for; rank 0's
+    part (its write, then the commit: about five more requests) ends ~10 s
+    after the other rank's, longer than the 5 s collective timeout. The
+    other rank must wait for rank 0 in the save: before, it went on to the
+    next step's collective, timed out there, the generation broke, the
+    coordinator refused the drain's commit from the broken generation and
+    the job kept no checkpoint of its training."""
+    uri, proxy, env = s3
+    spec = {"name": "slow-drain", "min_workers": 1, "max_workers": 2, "max_steps": 2000,
+            "data": {"num_samples": NUM_SAMPLES, "global_batch_size": BATCH, "seed": 1},
+            "checkpoint": {"uri": uri, "every_steps": 1000}}
+    job_id = client.create_job(spec).id
+    agents = [AgentProcess(tmp_path, f"a{i}", job_id, coordinator_address,
+                           env={**env, "TINY_STEP_SLEEP_S": "0.2"}) for i in range(2)]
+    survivor, drained = agents
+    try:
+        wait_for(lambda: len({r["step"] for r in steps(tmp_path) if r["world_size"] == 2}) >= 5,
+                 120, "five steps at world 2")
+        proxy.injector.slow(DRAIN_REQUEST_DELAY_S)
+        drained.process.send_signal(signal.SIGTERM)
+        assert drained.wait(90) == 0, drained.log()
+        proxy.injector.clear()
+        drained_at = max(r["step"] for r in steps(tmp_path) if r["world_size"] == 2)
+        wait_for(lambda: any(r["world_size"] == 1 and r["step"] > drained_at
+                             for r in steps(tmp_path)), 60, "a step of the survivor alone")
+        job = client.get_job(job_id)
+    finally:
+        proxy.injector.clear()
+        for agent in agents:
+            agent.stop()
+    logs = survivor.log() + drained.log()
+    assert "broke" not in logs, logs[-4000:]
+    assert job.status.last_checkpoint.step == drained_at, logs[-4000:]
+    assert job.status.steps_redone == 0, job.status

@@ -27,7 +27,11 @@ Failure semantics:
   boundary and waited for (up to `DRAIN_SAVE_TIMEOUT_S`) before the ranks move
   on, so a node that was the last holder of the state leaves it committed. The
   checkpoint of the final step (max_steps) is waited for the same way, before
-  that step is reported.
+  that step is reported. The ranks leave such a save together, when rank 0's
+  commit is done (`_leave_with_rank_0`): on a slow store rank 0's commit ends
+  seconds after the others' writes, and a rank waiting for it in the step's
+  next collective instead would give up at the collective timeout and break
+  the generation whose checkpoint was being committed.
 * With pipeline stages (pp > 1) a stage's plain tensors and settings are held
   by its ranks only: the first save of a generation all-gathers which rank
   holds which non-DTensor entry (a collective, like the busy flag), and each
@@ -46,6 +50,7 @@ import torch
 import torch.distributed as dist
 
 from springback.v1 import types_pb2 as pb
+from springback.client.polling import wait_until
 from springback.client.workers import MemberCalls
 from springback.worker.rank.context import RankContext
 from springback.worker.state.mesh import MeshLayout
@@ -58,6 +63,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DRAIN_SAVE_TIMEOUT_S = 60.0
+COMMIT_WAIT_SLACK_S = 15.0
+"""How much longer than `DRAIN_SAVE_TIMEOUT_S` the other ranks wait for rank
+0 to end a waited save (its wait, then its commit record's RPC)."""
 CLOSE_TIMEOUT_S = 30.0
 RPC_TIMEOUT_S = 10.0
 
@@ -104,14 +112,17 @@ class GenerationCheckpoints:
         handed_to_gloo(t)
         return t.item() > 0
 
-    def save(self, step: int, cursor: tuple[int, int], *, wait: bool = False) -> bool:
+    def save(self, step: int, cursor: tuple[int, int], *, wait: bool = False,
+             store: dist.Store | None = None) -> bool:
         """Saves `step` (collective: every rank of the generation calls it).
 
         A periodic save (``wait=False``) returns at once after the snapshot, or
         skips the step on every rank when any rank's previous checkpoint is
         still busy (returns False). A drain or final save (``wait=True``) is
         never skipped: it waits for the previous checkpoint, then for its own
-        commit, up to `DRAIN_SAVE_TIMEOUT_S`.
+        commit, up to `DRAIN_SAVE_TIMEOUT_S`, and returns on every rank once
+        rank 0's wait ended (through the generation's `store`; raises what
+        the store raises when rank 0, which serves it, died).
         """
         if not wait and self._any_rank_busy():
             self._ckpt.stats.skipped += 1
@@ -133,7 +144,25 @@ class GenerationCheckpoints:
                 self._ckpt.wait(DRAIN_SAVE_TIMEOUT_S)
             except Exception as e:  # noqa: BLE001 - reported by on_error already
                 log.error("drain checkpoint of step %d failed: %s", step, e)
+            self._leave_with_rank_0(step, store)
         return True
+
+    def _leave_with_rank_0(self, step: int, store: dist.Store | None) -> None:
+        """Rank 0 marks its waited save of `step` ended (committed or failed);
+        every other rank waits for that mark, so no rank enters the next
+        collective while rank 0 still commits. Ends the wait after
+        `DRAIN_SAVE_TIMEOUT_S` + `COMMIT_WAIT_SLACK_S` with a warning (rank 0
+        is then stuck past its own deadline; the next collective decides)."""
+        if store is None or self._plan.world_size == 1:
+            return
+        key = f"waited-save/{step}"
+        if self._rank == 0:
+            store.set(key, "ended")
+            return
+        if not wait_until(lambda: store.check([key]), interval_s=0.02,
+                          timeout_s=DRAIN_SAVE_TIMEOUT_S + COMMIT_WAIT_SLACK_S):
+            log.warning("rank 0 did not end its save of step %d within %.0fs; going on",
+                        step, DRAIN_SAVE_TIMEOUT_S + COMMIT_WAIT_SLACK_S)
 
     @property
     def stall_s(self) -> float | None:

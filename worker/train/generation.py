@@ -306,7 +306,7 @@ class Generation:
                 # the final step is committed before it is reported: the job's
                 # success ends the generation, and with it the right to commit
                 self._checkpoints.save(batch.step, self.stream.cursor_after(batch.step),
-                                       wait=drain or final)
+                                       wait=drain or final, store=self._store)
                 if drain:
                     self._drain_saved_step = batch.step
         elif stop:
