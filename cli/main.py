@@ -366,8 +366,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="on SIGTERM: seconds of health NOT_SERVING, leadership handed over, "
                             "calls forwarded, before the server stops (default 5)")
     coord.add_argument("--client-keepalive-s", type=float, default=30.0,
-                       help="ping a client connection silent this long; close it when the ping "
-                            "is not answered within as long again (default 30)")
+                       help="ping each client connection every this many seconds; close it "
+                            "when a ping is not answered within as long again (default 30)")
     coord.set_defaults(handler=_coordinator_command)
 
     job = commands.add_parser("job", parents=[common], help="submit and control jobs")

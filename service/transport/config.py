@@ -67,10 +67,11 @@ class CoordinatorConfig:
     ``--drain-s`` defaults to 5."""
     client_keepalive_s: float = 30.0
     """The server pings each client connection every this long and closes it
-    when a ping is not answered within as long again. A client that vanished without closing its TCP connection (a
-    node powered off, a link cut) thus frees its connection and its WatchPlans
-    stream within about twice this, not gRPC's default of 2 h 20 s (10,000
-    connections cost ~330 pings/s, answered in gRPC's core)."""
+    when a ping is not answered within as long again. A client that vanished
+    without closing its TCP connection (a node powered off, a link cut) thus
+    frees its connection and its WatchPlans stream within about twice this,
+    not gRPC's default of 2 h 20 s (10,000 connections cost ~330 pings/s,
+    answered in gRPC's core)."""
     insecure: bool = False
     """Accept a `listen` or `metrics_listen` address other hosts can reach
     without a `token` (refused otherwise: anyone reaching the port could
