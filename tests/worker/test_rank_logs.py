@@ -135,13 +135,14 @@ def test_an_agent_ships_into_the_job_s_own_directory():
 
 class TestShipping:
     @staticmethod
-    def rank_logs(tmp_path, base: str, **kw):  # noqa: ANN205
+    def rank_logs(tmp_path, base: str, flush_interval_s: float = 60, **kw):  # noqa: ANN205
         import io
 
         from springback.worker.agent.ranklogs import RankLogs
 
         return RankLogs(label_of=lambda proc: "rank0", member_of=lambda: "m-1",
-                        base_uri_of=lambda: base, echo=io.BytesIO(), flush_interval_s=60, **kw)
+                        base_uri_of=lambda: base, echo=io.BytesIO(),
+                        flush_interval_s=flush_interval_s, **kw)
 
     @staticmethod
     def run_rank(logs, *lines: str) -> None:
@@ -168,6 +169,27 @@ class TestShipping:
         blocked.unlink()
         assert logs.ship() is True
         assert self.shipped(f"file://{blocked}") == "[rank0] first\n[rank0] second\n"
+
+    @pytest.mark.timeout(60)
+    def test_close_waits_for_a_shipment_in_flight(self, tmp_path, monkeypatch):
+        """A shipment holds the lines it took until they are written; close()
+        must not give up on it after its own 5 s (the agent exits next). The
+        first shipment of an agent imports the storage layer, torch with it:
+        in a 2-worker suite run that took longer, and every line of a short
+        job was lost. Here the upload's first request takes 6 s."""
+        from s3faults import FaultyS3, agent_s3_env, moto_bucket
+
+        with moto_bucket("ranklogs") as (bucket, endpoint), FaultyS3(endpoint) as proxy:
+            for name, value in agent_s3_env(proxy.url).items():
+                monkeypatch.setenv(name, value)
+            base = f"s3://{bucket}/ckpt/job"
+            logs = self.rank_logs(tmp_path, base, flush_interval_s=0.05)
+            proxy.injector.slow(6.0, count=1)
+            logs.start()
+            self.run_rank(logs, "the only line")
+            wait_for(lambda: proxy.injector.injected, 20, "a shipment in flight")
+            logs.close()
+            assert self.shipped(base) == "[rank0] the only line\n"
 
     def test_past_the_buffer_cap_the_oldest_lines_are_dropped_and_counted(self, tmp_path):
         logs = self.rank_logs(tmp_path, f"file://{tmp_path}/ckpt", max_buffer_bytes=40)

@@ -14,7 +14,8 @@ Failure semantics: shipping never blocks a rank (the pipe is drained by the
 reader whatever happens to storage). A failed upload is logged and retried
 with the next flush; the buffer is capped at ``max_buffer_bytes``, past which
 the oldest lines are dropped and a line saying so is shipped instead. `close`
-ships what is left, once, within the store's retry budget.
+waits for a shipment in flight (up to `SHIP_WAIT_S`), then ships what is
+left, once, within the store's retry budget.
 """
 
 from __future__ import annotations
@@ -29,6 +30,11 @@ from collections.abc import Callable
 from typing import IO, Any
 
 log = logging.getLogger("springback.agent.logs")
+
+SHIP_WAIT_S = 20.0
+"""How long `close` waits for a shipment in flight. The first one in an agent
+imports the storage layer (torch with it: seconds of CPU on a loaded machine)
+and holds the lines it took meanwhile; the agent exits right after `close`."""
 
 _RANK_PREFIX = re.compile(rb"^(?:\[[^\]\n]{1,32}\]:? ?)+")
 """Leading tags such as torch's ``[rank0]: `` on a rank's output lines."""
@@ -161,14 +167,15 @@ class RankLogs:
             return False
 
     def close(self, timeout_s: float = 5.0) -> None:
-        """Waits (up to `timeout_s`) for the readers of exited ranks, then ships
-        what is left. Idempotent."""
+        """Waits (up to `timeout_s`) for the readers of exited ranks, then for
+        a shipment in flight (up to `SHIP_WAIT_S`: it holds the lines it
+        took), then ships what is left. Idempotent."""
         deadline = time.monotonic() + timeout_s
         for reader in self._readers:
             reader.join(timeout=max(deadline - time.monotonic(), 0))
         self._stop.set()
         if self._shipper.is_alive():
-            self._shipper.join(timeout=max(deadline - time.monotonic(), 0.1))
+            self._shipper.join(timeout=SHIP_WAIT_S)
         self.ship()
 
 
