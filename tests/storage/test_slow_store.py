@@ -14,6 +14,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "worker"))
 from fakeplans import FakeJob  # noqa: E402
+from s3faults import agent_s3_env  # noqa: E402
 
 from springback.storage import committed_checkpoints, job_checkpoint_uri, verify  # noqa: E402
 
@@ -23,25 +24,32 @@ BLOCKED_SAVE_S = 4 * REQUEST_DELAY_S
 MAX_STEPS = 20
 
 
-@pytest.mark.timeout(150)
-def test_periodic_checkpoints_to_a_slow_store_never_stall_the_step_loop(
-        tmp_path, s3_bucket, faulty_s3, make_s3_options, moto_endpoint):
-    bucket, opts = s3_bucket
+def train_through(tmp_path: Path, uri: str, faulty_s3: tuple, delay_s: float, *,
+                  max_steps: int, every_steps: int, env: dict[str, str]) -> FakeJob:
+    """Two ranks of the tiny script train `max_steps` checkpointing to `uri`
+    through the fault proxy, every request held `delay_s`; returns the
+    finished (closed) job."""
     endpoint, injector = faulty_s3
-    job = FakeJob(tmp_path, max_steps=MAX_STEPS)
-    job.spec.checkpoint.uri = f"{bucket}/ck"
-    job.spec.checkpoint.every_steps = 2
-    s3_env = {"SPRINGBACK_S3_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "testing",
-              "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
-              "TINY_STEP_SLEEP_S": "0.1"}
+    job = FakeJob(tmp_path, max_steps=max_steps)
+    job.spec.checkpoint.uri = uri
+    job.spec.checkpoint.every_steps = every_steps
     try:
-        injector.slow(REQUEST_DELAY_S)
+        injector.slow(delay_s)
         for m in ("a", "b"):
-            job.spawn(m, s3_env)
+            job.spawn(m, {**agent_s3_env(endpoint), **env})
         job.publish(["a", "b"], "start")
         job.finish(["a", "b"], timeout_s=120)
     finally:
         job.close()
+    return job
+
+
+@pytest.mark.timeout(150)
+def test_periodic_checkpoints_to_a_slow_store_never_stall_the_step_loop(
+        tmp_path, s3_bucket, faulty_s3, make_s3_options, moto_endpoint):
+    bucket, _ = s3_bucket
+    job = train_through(tmp_path, f"{bucket}/ck", faulty_s3, REQUEST_DELAY_S,
+                        max_steps=MAX_STEPS, every_steps=2, env={"TINY_STEP_SLEEP_S": "0.1"})
     steps = sorted(job.steps(), key=lambda r: r["step"])
     assert [r["step"] for r in steps] == list(range(1, MAX_STEPS + 1))
     assert {r["generation"] for r in steps} == {1}  # the generation never broke
@@ -76,20 +84,9 @@ def test_the_final_checkpoint_on_a_slow_store_ends_the_job_in_its_generation(
     save, not in the step's last collective: before, it timed out there, the
     generation broke as the job ended and the job never finished."""
     bucket, _ = s3_bucket
-    endpoint, injector = faulty_s3
-    job = FakeJob(tmp_path, max_steps=4)
-    job.spec.checkpoint.uri = f"{bucket}/final"
-    s3_env = {"SPRINGBACK_S3_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "testing",
-              "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
-              "SPRINGBACK_COLLECTIVE_TIMEOUT_S": str(COLLECTIVE_TIMEOUT_S)}
-    try:
-        injector.slow(FINAL_REQUEST_DELAY_S)
-        for m in ("a", "b"):
-            job.spawn(m, s3_env)
-        job.publish(["a", "b"], "start")
-        job.finish(["a", "b"], timeout_s=120)
-    finally:
-        job.close()
+    job = train_through(tmp_path, f"{bucket}/final", faulty_s3, FINAL_REQUEST_DELAY_S,
+                        max_steps=4, every_steps=0,
+                        env={"SPRINGBACK_COLLECTIVE_TIMEOUT_S": str(COLLECTIVE_TIMEOUT_S)})
     assert [(r["step"], r["generation"]) for r in sorted(job.steps(), key=lambda r: r["step"])] \
         == [(s, 1) for s in range(1, 5)]
     for m in ("a", "b"):
