@@ -155,11 +155,14 @@ def start_coordinator(etcd: EtcdServer) -> Iterator[Callable[..., CoordinatorSer
 
 
 @pytest.fixture
-def coordinator(start_coordinator) -> CoordinatorServer:
-    """One leader replica (waits until it leads)."""
+def coordinator(start_coordinator, request) -> CoordinatorServer:
+    """One leader replica (waits until it leads), at the suite's 2 s liveness
+    timeout, or at ``@pytest.mark.liveness(seconds)``'s: a test whose agents
+    must keep their members through a loaded run asks for the product's 5 s."""
     from sbtest import wait_for
 
-    server = start_coordinator()
+    marker = request.node.get_closest_marker("liveness")
+    server = start_coordinator(**({"liveness_timeout_s": float(marker.args[0])} if marker else {}))
     wait_for(server.election.is_leader, 10, "the coordinator to become leader")
     return server
 

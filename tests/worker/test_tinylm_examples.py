@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 import yaml
 from cluster import steps
-from sbtest import wait_for
 from test_elastic import cluster  # noqa: F401 - the fixture
 
 from springback.worker.train.audit import check_exactly_once
@@ -24,23 +23,17 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "tinylm"
 STEPS = 6
 
 
-@pytest.fixture
-def coordinator(start_coordinator):
-    """A leader with the product's default liveness timeout (5 s), not the
-    suite's 2 s: four ranks building the 3-D model beside the suite's loaded
-    mode kept an agent's heartbeats away for 2 s, its member expired, and
-    the pipeline stage it held (no peer copy yet at step 3) was lost."""
-    server = start_coordinator(liveness_timeout_s=5.0)
-    wait_for(server.election.is_leader, 10, "the coordinator to lead")
-    return server
-
-
 def spec(job_file: str) -> dict:
     """The example's job spec, cut to `STEPS` steps."""
     with open(EXAMPLES / job_file, encoding="utf-8") as f:
         return {**yaml.safe_load(f), "max_steps": STEPS}
 
 
+# The product's liveness timeout, not the suite's 2 s: four ranks building the
+# 3-D model beside the suite's loaded mode kept an agent's heartbeats away for
+# 2 s, its member expired, and the pipeline stage it held (no peer copy yet at
+# step 3) was lost.
+@pytest.mark.liveness(5.0)
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize(("cluster", "script"), [
     (spec("job_3d.yaml"), "train_3d.py"),
