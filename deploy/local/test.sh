@@ -6,10 +6,9 @@
 # The suite mostly waits (timeouts, liveness windows, process starts):
 # SPRINGBACK_TEST_WORKERS=N runs it on N pytest-xdist workers, tests handed
 # out one at a time (`--dist loadgroup`: tests marked `xdist_group` share a
-# worker). 0, the default, is one process: a 2-worker run took 1,472 s
-# instead of ~2,100 s (956 tests) with two tests failing on timing they
-# assumed of an idle machine (fixed in 8df67cf); earlier one liveness-bound
-# test failed, its agents' 2 s leases expiring under the doubled load (issue 50).
+# worker). 0, the default, is one process (~1,900 s for 959 tests): the last
+# 2-worker run took 1,473 s with three failures from the doubled load (fixed
+# in ca8383b and 47e51b8), so two workers are not the default yet (issue 50).
 # SPRINGBACK_TEST_LOAD=N is the loaded mode: N busy loops spin for the
 # whole run (tests/conftest.py), weather every test must pass in. It ends
 # with the 20 slowest
