@@ -137,13 +137,12 @@ def test_a_restore_through_an_s3_brownout_resumes_after_the_newest_commit_exactl
           f"{time.monotonic() - started:.0f}s")
 
 
-
-
 DRAIN_REQUEST_DELAY_S = 2.0
 
 
-# The product's liveness timeout (5 s, so also the agents' collective timeout),
-# not the suite's 2 s, which the run's timing below is measured against.
+# The product's liveness timeout (5 s, so also the agents' collective
+# timeout, the bound the docstring's ~10 s commit lag is set against), not the
+# suite's 2 s, at which loaded agents' members expired.
 @pytest.mark.liveness(5.0)
 @pytest.mark.timeout(200)
 def test_a_drain_checkpoint_on_a_slow_store_commits_and_the_survivor_trains_on_from_it(
