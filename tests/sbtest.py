@@ -120,6 +120,15 @@ def leader_of(store) -> str | None:  # noqa: ANN001 (a springback.service.etcd.s
     return entry.value.decode() if entry else None
 
 
+def process_alive(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie does not)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def run_gloo_peers(script: str, world: int, store_path: str, timeout_s: float = 80) -> list[dict]:
     """Runs `world` processes of `script` (argv: rank, world, a file-store
     path for ``init_process_group``), one thread each; fails the test unless

@@ -16,7 +16,9 @@ def main() -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     session = Session(model=model, optimizer=opt, num_samples=16, global_batch_size=4,
                       max_steps=3)
-    record = {"pid": os.getpid(), "LOCAL_RANK": os.environ["LOCAL_RANK"],
+    with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:  # the fork server, or the agent
+        parent = f.read().replace(b"\0", b" ").decode()
+    record = {"pid": os.getpid(), "parent": parent, "LOCAL_RANK": os.environ["LOCAL_RANK"],
               "session_local_rank": session.env.local_rank, "ranks": []}
     for gen in session.generations():
         with gen:

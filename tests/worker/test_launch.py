@@ -159,19 +159,21 @@ class TestModeChoice:
 
 class TestLibraryModeLocalRanks:
     @pytest.mark.timeout(180)
+    @pytest.mark.parametrize("fork", [False, True], ids=["exec", "fork-server"])
     def test_two_ranks_on_one_agent_read_distinct_local_ranks_after_session(
-            self, tmp_path, client, coordinator_address, make_spec):
+            self, tmp_path, client, coordinator_address, make_spec, fork):
         job = client.create_job(make_spec(min_workers=1, max_workers=1, max_steps=3,
                                           data={"num_samples": 16, "global_batch_size": 4}))
         code, out, _ = finish(springback(
             "run", "--job", job.id, "--coordinator", coordinator_address,
-            "--nproc-per-node", "2", "--no-standby", "--",
+            "--nproc-per-node", "2", "--no-standby", *(["--fork-server"] if fork else []), "--",
             sys.executable, str(HERE / "local_rank_train.py"),
             env={"LOCAL_RANK_OUT": str(tmp_path)}), 170)
         assert code == 0, out
         records = [json.loads(p.read_text()) for p in tmp_path.glob("rank-*.json")]
         assert sorted(r["LOCAL_RANK"] for r in records) == ["0", "1"], records
         for r in records:
+            assert ("springback.worker.agent.forkserver" in r["parent"]) == fork, r
             assert r["LOCAL_RANK"] == str(r["session_local_rank"])
             assert r["ranks"] == [r["session_local_rank"]]  # one node: rank = local rank
 
@@ -179,18 +181,25 @@ class TestLibraryModeLocalRanks:
 class TestRankOutput:
     def test_tee_writes_the_file_and_the_console_redirect_only_the_file(self, tmp_path, capfd):
         from springback.worker.agent.launch import RankOutput
+        from springback.worker.agent.rankprocess import RankStarter
 
-        output = RankOutput(log_dir=str(tmp_path), redirects={1: 1}, tee={0: 1})
-        code = "import sys; print('out'); print('err', file=sys.stderr)"
-        for lr in (0, 1):
-            proc = output.launch([sys.executable, "-c", code], dict(os.environ), local_rank=lr,
-                                 attempt="attempt_0")
-            assert proc.wait(30) == 0
+        output = RankOutput(log_dir=str(tmp_path / "logs"), redirects={1: 1}, tee={0: 1})
+        script = tmp_path / "rank.py"
+        script.write_text("import sys; print('out'); print('err', file=sys.stderr)")
+        starter = RankStarter([sys.executable, str(script)], fork=True)  # forked
+        try:
+            for lr in (0, 1):
+                proc = output.launch(starter, dict(os.environ), local_rank=lr,
+                                     attempt="attempt_0")
+                assert proc.wait(30) == 0
+        finally:
+            starter.close()
         for pump in output._pumps:
             pump.join(10)
-        assert (tmp_path / "attempt_0" / "0" / "stdout.log").read_text() == "out\n"
-        assert (tmp_path / "attempt_0" / "1" / "stdout.log").read_text() == "out\n"
-        assert not (tmp_path / "attempt_0" / "0" / "stderr.log").exists()
+        logs = tmp_path / "logs" / "attempt_0"
+        assert (logs / "0" / "stdout.log").read_text() == "out\n"
+        assert (logs / "1" / "stdout.log").read_text() == "out\n"
+        assert not (logs / "0" / "stderr.log").exists()
         console = capfd.readouterr()
         assert console.out.count("out") == 1  # rank 0's tee; rank 1's went to its file only
         assert console.err.count("err") == 2  # neither redirected stderr

@@ -23,16 +23,17 @@ def _threads(pid: int) -> set[int]:
 
 
 def _report(proc) -> dict:  # noqa: ANN001
-    out, _ = proc.communicate(timeout=30)
-    assert proc.returncode == 0, out
+    out = proc.stdout.read()
+    assert proc.wait(timeout=30) == 0, out
     return json.loads(out.decode().strip().splitlines()[-1])
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.parametrize("fork", [False, True], ids=["exec", "fork-server"])
 def test_the_spare_sets_up_at_idle_priority_and_runs_at_normal_priority_once_activated(
-        tmp_path):
+        tmp_path, fork):
     ranks = LocalRanks([sys.executable, STANDBY], str(tmp_path), keep_spare=True,
-                       rank_logs=lambda proc: None)
+                       rank_logs=lambda proc: None, fork=fork)
     try:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
         first = ranks.start_all(1, env, timeout_s=30, abort=lambda: False)
@@ -51,4 +52,4 @@ def test_the_spare_sets_up_at_idle_priority_and_runs_at_normal_priority_once_act
         assert len(report["threads"]) == 2
         assert set(report["threads"].values()) == {"normal"}, report
     finally:
-        ranks.kill_all()
+        ranks.close()

@@ -107,14 +107,18 @@ def start_agent(tmp_path: Path, name: str, job_id: str, coordinator: str, env: d
 
 
 class TestUnmodifiedTorchrunScript:
+    @pytest.mark.parametrize("fork", [False, True], ids=["exec", "fork-server"])
     def test_runs_on_two_agents_survives_a_killed_rank_and_resumes_from_its_checkpoint(
-            self, tmp_path, client, coordinator_address):
+            self, tmp_path, client, coordinator_address, fork):
+        """With ``--fork-server`` every generation's ranks are forked warm:
+        the same environment (each rank dumps its own), the same recovery."""
         job = ddp_job(client, tmp_path, min_workers=2)
         dump = tmp_path / "env"
         dump.mkdir()
         env = base_env(dump)
         agents = [start_agent(tmp_path, n, job.id, coordinator_address, env,
-                              "--nproc-per-node", "2", "--max-restarts", "3") for n in ("a", "b")]
+                              "--nproc-per-node", "2", "--max-restarts", "3",
+                              *(["--fork-server"] if fork else [])) for n in ("a", "b")]
         logs = lambda: "".join(p.read_text() for p in sorted(tmp_path.glob("agent-*.log")))  # noqa: E731
         try:
             wait_for(lambda: (s := client.get_job(job.id).status).last_checkpoint.step >= EVERY
@@ -135,6 +139,8 @@ class TestUnmodifiedTorchrunScript:
                     agent.wait()
         assert done.status.step == STEPS
         assert done.status.last_checkpoint.step == STEPS
+        assert (logs().count("fork server") == 2) == fork, logs()  # one per agent, up once
+        assert "start cold" not in logs()
         starts = [int(s) for s in re.findall(r"starting at step (\d+)", logs())]
         # rank 0 printed step 0 once (in either agent's log), then resumed from the
         # script's own checkpoint, not from scratch (commits land every EVERY steps)

@@ -61,7 +61,8 @@ def test_a_lost_generation_start_report_is_sent_again(start_coordinator, make_sp
                        spec=job.spec, members=[pb.PlanMember(member_id=member.id, first_rank=0,
                                                              num_local_ranks=1)])
         port = SimpleNamespace(  # the part of runner.AgentPort the relay uses
-            config=SimpleNamespace(job_id=job.id, host="127.0.0.1"),
+            config=SimpleNamespace(job_id=job.id, host="127.0.0.1", command=["train.py"],
+                                   fork_server=False),
             member_id=lambda: member.id, calls=lambda: MemberCalls(stub, job.id, member.id),
             plan=lambda: plan,
             control_dir=lambda: str(tmp_path))

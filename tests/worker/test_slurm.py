@@ -24,7 +24,7 @@ from applied import check_applied
 from cluster import steps
 from draws import check_draws
 from fakeplans import TINY_TRAIN
-from sbtest import wait_for
+from sbtest import process_alive, wait_for
 from slurmcluster import CRED_EXPIRE_S, FREEZER_ROOT, PREEMPT_GRACE_S, SlurmCluster, missing
 from springback.cli.slurm import KeeperConfig
 from springback.client.api import Client
@@ -218,7 +218,7 @@ class TestRanksUnderSlurm:
                 "print('survived', flush=True); sys.stdin.read()")
         agent = subprocess.Popen(
             [sys.executable, "-c",
-             "import subprocess,sys; from springback.worker.agent.ranks import with_parent_death;"
+             "import subprocess,sys; from springback.worker.agent.rankprocess import with_parent_death;"
              f"c = subprocess.Popen(with_parent_death([sys.executable, '-c', {rank!r}],"
              " ignore_sigterm=True)); print(c.pid, flush=True); c.wait()"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -229,20 +229,11 @@ class TestRanksUnderSlurm:
             rank_pid = int(next(line for line in lines if line.isdigit()))
             agent.kill()
             agent.wait(timeout=10)
-            wait_for(lambda: not _alive(rank_pid), 20, "the orphaned rank to die")
+            wait_for(lambda: not process_alive(rank_pid), 20, "the orphaned rank to die")
         finally:
             if agent.poll() is None:
                 agent.kill()
                 agent.wait(timeout=10)
-
-
-def _alive(pid: int) -> bool:
-    """Whether process `pid` runs (a zombie does not)."""
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def _agent_log(root: Path, node: str) -> str:

@@ -52,6 +52,9 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    help="start-up: how long to wait for a coordinator to answer (default 10)")
     p.add_argument("--no-standby", dest="standby", action="store_false",
                    help="do not keep a warm standby rank for fast crash recovery")
+    p.add_argument("--fork-server", action="store_true",
+                   help="fork ranks from a warm interpreter that imported torch once, "
+                        "instead of exec'ing each (docs/worker.md: what differs)")
     p.add_argument("--on-fenced", choices=["rejoin", "exit"], default="rejoin")
     p.add_argument("--collective-timeout-s", type=float, default=None,
                    help="process-group timeout (default: the liveness timeout)")
@@ -88,7 +91,8 @@ def _config_from_args(args: argparse.Namespace, job_id: str,
         job_id=job_id, command=cmd, coordinator=coordinator,
         token=getattr(args, "token", None), nproc_per_node=parse_nproc(args.nproc_per_node),
         host=host, drain_timeout_s=args.drain_timeout_s,
-        max_restarts=args.max_restarts, standby=args.standby, on_fenced=args.on_fenced,
+        max_restarts=args.max_restarts, standby=args.standby,
+        fork_server=args.fork_server, on_fenced=args.on_fenced,
         collective_timeout_s=args.collective_timeout_s, metrics_listen=args.metrics_listen,
         preemption=_notices(args),
         mode=choose_mode(args.mode, cmd) if cmd else "library",

@@ -35,6 +35,9 @@ class AgentConfig:
     standby: bool = True
     """Keep one warm standby rank (script started, blocked in `Session()`) to
     replace a crashed rank in well under a second instead of a cold start."""
+    fork_server: bool = False
+    """Start ranks forked by the node's fork server, warm, where the command
+    allows it (`forkserver.py`); False (the default): every rank is exec'd."""
     on_fenced: str = "rejoin"
     """``rejoin`` as a new member, or ``exit`` (status 3), once fenced."""
     collective_timeout_s: float | None = None

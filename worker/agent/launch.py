@@ -30,6 +30,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import IO, TextIO
 
+from springback.worker.agent.rankprocess import RankProcess, RankStarter
+
 MODES = ("auto", "library", "restart")
 
 UNSUPPORTED = {
@@ -209,13 +211,14 @@ class RankOutput:
         return bool(self.log_dir and (self._code(self.redirects, local_rank)
                                       or self._code(self.tee, local_rank)))
 
-    def launch(self, argv: list[str], environ: dict[str, str], *, local_rank: int,
-               attempt: str, pass_fds: tuple[int, ...] = ()) -> subprocess.Popen:
-        """Starts `argv` with its output placed as configured (and `pass_fds`
-        inherited)."""
+    def launch(self, starter: RankStarter, environ: dict[str, str], *, local_rank: int,
+               attempt: str, idle: bool = False,
+               pass_fds: tuple[int, ...] = ()) -> RankProcess:
+        """Starts a rank by `starter` with its output placed as configured
+        (`idle` and `pass_fds` as `RankStarter.start`'s)."""
         redirect, tee = self._code(self.redirects, local_rank), self._code(self.tee, local_rank)
         if not self.log_dir or not (redirect or tee):
-            return subprocess.Popen(argv, env=environ, start_new_session=True, pass_fds=pass_fds)
+            return starter.start(environ, idle=idle, pass_fds=pass_fds)
         directory = os.path.join(self.log_dir, attempt, str(local_rank))
         os.makedirs(directory, exist_ok=True)
         targets: dict[str, IO[bytes] | int | None] = {}
@@ -224,9 +227,8 @@ class RankOutput:
             if (redirect | tee) & bit:
                 files[name] = open(os.path.join(directory, f"{name}.log"), "ab")  # noqa: SIM115
             targets[name] = subprocess.PIPE if tee & bit else files.get(name)
-        proc = subprocess.Popen(argv, env=environ, start_new_session=True,
-                                stdout=targets["stdout"], stderr=targets["stderr"],
-                                pass_fds=pass_fds)
+        proc = starter.start(environ, idle=idle, stdout=targets["stdout"],
+                             stderr=targets["stderr"], pass_fds=pass_fds)
         for name, console in (("stdout", sys.stdout), ("stderr", sys.stderr)):
             if targets[name] is subprocess.PIPE:
                 pump = threading.Thread(target=_tee, args=(getattr(proc, name), files[name],

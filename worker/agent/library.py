@@ -13,11 +13,11 @@ listening socket (`startup.StoreSocket`, inherited as ``SPRINGBACK_STORE_FD``).
 from __future__ import annotations
 
 import logging
-import subprocess
 import time
 
 from springback.client import env as E
 from springback.v1 import types_pb2 as pb
+from springback.worker.agent.rankprocess import RankProcess
 from springback.worker.agent.ranks import LocalRanks
 from springback.worker.agent.runner import EXIT_ERROR, EXIT_OK, AgentPort
 from springback.worker.agent.startup import DrainedBeforeJoin, StartupClock, StoreSocket
@@ -36,12 +36,13 @@ class LibraryRanks:
         self._local = LocalRanks(config.command, port.workdir, keep_spare=config.standby,
                                  output=config.output, rank_logs=port.rank_logs.attach,
                                  pass_fds=(self._socket.fd,),
-                                 ignore_sigterm=config.slurm is not None)
+                                 ignore_sigterm=config.slurm is not None,
+                                 fork=config.fork_server)
         self._stop_deadline: float | None = None
         self._hung: dict[int, str] = {}  # local rank -> why the watchdog killed it
 
     @property
-    def ranks(self) -> dict[int, subprocess.Popen]:
+    def ranks(self) -> dict[int, RankProcess]:
         return self._local.ranks
 
     def rendezvous_port(self) -> int:
@@ -136,4 +137,5 @@ class LibraryRanks:
         self._local.kill_all()
 
     def close(self) -> None:
+        self._local.close()
         self._socket.close()

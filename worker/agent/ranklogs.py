@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import logging
 import re
-import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable
 from typing import IO, Any
+
+from springback.worker.agent.rankprocess import RankProcess
 
 log = logging.getLogger("springback.agent.logs")
 
@@ -60,7 +61,7 @@ def job_logs_base(plan: Any, job_id: str) -> str | None:
 
 
 class RankLogs:
-    def __init__(self, *, label_of: Callable[[subprocess.Popen], str],
+    def __init__(self, *, label_of: Callable[[RankProcess], str],
                  member_of: Callable[[], str | None], base_uri_of: Callable[[], str | None],
                  echo: IO[bytes] | None = None, flush_interval_s: float = 2.0,
                  max_buffer_bytes: int = 8 << 20) -> None:
@@ -82,7 +83,7 @@ class RankLogs:
         self._last_error: dict[int, str] = {}  # pid -> the last traceback's exception line
         self._reader_of: dict[int, threading.Thread] = {}
 
-    def last_error(self, proc: subprocess.Popen, wait_s: float = 0.5) -> str:
+    def last_error(self, proc: RankProcess, wait_s: float = 0.5) -> str:
         """The exception line ending the last Python traceback `proc` printed
         (``ValueError: bad batch``), or ``""``; waits up to `wait_s` for its
         output to be read to the end (the caller saw it exit). Cut to 300
@@ -96,7 +97,7 @@ class RankLogs:
     def start(self) -> None:
         self._shipper.start()
 
-    def attach(self, proc: subprocess.Popen) -> None:
+    def attach(self, proc: RankProcess) -> None:
         """Starts reading `proc.stdout` (a pipe); returns at once."""
         reader = threading.Thread(target=self._read, args=(proc,), name=f"rank-log-{proc.pid}",
                                   daemon=True)
@@ -104,7 +105,7 @@ class RankLogs:
         self._reader_of[proc.pid] = reader
         reader.start()
 
-    def _read(self, proc: subprocess.Popen) -> None:
+    def _read(self, proc: RankProcess) -> None:
         assert proc.stdout is not None
         in_traceback = False
         for line in iter(proc.stdout.readline, b""):
@@ -179,7 +180,7 @@ class RankLogs:
         self.ship()
 
 
-def rank_label(proc: subprocess.Popen, ranks: dict[int, subprocess.Popen], plan: Any,
+def rank_label(proc: RankProcess, ranks: dict[int, RankProcess], plan: Any,
                member_id: str | None) -> str:
     """``rankN`` for a process that is local rank ``lr`` of `member_id` in `plan`,
     ``local-rankL`` when the plan does not place this member, else ``standby``."""

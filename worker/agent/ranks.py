@@ -15,9 +15,11 @@ nice 0); without it spares start at normal priority. A spare still in its
 set-up when it is needed (a saturated node: idle CPU never came) finishes
 it at normal priority, no later than a cold start would.
 
-Processes are started through a small exec launcher that sets the
-parent-death signal: when the agent dies (even by SIGKILL) its ranks die with
-it, and their peers see the failure at once. Under Slurm the launcher also
+Processes are started by `rankprocess.RankStarter`: forked warm by the
+node's fork server where the command allows it, else exec'd through a small
+launcher; either way with the parent-death signal set: when the agent dies
+(even by SIGKILL) its ranks die with it, and their peers see the failure at
+once. Under Slurm the launcher also
 makes the ranks ignore SIGTERM (`LocalRanks` with ``ignore_sigterm``): Slurm
 signals every process of a job step on ``scancel`` or a preemption, and a
 rank must not die of it mid-step while its agent drains the node (the agent
@@ -42,40 +44,12 @@ from dataclasses import dataclass
 from springback.client import env as E
 from springback.worker.control import activate_standby, ready_path
 from springback.worker.agent.launch import RankOutput
+from springback.worker.agent.rankprocess import RankProcess, RankStarter
 
 log = logging.getLogger("springback.agent")
 
 NOTE_EVERY_S = 30.0
 """While ranks are still in their set-up, a log line this often."""
-
-# Ranks are started through this snippet rather than with subprocess's
-# preexec_fn: preexec_fn runs Python in a fork() of a process with live gRPC
-# threads, and gRPC's fork handlers abort the child now and then (SIGABRT).
-# The snippet sets the parent-death signal, checks the agent did not die in
-# between, applies the options of argv[2] (comma-separated: idle scheduling,
-# SIGTERM ignored; an ignored signal stays ignored across exec) and execs the
-# rank command.
-_PDEATH_LAUNCHER = (
-    "import ctypes,os,signal,sys\n"
-    "ctypes.CDLL('libc.so.6').prctl(1, signal.SIGKILL)\n"
-    "if os.getppid() != int(sys.argv[1]): sys.exit(1)\n"
-    "opts = sys.argv[2].split(',')\n"
-    "if 'idle' in opts: os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))\n"
-    "if 'noterm' in opts: signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
-    "os.execvp(sys.argv[3], sys.argv[3:])\n"
-)
-
-
-def with_parent_death(command: list[str], *, idle: bool = False,
-                      ignore_sigterm: bool = False) -> list[str]:
-    """`command` behind the launcher that ties its life to this process's;
-    with `idle`, it also runs at the idle scheduling class (threads it starts
-    inherit it) until `to_normal_priority`; with `ignore_sigterm`, it starts
-    with SIGTERM ignored (SIGKILL and the parent-death signal still end it)."""
-    opts = ["idle" if idle else "normal"] + (["noterm"] if ignore_sigterm else [])
-    return [sys.executable, "-S", "-c", _PDEATH_LAUNCHER, str(os.getpid()),
-            ",".join(opts), *command]
-
 
 _CAP_SYS_NICE = 23
 
@@ -125,7 +99,7 @@ def to_normal_priority(pid: int) -> None:
 class Standby:
     """A started rank waiting for its identity in `path`."""
 
-    proc: subprocess.Popen
+    proc: RankProcess
     path: str
     idle: bool = False  # set up at the idle scheduling class
 
@@ -144,40 +118,41 @@ class LocalRanks:
 
     def __init__(self, command: list[str], workdir: str, *, keep_spare: bool,
                  output: RankOutput | None = None,
-                 rank_logs: Callable[[subprocess.Popen], None] | None = None,
-                 pass_fds: tuple[int, ...] = (), ignore_sigterm: bool = False) -> None:
+                 rank_logs: Callable[[RankProcess], None] | None = None,
+                 pass_fds: tuple[int, ...] = (), ignore_sigterm: bool = False,
+                 fork: bool = False) -> None:
         """`output` places ranks' output in files (--log-dir/--redirects/--tee);
         `rank_logs`, when given, receives every other started process with its
         stdout and stderr merged into a pipe it must drain
         (`ranklogs.RankLogs.attach`: rank-prefixed echo and shipping);
         `pass_fds` are inherited by every process (the node's store socket);
         `ignore_sigterm` starts every process with SIGTERM ignored (under
-        Slurm, whose SIGTERM reaches every process of the step: module docstring)."""
-        self.command = command
-        self.ignore_sigterm = ignore_sigterm
+        Slurm, whose SIGTERM reaches every process of the step: module
+        docstring); `fork`: processes are forked by the node's fork server
+        where the command allows it (`forkserver.py`), else exec'd."""
+        self.starter = RankStarter(command, ignore_sigterm=ignore_sigterm, fork=fork)
         self.rank_logs = rank_logs
         self.workdir = workdir
         self.keep_spare = keep_spare
         self.output = output or RankOutput()
         self.pass_fds = pass_fds
-        self.ranks: dict[int, subprocess.Popen] = {}
+        self.ranks: dict[int, RankProcess] = {}
         self.spare: Standby | None = None
         self._idle_spare = keep_spare and can_restore_priority()
         self._num_started = 0
 
     def _launch(self, environ: dict[str, str], local_rank: int = 0, *,
-                idle: bool = False) -> subprocess.Popen:
+                idle: bool = False) -> RankProcess:
         self._num_started += 1
-        argv = with_parent_death(self.command, idle=idle, ignore_sigterm=self.ignore_sigterm)
         if self.rank_logs is not None and not self.output.to_files(local_rank):
-            proc = subprocess.Popen(argv, env=environ, start_new_session=True,
-                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                    pass_fds=self.pass_fds)
+            proc = self.starter.start(environ, idle=idle, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, pass_fds=self.pass_fds)
             self.rank_logs(proc)
             return proc
         # a standby's local rank is not known yet: its log folder is its process number
-        return self.output.launch(argv, environ, local_rank=local_rank,
-                                  attempt=f"proc_{self._num_started}", pass_fds=self.pass_fds)
+        return self.output.launch(self.starter, environ, local_rank=local_rank,
+                                  attempt=f"proc_{self._num_started}", idle=idle,
+                                  pass_fds=self.pass_fds)
 
     def start_standby(self, environ: dict[str, str], *, idle: bool = False) -> Standby:
         path = os.path.join(self.workdir, f"standby-{self._num_started + 1}.json")
@@ -237,3 +212,8 @@ class LocalRanks:
         for p in procs:
             p.wait()
         self.ranks.clear()
+
+    def close(self) -> None:
+        """Kills every rank (`kill_all`) and stops the fork server. Idempotent."""
+        self.kill_all()
+        self.starter.close()

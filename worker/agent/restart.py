@@ -61,7 +61,6 @@ import datetime
 import logging
 import os
 import signal
-import subprocess
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -70,7 +69,7 @@ from springback.v1 import types_pb2 as pb
 from springback.client import plans
 from springback.client.polling import wait_until
 from springback.client import env as E
-from springback.worker.agent.ranks import with_parent_death
+from springback.worker.agent.rankprocess import RankProcess, RankStarter
 from springback.worker.agent.runner import AgentPort
 from springback.worker.agent.startup import RendezvousStore, StartupClock, serve_store
 from springback.worker.agent.storegate import LOOPBACK, StoreForwarder, StoreGate, store_proof
@@ -219,7 +218,8 @@ class RestartRanks:
     def __init__(self, port: AgentPort, rendezvous: Any = None) -> None:
         self._port = port
         self._rendezvous = RendezvousStore(port.config.host) if rendezvous is None else rendezvous
-        self.ranks: dict[int, subprocess.Popen] = {}
+        self.ranks: dict[int, RankProcess] = {}
+        self._starter = RankStarter(port.config.command, fork=port.config.fork_server)
         self.generation = 0        # generation of the running ranks (0: none yet)
         self._me: pb.PlanMember | None = None
         self._num_starts = 0
@@ -251,6 +251,8 @@ class RestartRanks:
         """Nothing to say: the ranks were signalled."""
 
     def close(self) -> None:
+        self.kill_all()
+        self._starter.close()
         self._stores.end_generation()
         self._rendezvous.close()
 
@@ -332,10 +334,10 @@ class RestartRanks:
                  restart_count)
 
     def _launch(self, local_rank: int, environ: dict[str, str], *,
-                attempt: int) -> subprocess.Popen:
+                attempt: int) -> RankProcess:
         """Starts one rank (dies with the agent, output as configured)."""
         config = self._port.config
-        return config.output.launch(with_parent_death(config.command), environ,
+        return config.output.launch(self._starter, environ,
                                     local_rank=local_rank, attempt=f"attempt_{attempt}")
 
     def _on_failure(self, local_rank: int, code: int) -> int | None:

@@ -17,7 +17,6 @@ either runner).
 
 from __future__ import annotations
 
-import subprocess
 from collections.abc import Callable
 from typing import Protocol
 
@@ -25,6 +24,7 @@ from springback.client.workers import MemberCalls
 from springback.v1 import types_pb2 as pb
 from springback.worker.agent.config import AgentConfig
 from springback.worker.agent.ranklogs import RankLogs
+from springback.worker.agent.rankprocess import RankProcess
 from springback.worker.agent.startup import StartupClock
 
 EXIT_OK, EXIT_ERROR, EXIT_FENCED = 0, 1, 3
@@ -93,7 +93,7 @@ class RankRunner(Protocol):
     agent's supervising thread."""
 
     @property
-    def ranks(self) -> dict[int, subprocess.Popen]:
+    def ranks(self) -> dict[int, RankProcess]:
         """The running rank processes, by local rank."""
 
     def rendezvous_port(self) -> int:
