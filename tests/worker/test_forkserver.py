@@ -20,9 +20,12 @@ from springback.worker.agent.forkserver import ForkedProcess, plan_fork
 from springback.worker.agent.rankprocess import RankStarter
 
 REPORT = textwrap.dedent("""\
-    import atexit, json, os, sys, threading
+    import atexit, concurrent.futures, ctypes, json, os, sys, threading
     torch_was_loaded = "torch" in sys.modules  # before this script imported anything
     import numpy
+    left_open = concurrent.futures.ThreadPoolExecutor(1)  # its idle worker must not hang the exit
+    left_open.submit(print, "from an executor").result()
+    ctypes.CDLL(None).printf(b"from C stdio\\n")  # buffered in C: flushed at exit
     fd = int(os.environ["PASSED_FD"])
     os.write(fd, b"through the passed descriptor")
     atexit.register(lambda: open(os.environ["ATEXIT_FILE"], "w").write("ran"))
@@ -84,6 +87,7 @@ def test_a_forked_rank_starts_as_an_execd_one_would_on_imports_already_done(
     assert report["color"] == "blue"
     assert report["sid"] == report["pid"]  # a session of its own, as start_new_session
     assert "to stderr" in out and "thread joined at exit" in out
+    assert "from an executor" in out and "from C stdio" in out
     assert (tmp_path / "atexit-3").read_text() == "ran"
     second, _, code = _run(starter, tmp_path, 0, COLOR="red")
     assert code == 0 and second["color"] == "red"
@@ -134,6 +138,19 @@ def test_signals_reach_the_rank_and_its_status_is_the_signal(pausing):
     proc.terminate()
     assert proc.wait(timeout=30) == -signal.SIGTERM
     proc.kill()  # after its exit: nothing happens, as with Popen
+
+
+@pytest.mark.timeout(90)
+def test_the_server_outlives_a_job_wide_sigterm(pausing):
+    """Slurm or systemd signal every process of a job: the server must not
+    die of it (and take its ranks by their parent-death signal); each rank
+    has SIGTERM's default action."""
+    first, server = _start_pausing(pausing)
+    os.kill(server, signal.SIGTERM)
+    second, same = _start_pausing(pausing)
+    assert same == server and first.poll() is None
+    second.terminate()
+    assert second.wait(timeout=30) == -signal.SIGTERM
 
 
 @pytest.mark.timeout(120)

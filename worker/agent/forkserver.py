@@ -169,6 +169,14 @@ class ForkedProcess:
     def poll(self) -> int | None:
         return self.returncode
 
+    def _wait_gone(self, timeout_s: float) -> None:
+        """Waits up to `timeout_s` for the process to end (its pidfd readable)."""
+        with self._lock:
+            if self.returncode is None:
+                poller = select.poll()
+                poller.register(self._pidfd, select.POLLIN)
+                poller.poll(timeout_s * 1000)
+
     def wait(self, timeout: float | None = None) -> int:
         if not self._exited.wait(timeout):
             raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
@@ -256,7 +264,9 @@ class ForkServer:
                                 [stdout, stderr, *pass_fds])
                 reply = self._replies.get(timeout=START_TIMEOUT_S)
             except (OSError, queue.Empty) as e:
-                raise OSError(f"the fork server did not fork: {e}") from None
+                # stopped: a late reply must never be taken for the next start's
+                self._stop_locked()
+                raise OSError(f"the fork server did not fork: {e!r}") from None
             if not isinstance(reply, ForkedProcess):
                 raise OSError(f"the fork server could not fork: {reply['failed']}")
             reply.args, (reply.stdout, reply.stderr) = list(command), pipes
@@ -297,27 +307,29 @@ class ForkServer:
         exit to its process. At the server's end every rank it forked is dead
         (parent-death signal): each is marked -SIGKILL once it is gone."""
         forked: dict[int, ForkedProcess] = {}
-        while True:
-            try:
-                data, fds, _, _ = socket.recv_fds(sock, _MAX_MESSAGE, 1)
-            except OSError:
-                data, fds = b"", []
-            if not data:
-                break
-            message = json.loads(data)
-            if "exited" in message:
-                forked.pop(message["exited"])._set_exit(message["code"])
-            elif "started" in message:
-                proc = forked[message["started"]] = ForkedProcess(message["started"], fds[0])
-                replies.put(proc)
-            else:
-                replies.put(message)
-        replies.put({"failed": "the fork server exited"})
-        for proc in forked.values():
-            with proc._lock:
-                if proc.returncode is None:
-                    select.select([proc._pidfd], [], [], 5.0)  # its death is on its way
-            proc._set_exit(-signal.SIGKILL)
+        try:
+            while True:
+                try:
+                    data, fds, _, _ = socket.recv_fds(sock, _MAX_MESSAGE, 1)
+                except OSError:
+                    data, fds = b"", []
+                if not data:
+                    break
+                message = json.loads(data)
+                if "exited" in message:
+                    forked.pop(message["exited"])._set_exit(message["code"])
+                elif "started" in message and fds:
+                    proc = forked[message["started"]] = ForkedProcess(message["started"], fds[0])
+                    replies.put(proc)
+                elif "started" in message:  # its pidfd dropped (no descriptor left)
+                    replies.put({"failed": f"no pidfd for process {message['started']}"})
+                else:  # ready, or a failure
+                    replies.put(message)
+        finally:  # however the loop ended: no start waits, no rank stays unfinished
+            replies.put({"failed": "the fork server exited"})
+            for proc in forked.values():
+                proc._wait_gone(5.0)  # killed by its parent-death signal: on its way
+                proc._set_exit(-signal.SIGKILL)
 
     def close(self) -> None:
         """Stops the server (its ranks die with it). Idempotent."""
@@ -351,6 +363,10 @@ def serve(sock: socket.socket) -> None:
     import importlib
     import time
 
+    # a job-wide SIGTERM (Slurm's, systemd's) must not kill the server and, by
+    # their parent-death signal, every rank in the middle of its own handling
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
     began = time.monotonic()
     try:
         for name in PRELOAD:
@@ -360,11 +376,13 @@ def serve(sock: socket.socket) -> None:
         return
     _send(sock, {"ready": round(time.monotonic() - began, 2)})
     pidfds: dict[int, int] = {}  # pidfd -> pid
+    poller = select.poll()
+    poller.register(sock.fileno(), select.POLLIN)
     while True:
-        readable, _, _ = select.select([sock.fileno(), *pidfds], [], [])
-        for fd in readable:
+        for fd, _ in poller.poll():
             if fd != sock.fileno():
                 pid = pidfds.pop(fd)
+                poller.unregister(fd)
                 os.close(fd)
                 _, status = os.waitpid(pid, 0)
                 _send(sock, {"exited": pid, "code": os.waitstatus_to_exitcode(status)})
@@ -376,15 +394,17 @@ def serve(sock: socket.socket) -> None:
             if not data:
                 return  # the agent closed: the ranks die with this process
             request = json.loads(data)
+            server = os.getpid()
             try:
                 pid = os.fork()
             except OSError as e:
                 _send(sock, {"failed": str(e)})
             else:
                 if pid == 0:
-                    _become_rank(request, fds, server=os.getppid())
+                    _become_rank(request, fds, server=server)
                 pidfd = os.pidfd_open(pid)
                 pidfds[pidfd] = pid
+                poller.register(pidfd, select.POLLIN)
                 _send(sock, {"started": pid}, [pidfd])
             finally:
                 for f in fds:
@@ -423,6 +443,8 @@ def _become_rank(request: dict, fds: list[int], *, server: int) -> None:
         if request["idle"]:
             os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
         signal.signal(signal.SIGTERM, signal.SIG_IGN if request["noterm"] else signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
@@ -436,7 +458,12 @@ def _become_rank(request: dict, fds: list[int], *, server: int) -> None:
                        if request["script"] else os.getcwd())
         code = _run(request)
     finally:
-        os._exit(code)
+        try:
+            import ctypes
+
+            ctypes.CDLL("libc.so.6").fflush(None)  # C stdio: what native code printed
+        finally:
+            os._exit(code)
 
 
 def _rerun_site_hooks() -> None:
@@ -494,11 +521,11 @@ def _run(request: dict) -> int:
                                                                     "<frozen runpy>"):
             tb = tb.tb_next  # from the script's own frame, as an exec'd rank prints it
         traceback.print_exception(type(e), e, tb)
+        del e, tb  # the script's frames, and what they hold, may go
         code = 1
-    main = threading.main_thread()
-    for thread in threading.enumerate():
-        if thread is not main and not thread.daemon:
-            thread.join()
+    # as at interpreter exit: threading's exit hooks (they stop idle executor
+    # workers), then the non-daemon threads are joined, then atexit
+    threading._shutdown()  # type: ignore[attr-defined]
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         try:
