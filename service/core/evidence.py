@@ -203,7 +203,7 @@ class PeerLossEvidence:
             entry = coordinator.store.get(keys.member(job_id, member_id), pb.Member)
             if entry is None:
                 return
-            coordinator.leases.forget(member_id)
+            coordinator.leases.forget(member_id, entry.lease_id)
             reason = f"lost {member_id} (peers: {why})"
             departures.note(coordinator, job_id, member_id, reason, js.CHANGE_KIND_NODE_LOST)
             coordinator.store.revoke_lease(entry.lease_id)

@@ -186,7 +186,7 @@ class Membership:
         coordinator = self.coordinator
         coordinator.require_leader()
         entry = coordinator.store.get(keys.member(job_id, member_id))
-        coordinator.leases.forget(member_id)
+        coordinator.leases.forget(member_id, entry.lease_id if entry else None)
         if entry is None:
             return
         left = f"{member_id} left: {reason or 'no reason given'}"

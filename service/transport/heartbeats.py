@@ -183,7 +183,7 @@ class Heartbeats:
                 self._renewer.reset()
             raise
         if ttl <= 0:
-            coordinator.leases.forget(member_id)
+            coordinator.leases.forget(member_id, lease)
             raise NotFound(
                 f"member {member_id!r} of job {job_id!r} expired: stop local ranks and join again")
         self.pacer.seen(member_id, asyncio.get_running_loop().time())

@@ -15,7 +15,9 @@ credential's (`Coordinator.leases`, learned at a join, a heartbeat or a
 check here); otherwise one read of the member's key with the liveness store's
 short deadline, on a worker thread. The cached lease is dropped when this
 replica sees the member go: its leave, a heartbeat finding the lease expired,
-the leader's reconcile pass finding the key gone. Until then a fenced member's
+the leader's reconcile pass finding the key gone, peer evidence fencing it;
+once dropped it is never learned again (`leases`: a read of the members that
+began before the member went cannot put it back). Until then a fenced member's
 call passes this check and meets the handler's own fence instead (NOT_FOUND
 from a heartbeat or a report, see `heartbeats`, `fencing`): refused either way.
 An etcd read that fails is UNAVAILABLE (the client retries another replica).

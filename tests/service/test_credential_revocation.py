@@ -102,6 +102,23 @@ class TestFencingRevokesTheCredential:
             _call(replica.address, new.member_credential, "Heartbeat",
                   ws.HeartbeatRequest(job_id=job.id, member_id=new.member.id))
 
+    def test_a_read_of_the_members_from_before_the_expiry_does_not_reopen_it(
+            self, replicas, make_spec):
+        """A change on another thread read the members just before the member
+        expired and caches their leases after the leader forgot this one (seen
+        once in a suite run: the fenced credential passed and met the
+        heartbeat's NOT_FOUND instead): the forgotten lease stays forgotten."""
+        leader, _ = replicas
+        with Client(leader.address, token=TOKEN) as client:
+            job = client.create_job(make_spec(max_workers=1))
+        old = _join(leader.address, job.id, "stale")
+        before = leader.store.get_prefix(keys.members(job.id), pb.Member)
+        assert [e.value.id for e in before] == [old.member.id]
+        _expired(leader, job.id, old.member.id)
+        for e in before:  # what `Coordinator.members` does with what it read
+            leader.coordinator.leases.remember(e.value.id, e.lease_id)
+        _assert_revoked([leader], old.member_credential, job.id, old.member.id)
+
     def test_a_left_members_credential_is_refused(self, replicas, make_spec):
         leader, _ = replicas
         with Client(leader.address, token=TOKEN) as client:
