@@ -13,7 +13,7 @@ import time
 
 import pytest
 from applied import check_applied
-from cluster import AgentProcess
+from cluster import AgentProcess, steps
 from sbtest import wait_for
 from springback.v1 import job_service_pb2 as js
 from springback.v1 import types_pb2 as pb
@@ -41,11 +41,11 @@ def _member_id(agent: AgentProcess) -> str | None:
     return found[1] if found else None
 
 
-def _rate(series: list[tuple[float, int, float]], first: int, last: int) -> float:
-    """Steps per second between the reports of steps `first` and `last` (or
-    the nearest reported after them)."""
-    a = next(p for p in series if p[1] >= first)
-    b = next(p for p in series if p[1] >= last)
+def _rate(points: list[tuple[float, int]], first: int, last: int) -> float:
+    """Steps per second between steps `first` and `last` (or the nearest
+    after them) of `points`, (time, step) in the order they were taken."""
+    a = next(p for p in points if p[1] >= first)
+    b = next(p for p in points if p[1] >= last)
     return (b[1] - a[1]) / (b[0] - a[0])
 
 
@@ -91,17 +91,25 @@ def test_a_node_made_2x_slower_mid_run_is_set_aside_and_the_step_rate_comes_back
     # steps moves once half of them, 25, are slow), plus a report's lag
     eviction_step = next(e.start_step for e in events if e.generation == evicted.generation)
     assert SLOW_FROM < eviction_step <= SLOW_FROM + 25 + WINDOW + 15, eviction_step
-    before = _rate(series, 10, SLOW_FROM - 2)
-    slowed = _rate(series, SLOW_FROM + 2, eviction_step - 2)
-    after = _rate(series, eviction_step + 10, MAX_STEPS)
+    # the step rate on rank 0's clock (its metrics): the leader's series
+    # adds the report path's lag (a report every 0.25 s at most, etcd reads),
+    # printed beside it
+    clock = [(r["t"], r["step"]) for r in steps(tmp_path)]
+    rates = {name: [_rate(points, 10, SLOW_FROM - 2),
+                    _rate(points, SLOW_FROM + 2, eviction_step - 2),
+                    _rate(points, eviction_step + 10, MAX_STEPS)]
+             for name, points in (("rank 0", clock), ("leader", [p[:2] for p in series]))}
+    before, slowed, after = rates["rank 0"]
     print(f"\nstraggler set aside at step {eviction_step}: {before:.2f} steps/s before the "
           f"slowdown, {slowed:.2f} while slowed, {after:.2f} after "
-          f"({after / before:.0%} of before); {time.monotonic() - started:.0f} s; "
-          f"{evicted.reason}")
+          f"({after / before:.0%} of before; the leader's series: "
+          f"{', '.join(f'{r:.2f}' for r in rates['leader'])}); "
+          f"{time.monotonic() - started:.0f} s; {evicted.reason}")
     assert slowed < 0.8 * before, (before, slowed)  # the injection is real
     # back near the fast nodes' rate: 4 agents' ranks on 2 shared cores, so
     # within 20 % (the issue's 10 % needs a quiet machine; printed above)
-    assert after >= 0.8 * before, (before, after)
+    assert after >= 0.8 * before, (rates, [
+        (e.generation, js.ChangeKind.Name(e.kind), e.start_step, e.reason) for e in events])
 
 
 @pytest.mark.timeout(300)
