@@ -55,8 +55,9 @@ class MemberLeases:
         with self._lock:
             cached = self._lease_of.pop(member_id, None)
             self._checked.pop(member_id, None)
-            for lease in {cached, lease_id} - {None}:
-                self._forgotten[lease] = None
+            for lease in (cached, lease_id):
+                if lease is not None:
+                    self._forgotten[lease] = None
             while len(self._forgotten) > TOMBSTONES:
                 del self._forgotten[next(iter(self._forgotten))]
 

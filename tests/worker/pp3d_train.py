@@ -210,7 +210,7 @@ def main() -> int:
                 applied.count = batch.step
                 record_own(gen, batch.step)
                 gen.report(loss=loss)
-                pace.wait()
+                pace.wait(batch.step)
             state = record(gen, "end", session.step)  # a clean end: every rank is here
             if session.step >= gen.max_steps:
                 record_applied(gen, state, session.step)

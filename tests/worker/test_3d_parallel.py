@@ -124,11 +124,15 @@ def test_fsdp_tp_pp_with_shards_across_nodes_a_spare_takes_a_lost_shard_from_its
     tree): the fill from peer copies disabled (`worker/state/peercopy.py`:
     its transfers forced to None): the lost shard has no source, the
     survivors' ranks fail on the applied-step check, the job never succeeds."""
-    node = {"script": PP3D_TRAIN, "nproc": 2, "env": {"TINY_STEP_SLEEP_S": "0.25"}}
+    hold = cluster.root / "hold"  # the job waits at step 8 for the spare (tests/worker/pace.py)
+    hold.touch()
+    node = {"script": PP3D_TRAIN, "nproc": 2, "env": {
+        "TINY_STEP_SLEEP_S": "0.25", "TINY_HOLD_AT_STEP": "8", "TINY_HOLD_FILE": str(hold)}}
     a, b, c, d = (cluster.start(n, **node) for n in ("a", "b", "c", "d"))
     cluster.wait_world(8, min_step=6, timeout_s=150)
     e = cluster.start("e", **node)  # a spare: max_workers is 4
     wait_for(lambda: len(cluster.job().status.spares) == 1, 90, "e to be a spare")
+    hold.unlink()
     d.signal_node(signal.SIGKILL)
     cluster.fast_forward()  # the last fault is past: no more slow steps
     job = cluster.wait_succeeded(timeout_s=180)
