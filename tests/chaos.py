@@ -59,11 +59,11 @@ import uuid
 from pathlib import Path
 
 import sockreset
-from cluster import AgentProcess, children, steps
+from cluster import AgentProcess, steps
 from etcdcluster import EtcdCluster
 from netproxy import NetProxy
 from s3faults import FaultyS3
-from sbtest import CoordinatorProcess, wait_for
+from sbtest import CoordinatorProcess, ranks_of, wait_for
 from springback.cli.local import free_port
 from springback.client.api import Client
 
@@ -186,7 +186,7 @@ class Faults:
         running (a replacement still starting does not count: a node fault
         then would take the job below its minimum and measure start-up)."""
         live = [n for n in self.d.live_nodes()
-                if "joined job" in self.d.agents[n].log() and children(self.d.agents[n].pid)]
+                if "joined job" in self.d.agents[n].log() and ranks_of(self.d.agents[n].pid)]
         return live if len(live) >= self.num_nodes else None
 
     # -- worker --------------------------------------------------------------
@@ -201,7 +201,7 @@ class Faults:
 
     def _kill_rank(self) -> str | None:
         victim = self.rng.choice(self.d.live_nodes())
-        ranks = children(self.d.agents[victim].pid)
+        ranks = ranks_of(self.d.agents[victim].pid)
         if not ranks:
             return None
         os.kill(self.rng.choice(ranks), signal.SIGKILL)
@@ -259,7 +259,7 @@ class Faults:
     def _crash_every_rank(self) -> str | None:
         if not self._full():
             return None
-        ranks = [pid for n in self.d.live_nodes() for pid in children(self.d.agents[n].pid)]
+        ranks = [pid for n in self.d.live_nodes() for pid in ranks_of(self.d.agents[n].pid)]
         for pid in ranks:  # one after another at once: a correlated crash, agents live on
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -270,7 +270,7 @@ class Faults:
     # -- networks ------------------------------------------------------------
 
     def _reset_rank_links(self) -> str | None:
-        ranks = {pid for n in self.d.live_nodes() for pid in children(self.d.agents[n].pid)}
+        ranks = {pid for n in self.d.live_nodes() for pid in ranks_of(self.d.agents[n].pid)}
         count = sockreset.reset_between(ranks)
         return f"{count} connections" if count else None
 

@@ -129,6 +129,47 @@ def process_alive(pid: int) -> bool:
         return False
 
 
+def children(pid: int) -> list[int]:
+    """Direct children of `pid` (Linux /proc); none once it is gone."""
+    out: list[int] = []
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                out += [int(x) for x in f.read().split()]
+    except FileNotFoundError:
+        pass
+    return out
+
+
+FORK_SERVER_MODULE = b"springback.worker.agent.forkserver"
+
+
+def _is_fork_server(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return FORK_SERVER_MODULE in f.read().split(b"\0")
+    except OSError:
+        return False
+
+
+def ranks_of(agent_pid: int) -> list[int]:
+    """The rank processes of a node agent, exec'd (its children) or forked
+    (its fork server's children; `springback run --fork-server`)."""
+    out: list[int] = []
+    for pid in children(agent_pid):
+        out += children(pid) if _is_fork_server(pid) else [pid]
+    return out
+
+
+def node_processes(agent_pid: int) -> list[int]:
+    """A whole node: the agent, its children (ranks, a fork server) and a
+    fork server's children (forked ranks)."""
+    out = [agent_pid]
+    for pid in children(agent_pid):
+        out += [pid, *(children(pid) if _is_fork_server(pid) else [])]
+    return out
+
+
 def run_gloo_peers(script: str, world: int, store_path: str, timeout_s: float = 80) -> list[dict]:
     """Runs `world` processes of `script` (argv: rank, world, a file-store
     path for ``init_process_group``), one thread each; fails the test unless

@@ -19,21 +19,10 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
-from sbtest import wait_for
+from sbtest import node_processes, wait_for
 from springback.v1 import types_pb2 as pb
 
 STEPS, EVERY, NUM_SAMPLES, GLOBAL_BATCH = 60, 10, 64, 8
-
-
-def _children(pid: int) -> list[int]:
-    out: list[int] = []
-    try:
-        for task in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{task}/children") as f:
-                out += [int(x) for x in f.read().split()]
-    except FileNotFoundError:
-        pass
-    return out
 
 
 @dataclass
@@ -79,7 +68,7 @@ def run_through_kill_and_join(tmp_path: Path, client, coordinator: str, script: 
                      f"world 2 with a commit\n{logs()}")
         killed_in = s.generation
         victim = agents["b"]
-        for pid in [victim.pid] + _children(victim.pid):
+        for pid in node_processes(victim.pid):
             os.kill(pid, signal.SIGKILL)
         victim.wait()
         wait_for(lambda: losses_in(killed_in + 1) >= 5, 150,

@@ -14,20 +14,9 @@ import sys
 from pathlib import Path
 
 from fakeplans import TINY_TRAIN
+from sbtest import node_processes
 from springback.client import env as E
 from springback.worker.eventlog import read as read_metrics
-
-
-def children(pid: int) -> list[int]:
-    """Direct children of `pid` (Linux /proc)."""
-    out: list[int] = []
-    try:
-        for task in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{task}/children") as f:
-                out += [int(x) for x in f.read().split()]
-    except FileNotFoundError:
-        pass
-    return out
 
 
 FAST_FORWARD = "fast-forward"
@@ -38,7 +27,11 @@ sleeps (tests/worker/pace.py)."""
 class AgentProcess:
     def __init__(self, root: Path, name: str, job_id: str, coordinator: str, *extra: str,
                  env: dict[str, str] | None = None, nproc: int = 1,
-                 script: str = TINY_TRAIN) -> None:
+                 script: str = TINY_TRAIN, fork_server: bool | None = None) -> None:
+        """`fork_server`: --fork-server or --no-fork-server; None leaves it to
+        ``$SPRINGBACK_FORK_SERVER`` (the suite's environment). A test that
+        reads a rank's /proc/<pid>/environ needs exec'd ranks (False): a
+        forked rank's shows its fork server's."""
         self.name = name
         self.log_path = root / f"agent-{name}.log"
         environ = dict(os.environ, **{
@@ -48,7 +41,10 @@ class AgentProcess:
         self.process = subprocess.Popen(
             [sys.executable, "-m", "springback.worker.agent", "--job", job_id,
              "--coordinator", coordinator, "--nproc-per-node", str(nproc),
-             "--drain-timeout-s", "30", *extra, "--", sys.executable, script],
+             "--drain-timeout-s", "30", *extra,
+             *([] if fork_server is None else
+               ["--fork-server" if fork_server else "--no-fork-server"]),
+             "--", sys.executable, script],
             env=environ, stdout=open(self.log_path, "ab"), stderr=subprocess.STDOUT)
 
     @property
@@ -56,9 +52,9 @@ class AgentProcess:
         return self.process.pid
 
     def signal_node(self, sig: int) -> None:
-        """Sends `sig` to the agent and every rank it runs (a whole node)."""
-        pids = [self.pid] + children(self.pid)
-        for pid in pids:
+        """Sends `sig` to the agent and every rank it runs (a whole node,
+        its fork server too)."""
+        for pid in node_processes(self.pid):
             try:
                 os.kill(pid, sig)
             except ProcessLookupError:

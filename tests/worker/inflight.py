@@ -16,7 +16,7 @@ import re
 import signal
 import subprocess
 
-from cluster import children
+from sbtest import node_processes
 from sbtest import wait_for
 
 CPU_ROOT = "/sys/fs/cgroup/cpu"
@@ -98,7 +98,7 @@ def kill_mid_transfer(victim, holders: list, receivers: list[int], total: int,  
     lifts the cap. Asserts the kill came before three quarters had landed;
     returns the bytes received at the kill."""
     with CpuCap("holders", percent=percent) as cap:
-        cap.add([p for agent in holders for p in (agent.pid, *children(agent.pid))])
+        cap.add([p for agent in holders for p in node_processes(agent.pid)])
         received = wait_for(
             lambda: (n := sum(bytes_received(r) for r in receivers)) > total // 4 and n,
             timeout_s, f"a quarter of the {what} at the joiner", interval_s=0.02)

@@ -17,10 +17,10 @@ from applied import check_applied
 from draws import check_draws
 from metadata_server import MetadataServer
 from netproxy import NetProxy
-from cluster import FAST_FORWARD, AgentProcess, children, steps
+from cluster import FAST_FORWARD, AgentProcess, steps
 from fakeplans import assert_replicas_identical
 from inflight import SLOW_COLLECTIVES, kill_mid_transfer
-from sbtest import scrape, wait_for
+from sbtest import ranks_of, scrape, wait_for
 from springback.cli.local import free_port
 from springback.v1 import types_pb2 as pb
 from springback.worker.train.audit import check_exactly_once, read_records
@@ -288,7 +288,7 @@ class TestJoin:
         a, b = (cluster.start(n, *SLOW_COLLECTIVES, env=env) for n in ("a", "b"))
         cluster.wait_world(2, min_step=5)
         c = cluster.start("c", *SLOW_COLLECTIVES, env=env)
-        joiner = wait_for(lambda: children(c.pid), 60, "the joiner's rank")[0]
+        joiner = wait_for(lambda: ranks_of(c.pid), 60, "the joiner's rank")[0]
         kill_mid_transfer(b, [a, b], [joiner], ballast, "state", percent=10, timeout_s=90)
         cluster.fast_forward()
         job = cluster.wait_succeeded()
@@ -358,7 +358,7 @@ class TestRankLinkReset:
         # fenced, the two carry on from their own state with nothing redone twice
         agents = [cluster.start(n) for n in ("a", "b")]
         cluster.wait_world(2, min_step=10)
-        ranks = {pid for agent in agents for pid in children(agent.pid)}  # with warm standbys
+        ranks = {pid for agent in agents for pid in ranks_of(agent.pid)}  # with warm standbys
         broken_at = max(r["step"] for r in steps(cluster.root))
         assert sockreset.reset_between(ranks) > 0
         job = cluster.wait_succeeded()

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from cluster import children, steps
+from cluster import steps
 from inflight import SLOW_COLLECTIVES, kill_mid_transfer
-from sbtest import run_gloo_peers, wait_for
+from sbtest import ranks_of, run_gloo_peers, wait_for
 from test_elastic import cluster  # noqa: F401 - the fixture
 from test_sharded import SPEC, assert_resharded_bit_identical
 
@@ -114,7 +114,7 @@ def test_expert_parallel_a_holder_sigkilled_while_a_joiner_receives_its_experts_
     b = cluster.start("b", *SLOW_COLLECTIVES, **moe)
     cluster.wait_world(4, min_step=3, timeout_s=150)
     c = cluster.start("c", *SLOW_COLLECTIVES, **moe)
-    joiners = wait_for(lambda: len(ranks := children(c.pid)) == 2 and ranks, 60,
+    joiners = wait_for(lambda: len(ranks := ranks_of(c.pid)) == 2 and ranks, 60,
                        "the joiner's two ranks")
     kill_mid_transfer(b, [a, b], joiners, ballast, "experts", percent=20)
     cluster.fast_forward()

@@ -10,8 +10,8 @@ import signal
 
 import grpc
 import pytest
-from cluster import AgentProcess, children, steps
-from sbtest import OPERATOR_TOKEN, wait_for
+from cluster import AgentProcess, steps
+from sbtest import OPERATOR_TOKEN, ranks_of, wait_for
 from springback.client.api import Client
 from springback.client import env as E
 from springback.client.channel import connect
@@ -29,7 +29,7 @@ SPEC = {"name": "tiny", "min_workers": 2, "max_workers": 3,
 def _rank_credential(agent_pid: int) -> str:
     """The member credential the agent gave its ranks (a rank's environment)."""
     found = set()
-    for pid in children(agent_pid):
+    for pid in ranks_of(agent_pid):
         with open(f"/proc/{pid}/environ", "rb") as f:
             pairs = dict(v.split(b"=", 1) for v in f.read().split(b"\0") if b"=" in v)
         if E.TOKEN.encode() in pairs:
@@ -45,7 +45,8 @@ def test_a_stopped_node_is_fenced_its_credential_refused_and_it_rejoins(
     env = {"SPRINGBACK_TOKEN": TOKEN, "TINY_STEP_SLEEP_S": "0.3"}
     with Client(server.address, token=TOKEN) as client:
         job = client.create_job(SPEC)
-        agents = [AgentProcess(tmp_path, name, job.id, server.address, env=env)
+        agents = [AgentProcess(tmp_path, name, job.id, server.address, env=env,
+                               fork_server=False)  # reads the ranks' environ
                   for name in ("a", "b", "c")]
         try:
             wait_for(lambda: any(r["world_size"] == 3 and r["step"] >= 5

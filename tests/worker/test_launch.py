@@ -159,21 +159,23 @@ class TestModeChoice:
 
 class TestLibraryModeLocalRanks:
     @pytest.mark.timeout(180)
-    @pytest.mark.parametrize("fork", [False, True], ids=["exec", "fork-server"])
+    @pytest.mark.parametrize("how", ["exec", "fork-server", "fork-server-variable"])
     def test_two_ranks_on_one_agent_read_distinct_local_ranks_after_session(
-            self, tmp_path, client, coordinator_address, make_spec, fork):
+            self, tmp_path, client, coordinator_address, make_spec, how):
+        flags = {"exec": ["--no-fork-server"], "fork-server": ["--fork-server"]}.get(how, [])
+        env = {"SPRINGBACK_FORK_SERVER": "1"} if how == "fork-server-variable" else {}
         job = client.create_job(make_spec(min_workers=1, max_workers=1, max_steps=3,
                                           data={"num_samples": 16, "global_batch_size": 4}))
         code, out, _ = finish(springback(
             "run", "--job", job.id, "--coordinator", coordinator_address,
-            "--nproc-per-node", "2", "--no-standby", *(["--fork-server"] if fork else []), "--",
+            "--nproc-per-node", "2", "--no-standby", *flags, "--",
             sys.executable, str(HERE / "local_rank_train.py"),
-            env={"LOCAL_RANK_OUT": str(tmp_path)}), 170)
+            env={"LOCAL_RANK_OUT": str(tmp_path), **env}), 170)
         assert code == 0, out
         records = [json.loads(p.read_text()) for p in tmp_path.glob("rank-*.json")]
         assert sorted(r["LOCAL_RANK"] for r in records) == ["0", "1"], records
         for r in records:
-            assert ("springback.worker.agent.forkserver" in r["parent"]) == fork, r
+            assert ("springback.worker.agent.forkserver" in r["parent"]) == (how != "exec"), r
             assert r["LOCAL_RANK"] == str(r["session_local_rank"])
             assert r["ranks"] == [r["session_local_rank"]]  # one node: rank = local rank
 

@@ -8,7 +8,8 @@ coordinator, a real agent, real ranks; each rank's environment is read from
 from __future__ import annotations
 
 import pytest
-from cluster import AgentProcess, children
+from cluster import AgentProcess
+from sbtest import ranks_of
 from sbtest import OPERATOR_TOKEN, wait_for
 from springback.client import env as E
 from springback.client.api import Client
@@ -37,13 +38,14 @@ def test_ranks_train_and_commit_with_their_member_credential_never_the_operator_
             checkpoint={"uri": f"file://{tmp_path}/ckpt", "every_steps": 5, "keep_last": 0}))
         token_file = tmp_path / "token"
         token_file.write_text(TOKEN + "\n")
-        agent = AgentProcess(tmp_path, "a", job.id, server.address, nproc=2, env={
+        agent = AgentProcess(  # exec'd ranks: the test reads their environ
+            tmp_path, "a", job.id, server.address, nproc=2, fork_server=False, env={
             E.TOKEN: TOKEN,  # the agent's own: inherited by nothing it starts
             E.TOKEN_FILE: str(token_file),  # nor where a file of it lies
             "TINY_STEP_SLEEP_S": "0.2"})
         try:
             wait_for(lambda: client.get_job(job.id).status.step >= 2, 60, "training")
-            ranks = children(agent.pid)
+            ranks = ranks_of(agent.pid)
             environs = [_environ(pid) for pid in ranks]
             assert len(ranks) >= 2 and all(environs), ranks
             for environ in environs:
@@ -72,11 +74,12 @@ def test_an_agent_given_only_its_jobs_join_credential_trains_the_job(
         job = client.create_job(make_spec(
             max_workers=1, max_steps=10,
             checkpoint={"uri": f"file://{tmp_path}/ckpt", "every_steps": 5, "keep_last": 0}))
-        agent = AgentProcess(tmp_path, "a", job.id, server.address, nproc=2, env={
+        agent = AgentProcess(  # exec'd ranks: the test reads their environ
+            tmp_path, "a", job.id, server.address, nproc=2, fork_server=False, env={
             E.TOKEN: client.issue_join_credential(job.id), "TINY_STEP_SLEEP_S": "0.1"})
         try:
             wait_for(lambda: client.get_job(job.id).status.step >= 2, 60, "training")
-            for pid in (agent.pid, *children(agent.pid)):
+            for pid in (agent.pid, *ranks_of(agent.pid)):
                 assert TOKEN.encode() not in _environ(pid)
             wait_for(lambda: client.get_job(job.id).status.state in (
                 pb.JOB_STATE_SUCCEEDED, pb.JOB_STATE_FAILED), 120, "the job to end")

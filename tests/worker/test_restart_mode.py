@@ -118,7 +118,7 @@ class TestUnmodifiedTorchrunScript:
         env = base_env(dump)
         agents = [start_agent(tmp_path, n, job.id, coordinator_address, env,
                               "--nproc-per-node", "2", "--max-restarts", "3",
-                              *(["--fork-server"] if fork else [])) for n in ("a", "b")]
+                              "--fork-server" if fork else "--no-fork-server") for n in ("a", "b")]
         logs = lambda: "".join(p.read_text() for p in sorted(tmp_path.glob("agent-*.log")))  # noqa: E731
         try:
             wait_for(lambda: (s := client.get_job(job.id).status).last_checkpoint.step >= EVERY

@@ -11,10 +11,10 @@ import signal
 from pathlib import Path
 
 import pytest
-from cluster import children, steps
+from cluster import steps
 from inflight import SLOW_COLLECTIVES, kill_mid_transfer
 from pieces import assembled_digests
-from sbtest import wait_for
+from sbtest import ranks_of, wait_for
 from springback.v1 import types_pb2 as pb
 from test_elastic import BATCH, NUM_SAMPLES, cluster  # noqa: F401 - the fixture
 
@@ -125,7 +125,7 @@ def test_hsdp_a_holder_sigkilled_while_a_joiner_receives_its_shards_keeps_the_st
     b = cluster.start("b", *SLOW_COLLECTIVES, **fsdp)
     cluster.wait_world(4, min_step=3, timeout_s=120)
     c = cluster.start("c", *SLOW_COLLECTIVES, **fsdp)
-    joiners = wait_for(lambda: len(ranks := children(c.pid)) == 2 and ranks, 60,
+    joiners = wait_for(lambda: len(ranks := ranks_of(c.pid)) == 2 and ranks, 60,
                        "the joiner's two ranks")
     kill_mid_transfer(b, [a, b], joiners, ballast, "shards", percent=20)
     cluster.fast_forward()

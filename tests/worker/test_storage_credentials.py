@@ -17,7 +17,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from cluster import AgentProcess, children
+from cluster import AgentProcess
+from sbtest import ranks_of
 from s3faults import moto_bucket
 from sbtest import OPERATOR_TOKEN, wait_for
 from springback.client import env as E
@@ -77,12 +78,13 @@ def test_each_jobs_ranks_hold_only_their_own_jobs_storage_credentials(
                 else:
                     extra = ["--storage-credentials", str(files[name])]
                 agents[name] = AgentProcess(tmp_path / name, name, jobs[name], server.address,
-                                            *extra, env=env, nproc=2)
+                                            *extra, env=env, nproc=2,
+                                            fork_server=False)  # reads the ranks' environ
             for name in ("a", "b"):
                 wait_for(lambda n=name: client.get_job(jobs[n]).status.step >= 2, 90,
                          f"job {name} training")
             for name, other in (("a", "b"), ("b", "a")):
-                ranks = children(agents[name].pid)
+                ranks = ranks_of(agents[name].pid)
                 environs = [_environ(pid) for pid in ranks]
                 assert len(ranks) >= 2 and all(environs), ranks
                 for environ in environs:

@@ -52,9 +52,10 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    help="start-up: how long to wait for a coordinator to answer (default 10)")
     p.add_argument("--no-standby", dest="standby", action="store_false",
                    help="do not keep a warm standby rank for fast crash recovery")
-    p.add_argument("--fork-server", action="store_true",
+    p.add_argument("--fork-server", action=argparse.BooleanOptionalAction, default=None,
                    help="fork ranks from a warm interpreter that imported torch once, "
-                        "instead of exec'ing each (docs/worker.md: what differs)")
+                        "instead of exec'ing each (docs/worker.md: what differs; default "
+                        f"${E.FORK_SERVER}, 1 or 0, else off)")
     p.add_argument("--on-fenced", choices=["rejoin", "exit"], default="rejoin")
     p.add_argument("--collective-timeout-s", type=float, default=None,
                    help="process-group timeout (default: the liveness timeout)")
@@ -78,6 +79,17 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- the rank command")
 
 
+def _fork_server(flag: bool | None) -> bool:
+    """--fork-server/--no-fork-server, else $SPRINGBACK_FORK_SERVER (1 or 0,
+    unset: off); ValueError names the variable for any other value."""
+    if flag is not None:
+        return flag
+    value = os.environ.get(E.FORK_SERVER, "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"{E.FORK_SERVER}={value!r}: 1 (fork ranks from a fork server) or 0")
+    return value == "1"
+
+
 def _config_from_args(args: argparse.Namespace, job_id: str,
                       coordinator: str | None) -> AgentConfig:
     """The AgentConfig of parsed `run` arguments; ValueError names a bad flag."""
@@ -92,7 +104,7 @@ def _config_from_args(args: argparse.Namespace, job_id: str,
         token=getattr(args, "token", None), nproc_per_node=parse_nproc(args.nproc_per_node),
         host=host, drain_timeout_s=args.drain_timeout_s,
         max_restarts=args.max_restarts, standby=args.standby,
-        fork_server=args.fork_server, on_fenced=args.on_fenced,
+        fork_server=_fork_server(args.fork_server), on_fenced=args.on_fenced,
         collective_timeout_s=args.collective_timeout_s, metrics_listen=args.metrics_listen,
         preemption=_notices(args),
         mode=choose_mode(args.mode, cmd) if cmd else "library",
