@@ -144,20 +144,27 @@ def children(pid: int) -> list[int]:
 FORK_SERVER_MODULE = b"springback.worker.agent.forkserver"
 
 
-def _is_fork_server(pid: int) -> bool:
+def _cmdline(pid: int) -> list[bytes]:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return FORK_SERVER_MODULE in f.read().split(b"\0")
+            return f.read().split(b"\0")
     except OSError:
-        return False
+        return []
 
 
 def ranks_of(agent_pid: int) -> list[int]:
     """The rank processes of a node agent, exec'd (its children) or forked
-    (its fork server's children; `springback run --fork-server`)."""
+    (its fork server's children; `springback run --fork-server`), in the
+    order they started. A child not exec'd yet (its command line still the
+    agent's) is left out: it may become the fork server."""
     out: list[int] = []
+    agent = _cmdline(agent_pid)
     for pid in children(agent_pid):
-        out += children(pid) if _is_fork_server(pid) else [pid]
+        cmdline = _cmdline(pid)
+        if FORK_SERVER_MODULE in cmdline:  # also while its launcher runs
+            out += children(pid)
+        elif cmdline != agent:
+            out.append(pid)
     return out
 
 
@@ -166,7 +173,7 @@ def node_processes(agent_pid: int) -> list[int]:
     fork server's children (forked ranks)."""
     out = [agent_pid]
     for pid in children(agent_pid):
-        out += [pid, *(children(pid) if _is_fork_server(pid) else [])]
+        out += [pid, *(children(pid) if FORK_SERVER_MODULE in _cmdline(pid) else [])]
     return out
 
 
