@@ -6,9 +6,10 @@
 # The suite mostly waits (timeouts, liveness windows, process starts):
 # SPRINGBACK_TEST_WORKERS=N runs it on N pytest-xdist workers, tests handed
 # out one at a time (`--dist loadgroup`: tests marked `xdist_group` share a
-# worker). 0, the default, is one process (~1,900 s for 959 tests): the last
-# 2-worker run took 1,473 s with three failures from the doubled load (fixed
-# in ca8383b and 47e51b8), so two workers are not the default yet (issue 50).
+# worker). 0, the default, is one process (2,100-2,750 s for ~975 tests);
+# 2 workers took 1,634 s, and 1,444 s with SPRINGBACK_FORK_SERVER=1, but each
+# such run still had failures of the doubled load (docs/operations.md), so
+# two workers are not the default yet (issue 50).
 # SPRINGBACK_TEST_LOAD=N is the loaded mode: N busy loops spin for the
 # whole run (tests/conftest.py), weather every test must pass in. It ends
 # with the 20 slowest
