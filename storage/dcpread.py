@@ -33,7 +33,6 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-import fsspec.core
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
@@ -160,7 +159,7 @@ class S3Reader(_Classifying, compat.FsspecReader):
 def reader_for(ckpt_uri: str, store: ObjectStore) -> FileReader | S3Reader:
     """The DCP reader for ``ckpt_uri`` on ``store``, reading through it."""
     if store.is_local:
-        return FileReader(fsspec.core.strip_protocol(ckpt_uri), uri=ckpt_uri, store=store)
+        return FileReader(compat.strip_protocol(store.fs, ckpt_uri), uri=ckpt_uri, store=store)
     return S3Reader(ckpt_uri, store=store)
 
 
