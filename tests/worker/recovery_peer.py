@@ -61,6 +61,12 @@ Scenarios:
   step 2 from the copies it keeps of the lost node's TP slices.
 * ``tp_restore`` (4 ranks, tp 2 x FSDP2 shard 2, committed at step 2): ranks
   holding nothing restore it as tp 1 x shard 2, then as tp 4.
+* ``guard_split`` (4 ranks, HSDP 2 x 2): steps 1-2 trained; step 3's
+  gradients complete everywhere, then rank 1's optimizer step breaks in its
+  wait for the world (its update pending, as `Generation` keeps it) while
+  ranks 0, 2 and 3 apply it, and ranks 2 and 3 die (recording their own
+  pieces); generation 2 (ranks 0 and 1, shard 2) must hold step 3, rank 1's
+  pieces those rank 3 held.
 * ``plain`` (2 ranks, FSDP2 with a plain parameter holding each rank's own
   values): rank 1 comes back holding nothing; the ranks refuse to hand it
   rank 0's values.
@@ -95,6 +101,7 @@ from springback.client import plans
 from springback.v1 import types_pb2 as pb
 from springback.worker.train.agreement import StateAgreement, StateUnrecoverable
 from springback.worker.train.checkpointing import gather_holders, restore_from_checkpoint
+from springback.worker.train.generation import _pending_update
 from springback.worker.rank.context import RankContext
 from springback.worker.state.peercopy import GenerationCopies
 from springback.worker.rank.rendezvous import forget_meshes, leave_group
@@ -682,6 +689,46 @@ def counts(ag: StateAgreement) -> list[int]:
     return sorted({s.get("count", -1) for s in ag.ctx.state["optimizer"].state.values()})
 
 
+def local_digest(state: dict[str, Any]) -> str:
+    """SHA-256 of this rank's own pieces of the model and optimizer (no
+    collective)."""
+    model, opt = state["model"], state["optimizer"]
+    h = hashlib.sha256()
+    for name, p in model.named_parameters():
+        entries = {"param": p, **opt.state.get(p, {})}
+        for key in sorted(entries):
+            t = entries[key]
+            t = t.to_local() if hasattr(t, "to_local") else torch.as_tensor(t)
+            h.update(f"{name}/{key}".encode() + t.detach().contiguous().view(-1)
+                     .view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def guard_split() -> None:
+    ag = new_agreement(fsdp_build)
+    rank = join("g1", [0, 1, 2, 3])
+    start(ag, 1, plan(1, 4, shard=2), rank)
+    trained(ag, range(1, 3))
+    state = ag.ctx.state
+    state["model"](torch.full((4, 8), 3.0)).square().mean().backward()
+    if RANK == 1:  # the wait before its optimizer step broke: what Generation keeps
+        ag.ctx.held.broke(None, pending=_pending_update(state["optimizer"]))
+    else:
+        state["optimizer"].step()
+        ag.ctx.held.step_applied(3, None)
+    state["optimizer"].zero_grad()  # as the next start's Session._clear_gradients does
+    result["local"] = local_digest(state)
+    if RANK >= 2:
+        with open(os.path.join(ROOT, f"local-{RANK}.json"), "w", encoding="utf-8") as f:
+            json.dump(result["local"], f)
+        sys.stdout.flush()
+        os._exit(9)
+    leave_group(broken=True, cause=RuntimeError("the step's wait for the world broke"))
+    rank = join("g2", [0, 1])
+    start(ag, 2, plan(2, 2, shard=2), rank)
+    result["local_after"] = local_digest(ag.ctx.state)
+
+
 def fill() -> None:
     ag = new_agreement(fill_build, on_meta=False)
     rank = join("g1", [0, 1])
@@ -704,7 +751,7 @@ if __name__ == "__main__":
      "tp_second_fault": tp_second_fault, "pp_second_fault": pp_second_fault,
      "ep_second_fault": ep_second_fault, "pp3d_second_fault": pp3d_second_fault,
      "pp3d_restore": pp3d_restore, "repartition_second_fault": repartition_second_fault,
-     "tp_restore": tp_restore, "plain": plain,
+     "tp_restore": tp_restore, "plain": plain, "guard_split": guard_split,
      "fill": fill}[SCENARIO]()
     with open(os.path.join(ROOT, f"result-{RANK}.json"), "w", encoding="utf-8") as f:
         json.dump(result, f)

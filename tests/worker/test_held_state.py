@@ -122,3 +122,63 @@ def test_a_failed_start_keeps_the_step_it_offers_but_is_not_clean():
     held = trained(3)
     held.start_failed()
     assert (held.state_step, held.clean, held.rng) == (3, False, RNG)
+
+
+def test_a_step_broken_in_its_wait_for_the_world_keeps_its_update_pending_until_applied():
+    held = trained(4)
+    applied: list[int] = []
+    assert not held.broke(None, capture=lambda: LATER, pending=lambda: applied.append(5))
+    assert (held.state_step, held.pending_step, held.rng, applied) == (4, 5, RNG, [])
+    held.apply_pending()
+    assert (held.state_step, held.pending_step, held.rng, applied) == (5, None, LATER, [5])
+
+
+def test_a_pending_update_dropped_or_overtaken_is_never_applied():
+    def never() -> None:
+        raise AssertionError("a dropped pending update was applied")
+
+    held = trained(4)
+    held.broke(None, pending=never)
+    held.drop_pending()
+    assert (held.state_step, held.pending_step) == (4, None)
+    for transition, step in [("agreed", 6), ("restored", 2), ("rolled_back", 3)]:
+        held = trained(4)
+        held.broke(None, pending=never)
+        getattr(held, transition)(step)
+        assert (held.state_step, held.pending_step) == (step, None), transition
+    held = trained(4)  # applied after its optimizer step: nothing is pending
+    assert held.broke(5, pending=never) and held.pending_step is None
+
+
+def test_a_pending_update_that_raises_leaves_the_rank_holding_nothing():
+    def failing() -> None:
+        raise RuntimeError("half an update")
+
+    held = trained(4)
+    held.broke(None, pending=failing)
+    with pytest.raises(RuntimeError, match="half an update"):
+        held.apply_pending()
+    assert (held.state_step, held.pending_step, held.rng) == (-1, None, None)
+
+
+def test_a_pending_update_is_the_optimizer_step_of_the_gradients_at_the_break():
+    """`Generation` keeps the update of a step whose wait for the world broke:
+    the gradients then, applied after the session dropped them for the next
+    start, and dropped again afterwards."""
+    from springback.worker.train.generation import _pending_update
+
+    def model_and_optimizer() -> tuple[torch.nn.Linear, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(3, 2)
+        return model, torch.optim.AdamW(model.parameters(), lr=0.1)
+
+    reference, ref_opt = model_and_optimizer()
+    reference(torch.ones(4, 3)).square().mean().backward()
+    ref_opt.step()
+    model, opt = model_and_optimizer()
+    model(torch.ones(4, 3)).square().mean().backward()
+    update = _pending_update(opt)
+    opt.zero_grad(set_to_none=True)  # Session._clear_gradients at the next start
+    update()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(p, q) and p.grad is None

@@ -202,6 +202,26 @@ def test_a_plain_parameter_is_never_handed_to_a_joiner_as_if_replicated(tmp_path
 
 
 @pytest.mark.timeout(120)
+def test_a_step_applied_on_one_survivor_and_broken_in_its_wait_on_the_other_is_held_whole(
+        tmp_path):
+    """A gloo all-reduce can complete on one rank and fail on another: rank
+    0 applied step 3, rank 1 broke in the wait before its optimizer step.
+    The next agreement applies rank 1's pending update, so the two hold step
+    3 whole (without it: no holder of rank 1's rows of step 3, no commit, the
+    state lost)."""
+    results = run(tmp_path, "guard_split", 4, victims=(2, 3))
+    twins = {0: json.loads((tmp_path / "local-2.json").read_text()),
+             1: json.loads((tmp_path / "local-3.json").read_text())}
+    for r in (0, 1):
+        last = generation(results[r], 2)
+        assert (last.get("error"), last["step"], last["kind"], last["state_lost"]) == \
+            (None, 3, "RESTORE_KIND_PEERS", ""), results[r]
+        assert results[r]["local_after"] == twins[r], f"rank {r} does not hold step 3's pieces"
+    assert results[1]["local"] != twins[1], "rank 1 held step 3 before the agreement"
+    assert results[0]["local"] == twins[0]
+
+
+@pytest.mark.timeout(120)
 def test_non_tensor_optimizer_state_is_carried_and_a_lost_state_is_said_and_built_afresh(
         tmp_path):
     for res in run(tmp_path, "fill", 2):

@@ -13,7 +13,11 @@ the transitions below, made by the code that performs it:
 * a generation's steps begin, and end at a boundary every rank agreed on
   (`steps_began`, `ended_cleanly`: `Generation.batches`);
 * a generation breaks (`broke`: `Generation.__exit__`): a step whose
-  optimizer step already returned on this rank is held as applied;
+  optimizer step already returned on this rank is held as applied; a step
+  that broke inside its optimizer step's wait for the world (a layout holding
+  pieces: `StepBoundary.reach`), its gradients complete, is kept *pending*
+  until the next agreement applies it (`apply_pending`: some survivor holds
+  that step, so every rank reached it) or drops it (`drop_pending`);
 * a generation's agreement settles the state it starts from
   (`agreed`, `started_fresh`, `restored`, `rolled_back`:
   `worker/train/agreement.py`, `worker/state/peercopy.py`), and the
@@ -40,7 +44,7 @@ class HeldState:
     """The step, boundary flag and RNG state of one rank's in-memory state
     (see the module docstring)."""
 
-    __slots__ = ("_step", "_clean", "_rng")
+    __slots__ = ("_step", "_clean", "_rng", "_pending")
 
     def __init__(self, *, state_step: int = -1, clean: bool = False,
                  rng: RngState | None = None) -> None:
@@ -49,6 +53,9 @@ class HeldState:
         self._step = state_step
         self._clean = clean
         self._rng = rng
+        self._pending: tuple[Callable[[], None], RngState] | None = None
+        """The update of the step after `_step`, with the RNG state at its
+        break (`broke`)."""
 
     def __repr__(self) -> str:
         return (f"HeldState(state_step={self._step}, clean={self._clean}, "
@@ -75,6 +82,12 @@ class HeldState:
         return self._clean
 
     @property
+    def pending_step(self) -> int | None:
+        """The step whose update this rank can still apply (`broke` with a
+        pending update), or None."""
+        return None if self._pending is None else self._step + 1
+
+    @property
     def rng(self) -> RngState | None:
         """The RNG state at the boundary after `state_step`; None before the
         first step (a rank that holds the agreed step goes back to it)."""
@@ -97,7 +110,7 @@ class HeldState:
         if step <= self._step:
             raise ValueError(f"step {step} applied over held step {self._step}: "
                              "a step applied is newer than the one held")
-        self._step, self._rng, self._clean = step, rng, False
+        self._step, self._rng, self._clean, self._pending = step, rng, False, None
 
     def ended_cleanly(self) -> None:
         """The generation's step loop ended at a step boundary every rank
@@ -106,7 +119,8 @@ class HeldState:
         self._clean = True
 
     def broke(self, optimizer_stepped: int | None,
-              capture: Callable[[], RngState] = rngstate.capture) -> bool:
+              capture: Callable[[], RngState] = rngstate.capture,
+              pending: Callable[[], None] | None = None) -> bool:
         """The generation broke (a failed collective). The state is not clean.
 
         `optimizer_stepped` is the step whose registered optimizer's step
@@ -116,13 +130,42 @@ class HeldState:
         (the step after the one held, and the RNG state `capture` returns
         now), so the next generation starts with the step after it and
         never trains its batch again. Otherwise the rank holds the step
-        before (the next agreement takes the newest state any rank holds).
+        before (the next agreement takes the newest state any rank holds);
+        `pending`, when given, applies the update of the step after it,
+        whose optimizer step broke in its wait for the world with every
+        gradient of the step complete: it is kept, with the RNG state now,
+        for the next agreement (`apply_pending`, `drop_pending`).
         Returns whether the step was held as applied."""
         self._clean = False
+        self._pending = None
         applied = optimizer_stepped is not None and optimizer_stepped == self._step + 1
         if applied:
             self._step, self._rng = self.step + 1, capture()
+        elif pending is not None:
+            self._pending = (pending, capture())
         return applied
+
+    def apply_pending(self) -> None:
+        """The next agreement found a survivor holding the pending step (so
+        every rank reached that step's optimizer step, with its gradients
+        complete): its update is applied now and the step is held, with the
+        RNG state of its break. Raises what the update raises; the objects
+        may then hold part of an update, so the rank holds nothing (step -1:
+        the agreement fills it like a joiner's) and the error propagates."""
+        assert self._pending is not None, "apply_pending without a pending update"
+        (update, rng), self._pending = self._pending, None
+        try:
+            update()
+        except BaseException:
+            self._step, self._rng = -1, None
+            raise
+        self._step, self._rng = self._step + 1, rng
+
+    def drop_pending(self) -> None:
+        """No survivor holds the pending step (some rank never reached it, or
+        its holders are gone): its update is dropped, and the step before is
+        held as it was."""
+        self._pending = None
 
     # -- a generation's start ---------------------------------------------------
 
@@ -131,8 +174,9 @@ class HeldState:
         it (held already, received whole from a source, or filled from the
         holders' shards). `clean` is left as it was (the step loop clears
         it); the RNG state is the agreement's to apply, and `started`
-        records it."""
-        self._step = step
+        records it. A pending update is dropped (it belongs to the state
+        held before)."""
+        self._step, self._pending = step, None
 
     def started_fresh(self) -> None:
         """No rank holds trained state and nothing is restored: the ranks
@@ -143,13 +187,13 @@ class HeldState:
         """A checkpoint of `step` was restored into the objects (only once
         the restore completed: a restore is all or nothing). The state is
         not clean (it is no agreed step boundary of a live generation)."""
-        self._step, self._clean = step, False
+        self._step, self._clean, self._pending = step, False, None
 
     def rolled_back(self, step: int) -> None:
         """The objects were rolled back to the peer copies of `step`
         (`worker/state/peercopy.py`; only once every rank wrote every row
         it needed). The state is not clean."""
-        self._step, self._clean = step, False
+        self._step, self._clean, self._pending = step, False, None
 
     def started(self, rng: RngState) -> None:
         """The generation started from the agreed state: `rng`, the RNG

@@ -17,7 +17,9 @@ starts from scratch while a commit exists.
   (`worker/state/handover.py`).
 * Both forms carry each rank's RNG state with the state (`worker/rank/rngstate.py`).
 * Sharded form (`StateAgreement.agree_sharded`, see `worker/state/sharded.py`):
-  the model is built on the new mesh and its shards filled from the ranks
+  a rank whose last step broke in its optimizer step's wait for the world
+  applies that step when another rank holds it (`_settle_pending`); then the
+  model is built on the new mesh and its shards filled from the ranks
   holding the rows (`worker/state/reshard.py`); when some rows have no live
   holder, every rank rolls back to the newest step the peer copies cover
   (`worker/state/peercopy.py`), else the plan's checkpoint is restored.
@@ -235,6 +237,44 @@ class StateAgreement:
         return ([int(t[0]) for t in gathered], [bool(t[1]) for t in gathered],
                 any(int(t[2]) for t in gathered))
 
+    def _settle_pending(self, world: int) -> None:
+        """Collective (the sharded form's every start, before the capture): a
+        rank whose last step broke in its optimizer step's wait for the world
+        (`Generation._reach`) applies that step's update when another rank
+        holds the step, else drops it (`HeldState.apply_pending`,
+        `drop_pending`).
+
+        The wait is a gloo all-reduce, which can complete on one rank and
+        fail on another when a peer dies inside it: the first applies step k,
+        the second holds step k-1, and no step would be held whole by the
+        survivors. A rank holding step k proves that every rank entered step
+        k's wait, so every rank's gradients of step k were complete and the
+        pending update is the one the holder applied. An update that raises
+        leaves its rank holding nothing (it is filled like a joiner, and the
+        start goes on)."""
+        held = self.ctx.held
+        pending = held.pending_step
+        mine = torch.tensor([held.state_step, -1 if pending is None else pending],
+                            dtype=torch.int64)
+        gathered = [torch.zeros_like(mine) for _ in range(world)]
+        dist.all_gather(gathered, mine)
+        handed_to_gloo(mine, *gathered)
+        if pending is None:
+            return
+        holders = [r for r, t in enumerate(gathered) if int(t[0]) == pending]
+        if not holders:
+            log.info("step %d's update, pending since its optimizer step's wait broke, is "
+                     "dropped: no rank holds that step", pending)
+            held.drop_pending()
+            return
+        try:
+            held.apply_pending()
+        except Exception:  # the others go on: this rank offers nothing now
+            log.exception("step %d's pending update failed: this rank holds no state", pending)
+            return
+        log.warning("applied step %d's update, pending since its optimizer step's wait broke: "
+                    "ranks %s hold that step", pending, holders)
+
     @staticmethod
     def _will_restore(plan: pb.Plan, best: int) -> bool:
         """Whether `restore_if_newer` restores the plan's checkpoint."""
@@ -283,6 +323,7 @@ class StateAgreement:
         new model and the job cannot go on."""
         sm = self.sharded
         assert sm is not None
+        self._settle_pending(plan.world_size)
         if self._captured is None:
             self._captured = sm.capture()
         else:  # the failed start's model: never a source

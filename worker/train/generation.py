@@ -16,7 +16,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -108,8 +108,10 @@ class Generation:
             # (one finished the collective, the other did not): no step would
             # then be held whole and the job would restore a checkpoint.
             self._boundary.carried_by_step = True
-            self._step_hook = self.optimizer.register_step_pre_hook(
-                lambda *_: self._boundary.reach())
+            self._step_hook = self.optimizer.register_step_pre_hook(self._reach)
+        self._pending: Callable[[], None] | None = None
+        """Set by `_reach` when the wait for the world broke: the step's update,
+        which `__exit__` leaves pending in the held state."""
         self._applied: int | None = None
         """The step during which a registered optimizer's step last returned
         (`_note_applied`): `__exit__` holds that step as applied when a
@@ -459,6 +461,23 @@ class Generation:
         if self._batch is not None:
             self._applied = self._batch.step
 
+    def _reach(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        """Optimizer step pre-hook of a layout holding pieces: waits for the
+        world (`StepBoundary.reach`). When that wait breaks, this rank's
+        gradients of the step are complete (its backward and gradient
+        collectives returned), and the gloo all-reduce may have completed on
+        another rank, which then applied the step: the update is kept
+        (`_pending_update`) so that the next agreement can apply it here too
+        and the survivors hold one step whole (`HeldState.apply_pending`).
+        An optimizer stepped with a closure (which runs forward and backward
+        again) keeps none."""
+        try:
+            self._boundary.reach()
+        except Exception:
+            if not args and not kwargs:
+                self._pending = _pending_update(optimizer)
+            raise
+
     def _abandon_in_flight(self) -> None:
         """Drops the vote and peer copies in flight, a sharded layout's
         optimizer step pre-hook (its all-reduce is over this generation's group)
@@ -488,17 +507,22 @@ class Generation:
         its loss, a peer copy or checkpoint of it) is not made: its vote
         never went out. A rank that broke before its optimizer step holds
         the step before; the next generation's agreement takes the newest
-        state any rank holds (`worker/train/agreement.py`)."""
+        state any rank holds (`worker/train/agreement.py`), and first applies
+        the update of a rank that broke in its optimizer step's wait for the
+        world (`_reach`) when a survivor holds that step."""
         if exc is None or not is_collective_failure(exc) or _raised_by_script(exc):
             self._settle_last_vote()  # the last finished step is still recorded
             return False
         s = self.ctx
         why = failure_line(exc)
         broken = s.step + 1
-        applied = s.held.broke(self._applied)  # held as applied when its update is in
+        # held as applied when its update is in; pending when only the wait
+        # for the world before it broke
+        applied = s.held.broke(self._applied, pending=self._pending)
         log.warning("generation %d broke on rank %d at step %d%s: %s", self.generation,
                     self.rank, broken, " after its optimizer step (held as applied)"
-                    if applied else "", why)
+                    if applied else " in its optimizer step's wait for the world (its update "
+                    "pending)" if s.held.pending_step is not None else "", why)
         self._abandon_in_flight()
         lost = lost_peer(exc, self.plan, s.env.member_id)
         if lost is not None and s.reporter is not None:
@@ -510,3 +534,22 @@ class Generation:
                       "the state", s.wait_s)
             return False
         return True
+
+
+def _pending_update(optimizer: torch.optim.Optimizer) -> Callable[[], None]:
+    """The optimizer step that `optimizer`'s gradients, as they are now, make:
+    applied later (`HeldState.apply_pending`), after the session has dropped
+    every gradient for the next start and without the generation's hooks (it
+    waits for no one). The gradients are kept by reference here, and handed
+    back to their parameters only for that step."""
+    grads = [(p, p.grad) for group in optimizer.param_groups for p in group["params"]]
+
+    def update() -> None:
+        for p, g in grads:
+            p.grad = g
+        try:
+            optimizer.step()
+        finally:
+            for p, _ in grads:
+                p.grad = None
+    return update
