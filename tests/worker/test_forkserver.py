@@ -112,6 +112,27 @@ def test_a_script_that_raises_exits_1_with_its_own_traceback(tmp_path):
     assert out.strip().endswith("ValueError: bad corpus")
 
 
+@pytest.mark.timeout(90)
+def test_an_interrupted_script_ends_by_sigint_as_an_execd_one_does(tmp_path):
+    """CPython ends an interpreter whose script raised KeyboardInterrupt by
+    SIGINT, after its clean-up: a forked rank's status says the same."""
+    path = tmp_path / "interrupted.py"
+    path.write_text("import atexit, os\n"
+                    "atexit.register(lambda: print('cleaned up', flush=True))\n"
+                    "raise KeyboardInterrupt\n")
+    execd = subprocess.run([sys.executable, str(path)], capture_output=True, text=True,
+                           timeout=60)
+    starter = RankStarter([sys.executable, str(path)], fork=True)
+    try:
+        proc = starter.start(dict(os.environ), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        assert isinstance(proc, ForkedProcess) and proc.stdout is not None
+        out = proc.stdout.read().decode()
+        assert proc.wait(timeout=30) == execd.returncode == -signal.SIGINT, out
+    finally:
+        starter.close()
+    assert "KeyboardInterrupt" in out and "cleaned up" in out
+
+
 @pytest.fixture
 def pausing(tmp_path: Path):
     """A starter of a rank that prints its parent's pid and waits for a signal."""

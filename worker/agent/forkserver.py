@@ -62,7 +62,7 @@ log = logging.getLogger("springback.agent")
 PRELOAD = ("numpy", "torch", "torch.distributed", "torch.distributed.checkpoint",
            "torch.distributed.tensor", "torch.distributed.fsdp",
            "springback.worker.train.session", "springback.worker.train.checkpointing",
-           "springback.storage.restore")
+           "springback.storage.restoring")
 """What the server imports before its first fork: what every rank imports."""
 
 STARTUP_PREFIXES = ("PYTHON", "OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS_", "LD_",
@@ -463,7 +463,10 @@ def _become_rank(request: dict, fds: list[int], *, server: int) -> None:
 
             ctypes.CDLL("libc.so.6").fflush(None)  # C stdio: what native code printed
         finally:
-            os._exit(code)
+            if code < 0:  # as CPython does: the status says the signal
+                signal.signal(-code, signal.SIG_DFL)
+                os.kill(os.getpid(), -code)
+            os._exit(code & 0xFF)
 
 
 def _rerun_site_hooks() -> None:
@@ -502,7 +505,8 @@ def _reopen_std_streams(*, unbuffered: bool) -> None:
 
 
 def _run(request: dict) -> int:
-    """Runs the script or module as ``__main__``; its exit status."""
+    """Runs the script or module as ``__main__``; its exit status (minus
+    SIGINT: an uncaught KeyboardInterrupt, which the caller ends by)."""
     import atexit
     import runpy
     import traceback
@@ -521,8 +525,9 @@ def _run(request: dict) -> int:
                                                                     "<frozen runpy>"):
             tb = tb.tb_next  # from the script's own frame, as an exec'd rank prints it
         traceback.print_exception(type(e), e, tb)
+        # an interrupted interpreter ends by SIGINT once it has cleaned up
+        code = -signal.SIGINT if isinstance(e, KeyboardInterrupt) else 1
         del e, tb  # the script's frames, and what they hold, may go
-        code = 1
     # as at interpreter exit: threading's exit hooks (they stop idle executor
     # workers), then the non-daemon threads are joined, then atexit
     threading._shutdown()  # type: ignore[attr-defined]
