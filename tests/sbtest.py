@@ -170,7 +170,8 @@ def ranks_of(agent_pid: int) -> list[int]:
 
 def node_processes(agent_pid: int) -> list[int]:
     """A whole node: the agent, its children (ranks, a fork server) and a
-    fork server's children (forked ranks)."""
+    fork server's children (forked ranks). Unlike `ranks_of`, a child not
+    exec'd yet is included: a node is signalled whole."""
     out = [agent_pid]
     for pid in children(agent_pid):
         out += [pid, *(children(pid) if FORK_SERVER_MODULE in _cmdline(pid) else [])]

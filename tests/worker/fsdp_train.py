@@ -185,7 +185,7 @@ def main() -> int:
                 applied.count = batch.step
                 record_pieces(gen, batch.step)
                 gen.report(loss=per_sample.mean().item() if len(per_sample) else 0.0)
-                pace.wait()
+                pace.wait(batch.step)
             record(gen, "end", session.step)  # a clean end: every rank is here
             if session.step >= gen.max_steps:
                 record_applied(gen, session.step)

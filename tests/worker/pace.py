@@ -29,8 +29,8 @@ class StepPace:
         self.hold_at = int(os.environ.get("TINY_HOLD_AT_STEP", "0"))
         self.hold_file = os.environ.get("TINY_HOLD_FILE", "")
 
-    def wait(self, step: int = 0) -> None:
-        """After `step`: holds while the hold file exists if it is the hold
+    def wait(self, step: int) -> None:
+        """After `step` (every script passes it, so a hold is never ignored): holds while the hold file exists if it is the hold
         step, then sleeps the step's pause, unless the test has asked to
         fast-forward (then never again: the file is not read after it appears)."""
         if self.hold_at and step == self.hold_at:

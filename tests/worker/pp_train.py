@@ -269,7 +269,7 @@ def main() -> int:
                 applied.count = batch.step
                 record_own(gen, batch.step)
                 gen.report(loss=loss / batch.global_batch_size)
-                pace.wait()
+                pace.wait(batch.step)
             state = record(gen, "end", session.step)  # a clean end: every rank is here
             if session.step >= gen.max_steps:
                 record_applied(gen, state, session.step)

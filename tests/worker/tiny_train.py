@@ -195,7 +195,7 @@ def main() -> int:
                 if mesh_reduce:
                     print(f"tiny_train: step {batch.step} sleeping before the mesh all-reduce",
                           flush=True)
-                pace.wait()
+                pace.wait(batch.step)
                 if mesh_reduce:
                     torch.distributed.all_reduce(torch.ones(1),
                                                  group=gen.mesh.get_group("replicate"))
