@@ -30,74 +30,106 @@ Public API for the training library (worker) -- one ``Checkpointer`` per rank::
     verify(ckpt_uri) -> list[str]                  # problems, each naming the bad file
 
 Semantics (commit protocol, failures) are in ``commit.py``, ``checkpointer.py`` and
-``restore.py``; ``springback ckpt`` is in the CLI package (``cli/checkpoints.py``).
+``restoring.py``; ``springback ckpt`` is in the CLI package (``cli/checkpoints.py``).
 """
 
 from __future__ import annotations
 
-from springback.storage.catalog import (
-    CheckpointInfo,
-    clean_partial,
-    committed_checkpoints,
-    delete_checkpoint,
-    job_checkpoint_uri,
-    list_checkpoints,
-    prune_to_record,
-    read_manifest,
-    verify,
-)
-from springback.storage.checkpointer import Checkpointer, CheckpointerStats, CommitInfo
-from springback.storage.errors import (
-    CheckpointExists,
-    CheckpointMismatch,
-    CheckpointNotFound,
-    CommitTimeout,
-    CorruptCheckpoint,
-    StorageError,
-    TransientStorageError,
-)
-from springback.storage.manifest import ManifestCursor, FileEntry, Manifest
-from springback.storage.restore import (
-    RestoreResult,
-    apply_model_state_dict,
-    load,
-    model_state_dict,
-    restore,
-    restore_model,
-)
-from springback.storage.resume import RestartCheckpoints  # noqa: F401 (restart mode's helper)
-from springback.storage.retry import RetryPolicy
-from springback.storage.store import ObjectStore
+import importlib
+from typing import TYPE_CHECKING, Any
 
-__all__ = [
-    "CheckpointExists",
-    "CheckpointInfo",
-    "CheckpointMismatch",
-    "CheckpointNotFound",
-    "Checkpointer",
-    "CheckpointerStats",
-    "CommitInfo",
-    "CommitTimeout",
-    "CorruptCheckpoint",
-    "ManifestCursor",
-    "FileEntry",
-    "Manifest",
-    "RestoreResult",
-    "RetryPolicy",
-    "StorageError",
-    "ObjectStore",
-    "TransientStorageError",
-    "apply_model_state_dict",
-    "clean_partial",
-    "committed_checkpoints",
-    "delete_checkpoint",
-    "job_checkpoint_uri",
-    "list_checkpoints",
-    "load",
-    "model_state_dict",
-    "prune_to_record",
-    "read_manifest",
-    "restore",
-    "restore_model",
-    "verify",
-]
+# Each name is imported from its module on first use (PEP 562): the package
+# itself imports nothing, so a process that needs only the object store (a
+# node agent shipping rank logs: `storage.ranklogs`, `storage.store`) never
+# imports torch, which the checkpoint modules do (seconds of CPU per process).
+_EXPORTS = {
+    # catalog
+    "CheckpointInfo": "catalog",
+    "clean_partial": "catalog",
+    "committed_checkpoints": "catalog",
+    "delete_checkpoint": "catalog",
+    "job_checkpoint_uri": "catalog",
+    "list_checkpoints": "catalog",
+    "prune_to_record": "catalog",
+    "read_manifest": "catalog",
+    "verify": "catalog",
+    # checkpointer
+    "Checkpointer": "checkpointer",
+    "CheckpointerStats": "checkpointer",
+    "CommitInfo": "checkpointer",
+    # errors
+    "CheckpointExists": "errors",
+    "CheckpointMismatch": "errors",
+    "CheckpointNotFound": "errors",
+    "CommitTimeout": "errors",
+    "CorruptCheckpoint": "errors",
+    "StorageError": "errors",
+    "TransientStorageError": "errors",
+    # manifest
+    "ManifestCursor": "manifest",
+    "FileEntry": "manifest",
+    "Manifest": "manifest",
+    # restoring
+    "RestoreResult": "restoring",
+    "apply_model_state_dict": "restoring",
+    "load": "restoring",
+    "model_state_dict": "restoring",
+    "restore": "restoring",
+    "restore_model": "restoring",
+    # resume
+    "RestartCheckpoints": "resume",
+    # retry
+    "RetryPolicy": "retry",
+    # store
+    "ObjectStore": "store",
+}
+
+__all__ = sorted(_EXPORTS)
+
+if TYPE_CHECKING:
+    from springback.storage.catalog import (
+        CheckpointInfo,
+        clean_partial,
+        committed_checkpoints,
+        delete_checkpoint,
+        job_checkpoint_uri,
+        list_checkpoints,
+        prune_to_record,
+        read_manifest,
+        verify,
+    )
+    from springback.storage.checkpointer import Checkpointer, CheckpointerStats, CommitInfo
+    from springback.storage.errors import (
+        CheckpointExists,
+        CheckpointMismatch,
+        CheckpointNotFound,
+        CommitTimeout,
+        CorruptCheckpoint,
+        StorageError,
+        TransientStorageError,
+    )
+    from springback.storage.manifest import ManifestCursor, FileEntry, Manifest
+    from springback.storage.restoring import (
+        RestoreResult,
+        apply_model_state_dict,
+        load,
+        model_state_dict,
+        restore,
+        restore_model,
+    )
+    from springback.storage.resume import RestartCheckpoints
+    from springback.storage.retry import RetryPolicy
+    from springback.storage.store import ObjectStore
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'springback.storage' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"springback.storage.{module}"), name)
+    globals()[name] = value  # once: later lookups find it here
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})

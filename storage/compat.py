@@ -120,9 +120,3 @@ def validate_global_plan(plans: list[SavePlan], metadata: Metadata) -> list[str]
     """DCP's check that the ranks' chunks tile each tensor without overlap;
     the problems found (empty: consistent)."""
     return list(_validate_global_plan(plans, metadata))
-
-
-def strip_protocol(fs: fsspec.AbstractFileSystem, uri: str) -> str:
-    """`uri` as a path of `fs` (``s3://b/k`` -> ``b/k``, ``file:///x`` -> ``/x``)."""
-    return fs._strip_protocol(uri)
-

@@ -1,6 +1,6 @@
 """Reading a DCP checkpoint through a store that fails now and then.
 
-Two pieces, used by `springback.storage.restore`:
+Two pieces, used by `springback.storage.restoring`:
 
 * DCP readers (`FileReader`, `S3Reader`: torch's ``FileSystemReader`` and
   ``FsspecReader``) that read through the restore's `ObjectStore`: the items
@@ -33,6 +33,7 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import fsspec.core
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
@@ -159,7 +160,7 @@ class S3Reader(_Classifying, compat.FsspecReader):
 def reader_for(ckpt_uri: str, store: ObjectStore) -> FileReader | S3Reader:
     """The DCP reader for ``ckpt_uri`` on ``store``, reading through it."""
     if store.is_local:
-        return FileReader(compat.strip_protocol(store.fs, ckpt_uri), uri=ckpt_uri, store=store)
+        return FileReader(fsspec.core.strip_protocol(ckpt_uri), uri=ckpt_uri, store=store)
     return S3Reader(ckpt_uri, store=store)
 
 

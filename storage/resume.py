@@ -48,7 +48,7 @@ import torch
 from springback.client import env as E
 from springback.storage.checkpointer import Checkpointer, CommitInfo
 from springback.storage.errors import CheckpointNotFound
-from springback.storage.restore import model_state_dict, restore_model
+from springback.storage.restoring import model_state_dict, restore_model
 
 log = logging.getLogger(__name__)
 

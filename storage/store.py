@@ -35,7 +35,6 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from springback.client import env as E
-from springback.storage import compat
 from springback.storage.errors import TransientReadError
 from springback.storage.retry import LOWER_RETRIES_OFF, RetryPolicy, RetryStats, call_with_retry
 from springback.storage.s3upload import S3PartWriter
@@ -106,7 +105,7 @@ class ObjectStore:
 
     # -- helpers -------------------------------------------------------------
     def _path(self, uri: str) -> str:
-        return compat.strip_protocol(self.fs, uri)
+        return fsspec.core.strip_protocol(uri)
 
     def _call(self, what: str, uri: str, fn: Callable[[], T]) -> T:
         return call_with_retry(fn, what=what, uri=uri, policy=self.retry, stats=self.stats)

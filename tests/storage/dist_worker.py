@@ -65,7 +65,7 @@ def main() -> None:
     a = json.loads(sys.argv[1])
     rank, world = a["rank"], a["world"]
     from springback.storage import Checkpointer, restore_model
-    from springback.storage.restore import model_state_dict
+    from springback.storage.restoring import model_state_dict
 
     if a["mode"] == "hang":
         return hang(a, rank, world)

@@ -67,13 +67,6 @@ def test_validate_global_plan_names_chunks_that_overlap_and_passes_a_tiling():
     assert compat.validate_global_plan(overlap, md)
 
 
-def test_strip_protocol_gives_the_filesystem_path():
-    local = fsspec.filesystem("file")
-    assert compat.strip_protocol(local, "file:///tmp/ck/step-1") == "/tmp/ck/step-1"
-    memory = fsspec.filesystem("memory")
-    assert compat.strip_protocol(memory, "memory://bucket/ck").lstrip("/") == "bucket/ck"
-
-
 def test_fsspec_reader_loads_what_the_checkpointer_wrote():
     base = "memory://compat-reader"
     ckpt = Checkpointer(base, rank=0, world_size=1)

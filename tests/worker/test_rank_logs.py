@@ -159,6 +159,28 @@ class TestShipping:
         store = ObjectStore(base)
         return "".join(store.get_bytes(c.uri).decode() for c in list_chunks(store, base))
 
+    def test_shipping_imports_no_torch(self, tmp_path):
+        """A node agent ships its ranks' lines through the object store alone:
+        `springback.storage` imports its checkpoint modules (and torch, over
+        2 CPU s each time) only when one of their names is used."""
+        base = f"file://{tmp_path}/ckpt/j-1"
+        script = f"""
+import io, subprocess, sys
+from springback.worker.agent.ranklogs import RankLogs
+logs = RankLogs(label_of=lambda proc: "rank0", member_of=lambda: "m-1",
+                base_uri_of=lambda: {base!r}, echo=io.BytesIO(), flush_interval_s=60)
+proc = subprocess.Popen([sys.executable, "-c", "print('a line')"], stdout=subprocess.PIPE)
+logs.attach(proc)
+proc.wait(timeout=30)
+logs.close()
+print("torch imported:", "torch" in sys.modules)
+"""
+        out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                             timeout=60)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.strip() == "torch imported: False", out
+        assert self.shipped(base) == "[rank0] a line\n"
+
     def test_a_failed_upload_keeps_the_lines_for_the_next_flush(self, tmp_path):
         blocked = tmp_path / "ckpt"
         blocked.write_text("a file where the log directory should be")
@@ -173,10 +195,10 @@ class TestShipping:
     @pytest.mark.timeout(60)
     def test_close_waits_for_a_shipment_in_flight(self, tmp_path, monkeypatch):
         """A shipment holds the lines it took until they are written; close()
-        must not give up on it after its own 5 s (the agent exits next). The
-        first shipment of an agent imports the storage layer, torch with it:
-        in a 2-worker suite run that took longer, and every line of a short
-        job was lost. Here the upload's first request takes 6 s."""
+        must not give up on it after its own 5 s (the agent exits next): in a
+        2-worker suite run a first shipment (it imported torch then) took
+        longer, and every line of a short job was lost. Here the upload's
+        first request takes 6 s."""
         from s3faults import FaultyS3, agent_s3_env, moto_bucket
 
         with moto_bucket("ranklogs") as (bucket, endpoint), FaultyS3(endpoint) as proxy:

@@ -33,9 +33,10 @@ from springback.worker.agent.rankprocess import RankProcess
 log = logging.getLogger("springback.agent.logs")
 
 SHIP_WAIT_S = 20.0
-"""How long `close` waits for a shipment in flight. The first one in an agent
-imports the storage layer (torch with it: seconds of CPU on a loaded machine)
-and holds the lines it took meanwhile; the agent exits right after `close`."""
+"""How long `close` waits for a shipment in flight (a slow store: the
+shipment holds the lines it took); the agent exits right after `close`. A
+shipment imports the object store only (`springback.storage` loads its
+checkpoint modules, and torch, on first use of one of their names)."""
 
 _RANK_PREFIX = re.compile(rb"^(?:\[[^\]\n]{1,32}\]:? ?)+")
 """Leading tags such as torch's ``[rank0]: `` on a rank's output lines."""

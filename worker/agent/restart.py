@@ -397,8 +397,8 @@ class RestartRanks:
         if not final and now < self._next_relay:
             return
         self._next_relay = now + RELAY_INTERVAL_S
-        # imported here: springback.storage costs a second at import, and the
-        # agent of a library-mode job (and every CLI call) never needs it
+        # imported here: storage.resume imports torch (seconds of CPU), and
+        # the agent of a library-mode job (and every CLI call) never needs it
         from springback.storage.resume import read_progress
 
         try:

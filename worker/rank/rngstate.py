@@ -12,7 +12,7 @@ from the RNG state that belongs to the state it starts from:
 * a rank that receives the state (a joiner, a replacement, a rank holding an
   older step) takes the RNG state of the rank it received it from;
 * a restore from a checkpoint gives rank r the RNG state saved by rank r mod N
-  (N the saved world size; `storage/restore.py`);
+  (N the saved world size; `storage/restoring.py`);
 * a roll back to a peer copy (`worker/state/peercopy.py`) gives each rank its own RNG
   state at the copy step where it holds its own snapshot, else the source's.
 

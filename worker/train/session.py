@@ -158,7 +158,7 @@ class Session:
             # collective waits under the collective timeout while the slowest
             # rank imports (seconds on a loaded machine; a restore of every
             # rank's warm standby timed out at a 2 s timeout that way in CI)
-            import springback.storage.restore  # noqa: F401
+            import springback.storage.restoring  # noqa: F401
         self._plan_wait_override_s = plan_wait_s  # else the job's failures.plan_wait_s
         self._fallback = (num_samples, global_batch_size, seed, max_steps)
         self._generation = 0
