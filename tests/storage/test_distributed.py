@@ -8,14 +8,14 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from sbtest import wait_for
+from sbtest import start_python, wait_for
+from springback.worker.agent.rankprocess import RankProcess
 from springback.storage import clean_partial, list_checkpoints, restore
 
 WORKER = Path(__file__).with_name("dist_worker.py")
@@ -23,17 +23,18 @@ WORKER = Path(__file__).with_name("dist_worker.py")
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 
-def launch(world: int, args: dict, tmp: Path, tag: str) -> list[subprocess.Popen]:
+def launch(world: int, args: dict, tmp: Path, tag: str) -> list[RankProcess]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     procs = []
     for rank in range(world):
         a = {**args, "rank": rank, "world": world, "rendezvous": str(tmp / f"rdzv-{tag}")}
         log = open(tmp / f"{tag}-rank{rank}.log", "w")
-        procs.append(subprocess.Popen([sys.executable, str(WORKER), json.dumps(a)], env=env, stdout=log, stderr=subprocess.STDOUT))
+        procs.append(start_python([str(WORKER), json.dumps(a)], env=env, stdout=log,
+                                  stderr=subprocess.STDOUT))
     return procs
 
 
-def join_all(procs: list[subprocess.Popen], tmp: Path, tag: str, timeout_s: float = 90) -> None:
+def join_all(procs: list[RankProcess], tmp: Path, tag: str, timeout_s: float = 90) -> None:
     deadline = time.monotonic() + timeout_s
     for rank, p in enumerate(procs):
         try:

@@ -15,12 +15,12 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from sbtest import start_python
 from springback.storage import Checkpointer, RetryPolicy, restore
 from springback.storage.store import ObjectStore
 
@@ -102,8 +102,8 @@ class TestRestoreThroughABrownOut:
         procs = []
         for rank in range(world):
             with open(tmp_path / f"rank{rank}.log", "w") as log:
-                procs.append(subprocess.Popen([sys.executable, str(WORKER), json.dumps({**args, "rank": rank})],
-                                              env=env, stdout=log, stderr=subprocess.STDOUT))
+                procs.append(start_python([str(WORKER), json.dumps({**args, "rank": rank})],
+                                          env=env, stdout=log, stderr=subprocess.STDOUT))
         try:
             for rank, p in enumerate(procs):
                 rc = p.wait(timeout=240)

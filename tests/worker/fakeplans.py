@@ -11,15 +11,16 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import torch.distributed as dist
 
+from sbtest import start_python
 from springback.service.transport.planboard import Posted
 from springback.v1 import types_pb2 as pb
 from springback.client import env as E
+from springback.worker.agent.rankprocess import RankProcess
 from springback.worker.control import PlanPublisher
 from springback.worker.eventlog import read as read_metrics
 
@@ -39,9 +40,9 @@ class FakeJob:
         self.spec.data.global_batch_size = global_batch_size
         self.generation = 0
         self.publishers: dict[str, PlanPublisher] = {}
-        self.procs: dict[str, subprocess.Popen] = {}
+        self.procs: dict[str, RankProcess] = {}
 
-    def spawn(self, member: str, extra_env: dict[str, str] | None = None) -> subprocess.Popen:
+    def spawn(self, member: str, extra_env: dict[str, str] | None = None) -> RankProcess:
         control = str(self.root / "control" / member)
         if member not in self.publishers:
             self.publishers[member] = PlanPublisher(control)
@@ -52,8 +53,7 @@ class FakeJob:
             "TINY_STEP_SLEEP_S": "0.05", "TINY_LOG": "info", **(extra_env or {})})
         environ.pop(E.COORDINATOR, None)
         log = open(self.root / f"{member}.log", "ab")
-        proc = subprocess.Popen([sys.executable, TINY_TRAIN], env=environ, stdout=log,
-                                stderr=subprocess.STDOUT)
+        proc = start_python([TINY_TRAIN], env=environ, stdout=log, stderr=subprocess.STDOUT)
         self.procs[member] = proc
         return proc
 

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch.distributed as dist
+from sbtest import run_python_all
 
 PEER = str(Path(__file__).with_name("boundary_peer.py"))
 BROKEN_VOTE_PEER = str(Path(__file__).with_name("broken_vote_peer.py"))
@@ -18,22 +17,15 @@ STEP_VOTE_PEER = str(Path(__file__).with_name("step_vote_peer.py"))
 
 def run_peers(script: str, world: int) -> list[str]:
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    procs = [subprocess.Popen([sys.executable, script, str(r), str(store.port)],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for r in range(world)]
-    outs = [p.communicate(timeout=80)[0] for p in procs]
-    assert all(p.returncode == 0 for p in procs), outs
+    codes, outs = run_python_all([[script, str(r), str(store.port)] for r in range(world)],
+                                 timeout_s=80)
+    assert codes == [0] * world, outs
     return outs
 
 
 @pytest.mark.timeout(90)
 def test_ranks_agree_on_the_newest_generation_without_waiting_for_the_vote():
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    procs = [subprocess.Popen([sys.executable, PEER, str(r), str(store.port)],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for r in range(3)]
-    outs = [p.communicate(timeout=80)[0] for p in procs]
-    assert all(p.returncode == 0 for p in procs), outs
+    outs = run_peers(PEER, 3)
     results = [json.loads(out.strip().splitlines()[-1]) for out in outs]
     for r in results:
         assert r["first"] is None and r["after"] is None
@@ -60,12 +52,7 @@ def test_a_rank_whose_vote_failed_leaves_the_group_without_waiting_for_gloo_to_l
     # The failed vote's traceback holds the vote's tensors; left there, the
     # wait for gloo to release them ran to its timeout on every such failure
     # (5 s by default: a kill of the goodput bench now and then cost 5 s).
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    procs = [subprocess.Popen([sys.executable, BROKEN_VOTE_PEER, str(r), str(store.port)],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for r in range(2)]
-    outs = [p.communicate(timeout=80)[0] for p in procs]
-    assert all(p.returncode == 0 for p in procs), outs
+    outs = run_peers(BROKEN_VOTE_PEER, 2)
     result = json.loads(outs[0].strip().splitlines()[-1])
     assert result["failed"], "rank 0's vote did not fail"
     assert not [w for w in result["warnings"] if "gloo still holds" in w], result

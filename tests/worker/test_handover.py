@@ -7,16 +7,13 @@ the joiner's state untouched."""
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from sbtest import run_gloo_peers
+from sbtest import result_line, run_gloo_peers, run_python_all
 from springback.worker.state.handover import (
     Chunk,
     Segment,
@@ -95,16 +92,13 @@ def test_three_holders_hand_a_joiner_bit_identical_state_each_serving_a_third(tm
 
 @pytest.mark.timeout(120)
 def test_a_holder_killed_mid_hand_over_leaves_the_joiner_with_what_it_held(tmp_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, PEER, str(r), "4", str(tmp_path / "store"), "1"],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True) for r in range(4)]
-    outs = [p.communicate(timeout=100)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 9, 0, 0], outs
-    joiner = json.loads(next(line for line in outs[3].splitlines()
-                             if line.startswith("RESULT "))[7:])
+    codes, outs = run_python_all([[PEER, str(r), "4", str(tmp_path / "store"), "1"]
+                                  for r in range(4)],
+                                 env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout_s=100)
+    assert codes == [0, 9, 0, 0], outs
+    joiner = result_line(outs[3])
     assert "error" in joiner, joiner  # holder 1 lost after its first chunk
     assert (joiner["digest"], joiner["step"]) == (joiner["before"], -1), joiner
     for out in (outs[0], outs[2]):  # the other holders keep their own state
-        r = json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[7:])
+        r = result_line(out)
         assert r["digest"] == r["before"] and r["step"] == 3, r

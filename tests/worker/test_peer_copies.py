@@ -161,21 +161,14 @@ def test_a_node_lost_mid_transfer_rolls_back_to_the_previous_complete_copy(tmp_p
     past the group (gloo may still write into them)."""
     import json
     import os
-    import subprocess
-    import sys
     from pathlib import Path
 
+    from sbtest import run_python_all
+
     script = Path(__file__).with_name("peercopy_peer.py")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    logs = [open(tmp_path / f"rank{r}.log", "w") for r in range(4)]
-    procs = [subprocess.Popen([sys.executable, str(script), str(r), str(tmp_path)], env=env,
-                              stdout=logs[r], stderr=subprocess.STDOUT) for r in range(4)]
-    try:
-        codes = [p.wait(timeout=100) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    out = "\n".join((tmp_path / f"rank{r}.log").read_text()[-2000:] for r in range(4))
+    codes, outs = run_python_all([[str(script), str(r), str(tmp_path)] for r in range(4)],
+                                 env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout_s=100)
+    out = "\n".join(o[-2000:] for o in outs)
     assert codes == [0, 0, 0, 0], out
     result = json.loads((tmp_path / "result.json").read_text())
     assert (result["step"], result["kind"]) == (2, "RESTORE_KIND_PEER_COPY"), out

@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from sbtest import run_python_all
 
 SCRIPT = Path(__file__).with_name("recovery_peer.py")
 
@@ -27,18 +26,10 @@ def run(tmp_path: Path, scenario: str, world: int, victims: tuple[int, ...] = ()
     """Runs `scenario` on `world` ranks; the victims' exit status is theirs
     (killed), every other rank must end cleanly. Returns each survivor's
     result (None for a victim)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    logs = [open(tmp_path / f"rank{r}.log", "w") for r in range(world)]
-    procs = [subprocess.Popen([sys.executable, str(SCRIPT), str(r), str(tmp_path), scenario],
-                              env=env, stdout=logs[r], stderr=subprocess.STDOUT)
-             for r in range(world)]
-    try:
-        codes = [p.wait(timeout=150) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    out = "\n".join(f"--- rank {r}\n" + (tmp_path / f"rank{r}.log").read_text()[-3000:]
-                    for r in range(world))
+    codes, outs = run_python_all([[str(SCRIPT), str(r), str(tmp_path), scenario]
+                                  for r in range(world)],
+                                 env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout_s=150)
+    out = "\n".join(f"--- rank {r}\n" + outs[r][-3000:] for r in range(world))
     assert [c for r, c in enumerate(codes) if r not in victims] == \
         [0] * (world - len(victims)), out
     assert all(codes[v] == 9 for v in victims), (codes, out)

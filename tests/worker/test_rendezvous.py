@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
+from sbtest import run_python_all
 
 PEER = str(Path(__file__).with_name("rendezvous_peer.py"))
 
@@ -47,13 +48,10 @@ def test_a_rank_leaving_a_broken_generation_fails_its_peers_at_once_while_its_gr
     # collective timeout (30 s here): the other had left, but the user's DDP
     # wrapper kept the group, and so its sockets, open.
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    ranks = [subprocess.Popen([sys.executable, LEAVER, str(r), str(store.port)],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for r in (0, 1)]
-    out0, _ = ranks[0].communicate(timeout=80)
-    out1, _ = ranks[1].communicate(timeout=10)
-    assert ranks[0].returncode == 0 and "left holding True" in out0, out0
-    assert ranks[1].returncode == 0, out1
+    (code0, code1), (out0, out1) = run_python_all([[LEAVER, str(r), str(store.port)]
+                                                   for r in (0, 1)], timeout_s=80)
+    assert code0 == 0 and "left holding True" in out0, out0
+    assert code1 == 0, out1
     match = re.search(r"failed after ([0-9.]+)s naming (\S+)", out1)
     assert match is not None, out1
     assert float(match.group(1)) < 10, out1

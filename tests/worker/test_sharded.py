@@ -232,17 +232,14 @@ def test_a_model_whose_state_is_filled_is_built_on_the_meta_device_where_nothing
     built and trained for real."""
     import json
     import os
-    import subprocess
-    import sys
     from pathlib import Path
 
+    from sbtest import run_python_all
+
     script = Path(__file__).with_name("meta_build_peer.py")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, str(script), str(r), str(tmp_path), case], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for r in range(2)]
-    outs = [p.communicate(timeout=100)[0] for p in procs]
-    assert all(p.returncode == 0 for p in procs), outs
+    codes, outs = run_python_all([[str(script), str(r), str(tmp_path), case] for r in range(2)],
+                                 env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout_s=100)
+    assert codes == [0, 0], outs
     result = json.loads((tmp_path / f"result-{case}.json").read_text())
     generations = result["generations"]
     assert [how for how, _, _ in generations] == builds, outs[0][-3000:]

@@ -70,17 +70,20 @@ class RankStarter:
             argv, ignore_sigterm=ignore_sigterm), ignore_sigterm=ignore_sigterm) if fork else None
 
     def start(self, environ: dict[str, str], *, idle: bool = False, stdout: Any = None,
-              stderr: Any = None, pass_fds: Sequence[int] = ()) -> RankProcess:
-        """Starts one process with `environ`; `stdout`/`stderr` as Popen's
+              stderr: Any = None, pass_fds: Sequence[int] = (),
+              command: list[str] | None = None) -> RankProcess:
+        """Starts one process of `command` (the starter's when None) with
+        `environ`; `stdout`/`stderr` as Popen's
         (None: the agent's; `subprocess.PIPE`; `subprocess.DEVNULL`;
         `subprocess.STDOUT` for stderr; a file or a descriptor); `pass_fds` inherited at their numbers. Raises
         OSError when it cannot be started (a failed fork falls back to exec,
         logged)."""
+        command = self.command if command is None else command
         if self._server is not None:
-            why = self._server.why_cold(self.command, environ)
+            why = self._server.why_cold(command, environ)
             if why is None:
                 try:
-                    proc = self._fork(environ, idle, stdout, stderr, pass_fds)
+                    proc = self._fork(command, environ, idle, stdout, stderr, pass_fds)
                 except OSError as e:  # the server died under the request: this start is cold
                     log.warning("%s: starting the rank cold", e)
                     proc = None
@@ -88,12 +91,12 @@ class RankStarter:
                     return proc
             else:
                 self._server.say_cold(why)
-        argv = with_parent_death(self.command, idle=idle, ignore_sigterm=self.ignore_sigterm)
+        argv = with_parent_death(command, idle=idle, ignore_sigterm=self.ignore_sigterm)
         return subprocess.Popen(argv, env=environ, start_new_session=True, stdout=stdout,
                                 stderr=stderr, pass_fds=tuple(pass_fds))
 
-    def _fork(self, environ: dict[str, str], idle: bool, stdout: Any, stderr: Any,
-              pass_fds: Sequence[int]) -> ForkedProcess | None:
+    def _fork(self, command: list[str], environ: dict[str, str], idle: bool, stdout: Any,
+              stderr: Any, pass_fds: Sequence[int]) -> ForkedProcess | None:
         assert self._server is not None
         ours: list[IO[bytes]] = []   # the agent's ends of the pipes asked for
         theirs: list[int] = []       # the child's ends, closed here once sent
@@ -116,7 +119,7 @@ class RankStarter:
         try:
             out_fd, out_pipe = descriptor(stdout, 1)
             err_fd, err_pipe = descriptor(stderr, 2, out_fd)
-            proc = self._server.start_rank(self.command, environ, stdout=out_fd, stderr=err_fd,
+            proc = self._server.start_rank(command, environ, stdout=out_fd, stderr=err_fd,
                                            pass_fds=pass_fds, idle=idle,
                                            pipes=(out_pipe, err_pipe))
         except BaseException:
