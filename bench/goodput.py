@@ -559,12 +559,14 @@ def _print_changes(system: str, costs: list) -> None:
           "from the job's generation events)")
     heads = ("detect", "wait", "reform", "build", "fill", "1st step", "redone")
     head = "".join(f"{h:>9}" for h in heads)
-    print(f"{'change':<18}{'at s':>7}{head}{'total':>9}{'steps redone':>14}")
+    print(f"{'change':<18}{'at s':>7}{head}{'total':>9}{'steps redone':>14}{'gap s':>8}"
+          f"{'x step':>8}")
     for c in costs:
         cells = "".join(_fmt(getattr(c, k), 9) for k in CHANGE_COLUMNS)
         name = f"{c.kind} g{c.generation}" + (" (waits)" if c.waits else "" if c.started
                                               else " (replaced)")
-        print(f"{name:<18}{c.at_s:>7.1f}{cells}{c.total:>9.2f}{c.steps_redone:>14}")
+        print(f"{name:<18}{c.at_s:>7.1f}{cells}{c.total:>9.2f}{c.steps_redone:>14}"
+              f"{_fmt(c.step_gap_s, 8)}{_fmt(c.gap_ratio, 8)}")
     for kind, s in change_summary(costs).items():
         for what in ("total", "mean"):
             cells = "".join(_fmt(s[what][k], 9) for k in CHANGE_COLUMNS)
@@ -575,11 +577,19 @@ def _print_changes(system: str, costs: list) -> None:
             print(f"  {kind}: first step measured for {s['first_step_measured']} of "
                   f"{s['count']} (not for one that waited or was replaced before its first step, "
                   "nor without a start report or a step time); totals count it where measured")
+    for kind in ("kill", "join"):
+        ratios = [r for c in costs if c.kind == kind and (r := c.gap_ratio) is not None]
+        if ratios:
+            print(f"{kind}: the survivors' longest pause {max(ratios):.1f} x their median step "
+                  f"(median of the changes {statistics.median(ratios):.1f} x; issue 47's "
+                  "target for a join: 1.5 x)")
     print("detect: last step report to the change; wait: too few members left, waiting for a "
           "join (the next row); reform: rendezvous + plan reaching the "
           "ranks (a joiner's start while rank 0 waits for it); build: rank 0's process start "
           "and model build; fill: state transfer; 1st step: the first step beyond the median "
-          "step; redone: steps trained again x the step time")
+          "step; redone: steps trained again x the step time; gap: the last step report "
+          "before the change to the first after it, and that in median steps of the "
+          "generation before")
 
 
 def _change_json(results: list[dict]) -> list[dict]:

@@ -185,10 +185,24 @@ class ChangeCost:
     """None: not measured (see `change_costs`)."""
     redone: float
     steps_redone: int
+    step_gap_s: float | None = None
+    """The survivors' pause around the change: the previous generation's last
+    step report to this generation's first (None when either is missing).
+    Both where the leader received them: step reports wait up to 0.25 s."""
+    median_step_s: float | None = None
+    """The previous generation's median step (rank 0's p50, else the leader's
+    step time; None when neither is known)."""
 
     @property
     def total(self) -> float:
         return sum(v for k in CHANGE_COLUMNS if (v := getattr(self, k)) is not None)
+
+    @property
+    def gap_ratio(self) -> float | None:
+        """`step_gap_s` in median steps (issue 47's join target: at most 1.5)."""
+        if self.step_gap_s is None or not self.median_step_s:
+            return None
+        return self.step_gap_s / self.median_step_s
 
 
 def change_costs(job: pb.Job, events: Sequence[js.GenerationEvent],
@@ -213,6 +227,10 @@ def change_costs(job: pb.Job, events: Sequence[js.GenerationEvent],
     * ``fill``: its ``state_transfer`` (agreeing on and moving the state).
     * ``redone``: its ``redone`` (steps trained again x the step time);
       ``steps_redone``: how many.
+    * ``step_gap_s`` (not a column of the total): the survivors' longest
+      pause, the last step report of the newest earlier generation that
+      stepped to this one's first, and ``median_step_s`` that generation's
+      median step, to read it against (`ChangeCost.gap_ratio`).
     * ``first_step``: the generation's first step beyond its median step:
       from the start report to the first step report (both where the leader
       received them) less rank 0's step p50 (``step_s`` when no p50 came),
@@ -247,8 +265,23 @@ def change_costs(job: pb.Job, events: Sequence[js.GenerationEvent],
             detection=rows[i - 1][2]["detection"] if i else 0.0, waiting=causes["waiting"],
             reforming=causes["reforming"], build=causes["startup"],
             fill=causes["state_transfer"], first_step=_first_step_excess(event, causes),
-            redone=causes["redone"], steps_redone=event.steps_redone))
+            redone=causes["redone"], steps_redone=event.steps_redone,
+            **_step_gap([r[0] for r in rows[:i]], event)))
     return out
+
+
+def _step_gap(earlier: Sequence[js.GenerationEvent], event: js.GenerationEvent
+              ) -> dict[str, float | None]:
+    """`ChangeCost.step_gap_s` and ``median_step_s`` of `event`, against the
+    newest earlier generation that stepped (a WAIT generation in between
+    did not)."""
+    ran = next((e for e in reversed(earlier) if _t(e.last_step_at) is not None), None)
+    if ran is None:
+        return {"step_gap_s": None, "median_step_s": None}
+    first, last = _t(event.first_step_at), _t(ran.last_step_at)
+    assert last is not None
+    return {"step_gap_s": first - last if first is not None and first >= last else None,
+            "median_step_s": ran.step_p50_s or ran.step_s or None}
 
 
 def _first_step_excess(event: js.GenerationEvent, causes: dict[str, float]) -> float | None:

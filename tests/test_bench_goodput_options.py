@@ -80,16 +80,19 @@ def test_the_breakdown_table_puts_each_cost_in_its_column(goodput, capsys):
                       build=0.25, fill=0.75, first_step=None, redone=2.0, steps_redone=4)
     join = ChangeCost(generation=4, kind="join", change_kind=js.CHANGE_KIND_JOIN, at_s=20,
                       waits=False, started=True, detection=0.0, waiting=0.0, reforming=3.0,
-                      build=0.0, fill=0.5, first_step=0.125, redone=0.0, steps_redone=0)
+                      build=0.0, fill=0.5, first_step=0.125, redone=0.0, steps_redone=0,
+                      step_gap_s=4.0, median_step_s=0.25)
     goodput._print_changes("springback lt 5s", [kill, join])
     lines = capsys.readouterr().out.splitlines()
     rows = {line.split()[0] + " " + line.split()[1]: line.split()[2:] for line in lines
             if line.startswith(("kill", "join"))}
-    # detect, wait, reform, build, fill, 1st step, redone, total, steps redone
+    # detect, wait, reform, build, fill, 1st step, redone, total, steps redone, gap, x step
     assert rows["kill g3"] == ["13.0", "5.00", "0.00", "1.50", "0.25", "0.75", "-", "2.00",
-                               "9.50", "4"]
+                               "9.50", "4", "-", "-"]
     assert rows["join g4"] == ["20.0", "0.00", "0.00", "3.00", "0.00", "0.50", "0.12", "0.00",
-                               "3.62", "0"]
+                               "3.62", "0", "4.00", "16.00"]
+    assert any("join: the survivors' longest pause 16.0 x their median step" in line
+               for line in lines)
     assert rows["kill mean"] == ["5.00", "0.00", "1.50", "0.25", "0.75", "-", "2.00", "9.50",
                                  "4.0"]
     assert any("kill: first step measured for 0 of 1" in line for line in lines)

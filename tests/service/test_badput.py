@@ -166,6 +166,23 @@ def test_a_first_step_not_measured_is_none_not_zero():
     assert summary["join"]["count"] == 2
 
 
+def test_the_survivors_pause_is_read_against_the_median_step_of_the_last_generation_that_stepped():
+    job, events = _kill_then_join()
+    kill, join = badput.change_costs(job, events, now=999)
+    # the kill: the first world's last step (110) to the loss's first (116.75);
+    # that world reported no step time
+    assert (kill.step_gap_s, kill.median_step_s, kill.gap_ratio) == (6.75, None, None)
+    # the join: 124 to 128.5, against the loss generation's p50 (0.25), not its step_s
+    assert (join.step_gap_s, join.median_step_s, join.gap_ratio) == (4.5, 0.25, 18.0)
+    # across a WAIT generation (no step): against the generation before it
+    events = [event(1, 100, started_at=100, last_step_at=110, step_s=0.5),
+              event(2, 110.5, kind=js.CHANGE_KIND_NODE_LOST, action=pb.PLAN_ACTION_WAIT),
+              event(3, 112.5, kind=js.CHANGE_KIND_JOIN, started_at=113, first_step_at=114,
+                    last_step_at=120)]
+    _, join = badput.change_costs(job, events, now=120)
+    assert (join.step_gap_s, join.median_step_s, join.gap_ratio) == (4, 0.5, 8.0)
+
+
 def test_a_kill_that_leaves_too_few_members_waits_for_the_join():
     job = pb.Job()
     events = [event(1, 100, started_at=100, last_step_at=110),
