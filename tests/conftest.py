@@ -93,24 +93,6 @@ def loaded() -> Iterator[list[subprocess.Popen]]:
         _stop(loops)
 
 
-FIRST = ("worker", "integrations", "test_static_checks.py")
-"""Where the suite's longest tests are (end-to-end clusters, trainers, mypy):
-run first, so that on several workers (deploy/local/test.sh) the short
-tests fill in beside them instead of the long ones running alone at the end."""
-
-
-def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config,
-                                  items: list[pytest.Item]) -> None:
-    """Orders the tests by `FIRST` (a stable sort: each module's tests stay
-    together and in order)."""
-    here = os.path.dirname(os.path.abspath(__file__))
-
-    def rank(item: pytest.Item) -> int:
-        top = os.path.relpath(str(item.path), here).split(os.sep)[0]
-        return FIRST.index(top) if top in FIRST else len(FIRST)
-    items.sort(key=rank)
-
-
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", f"{SECURE_ETCD}: the test's etcd serves https:// with "
                             "client certificates and etcd's auth; coordinators reach it as a "
