@@ -37,14 +37,18 @@ def lived(tmp_path, start_coordinator):
     """A job that waited for a member, checkpointed, lost its only node after
     step 20, waited again, and finished on a joiner restored from the commit.
     Yields the server, the job id and the test's own measure of the job's
-    life: monotonic seconds from just before its creation to the poll that saw
-    it SUCCEEDED."""
+    life: seconds from just before its creation to the poll that saw it
+    SUCCEEDED, read on this process's wall clock. Not the monotonic clock:
+    a fresh-clone run measured 27.2 s against the job's 41.9 s because the
+    machine was paused for ~14 s (the kernel logged "crng reseeded due to
+    virtual machine fork" then: a VM snapshot), which stops the monotonic
+    clock but not the time that passed, which the job's records keep."""
     server = start_coordinator(metrics_listen="127.0.0.1:0")
     wait_for(server.election.is_leader, 10, "the coordinator to lead")
     agents: list[AgentProcess] = []
     with Client(server.address) as client:
         # every_steps auto, bounded to 10: the interval reaches the ranks through the plan
-        created = time.monotonic()
+        created = time.time()
         job = client.create_job({**SPEC, "checkpoint": {
             "uri": f"file://{tmp_path}/ckpt", "every_steps": "auto",
             "min_every_steps": 10, "max_every_steps": 10}})
@@ -62,7 +66,7 @@ def lived(tmp_path, start_coordinator):
             agents.append(AgentProcess(tmp_path, "b", job.id, server.address, env=slow))
             wait_for(lambda: client.get_job(job.id).status.state == pb.JOB_STATE_SUCCEEDED, 90,
                      "the job to succeed")
-            yield server, job.id, time.monotonic() - created
+            yield server, job.id, time.time() - created
         finally:
             for agent in agents:
                 agent.stop()
@@ -75,7 +79,7 @@ def test_causes_sum_to_the_wall_time_and_each_is_where_it_happened(lived):
     wall, causes = got["badput"]["wall_s"], got["badput"]["causes_s"]
     assert set(causes) == set(CAUSES)
     assert math.isclose(sum(causes.values()), wall, rel_tol=0.01), causes
-    # the wall time is the job's: from its creation to its end, by the test's own clock
+    # the wall time is the job's: from its creation to its end, by the test's own reading
     assert wall == pytest.approx(lived_s, abs=1.0), (wall, lived_s)
     assert events["badput"]["wall_s"] == pytest.approx(wall, rel=0.01)
     # everything happened once: a wait, start-up, checkpoints, a node loss,
