@@ -70,10 +70,11 @@ Scenarios:
 * ``plain`` (2 ranks, FSDP2 with a plain parameter holding each rank's own
   values): rank 1 comes back holding nothing; the ranks refuse to hand it
   rank 0's values.
-* ``fill`` (2 ranks, FSDP2, an optimizer with non-tensor state): resharded
-  shard 2 -> replicate 2 with that state kept; then rank 1 comes back holding
-  nothing, no commit: the state is lost, said, and the model and optimizer
-  are the build's own (no entry the failed fill made).
+* ``fill`` (2 ranks, FSDP2, an optimizer with non-tensor state, a ``state=``
+  entry): resharded shard 2 -> replicate 2 with that state kept; then rank 1
+  comes back holding nothing, no commit: the state is lost, said, and the
+  model and optimizer are the build's own (no entry the failed fill made),
+  the ``state=`` entry the script's own on both ranks.
 """
 
 from __future__ import annotations
@@ -159,9 +160,12 @@ def plan(generation: int, world: int, *, shard: int, tp: int = 1, nodes: int | N
     return plans.set_nodes(p)
 
 
-def new_agreement(build: Any, **kwargs: Any) -> StateAgreement:
-    ctx = RankContext(env=SimpleNamespace(rendezvous_timeout_s=60.0, job_id=""), state={},  # type: ignore[arg-type]
-                      device=torch.device("cpu"))
+def new_agreement(build: Any, state: dict[str, Any] | None = None,
+                  **kwargs: Any) -> StateAgreement:
+    """The agreement of a sharded Session built by `build`, with ``state=``
+    entries `state`."""
+    ctx = RankContext(env=SimpleNamespace(rendezvous_timeout_s=60.0, job_id=""),  # type: ignore[arg-type]
+                      state=dict(state or {}), device=torch.device("cpu"))
     return StateAgreement(ctx, restore_from_checkpoint, ShardedModel(build, **kwargs))
 
 
@@ -729,19 +733,34 @@ def guard_split() -> None:
     result["local_after"] = local_digest(ag.ctx.state)
 
 
+class AppliedSteps:
+    """A ``state=`` entry: the steps this rank's state has applied."""
+
+    def __init__(self) -> None:
+        self.steps: list[int] = []
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"steps": list(self.steps)}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.steps = list(sd["steps"])
+
+
 def fill() -> None:
-    ag = new_agreement(fill_build, on_meta=False)
+    ag = new_agreement(fill_build, {"applied": AppliedSteps()}, on_meta=False)
     rank = join("g1", [0, 1])
     start(ag, 1, plan(1, 2, shard=2), rank)
     result["fresh"] = digest(ag.ctx.state)
     trained(ag, range(1, 3))
+    ag.ctx.state["applied"].steps += [1, 2]
     result["counts_trained"] = counts(ag)
     start(ag, 2, plan(2, 2, shard=1), rank)  # resharded: shard 2 -> replicate 2
     result["counts"] = counts(ag)
     start(ag, 3, plan(3, 2, shard=2), rank)  # each rank holds half the rows again
-    if RANK == 1:
-        ag = new_agreement(fill_build, on_meta=False)  # comes back holding nothing
+    if RANK == 1:  # comes back holding nothing
+        ag = new_agreement(fill_build, {"applied": AppliedSteps()}, on_meta=False)
     start(ag, 4, plan(4, 2, shard=2), rank)  # rank 1's rows: no holder, no commit
+    result["applied"] = ag.ctx.state["applied"].steps
 
 
 if __name__ == "__main__":

@@ -228,6 +228,7 @@ def test_non_tensor_optimizer_state_is_carried_and_a_lost_state_is_said_and_buil
             lost["state_lost"], lost
         assert lost["optimizer_entries"] == 0  # nothing a failed fill made is kept
         assert lost["digest"] == res["fresh"]  # the build's own model, as on a fresh start
+        assert res["applied"] == [], res  # the survivor's state= entry starts afresh too
 
 
 @pytest.mark.timeout(200)

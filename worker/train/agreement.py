@@ -47,13 +47,15 @@ is a transaction:
   anything is read); any other URI fails the job (`StateUnrecoverable`)
   naming the URI and the directory;
 * with no holder, no complete peer copy and no commit the state is lost:
-  the ranks start from the built model at step 0 and say so
+  the ranks start from the built model, with their ``state=`` entries as
+  the script made them, at step 0 and say so
   (`Outcome.state_lost`, reported to the coordinator, which records the loss
   and applies ``failures.on_state_lost``).
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import datetime
 import logging
@@ -138,6 +140,16 @@ class StateAgreement:
         self._captured: Captured | None = None
         """The sharded form: what this rank held when the current start
         began, kept until a start succeeds (the transaction)."""
+        self._initial_extras = ({k: copy.deepcopy(v.state_dict())
+                                 for k, v in self._extras().items()}
+                                if sharded is not None else {})
+        """The sharded form: the ``state=`` entries as the script made them
+        (a copy), what a lost state starts them from (`_lost`)."""
+
+    def _extras(self) -> dict[str, Any]:
+        """The ``state=`` entries: every registered object but the model and
+        its optimizer."""
+        return {k: v for k, v in self.ctx.state.items() if k not in ("model", "optimizer")}
 
     def copies_for(self, plan: pb.Plan, rank: int) -> GenerationCopies | None:
         """The generation's peer copies (the sharded form only; None where
@@ -229,13 +241,10 @@ class StateAgreement:
         """Collective: the step every rank's state holds, whether each ended
         the previous generation cleanly, and whether any rank's state cannot
         be resharded in memory (`refused`: the sharded form)."""
-        mine = torch.tensor([self.ctx.state_step, int(self.ctx.clean), int(refused)],
-                            dtype=torch.int64)
-        gathered = [torch.zeros_like(mine) for _ in range(world)]
-        dist.all_gather(gathered, mine)
-        handed_to_gloo(mine, *gathered)
-        return ([int(t[0]) for t in gathered], [bool(t[1]) for t in gathered],
-                any(int(t[2]) for t in gathered))
+        gathered = _all_gather_ints([self.ctx.state_step, int(self.ctx.clean), int(refused)],
+                                    world)
+        return ([t[0] for t in gathered], [bool(t[1]) for t in gathered],
+                any(t[2] for t in gathered))
 
     def _settle_pending(self, world: int) -> None:
         """Collective (the sharded form's every start, before the capture): a
@@ -254,14 +263,10 @@ class StateAgreement:
         start goes on)."""
         held = self.ctx.held
         pending = held.pending_step
-        mine = torch.tensor([held.state_step, -1 if pending is None else pending],
-                            dtype=torch.int64)
-        gathered = [torch.zeros_like(mine) for _ in range(world)]
-        dist.all_gather(gathered, mine)
-        handed_to_gloo(mine, *gathered)
+        gathered = _all_gather_ints([held.state_step], world)
         if pending is None:
             return
-        holders = [r for r, t in enumerate(gathered) if int(t[0]) == pending]
+        holders = [r for r, (step,) in enumerate(gathered) if step == pending]
         if not holders:
             log.info("step %d's update, pending since its optimizer step's wait broke, is "
                      "dropped: no rank holds that step", pending)
@@ -357,10 +362,8 @@ class StateAgreement:
                                   if plan.restore.kind == pb.RESTORE_KIND_PEERS else "")
             outcome = Outcome(None, pb.RESTORE_KIND_CHECKPOINT, mesh)
         elif best < 0:
-            self.ctx.held.started_fresh()
-            outcome = Outcome(0, pb.RESTORE_KIND_NONE, mesh,
-                              state_lost="no rank holds trained state and the plan names no "
-                                         "checkpoint")
+            outcome = self._lost(mesh, "no rank holds trained state and the plan names no "
+                                       "checkpoint")
         else:
             outcome = self._fill(plan, rank, steps, captured, mesh)
         self._captured = None  # started: the pieces are the new model's now
@@ -398,6 +401,16 @@ class StateAgreement:
                 m._non_persistent_buffers_set for m in sm.model.modules()):
             self._built_for_real(sm.mesh)  # the checkpoint holds no non-persistent buffers
         self.restore(plan, ref, why)
+
+    def _lost(self, mesh: DeviceMesh, why: str) -> Outcome:
+        """The state is lost (the model is the build's own): the ``state=``
+        entries start again from the values the script gave them, on every
+        rank (a survivor's would be of a step no rank holds any more), and the
+        ranks start at step 0, saying `why`."""
+        for k, v in self._extras().items():
+            v.load_state_dict(copy.deepcopy(self._initial_extras[k]))
+        self.ctx.held.started_fresh()
+        return Outcome(0, pb.RESTORE_KIND_NONE, mesh, state_lost=why)
 
     def _built_for_real(self, mesh: DeviceMesh) -> None:
         """The model as the build function initialises it (nothing holds the
@@ -450,7 +463,7 @@ class StateAgreement:
         written = exchange(transfers, rank, captured.held, targets)
         if not agree_written(transfers, rank, targets):
             return self._next_source(plan, rank, best, ref, mesh, "the exchange left rows unwritten")
-        extra = {k: v for k, v in self.ctx.state.items() if k not in ("model", "optimizer")}
+        extra = self._extras()
         mine = ({"hyper": sm.hyperparameters(), "extra": {k: v.state_dict() for k, v in
                                                           extra.items()},
                  "rng": self._own_rng()}
@@ -484,13 +497,21 @@ class StateAgreement:
             log.error("shards of step %d have no live holder and nothing was committed: "
                       "the state is lost, starting from the built model", best)
             self._built_for_real(mesh)
-            self.ctx.held.started_fresh()
-            return Outcome(0, pb.RESTORE_KIND_NONE, mesh, state_lost=(
-                f"the shards of step {best} have no live holder{f' ({why})' if why else ''}, "
-                "no complete peer copy and nothing was committed"))
+            return self._lost(mesh, f"the shards of step {best} have no live holder"
+                                    f"{f' ({why})' if why else ''}, no complete peer copy and "
+                                    "nothing was committed")
         self._restore_sharded(plan, ref, f"shards of step {best} have no live holder"
                                    + (f" ({why})" if why else ""))
         return Outcome(None, pb.RESTORE_KIND_CHECKPOINT, mesh)
+
+
+def _all_gather_ints(values: list[int], world: int) -> list[list[int]]:
+    """Collective: every rank's `values` (the same length everywhere), by rank."""
+    mine = torch.tensor(values, dtype=torch.int64)
+    gathered = [torch.zeros_like(mine) for _ in range(world)]
+    dist.all_gather(gathered, mine)
+    handed_to_gloo(mine, *gathered)
+    return [[int(v) for v in t] for t in gathered]
 
 
 def _holders(steps: list[int], cleans: list[bool], source: int) -> list[int]:
