@@ -91,7 +91,13 @@ class TestStopRules:
                              r"\(controls\.stop\.cost_per_step_ceiling\): failed", said)
         assert found, said
         per_step, cost, steps = float(found[1]), float(found[2]), int(found[3])
-        assert steps > 0 and per_step >= 0.05 and per_step == pytest.approx(cost / steps,
-                                                                          rel=1e-3), said
+        # The window's steps are the job's reported step at its two ends, each
+        # behind the ranks by rank 0's report interval (at most one per
+        # STEP_REPORT_INTERVAL_S, 0.25 s) and, on a loaded machine, its wait
+        # for the GIL: 2 s of cost may meet the steps of more than 2 s (a
+        # 2-worker run read 0.0485 for 42 steps). Allowed: up to 1 s more.
+        floor = 0.05 * 2 / (2 + 1.0)
+        assert steps > 0 and per_step >= floor and per_step == pytest.approx(cost / steps,
+                                                                            rel=1e-3), said
         _, events = client.list_job_events(job_id)
         assert events[-1].reason == said and events[-1].action == pb.PLAN_ACTION_STOP
