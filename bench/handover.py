@@ -35,7 +35,6 @@ import multiprocessing as mp
 import os
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path

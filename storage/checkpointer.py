@@ -62,7 +62,6 @@ from typing import Any, Literal
 
 import torch
 
-from springback.storage import catalog
 from springback.storage.commit import DoneRecord, commit, wait_for_records, write_shard
 from springback.storage.manifest import ManifestCursor, Manifest, checkpoint_dir_name
 from springback.storage.retry import RetryPolicy

@@ -21,7 +21,6 @@ import io
 from collections.abc import Iterator
 from typing import Any
 
-import fsspec
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint._traverse import set_element
@@ -39,7 +38,6 @@ __all__ = [
     "create_write_items",
     "flatten_state_dict",
     "set_element",
-    "strip_protocol",
     "validate_global_plan",
 ]
 

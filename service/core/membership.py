@@ -36,7 +36,6 @@ from springback.service.policy.failures import (
     FailureStreaks,
 )
 from springback.service.etcd.liveness import EtcdReachability
-from springback.service.etcd.store import Store
 from springback.v1 import job_service_pb2 as js
 from springback.v1 import types_pb2 as pb
 

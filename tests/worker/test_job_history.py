@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from cluster import AgentProcess, steps
+from cluster import AgentProcess
 from sbtest import wait_for
 from springback.service.core.history import History, change_kind
 from springback.v1 import job_service_pb2 as js
