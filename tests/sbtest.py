@@ -213,11 +213,16 @@ def run_python_all(argvs: Sequence[Sequence[str]], *, env: dict[str, str] | None
                    timeout_s: float) -> tuple[list[int], list[str]]:
     """Starts ``python argv`` for every argv at once (`start_python`), waits
     for all of them (up to `timeout_s` for all; any left then is killed and
-    the test fails), and returns their exit statuses and whole outputs
-    (stdout and stderr together, through files: an output nobody reads yet
-    never blocks its process)."""
+    the test fails with every peer's status and output so far), and returns
+    their exit statuses and whole outputs (stdout and stderr together,
+    through files: an output nobody reads yet never blocks its process)."""
     with tempfile.TemporaryDirectory(prefix="peers-") as logs:
         procs = []
+
+        def outputs() -> list[str]:
+            return [open(os.path.join(logs, str(i)), encoding="utf-8", errors="replace").read()
+                    for i in range(len(procs))]
+
         try:
             for i, argv in enumerate(argvs):
                 with open(os.path.join(logs, str(i)), "wb") as log:
@@ -225,12 +230,14 @@ def run_python_all(argvs: Sequence[Sequence[str]], *, env: dict[str, str] | None
                                               stderr=subprocess.STDOUT))
             deadline = time.monotonic() + timeout_s
             codes = [p.wait(timeout=max(deadline - time.monotonic(), 0.01)) for p in procs]
+        except subprocess.TimeoutExpired:
+            statuses = [p.poll() for p in procs]  # None: still running
+            raise AssertionError(f"peers still running after {timeout_s} s (status None): "
+                                 f"{statuses}; their outputs: {outputs()}") from None
         finally:
             for p in procs:
                 p.kill()
-        outs = [open(os.path.join(logs, str(i)), encoding="utf-8", errors="replace").read()
-                for i in range(len(procs))]
-    return codes, outs
+        return codes, outputs()
 
 
 def result_line(out: str) -> dict:
