@@ -50,6 +50,15 @@ machines this suite is sized for, so the test's own processes get about
 half the CPU they would on an idle machine (load ~ 2 + the test's)."""
 
 
+SUITE_LIVENESS_S = 5.0
+"""The liveness timeout of the in-process coordinators (`start_coordinator`,
+`coordinator`): the product's default. Members' leases must outlive a loaded
+two-worker run, where heartbeats (or a test's raw JoinJob and its next
+reads) were starved past 2 s many times, each a fence no test asked for. A
+test that waits for a lease to expire asks for a short one:
+``@pytest.mark.liveness(2.0)`` (the `coordinator` fixture) or
+``start_coordinator(liveness_timeout_s=...)``."""
+
 LOAD_VARIABLE = "SPRINGBACK_TEST_LOAD"
 """Busy loops for the whole run (`_run_loaded`): the suite's loaded mode."""
 
@@ -141,7 +150,7 @@ def start_coordinator(etcd: EtcdServer) -> Iterator[Callable[..., CoordinatorSer
 
     def start(**overrides) -> CoordinatorServer:
         config = dict(etcd=etcd.endpoint, etcd_security=etcd.client_security,
-                      listen="127.0.0.1:0", liveness_timeout_s=2.0, leader_ttl_s=2,
+                      listen="127.0.0.1:0", liveness_timeout_s=SUITE_LIVENESS_S, leader_ttl_s=2,
                       progress_flush_s=1.0)
         config.update(overrides)
         server = CoordinatorServer(CoordinatorConfig(**config))
@@ -156,9 +165,9 @@ def start_coordinator(etcd: EtcdServer) -> Iterator[Callable[..., CoordinatorSer
 
 @pytest.fixture
 def coordinator(start_coordinator, request) -> CoordinatorServer:
-    """One leader replica (waits until it leads), at the suite's 2 s liveness
-    timeout, or at ``@pytest.mark.liveness(seconds)``'s: a test whose agents
-    must keep their members through a loaded run asks for the product's 5 s."""
+    """One leader replica (waits until it leads), at `SUITE_LIVENESS_S`, or at
+    ``@pytest.mark.liveness(seconds)``'s: a test that waits for a member's
+    lease to expire asks for a short one."""
     from sbtest import wait_for
 
     marker = request.node.get_closest_marker("liveness")

@@ -140,10 +140,6 @@ def test_a_restore_through_an_s3_brownout_resumes_after_the_newest_commit_exactl
 DRAIN_REQUEST_DELAY_S = 2.0
 
 
-# The product's liveness timeout (5 s, so also the agents' collective
-# timeout, the bound the docstring's ~10 s commit lag is set against), not the
-# suite's 2 s, at which loaded agents' members expired.
-@pytest.mark.liveness(5.0)
 @pytest.mark.timeout(200)
 def test_a_drain_checkpoint_on_a_slow_store_commits_and_the_survivor_trains_on_from_it(
         tmp_path: Path, client, coordinator_address, s3):

@@ -48,8 +48,8 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drain-timeout-s", type=float, default=60.0)
     p.add_argument("--max-restarts", "--max_restarts", dest="max_restarts", type=int,
                    default=10)
-    p.add_argument("--connect-timeout-s", type=float, default=10.0,
-                   help="start-up: how long to wait for a coordinator to answer (default 10)")
+    p.add_argument("--connect-timeout-s", type=float, default=60.0,
+                   help="start-up: how long to wait for a coordinator to answer (default 60)")
     p.add_argument("--no-standby", dest="standby", action="store_false",
                    help="do not keep a warm standby rank for fast crash recovery")
     p.add_argument("--fork-server", action=argparse.BooleanOptionalAction, default=None,

@@ -54,7 +54,7 @@ class AgentConfig:
     script); `launch.choose_mode` resolves ``--mode auto``."""
     output: RankOutput = field(default_factory=RankOutput)
     """Where the ranks' stdout/stderr go (--log-dir, --redirects, --tee)."""
-    connect_timeout_s: float = 10.0
+    connect_timeout_s: float = 60.0
     """How long the start-up check may wait for a coordinator to answer."""
     nnodes: tuple[int, int] | None = None
     """torchrun's --nnodes: must equal the job's (min_workers, max_workers)."""
