@@ -25,12 +25,30 @@ _WATCH = "/springback.v1.WorkerService/WatchPlans"
 
 
 async def _join_all(address: str, job_id: str, n: int) -> list[str]:
+    """`n` members joined at once. A join the coordinator answers UNAVAILABLE
+    (its etcd call timed out: a loaded run saw it) or RESOURCE_EXHAUSTED is
+    sent again with the same join token, as an agent does
+    (`worker/agent/startup.py` RETRIED_JOIN_CODES), within 120 s."""
+    deadline = asyncio.get_running_loop().time() + 120
     async with grpc.aio.insecure_channel(address) as channel:
         join = channel.unary_unary(_JOIN, request_serializer=ws.JoinJobRequest.SerializeToString,
                                    response_deserializer=ws.JoinJobResponse.FromString)
-        replies = await asyncio.gather(*(join(ws.JoinJobRequest(
-            job_id=job_id, host="127.0.0.1", rendezvous_port=20000 + i, num_local_ranks=2,
-            join_token=uuid.uuid4().hex), timeout=120) for i in range(n)))
+
+        async def joined(i: int) -> ws.JoinJobResponse:
+            request = ws.JoinJobRequest(job_id=job_id, host="127.0.0.1",
+                                        rendezvous_port=20000 + i, num_local_ranks=2,
+                                        join_token=uuid.uuid4().hex)
+            while True:
+                left = deadline - asyncio.get_running_loop().time()
+                try:
+                    return await join(request, timeout=max(left, 0.1))
+                except grpc.aio.AioRpcError as e:
+                    if e.code() not in (grpc.StatusCode.UNAVAILABLE,
+                                        grpc.StatusCode.RESOURCE_EXHAUSTED) or left <= 0:
+                        raise
+                await asyncio.sleep(0.25)  # a retry's backoff, as the agent's
+
+        replies = await asyncio.gather(*(joined(i) for i in range(n)))
     return [r.member.id for r in replies]
 
 
