@@ -9,11 +9,18 @@ the receive buffers were registered with `handed_to_gloo` when it did (both
 must be: `leave_group` lets go only of what gloo has released), and whether
 `leave_group` then tore the group down.
 
+With ``LOST_PEER_LATE_S`` set, rank 0 starts its exchange that many
+seconds after rank 1 left, so gloo has usually seen the closed connection
+and a post itself fails (a loaded run's order): the buffers posted before
+it must be registered too.
+
 argv: rank, world size (2), a file-store path.
 """
 
 import json
+import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -35,6 +42,7 @@ def main() -> int:
     if rank == 1:
         print("RESULT {}", flush=True)
         exit_without_finalizing(0)
+    time.sleep(float(os.environ.get("LOST_PEER_LATE_S", "0")))  # the order, not a wait
     whole = Box(SHAPE, "float32", (0, 0), SHAPE)
     targets = {k: (torch.zeros(SHAPE), whole) for k in ("a", "b")}
     transfers = [Transfer(k, 1, 0, (0, 0), SHAPE) for k in ("a", "b")]

@@ -117,12 +117,17 @@ LOST_PEER = os.path.join(os.path.dirname(__file__), "reshard_lost_peer.py")
 
 
 @pytest.mark.timeout(45)
-def test_a_sender_lost_mid_exchange_leaves_every_posted_receive_registered(tmp_path):
+@pytest.mark.parametrize("late_s", ["0", "1.0"], ids=["lost-in-the-wait", "lost-before-the-post"])
+def test_a_sender_lost_mid_exchange_leaves_every_posted_receive_registered(tmp_path, monkeypatch,
+                                                                          late_s):
     """reshard_lost_peer.py: the sender dies before it sends; the receiver's
     first wait fails with its second receive still posted. Both receive
     buffers must be registered with `handed_to_gloo` when the exchange
     raises: registered only after the waits, they were not, `leave_group`
     did not wait for gloo to let them go, and a rank aborted with glibc's
-    heap corruption in an FSDP x TP x PP reshard whose holder was killed."""
+    heap corruption in an FSDP x TP x PP reshard whose holder was killed.
+    Started 1 s late, the receiver's post itself fails (a loaded fresh-clone
+    run: registered only after the posts, none was)."""
+    monkeypatch.setenv("LOST_PEER_LATE_S", late_s)
     receiver, _ = run_gloo_peers(LOST_PEER, 2, str(tmp_path / "store"), timeout_s=40)
     assert receiver == {"raised": True, "handed": 2, "left": True}, receiver

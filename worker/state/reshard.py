@@ -248,11 +248,13 @@ def exchange(transfers: list[Transfer], rank: int,
             ops.append(dist.P2POp(dist.irecv, buf, t.src, tag=tag))
             received += buf.numel() * buf.element_size()
     if ops:
-        works = dist.batch_isend_irecv(ops)
-        # registered as posted, not after the waits: a wait that fails (a peer
-        # died) leaves the other transfers in flight, and `leave_group` must
-        # not let their buffers go while gloo may still write into them
+        # registered before they are posted, not after the waits: a wait that
+        # fails (a peer died) leaves the other transfers in flight, and so does
+        # a post that fails after the ones before it (a peer already known
+        # dead), and `leave_group` must not let their buffers go while gloo
+        # may still write into them
         handed_to_gloo(*(op.tensor for op in ops))
+        works = dist.batch_isend_irecv(ops)
         for work in works:
             work.wait()
     for view, buf in landing:
